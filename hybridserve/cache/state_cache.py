@@ -1,0 +1,182 @@
+"""Recurrent-state pages and the checkpoint index.
+
+Ownership and invariants
+------------------------
+- A *state page* holds, for every Mamba layer, a conv window and an SSM state (the
+  tensors live in the runner; this class only hands out page ids). All layers use
+  the same page id for one logical state.
+- ``ref_count[page]`` counts the holders of a page: a request whose current state it
+  is, a request's kept block-boundary state, a step that is writing it, and the
+  checkpoint index. A page with no holder is on the free list. Pages are never
+  written after their step has written them (DESIGN.md section 4), so sharing a page
+  between a request and the index is safe and costs no copy.
+- A *checkpoint* is a page owned by the index under the chained block hash of the
+  prefix it summarizes (the hash of the last full KV block of that prefix). It
+  records the hashes of every block of its prefix: when any of those KV blocks is
+  evicted the checkpoint can never be hit again and is dropped.
+- Checkpoints hold at most ``budget`` pages; beyond that, and whenever live requests
+  need pages, checkpoints are evicted least recently used first.
+
+Only the scheduler calls into this class.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class Checkpoint:
+    page: int
+    length: int  # prefix length in tokens; a multiple of kv_block_size
+    prefix_hashes: tuple[int, ...]
+
+
+class StateCache:
+    """The state page pool plus the checkpoint index (see module docstring)."""
+
+    def __init__(self, num_pages: int, checkpoint_budget: int) -> None:
+        self.num_pages = num_pages
+        self.checkpoint_budget = checkpoint_budget
+        self.ref_count = [0] * num_pages
+        # Stack of free pages; recently freed pages are reused first.
+        self.free: list[int] = list(range(num_pages - 1, -1, -1))
+        # key (block hash at the checkpoint's length) -> Checkpoint, in LRU order.
+        self.checkpoints: OrderedDict[int, Checkpoint] = OrderedDict()
+        # block hash -> checkpoint keys whose prefix contains that block.
+        self._dependents: dict[int, set[int]] = {}
+        self.num_admitted = 0
+        self.num_evicted = 0
+        self.num_dropped = 0
+
+    # ---- pages -------------------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def num_reclaimable(self) -> int:
+        """Pages that evicting every checkpoint would free."""
+        return sum(1 for c in self.checkpoints.values() if self.ref_count[c.page] == 1)
+
+    def can_allocate(self, count: int) -> bool:
+        return count <= len(self.free) + self.num_reclaimable()
+
+    def allocate(self, count: int) -> list[int]:
+        """Take ``count`` pages (one reference each), evicting checkpoints if needed.
+
+        Raises MemoryError, changing nothing, if even evicting every checkpoint frees
+        too few pages.
+        """
+        if not self.can_allocate(count):
+            raise MemoryError(f"need {count} state pages, {len(self.free)} free")
+        while len(self.free) < count:
+            self._evict_lru()
+        out = [self.free.pop() for _ in range(count)]
+        for page in out:
+            self.ref_count[page] = 1
+        return out
+
+    def incref(self, page: int) -> None:
+        if self.ref_count[page] <= 0:
+            raise AssertionError(f"state page {page} referenced while free")
+        self.ref_count[page] += 1
+
+    def release(self, pages: Sequence[int]) -> None:
+        """Drop one reference from each page (``-1`` entries are ignored)."""
+        for page in pages:
+            if page < 0:
+                continue
+            if self.ref_count[page] <= 0:
+                raise AssertionError(f"state page {page} released with ref_count {self.ref_count[page]}")
+            self.ref_count[page] -= 1
+            if self.ref_count[page] == 0:
+                self.free.append(page)
+
+    # ---- checkpoints -------------------------------------------------------------
+
+    def lookup(self, key: int) -> Checkpoint | None:
+        """The checkpoint stored under ``key`` (marking it recently used), or None."""
+        ckpt = self.checkpoints.get(key)
+        if ckpt is not None:
+            self.checkpoints.move_to_end(key)
+        return ckpt
+
+    def has(self, key: int) -> bool:
+        return key in self.checkpoints
+
+    def admit(self, key: int, length: int, page: int, prefix_hashes: Sequence[int]) -> bool:
+        """Store ``page`` as the checkpoint of the prefix hashed ``key``.
+
+        The index takes its own reference on ``page``. Returns False (taking nothing)
+        if that prefix already has a checkpoint or the budget is zero.
+        """
+        if self.checkpoint_budget <= 0 or key in self.checkpoints:
+            return False
+        if len(self.checkpoints) >= self.checkpoint_budget:
+            self._evict_lru()
+        self.incref(page)
+        self.checkpoints[key] = Checkpoint(page, length, tuple(prefix_hashes))
+        for h in prefix_hashes:
+            self._dependents.setdefault(h, set()).add(key)
+        self.num_admitted += 1
+        return True
+
+    def _remove(self, key: int) -> None:
+        ckpt = self.checkpoints.pop(key)
+        for h in ckpt.prefix_hashes:
+            deps = self._dependents.get(h)
+            if deps is not None:
+                deps.discard(key)
+                if not deps:
+                    del self._dependents[h]
+        self.release([ckpt.page])
+
+    def _evict_lru(self) -> None:
+        # Prefer a checkpoint whose page nobody else holds: evicting it frees a page.
+        key = next(
+            (k for k, c in self.checkpoints.items() if self.ref_count[c.page] == 1),
+            next(iter(self.checkpoints)),
+        )
+        self._remove(key)
+        self.num_evicted += 1
+
+    def on_block_evicted(self, block_hash: int) -> None:
+        """A KV block left the prefix index: drop every checkpoint that needed it."""
+        for key in list(self._dependents.get(block_hash, ())):
+            self._remove(key)
+            self.num_dropped += 1
+
+    def clear(self) -> None:
+        """Drop every checkpoint."""
+        for key in list(self.checkpoints):
+            self._remove(key)
+
+    def check_integrity(self, holders: Sequence[int] = ()) -> None:
+        """Raise AssertionError unless every page's ref count equals its holders.
+
+        ``holders`` lists every page reference held outside the index (requests'
+        state and boundary pages, pages a step is writing), one entry per reference.
+        """
+        expected = [0] * self.num_pages
+        for page in holders:
+            if page >= 0:
+                expected[page] += 1
+        for ckpt in self.checkpoints.values():
+            expected[ckpt.page] += 1
+        free = set(self.free)
+        if len(free) != len(self.free):
+            raise AssertionError("a state page is on the free list twice")
+        for page in range(self.num_pages):
+            if self.ref_count[page] != expected[page]:
+                raise AssertionError(
+                    f"state page {page}: ref_count {self.ref_count[page]}, holders {expected[page]}"
+                )
+            if (page in free) != (expected[page] == 0):
+                raise AssertionError(f"state page {page}: free-list membership disagrees with holders")
+        for h, keys in self._dependents.items():
+            for key in keys:
+                if key not in self.checkpoints or h not in self.checkpoints[key].prefix_hashes:
+                    raise AssertionError("checkpoint dependency map is stale")

@@ -1,0 +1,355 @@
+"""The step loop: draft, schedule, run, verify, postprocess state, detokenize, stop.
+
+:class:`EngineCore` is synchronous and single-threaded; the offline :class:`~hybridserve.LLM`
+drives it to completion and the server drives it from one background task. Every
+public method either succeeds or raises ``ValueError`` naming the field, changing
+nothing: a bad request never disturbs the others.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridserve.config import EngineConfig
+from hybridserve.engine.request import (
+    CompletionOutput,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+)
+from hybridserve.engine.scheduler import ScheduledRow, Scheduler
+from hybridserve.kernels.state_postprocess import state_postprocess_reference
+from hybridserve.runner.model_runner import ModelRunner
+from hybridserve.spec.ngram import NgramDrafter
+from hybridserve.tokenizer import Tokenizer
+
+
+@dataclass
+class _Group:
+    """The ``n`` sequences of one user request, reported together."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    texts: list[str] = field(default_factory=list)
+    reported_finished: bool = False
+
+
+class EngineCore:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: torch.nn.Module,
+        tokenizer: Tokenizer | None,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...],
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.scheduler = Scheduler(config.scheduler, config.cache)
+        cc = config.cache
+        caches = model.cache_spec.allocate(
+            cc.num_kv_blocks, cc.kv_block_size, cc.num_state_pages, config.dtype, cc.ssm_state_dtype, config.device
+        )
+        self.runner = ModelRunner(model, caches, cc.kv_block_size, config.scheduler.max_num_seqs, config.device)
+        self.drafter = NgramDrafter(config.spec) if config.spec is not None else None
+        self.groups: dict[str, _Group] = {}
+        self._arrival = itertools.count()
+        self._seed_rng = random.Random(config.seed)
+        self.counters = {
+            "requests_finished": 0,
+            "prompt_tokens": 0,
+            "generation_tokens": 0,
+            "steps": 0,
+            "spec_draft_tokens": 0,
+            "spec_accepted_tokens": 0,
+            "spec_verify_rows": 0,
+        }
+        self.check_integrity_every_step = False
+
+    # ---- requests ----------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+    ) -> None:
+        """Queue a request. Raises ValueError (changing nothing) on invalid input."""
+        if request_id in self.groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise TypeError("sampling params must be a SamplingParams")
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty: give at least one token (or non-empty text)")
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt_token_ids must be integers in [0, {self.vocab_size})")
+        max_len = self.config.scheduler.max_model_len
+        if len(prompt_token_ids) >= max_len:
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens but max_model_len is {max_len}: "
+                "shorten the prompt or raise max_model_len (the model must have room to generate)"
+            )
+        arrival = next(self._arrival)
+        children = []
+        for i in range(params.n):
+            if params.seed is not None:
+                seed = params.seed * 1009 + i
+            else:
+                seed = self._seed_rng.getrandbits(62)
+            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            children.append(
+                Request(
+                    request_id=rid,
+                    prompt_token_ids=list(prompt_token_ids),
+                    params=params,
+                    arrival=arrival,
+                    eos_token_ids=self.eos_token_ids,
+                    max_model_len=max_len,
+                    sample_seed=seed,
+                )
+            )
+        group = _Group(request_id, prompt, list(prompt_token_ids), children, [""] * params.n)
+        self.groups[request_id] = group
+        for child in children:
+            self.scheduler.add(child)
+        self.counters["prompt_tokens"] += len(prompt_token_ids)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request and free its caches. Returns False if it is unknown."""
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return False
+        for child in group.children:
+            if not child.status.finished:
+                self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ----------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns the outputs of every request that advanced or finished."""
+        if self.drafter is not None:
+            self._propose_drafts()
+        sched = self.scheduler.schedule()
+        if not sched.rows:
+            if self.scheduler.waiting and not self.scheduler.running:
+                # The oldest waiting request cannot fit even in an empty engine.
+                req = self.scheduler.waiting[0]
+                raise RuntimeError(
+                    f"request {req.request_id} needs more KV blocks or state pages than the "
+                    "engine has; raise num_kv_blocks / num_state_pages or lower max_model_len"
+                )
+            return []
+        self.counters["steps"] += 1
+        results = self.runner.execute(sched)
+        verify_rows = [(row, res) for row, res in zip(sched.rows, results) if row.is_verify]
+        touched: dict[str, _Group] = {}
+        for row, res in zip(sched.rows, results):
+            req = row.request
+            if res.new_tokens:
+                self._append_tokens(req, res.new_tokens, res.logprobs)
+            if not row.is_verify:
+                self.scheduler.commit_prefill_row(row)
+            group = self.groups.get(self._group_id(req))
+            if group is not None:
+                touched[group.request_id] = group
+        if verify_rows:
+            self._postprocess_states(verify_rows)
+        for row in sched.rows:
+            req = row.request
+            if req.status is RequestStatus.RUNNING and req.stop_reason is not None:
+                self._finish(req)
+            elif req.status is RequestStatus.RUNNING and self._length_capped(req):
+                self._finish(req, length=True)
+        if self.check_integrity_every_step:
+            self.scheduler.check_integrity()
+        return [self._make_output(g) for g in touched.values()]
+
+    def _postprocess_states(self, rows: list[tuple[ScheduledRow, object]]) -> None:
+        """Decide every verify row's surviving state page and checkpoints in one call."""
+        max_q = max(r.num_tokens for r, _ in rows)
+        n_rows = len(rows)
+        slots = torch.tensor([r.request.slot for r, _ in rows], dtype=torch.int32)
+        num_computed = self.runner.slot_num_computed.cpu()
+        state_page = self.runner.slot_state_page.cpu()
+        out_pages = torch.full((n_rows, max_q), -1, dtype=torch.int32)
+        accepted = []
+        for i, (row, res) in enumerate(rows):
+            n = row.num_computed
+            num_computed[row.request.slot] = n
+            state_page[row.request.slot] = row.state_in_page
+            for j in range(row.num_tokens):
+                out_pages[i, j] = row.state_outputs[n + 1 + j]
+            accepted.append(len(res.new_tokens))
+        result = state_postprocess_reference(
+            idx_mapping=slots,
+            num_computed=num_computed,
+            num_accepted=torch.tensor(accepted, dtype=torch.int32),
+            out_pages=out_pages,
+            state_page=state_page,
+            release_prev=(state_page[slots.long()] >= 0).to(torch.int32),
+            state_interval=self.scheduler.verify_interval(),
+        )
+        new_pages = result.new_state_page.tolist()
+        ckpt_pages, ckpt_lens = result.ckpt_page.tolist(), result.ckpt_len.tolist()
+        released = result.release_pages.tolist()
+        for i, (row, _) in enumerate(rows):
+            slot = row.request.slot
+            ckpts = [(p, page) for p, page in zip(ckpt_lens[i], ckpt_pages[i]) if page >= 0]
+            self.scheduler.commit_verify_row(
+                row, accepted[i], new_pages[slot], ckpts, [p for p in released[i] if p >= 0]
+            )
+        self.runner.slot_num_computed.copy_(result.new_num_computed)
+        self.runner.slot_state_page.copy_(result.new_state_page)
+
+    def _propose_drafts(self) -> None:
+        d = self.config.spec.num_speculative_tokens
+        for req in self.scheduler.running:
+            if req.is_prefill:
+                req.draft_token_ids = []
+                continue
+            room = min(
+                d,
+                self._max_tokens(req) - len(req.output_token_ids) - 1,
+                req.max_model_len - req.num_tokens - 1,
+            )
+            req.draft_token_ids = self.drafter.propose(req.all_token_ids, room) if room > 0 else []
+
+    def _max_tokens(self, req: Request) -> int:
+        mt = req.params.max_tokens
+        return mt if mt is not None else req.max_model_len
+
+    def _length_capped(self, req: Request) -> bool:
+        return len(req.output_token_ids) >= self._max_tokens(req) or req.num_tokens >= req.max_model_len
+
+    def _append_tokens(self, req: Request, tokens: list[int], logprobs: list) -> None:
+        p = req.params
+        if req.draft_token_ids:
+            accepted = len(tokens) - 1
+            req.spec_draft_tokens += len(req.draft_token_ids)
+            req.spec_accepted_tokens += accepted
+            req.spec_steps += 1
+            self.counters["spec_draft_tokens"] += len(req.draft_token_ids)
+            self.counters["spec_accepted_tokens"] += accepted
+            self.counters["spec_verify_rows"] += 1
+        req.draft_token_ids = []
+        for i, tok in enumerate(tokens):
+            req.append_output(tok)
+            if logprobs:
+                req.logprobs.append(logprobs[i])
+            self.counters["generation_tokens"] += 1
+            if not p.ignore_eos and tok in req.eos_token_ids:
+                self._mark_stop(req, None)
+                break
+            if p.stop_token_ids and tok in p.stop_token_ids:
+                self._mark_stop(req, tok)
+                break
+            if p.stop and self.tokenizer is not None and self._check_stop_strings(req):
+                break
+            if self._length_capped(req):
+                break
+
+    def _mark_stop(self, req: Request, reason: int | str | None) -> None:
+        req.stop_reason = reason if reason is not None else "eos"
+
+    def _check_stop_strings(self, req: Request) -> bool:
+        text = self.tokenizer.decode(req.output_token_ids, req.params.skip_special_tokens)
+        for s in req.params.stop:
+            if s in text:
+                self._mark_stop(req, s)
+                return True
+        return False
+
+    def _finish(self, req: Request, length: bool = False) -> None:
+        status = RequestStatus.FINISHED_LENGTH if length else RequestStatus.FINISHED_STOPPED
+        self.scheduler.finish(req, status)
+        self.counters["requests_finished"] += 1
+
+    # ---- outputs -----------------------------------------------------------------
+
+    @staticmethod
+    def _group_id(req: Request) -> str:
+        return req.request_id.rsplit("#", 1)[0] if "#" in req.request_id else req.request_id
+
+    def _decode(self, req: Request) -> str:
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(req.output_token_ids, req.params.skip_special_tokens)
+        reason = req.stop_reason
+        if isinstance(reason, str) and reason != "eos" and reason in text:
+            cut = text.index(reason)
+            text = text[: cut + len(reason)] if req.params.include_stop_str_in_output else text[:cut]
+        return text
+
+    def _make_output(self, group: _Group) -> RequestOutput:
+        outs = []
+        for i, req in enumerate(group.children):
+            finish_reason = None
+            if req.status is RequestStatus.FINISHED_LENGTH:
+                finish_reason = "length"
+            elif req.status is RequestStatus.FINISHED_STOPPED:
+                finish_reason = "stop"
+            elif req.status is RequestStatus.FINISHED_ABORTED:
+                finish_reason = "abort"
+            logprobs = req.logprobs if req.params.logprobs is not None else None
+            cum = sum(lp[t].logprob for lp, t in zip(req.logprobs, req.output_token_ids)) if logprobs else None
+            outs.append(
+                CompletionOutput(
+                    index=i,
+                    text=self._decode(req),
+                    token_ids=list(req.output_token_ids),
+                    cumulative_logprob=cum,
+                    logprobs=logprobs,
+                    finish_reason=finish_reason,
+                    stop_reason=None if req.stop_reason == "eos" else req.stop_reason,
+                )
+            )
+        finished = all(r.status.finished for r in group.children)
+        if finished:
+            self.groups.pop(group.request_id, None)
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=outs,
+            finished=finished,
+            num_cached_tokens=group.children[0].num_cached_tokens,
+        )
+
+    # ---- statistics --------------------------------------------------------------
+
+    def stats(self) -> dict[str, float | int]:
+        """Engine counters: requests, tokens, prefix cache and speculative decoding."""
+        s = self.scheduler
+        c = dict(self.counters)
+        c.update(s.counters)
+        q = c["prefix_query_tokens"]
+        c["prefix_hit_rate"] = c["prefix_hit_tokens"] / q if q else 0.0
+        c["checkpoint_pages"] = len(s.states.checkpoints)
+        c["checkpoints_admitted"] = s.states.num_admitted
+        c["checkpoints_evicted"] = s.states.num_evicted
+        c["checkpoints_dropped"] = s.states.num_dropped
+        c["kv_blocks_free"] = s.blocks.num_free
+        c["kv_blocks_total"] = s.blocks.num_blocks
+        c["state_pages_free"] = s.states.num_free
+        c["state_pages_total"] = s.states.num_pages
+        c["requests_running"] = len(s.running)
+        c["requests_waiting"] = len(s.waiting)
+        rows = c["spec_verify_rows"]
+        c["spec_mean_accepted_length"] = (
+            1.0 + c["spec_accepted_tokens"] / rows if rows else 0.0
+        )
+        return c

@@ -1,0 +1,424 @@
+"""The scheduler: which requests run this step, with which tokens, caches and pages.
+
+One step
+--------
+1. Running requests first, oldest first: a request still in prefill gets its next
+   chunk (cut to the token budget); a decoding request gets its last sampled token
+   plus its draft tokens. If blocks or pages run out, the newest running request is
+   preempted (all its caches released, recomputed later from its tokens; a request
+   with a seed samples the same tokens again).
+2. Waiting requests are admitted in arrival order while budget, seats and caches
+   allow. Admission looks up the longest cached prefix h <= len - 1 that has both its
+   KV blocks and a state checkpoint (DESIGN.md section 3) and starts there.
+
+Which state each row writes (the pages come from :class:`StateCache`)
+-------------------------------------------------------------------
+- A prefill row (tokens [n, n + q), all of them known in advance) writes the state
+  at its end (the request's new state) and at every checkpoint position inside the
+  chunk: grid points, the junction, the prompt end, and the last KV-block boundary
+  (kept so that a finished sequence leaves a checkpoint). Positions coincide ->
+  one page with several roles, never a copy.
+- A decode/verify row (the last token plus d drafts) writes the state after every
+  one of its 1 + d tokens, S_0..S_d; which one survives is known only after
+  verification, so :mod:`hybridserve.kernels.state_postprocess` decides it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from hybridserve.cache.block_pool import BlockPool, block_hashes, chain_hash
+from hybridserve.cache.state_cache import StateCache
+from hybridserve.config import CacheConfig, SchedulerConfig
+from hybridserve.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRow:
+    """One row of a step: ``request`` computes ``all_token_ids[n : n + num_tokens]``.
+
+    ``num_drafts`` of those tokens are speculative (a decode/verify row). ``samples``
+    says whether the row's logits produce new tokens. ``state_outputs`` maps a prefix
+    length p in (n, n + num_tokens] to the page that receives the state after it.
+    """
+
+    request: Request
+    num_computed: int
+    num_tokens: int
+    num_drafts: int
+    samples: bool
+    state_in_page: int
+    # A decode/verify row: its surviving state depends on the acceptance count.
+    is_verify: bool = False
+    state_outputs: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass
+class SchedulerOutput:
+    rows: list[ScheduledRow]
+    preempted: list[Request]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.rows)
+
+
+class Scheduler:
+    """Owns the waiting and running queues and every cache reference of every request."""
+
+    def __init__(self, sched: SchedulerConfig, cache: CacheConfig) -> None:
+        self.config = sched
+        self.cache_config = cache
+        self.block_size = cache.kv_block_size
+        self.blocks = BlockPool(cache.num_kv_blocks, cache.kv_block_size, cache.enable_prefix_caching)
+        budget = cache.checkpoint_budget if cache.enable_prefix_caching else 0
+        self.states = StateCache(cache.num_state_pages, budget)
+        self.blocks.on_evict.append(self.states.on_block_evicted)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.free_slots = list(range(sched.max_num_seqs - 1, -1, -1))
+        self.counters = {
+            "prefix_queries": 0,
+            "prefix_query_tokens": 0,
+            "prefix_hit_tokens": 0,
+            "prefix_hits": 0,
+            "preemptions": 0,
+        }
+
+    # ---- queue management --------------------------------------------------------
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Mark ``req`` finished and release its caches (admitting a final checkpoint)."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = status
+        if status is not RequestStatus.FINISHED_ABORTED:
+            self._admit_boundary_checkpoint(req)
+        self._release_caches(req)
+
+    def _release_caches(self, req: Request) -> None:
+        self.blocks.release(req.block_ids)
+        req.block_ids = []
+        self.states.release([req.state_page, req.boundary_page])
+        req.state_page = -1
+        req.boundary_page = -1
+        req.boundary_len = 0
+        if req.slot >= 0:
+            self.free_slots.append(req.slot)
+            req.slot = -1
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release_caches(req)
+        req.num_computed_tokens = 0
+        req.draft_token_ids = []
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.counters["preemptions"] += 1
+        self.waiting.appendleft(req)
+
+    # ---- checkpoint positions ----------------------------------------------------
+
+    def _checkpoint_worthy(self, req: Request, p: int) -> bool:
+        if not self.cache_config.enable_prefix_caching or p % self.block_size:
+            return False
+        policies = self.cache_config.checkpoint_policies
+        if "grid" in policies and p % self.cache_config.state_interval == 0:
+            return True
+        return p in req.extra_checkpoints
+
+    def _keeps_boundary(self) -> bool:
+        return (
+            self.cache_config.enable_prefix_caching
+            and "finished" in self.cache_config.checkpoint_policies
+        )
+
+    def _prefill_outputs(self, req: Request, n: int, q: int) -> list[int]:
+        """Prefix lengths in (n, n + q] whose state a prefill row must write."""
+        end = n + q
+        wanted = {end}
+        if self.cache_config.enable_prefix_caching:
+            first = (n // self.block_size + 1) * self.block_size
+            for p in range(first, end + 1, self.block_size):
+                if self._checkpoint_worthy(req, p):
+                    wanted.add(p)
+            if self._keeps_boundary():
+                last_boundary = end // self.block_size * self.block_size
+                if last_boundary > n:
+                    wanted.add(last_boundary)
+        return sorted(wanted)
+
+    # ---- admission ---------------------------------------------------------------
+
+    def _lookup_prefix(self, req: Request) -> tuple[int, list[int], int]:
+        """Longest usable hit: (length h, its KV blocks, checkpoint page), and the junction."""
+        tokens = req.all_token_ids
+        bs = self.block_size
+        hashes = block_hashes(tokens, bs, limit=len(tokens) - 1)
+        hit_blocks: list[int] = []
+        best_len, best_page = 0, -1
+        for i, h in enumerate(hashes):
+            block_id = self.blocks.lookup(h, tokens[i * bs : (i + 1) * bs])
+            if block_id is None:
+                break
+            hit_blocks.append(block_id)
+            if self.states.has(h):
+                best_len = (i + 1) * bs
+                best_page = self.states.lookup(h).page
+        junction = len(hit_blocks) * bs
+        if junction > best_len and "junction" in self.cache_config.checkpoint_policies:
+            req.extra_checkpoints.add(junction)
+        return best_len, hit_blocks[: best_len // bs], best_page
+
+    def _try_admit(self, req: Request, budget: int) -> tuple[int, list[int]]:
+        """Admit ``req`` if caches allow.
+
+        Returns the tokens its first chunk takes (0: not admitted) and the prefix
+        lengths whose state that chunk writes.
+        """
+        caching = self.cache_config.enable_prefix_caching
+        h, hit_blocks, hit_page = 0, [], -1
+        if caching and req.num_computed_tokens == 0:
+            if "prompt_end" in self.cache_config.checkpoint_policies:
+                end = req.num_prompt_tokens // self.block_size * self.block_size
+                if end > 0:
+                    req.extra_checkpoints.add(end)
+            h, hit_blocks, hit_page = self._lookup_prefix(req)
+        q = min(req.num_tokens - h, budget)
+        outputs = self._prefill_outputs(req, h, q)
+        new_blocks = self._blocks_needed(h + q) - len(hit_blocks)
+        # Hit blocks on the free queue are taken off it by acquire(): count them as used.
+        hit_free = sum(1 for b in hit_blocks if self.blocks.blocks[b].ref_count == 0)
+        # Hold the hit checkpoint before counting reclaimable pages: it must not be one.
+        if hit_page >= 0:
+            self.states.incref(hit_page)
+        if new_blocks + hit_free > self.blocks.num_free or not self.states.can_allocate(len(outputs)):
+            self.states.release([hit_page])
+            req.extra_checkpoints.clear()
+            return 0, []
+        self.blocks.acquire(hit_blocks)
+        req.block_ids = hit_blocks + self.blocks.allocate(new_blocks)
+        req.state_page = hit_page
+        req.num_computed_tokens = h
+        if caching:
+            self.counters["prefix_queries"] += 1
+            self.counters["prefix_query_tokens"] += req.num_tokens
+            self.counters["prefix_hit_tokens"] += h
+            self.counters["prefix_hits"] += int(h > 0)
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = h
+        req.slot = self.free_slots.pop()
+        req.status = RequestStatus.RUNNING
+        return q, outputs
+
+    def _blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- one step ----------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        rows: list[ScheduledRow] = []
+        preempted: list[Request] = []
+
+        running = list(self.running)
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            if req.status is not RequestStatus.RUNNING:
+                i += 1
+                continue
+            n = req.num_computed_tokens
+            if req.is_prefill:
+                q, drafts = min(req.num_tokens - n, budget), 0
+                positions = self._prefill_outputs(req, n, q)
+            else:
+                drafts = min(len(req.draft_token_ids), budget - 1)
+                req.draft_token_ids = req.draft_token_ids[:drafts]
+                q = 1 + drafts
+                positions = list(range(n + 1, n + q + 1))
+            need_blocks = self._blocks_needed(n + q) - len(req.block_ids)
+            while need_blocks > self.blocks.num_free or not self.states.can_allocate(len(positions)):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                i += 1
+                continue
+            if need_blocks > 0:
+                req.block_ids += self.blocks.allocate(need_blocks)
+            pages = self.states.allocate(len(positions))
+            rows.append(
+                ScheduledRow(
+                    request=req,
+                    num_computed=n,
+                    num_tokens=q,
+                    num_drafts=drafts,
+                    samples=n + q >= req.num_tokens,
+                    state_in_page=req.state_page,
+                    is_verify=not req.is_prefill,
+                    state_outputs=dict(zip(positions, pages)),
+                )
+            )
+            budget -= q
+            i += 1
+
+        while (
+            self.waiting
+            and budget > 0
+            and len(rows) < self.config.max_num_seqs
+            and self.free_slots
+            and not preempted
+        ):
+            req = self.waiting[0]
+            q, positions = self._try_admit(req, budget)
+            if q == 0:
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            n = req.num_computed_tokens
+            pages = self.states.allocate(len(positions))
+            rows.append(
+                ScheduledRow(
+                    request=req,
+                    num_computed=n,
+                    num_tokens=q,
+                    num_drafts=0,
+                    samples=n + q >= req.num_tokens,
+                    state_in_page=req.state_page,
+                    state_outputs=dict(zip(positions, pages)),
+                )
+            )
+            budget -= q
+        return SchedulerOutput(rows=rows, preempted=preempted)
+
+    # ---- after the forward -------------------------------------------------------
+
+    def commit_prefill_row(self, row: ScheduledRow) -> None:
+        """Apply a prefill row's state outputs: all of its tokens are accepted."""
+        req = row.request
+        end = row.num_computed + row.num_tokens
+        kept_boundary = -1
+        for p, page in sorted(row.state_outputs.items()):
+            if self._checkpoint_worthy(req, p):
+                self._admit_checkpoint(req, p, page)
+            if self._keeps_boundary() and p % self.block_size == 0:
+                kept_boundary = p
+        self._advance(req, end, row.state_outputs[end], row.state_outputs.get(kept_boundary, -1), kept_boundary)
+        self.states.release(list(row.state_outputs.values()))
+
+    def commit_verify_row(
+        self,
+        row: ScheduledRow,
+        num_accepted: int,
+        new_state_page: int,
+        checkpoints: list[tuple[int, int]],
+        released: list[int],
+    ) -> None:
+        """Apply the state postprocess's decision for a decode/verify row.
+
+        ``new_state_page`` (S_{a-1}) takes over the step's reference as the request's
+        state. ``checkpoints`` are the ``(prefix length, page)`` pairs the postprocess
+        kept at boundaries crossed by the accepted tokens; the index (or the request's
+        boundary slot) takes its own reference and the step's is dropped, unless the
+        page is also the new state. ``released`` are the unused S_j (the step's
+        references) and the previous state page (the request's reference).
+        """
+        req = row.request
+        kept_len, kept_page = -1, -1
+        for p, page in checkpoints:
+            if self._checkpoint_worthy(req, p):
+                self._admit_checkpoint(req, p, page)
+            if self._keeps_boundary() and p > kept_len:
+                kept_len, kept_page = p, page
+        if kept_page >= 0:
+            self.states.incref(kept_page)
+            self.states.release([req.boundary_page])
+            req.boundary_page, req.boundary_len = kept_page, kept_len
+        self.states.release([page for _, page in checkpoints if page != new_state_page])
+        self.states.release(released)
+        req.state_page = new_state_page
+        req.num_computed_tokens = row.num_computed + num_accepted
+        self._register_full_blocks(req)
+
+    def verify_interval(self) -> int:
+        """The boundary interval the state postprocess reports crossings of."""
+        if not self.cache_config.enable_prefix_caching:
+            return 1 << 30
+        if self._keeps_boundary():
+            return self.block_size
+        return self.cache_config.state_interval
+
+    def _advance(self, req: Request, new_computed: int, state_page: int, boundary_page: int, boundary_len: int) -> None:
+        # Take the request's references before dropping the step's (a page may be both).
+        self.states.incref(state_page)
+        self.states.release([req.state_page])
+        req.state_page = state_page
+        if boundary_page >= 0:
+            self.states.incref(boundary_page)
+            self.states.release([req.boundary_page])
+            req.boundary_page, req.boundary_len = boundary_page, boundary_len
+        req.num_computed_tokens = new_computed
+        self._register_full_blocks(req)
+
+    def _admit_checkpoint(self, req: Request, p: int, page: int) -> None:
+        hashes = block_hashes(req.all_token_ids, self.block_size, limit=p)
+        if len(hashes) * self.block_size != p:
+            return  # tokens of that prefix were dropped (a stop string cut them)
+        self.states.admit(hashes[-1], p, page, hashes)
+
+    def _admit_boundary_checkpoint(self, req: Request) -> None:
+        if req.boundary_page >= 0 and req.boundary_len <= req.num_computed_tokens:
+            self._admit_checkpoint(req, req.boundary_len, req.boundary_page)
+
+    def _register_full_blocks(self, req: Request) -> None:
+        if not self.cache_config.enable_prefix_caching:
+            return
+        bs = self.block_size
+        tokens = req.all_token_ids
+        full = min(req.num_computed_tokens, len(tokens)) // bs
+        parent = None
+        for i in range(full):
+            block_tokens = tokens[i * bs : (i + 1) * bs]
+            parent = chain_hash(parent, block_tokens)
+            self.blocks.register(req.block_ids[i], parent, block_tokens)
+
+    # ---- maintenance -------------------------------------------------------------
+
+    def clear_prefix_cache(self) -> None:
+        """Drop every checkpoint and forget every free block's hash."""
+        self.states.clear()
+        self.blocks.clear_cache()
+
+    def check_integrity(self, step_pages: list[int] = ()) -> None:
+        """Raise AssertionError if any cache reference is lost, duplicated or negative."""
+        self.blocks.check_integrity()
+        holders = list(step_pages)
+        block_refs = [0] * self.blocks.num_blocks
+        for req in self.running:
+            holders += [req.state_page, req.boundary_page]
+            for b in req.block_ids:
+                block_refs[b] += 1
+        for block in self.blocks.blocks:
+            if block.ref_count != block_refs[block.block_id]:
+                raise AssertionError(
+                    f"KV block {block.block_id}: ref_count {block.ref_count}, held {block_refs[block.block_id]}"
+                )
+        for req in self.waiting:
+            if req.block_ids or req.state_page >= 0 or req.boundary_page >= 0:
+                raise AssertionError(f"waiting request {req.request_id} holds caches")
+        self.states.check_integrity(holders)
+        used_slots = [r.slot for r in self.running]
+        if len(set(used_slots)) != len(used_slots) or len(used_slots) + len(self.free_slots) != self.config.max_num_seqs:
+            raise AssertionError("request slots are lost or shared")

@@ -1,0 +1,215 @@
+"""The offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))``, in vLLM's shape."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridserve.config import (
+    CHECKPOINT_POLICIES,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SpecConfig,
+    resolve_dtype,
+)
+from hybridserve.engine.engine_core import EngineCore
+from hybridserve.engine.request import RequestOutput, SamplingParams
+from hybridserve.tokenizer import Tokenizer
+
+DEFAULT_MODEL = Path(__file__).parent / "default_model"
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """An engine over one model, for batch generation in-process.
+
+    Args mirror vLLM's where they exist. Cache sizes: ``num_kv_blocks`` attention blocks
+    of ``kv_block_size`` tokens, ``num_state_pages`` recurrent-state pages (each holds
+    every Mamba layer's conv window and SSM state); by default sized so that
+    ``max_num_seqs`` requests of ``max_model_len`` tokens fit, plus room for
+    checkpoints.
+    """
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        dtype: str | torch.dtype = "float32",
+        device: str = "cpu",
+        seed: int = 0,
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        kv_block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        num_state_pages: int | None = None,
+        enable_prefix_caching: bool = True,
+        state_interval: int = 64,
+        checkpoint_policies: Sequence[str] = CHECKPOINT_POLICIES,
+        max_checkpoint_pages: int | None = None,
+        ssm_state_dtype: str | torch.dtype = "float32",
+        speculative_config: dict[str, Any] | None = None,
+    ) -> None:
+        from hybridserve.models.loader import load_model
+
+        path = Path(model) if model is not None else DEFAULT_MODEL
+        torch_dtype = resolve_dtype(dtype)
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} was asked for but this machine has no CUDA device")
+        self.model = load_model(path, dtype=torch_dtype, device=device)
+        mcfg = self.model.config
+        self.model_config = mcfg
+        self.tokenizer = Tokenizer.maybe_load(path)
+        spec = SpecConfig.from_dict(speculative_config)
+        if max_model_len is None:
+            max_model_len = min(mcfg.max_position_embeddings, 4096)
+        if max_model_len > mcfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                f"{mcfg.max_position_embeddings}"
+            )
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(2048, max_num_seqs)
+        sched = SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+        )
+        d = spec.num_speculative_tokens if spec else 0
+        blocks_per_seq = -(-max_model_len // kv_block_size)
+        if num_kv_blocks is None:
+            num_kv_blocks = max(blocks_per_seq * min(max_num_seqs, 8), 256)
+        if num_kv_blocks < blocks_per_seq:
+            raise ValueError(
+                f"num_kv_blocks={num_kv_blocks} cannot hold one sequence of max_model_len="
+                f"{max_model_len} ({blocks_per_seq} blocks of {kv_block_size} tokens)"
+            )
+        checkpoint_pages = 64 if max_checkpoint_pages is None else max_checkpoint_pages
+        if num_state_pages is None:
+            # Per running request: its state, its kept block-boundary state, and the
+            # 1 + d pages a step writes (plus prefill checkpoints inside one chunk).
+            num_state_pages = max_num_seqs * (d + 4) + checkpoint_pages + 8
+        cache = CacheConfig(
+            kv_block_size=kv_block_size,
+            num_kv_blocks=num_kv_blocks,
+            num_state_pages=num_state_pages,
+            enable_prefix_caching=enable_prefix_caching,
+            state_interval=state_interval,
+            checkpoint_policies=tuple(checkpoint_policies),
+            max_checkpoint_pages=min(checkpoint_pages, num_state_pages - 1),
+            ssm_state_dtype=resolve_dtype(ssm_state_dtype, "ssm_state_dtype"),
+        )
+        self.config = EngineConfig(
+            model=str(path), dtype=torch_dtype, device=device, seed=seed,
+            cache=cache, scheduler=sched, spec=spec,
+        )
+        eos = tuple(mcfg.eos_token_ids)
+        if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos = (self.tokenizer.eos_token_id,)
+        self.engine = EngineCore(self.config, self.model, self.tokenizer, mcfg.vocab_size, eos)
+        self._next_id = 0
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        return self.tokenizer
+
+    def _to_token_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model ships no tokenizer.json: pass prompts as token ids")
+            if not prompt:
+                raise ValueError("prompt is empty: give non-empty text or token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self._to_token_ids(prompt["prompt"])
+            raise ValueError("a prompt dict needs 'prompt_token_ids' or 'prompt'")
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise TypeError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; returns one :class:`RequestOutput` per prompt, in order.
+
+        Every prompt is validated before any is queued, so a bad prompt raises
+        ValueError and leaves the engine as it was.
+        """
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} sampling params for {len(prompts)} prompts"
+                )
+        encoded = [self._to_token_ids(p) for p in prompts]
+        max_len = self.config.scheduler.max_model_len
+        for i, (_, ids) in enumerate(encoded):
+            if not ids:
+                raise ValueError(f"prompt {i} is empty")
+            if len(ids) >= max_len:
+                raise ValueError(
+                    f"prompt {i} has {len(ids)} tokens but max_model_len is {max_len}: "
+                    "shorten it or raise max_model_len"
+                )
+        ids_order = []
+        for (text, ids), params in zip(encoded, params_list):
+            rid = f"gen-{self._next_id}"
+            self._next_id += 1
+            self.engine.add_request(rid, ids, params, prompt=text)
+            ids_order.append(rid)
+        return self._run(ids_order, use_tqdm)
+
+    def _run(self, ids_order: list[str], use_tqdm: bool | None) -> list[RequestOutput]:
+        if use_tqdm is None:
+            use_tqdm = sys.stderr.isatty()
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids_order), desc="Generating", unit="req", dynamic_ncols=True)
+        done: dict[str, RequestOutput] = {}
+        wanted = set(ids_order)
+        try:
+            while self.engine.has_unfinished_requests() and len(done) < len(wanted):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for rid in ids_order:
+                if rid not in done:
+                    self.engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[rid] for rid in ids_order]
+
+    def stats(self) -> dict[str, float | int]:
+        """Engine counters (prefix-cache hits, checkpoints, speculative acceptance...)."""
+        return self.engine.stats()
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every checkpoint and forget cached KV blocks."""
+        self.engine.scheduler.clear_prefix_cache()

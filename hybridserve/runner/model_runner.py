@@ -1,0 +1,133 @@
+"""The model runner: turns a scheduled step into a forward, then samples and verifies.
+
+It owns the cache tensors and the persistent per-slot metadata (``slot_num_computed``,
+``slot_state_page``: indexed by request slot, as the state postprocess reads them
+through ``idx_mapping``). It never decides what to run; the scheduler does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybridserve.engine.request import Logprob
+from hybridserve.engine.scheduler import SchedulerOutput
+from hybridserve.models.batch import ForwardBatch, ModelCaches
+from hybridserve.runner import sampler
+
+
+@dataclass
+class RowResult:
+    """What one row of a step produced: ``new_tokens`` (accepted drafts, then one
+    token from the target model; empty for a prefill chunk that does not sample)."""
+
+    new_tokens: list[int]
+    logprobs: list[dict[int, Logprob]]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        caches: ModelCaches,
+        kv_block_size: int,
+        max_num_seqs: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.model = model
+        self.caches = caches
+        self.block_size = kv_block_size
+        self.device = torch.device(device)
+        self.slot_num_computed = torch.zeros(max_num_seqs, dtype=torch.int32, device=self.device)
+        self.slot_state_page = torch.full((max_num_seqs,), -1, dtype=torch.int32, device=self.device)
+
+    def build_batch(self, sched: SchedulerOutput) -> tuple[torch.Tensor, ForwardBatch]:
+        """Packed input ids and the :class:`ForwardBatch` of a scheduled step."""
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        num_computed, context_lens, state_in = [], [], []
+        out_row, out_off, out_page = [], [], []
+        max_blocks = max((len(r.request.block_ids) for r in sched.rows), default=1)
+        tables = torch.full((len(sched.rows), max(max_blocks, 1)), -1, dtype=torch.int32)
+        for i, row in enumerate(sched.rows):
+            req = row.request
+            n, q = row.num_computed, row.num_tokens
+            toks = req.all_token_ids[n : n + q - row.num_drafts] + req.draft_token_ids[: row.num_drafts]
+            ids += toks
+            for pos in range(n, n + q):
+                positions.append(pos)
+                slots.append(req.block_ids[pos // bs] * bs + pos % bs)
+            query_start.append(query_start[-1] + q)
+            num_computed.append(n)
+            context_lens.append(n + q)
+            state_in.append(row.state_in_page)
+            tables[i, : len(req.block_ids)] = torch.tensor(req.block_ids, dtype=torch.int32)
+            for p, page in row.state_outputs.items():
+                out_row.append(i)
+                out_off.append(p - 1 - n)
+                out_page.append(page)
+        batch = ForwardBatch(
+            query_start=query_start,
+            num_computed=num_computed,
+            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
+            context_lens=context_lens,
+            block_tables=tables.to(self.device),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            state_in_page=state_in,
+            state_out_row=out_row,
+            state_out_offset=out_off,
+            state_out_page=out_page,
+        )
+        return torch.tensor(ids, dtype=torch.long, device=self.device), batch
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> list[RowResult]:
+        """Run the forward of a step, then sample (and verify drafts) for every row."""
+        input_ids, batch = self.build_batch(sched)
+        hidden = self.model.forward(input_ids, batch, self.caches)
+        # Gather the positions whose logits are needed: every token of a verify row,
+        # the last token of a prefill row that completes its sequence.
+        gather: list[int] = []
+        spans: list[tuple[int, int]] = []
+        for i, row in enumerate(sched.rows):
+            end = batch.query_start[i + 1]
+            if not row.samples:
+                spans.append((len(gather), 0))
+                continue
+            k = row.num_drafts + 1
+            spans.append((len(gather), k))
+            gather += range(end - k, end)
+        logits = (
+            self.model.compute_logits(hidden[torch.tensor(gather, dtype=torch.long, device=hidden.device)])
+            .float()
+            .cpu()
+            if gather
+            else None
+        )
+        results = []
+        for row, (start, k) in zip(sched.rows, spans):
+            if k == 0:
+                results.append(RowResult([], []))
+                continue
+            results.append(self._sample_row(row, logits[start : start + k]))
+        return results
+
+    def _sample_row(self, row, logits: torch.Tensor) -> RowResult:
+        req = row.request
+        params = req.params
+        drafts = req.draft_token_ids[: row.num_drafts]
+        out_so_far = list(req.output_token_ids)
+        logps = []
+        for j in range(len(drafts) + 1):
+            logps.append(sampler.process_logits(logits[j], params, req.prompt_token_ids, out_so_far + drafts[:j]))
+        tokens = sampler.verify_drafts(
+            torch.stack(logps), drafts, params, req.sample_seed, len(req.output_token_ids)
+        )
+        lps = []
+        if params.logprobs is not None:
+            lps = [sampler.token_logprobs(logits[j], t, params.logprobs) for j, t in enumerate(tokens)]
+        return RowResult(tokens, lps)
