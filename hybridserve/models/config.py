@@ -1,0 +1,645 @@
+"""One normalised view of a hybrid checkpoint's ``config.json``.
+
+Granite 4.0-H, Nemotron-H and Bamba name the same things differently (``mamba_n_heads``
+vs ``mamba_num_heads``, ``layer_types`` vs ``hybrid_override_pattern`` vs
+``attn_layer_indices``). :class:`ModelConfig` is built in exactly one place
+(:meth:`ModelConfig.from_dict`) and gives the rest of the engine one shape:
+
+- ``layer_types[i]`` is the *mixer* of decoder layer ``i``: ``"mamba"``, ``"attention"``
+  or ``"mlp"`` (a Nemotron-H layer whose only block is an MLP);
+- ``layer_has_mlp`` says whether every decoder layer also carries its own MLP after the
+  mixer (Granite, Bamba) or not (Nemotron-H, where MLPs are layers of their own).
+
+Values follow what the Hugging Face ``transformers`` implementation actually computes
+(not just what the file says), because logits must match it: e.g. Nemotron-H ignores
+``time_step_limit`` and clamps ``dt`` to ``[time_step_min, inf)``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+MAMBA = "mamba"
+ATTENTION = "attention"
+MLP = "mlp"
+
+SUPPORTED_ARCHITECTURES = ("GraniteMoeHybridForCausalLM", "NemotronHForCausalLM", "BambaForCausalLM")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu", "relu2")
+
+
+class ConfigError(ValueError):
+    """A checkpoint's ``config.json`` cannot be used; the message names file, field and fix."""
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionParams:
+    """Attention layers of one model (all attention layers share them)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    bias: bool
+    scale: float  # softmax scale: Granite's attention_multiplier, else head_dim ** -0.5
+    rope_theta: float | None  # None: no positional encoding in attention (NoPE)
+    partial_rotary_factor: float  # fraction of head_dim that is rotated
+
+    @property
+    def rotary_dim(self) -> int:
+        """Number of leading channels of each head that RoPE rotates (0 without RoPE)."""
+        if self.rope_theta is None:
+            return 0
+        return int(self.head_dim * self.partial_rotary_factor)
+
+
+@dataclass(frozen=True, slots=True)
+class MambaParams:
+    """Mamba2 mixer hyper-parameters (all Mamba layers share them)."""
+
+    n_heads: int
+    head_dim: int
+    n_groups: int
+    d_state: int
+    d_conv: int
+    expand: int
+    chunk_size: int
+    conv_bias: bool
+    proj_bias: bool
+    activation: str
+    norm_eps: float  # eps of the grouped gated RMSNorm
+    time_step_limit: tuple[float, float]  # dt clamp applied by the reference implementation
+    time_step_min: float
+    time_step_max: float
+    # transformers' single-token continuation step (``selective_state_update``) does not
+    # clamp dt; only its chunked path does. True applies the clamp on every token, which
+    # keeps a step's result independent of how tokens are split over forwards.
+    clamp_dt_in_single_token_step: bool = False
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal conv (x, B and C concatenated)."""
+        return self.intermediate_size + 2 * self.n_groups * self.d_state
+
+
+@dataclass(frozen=True, slots=True)
+class MLPParams:
+    """Dense MLP of the model.
+
+    ``kind``: ``"gated_fused"`` (Granite ``shared_mlp``: one ``input_linear`` holding gate
+    then up), ``"gated"`` (Bamba: ``gate_proj``/``up_proj``/``down_proj``) or ``"plain"``
+    (Nemotron-H: ``down_proj(act(up_proj(x)))``).
+    """
+
+    kind: str
+    intermediate_size: int
+    activation: str
+    bias: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Architecture-independent description of a supported hybrid checkpoint."""
+
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    layer_types: tuple[str, ...]
+    layer_has_mlp: bool
+    attention: AttentionParams | None  # None when no layer is an attention layer
+    mamba: MambaParams | None  # None when no layer is a Mamba layer
+    mlp: MLPParams | None  # None when no layer has an MLP
+    norm_eps: float
+    norm_weight_in_fp32: bool  # Nemotron-H multiplies the norm weight in float32
+    tie_word_embeddings: bool
+    embedding_multiplier: float
+    residual_multiplier: float
+    logits_scaling: float  # logits are divided by this
+    max_position_embeddings: int
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int | None
+    torch_dtype: str | None  # the dtype named in config.json, e.g. "bfloat16"
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == ATTENTION)
+
+    @property
+    def mamba_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == MAMBA)
+
+    def with_overrides(self, **changes: Any) -> ModelConfig:
+        """A copy with some fields replaced (validated the same way)."""
+        return replace(self, **changes)
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike[str]) -> ModelConfig:
+        """Read ``config.json`` from a checkpoint directory (or the file itself).
+
+        Raises :class:`ConfigError` naming the file when it is missing, unreadable, not
+        valid JSON, or describes something this engine does not support.
+        """
+        p = Path(path)
+        file = p / "config.json" if p.is_dir() else p
+        try:
+            text = file.read_text(encoding="utf-8")
+        except OSError as e:
+            raise ConfigError(f"{file}: cannot read the model config ({e.strerror or e})") from e
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(
+                f"{file}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); "
+                "fix or re-export the file"
+            ) from e
+        if not isinstance(data, dict):
+            raise ConfigError(f"{file}: expected a JSON object at the top level")
+        return cls.from_dict(data, source=str(file))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        """Build from an already parsed ``config.json`` dict; ``source`` names it in errors."""
+        r = _Reader(data, source)
+        arch = _architecture(r)
+        return _PARSERS[arch](r, arch)
+
+
+class _Reader:
+    """Field access with errors that name the file and the field."""
+
+    def __init__(self, data: dict[str, Any], source: str) -> None:
+        self.data = data
+        self.source = source
+
+    def error(self, field: str, msg: str) -> ConfigError:
+        return ConfigError(f"{self.source}: field '{field}': {msg}")
+
+    def has(self, key: str) -> bool:
+        return self.data.get(key) is not None
+
+    def req(self, key: str, kind: type = int) -> Any:
+        if self.data.get(key) is None:
+            raise self.error(key, f"missing required field; add '{key}' to the config")
+        return self._check(key, self.data[key], kind)
+
+    def opt(self, key: str, default: Any, kind: type = int) -> Any:
+        value = self.data.get(key)
+        if value is None:
+            return default
+        return self._check(key, value, kind)
+
+    def first(self, keys: tuple[str, ...], default: Any, kind: type = int) -> Any:
+        """The first of several alternative spellings that is present."""
+        for key in keys:
+            if self.data.get(key) is not None:
+                return self._check(key, self.data[key], kind)
+        return default
+
+    def _check(self, key: str, value: Any, kind: type) -> Any:
+        if kind is float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise self.error(key, f"expected a number, got {value!r}")
+            return float(value)
+        if kind is int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise self.error(key, f"expected an integer, got {value!r}")
+            return value
+        if kind is bool:
+            if not isinstance(value, bool):
+                raise self.error(key, f"expected true or false, got {value!r}")
+            return value
+        if kind is str:
+            if not isinstance(value, str):
+                raise self.error(key, f"expected a string, got {value!r}")
+            return value
+        return value
+
+
+def _architecture(r: _Reader) -> str:
+    archs = r.data.get("architectures")
+    if isinstance(archs, str):
+        archs = [archs]
+    if not archs or not isinstance(archs, list):
+        raise r.error(
+            "architectures",
+            "missing; set it to one of " + ", ".join(SUPPORTED_ARCHITECTURES),
+        )
+    for a in archs:
+        if a in _PARSERS:
+            return a
+    raise r.error(
+        "architectures",
+        f"unsupported architecture {archs!r}; supported: " + ", ".join(SUPPORTED_ARCHITECTURES),
+    )
+
+
+def _json_float(r: _Reader, field: str, value: Any) -> float:
+    """A float as transformers saves it: a number, or {"__float__": "Infinity"}."""
+    if isinstance(value, dict) and "__float__" in value:
+        value = value["__float__"]
+    if isinstance(value, str):
+        try:
+            return float(value)  # accepts "Infinity", "-Infinity", "inf", "nan"
+        except ValueError:
+            pass
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise r.error(field, f"expected a number (or {{\"__float__\": \"Infinity\"}}), got {value!r}")
+
+
+def _time_step_limit(r: _Reader, keys: tuple[str, ...] = ("time_step_limit",)) -> tuple[float, float]:
+    for key in keys:
+        value = r.data.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, (list, tuple)) or len(value) != 2:
+            raise r.error(key, f"expected [min, max], got {value!r}")
+        lo, hi = (_json_float(r, key, v) for v in value)
+        if math.isnan(lo) or math.isnan(hi) or lo > hi:
+            raise r.error(key, f"expected min <= max, got {value!r}")
+        return (lo, hi)
+    return (0.0, math.inf)
+
+
+def _activation(r: _Reader, key: str, default: str) -> str:
+    act = r.opt(key, default, str)
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise r.error(key, f"unsupported activation {act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
+    return act
+
+
+def _rope(r: _Reader, default_partial: float) -> tuple[float, float]:
+    """(rope_theta, partial_rotary_factor) from ``rope_parameters`` or the legacy keys."""
+    params = r.data.get("rope_parameters")
+    if params is None:
+        params = r.data.get("rope_scaling")
+    if params is not None and not isinstance(params, dict):
+        raise r.error("rope_parameters", f"expected an object, got {params!r}")
+    params = params or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise r.error(
+            "rope_parameters.rope_type",
+            f"RoPE scaling {rope_type!r} is not supported yet; only 'default' is",
+        )
+    theta = params.get("rope_theta", r.data.get("rope_theta", 10000.0))
+    theta = _json_float(r, "rope_parameters.rope_theta", theta)
+    partial = params.get("partial_rotary_factor", r.data.get("partial_rotary_factor", default_partial))
+    partial = _json_float(r, "rope_parameters.partial_rotary_factor", partial)
+    if not 0.0 < partial <= 1.0:
+        raise r.error("rope_parameters.partial_rotary_factor", f"must be in (0, 1], got {partial}")
+    return theta, partial
+
+
+def _token_ids(r: _Reader) -> tuple[int | None, tuple[int, ...], int | None]:
+    eos = r.data.get("eos_token_id")
+    if eos is None:
+        eos_ids: tuple[int, ...] = ()
+    elif isinstance(eos, int) and not isinstance(eos, bool):
+        eos_ids = (eos,)
+    elif isinstance(eos, list) and all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
+        eos_ids = tuple(eos)
+    else:
+        raise r.error("eos_token_id", f"expected an integer or a list of integers, got {eos!r}")
+    return r.opt("bos_token_id", None), eos_ids, r.opt("pad_token_id", None)
+
+
+def _dtype_name(r: _Reader) -> str | None:
+    value = r.data.get("dtype", r.data.get("torch_dtype"))
+    return value if isinstance(value, str) else None
+
+
+def _attention_params(
+    r: _Reader, *, head_dim_key_default: bool, bias: bool, scale: float | None, rope: bool,
+    default_partial: float = 1.0,
+) -> AttentionParams:
+    hidden = r.req("hidden_size")
+    heads = r.req("num_attention_heads")
+    kv_heads = r.opt("num_key_value_heads", heads)
+    if heads <= 0 or kv_heads <= 0 or heads % kv_heads:
+        raise r.error(
+            "num_key_value_heads",
+            f"num_attention_heads ({heads}) must be a positive multiple of it ({kv_heads})",
+        )
+    if head_dim_key_default:
+        head_dim = r.opt("head_dim", None) or hidden // heads
+    else:
+        head_dim = r.opt("head_dim", 128)  # NemotronHConfig's default
+    theta, partial = _rope(r, default_partial) if rope else (None, 1.0)
+    return AttentionParams(
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        bias=bias,
+        scale=scale if scale is not None else head_dim**-0.5,
+        rope_theta=theta,
+        partial_rotary_factor=partial,
+    )
+
+
+def _mamba_heads(r: _Reader, hidden: int, heads_key: str, expand: int) -> tuple[int, int]:
+    heads = r.req(heads_key)
+    intermediate = expand * hidden
+    head_dim = r.data.get("mamba_d_head", "auto")
+    if head_dim in (None, "auto"):
+        if heads <= 0 or intermediate % heads:
+            raise r.error(heads_key, f"must divide mamba_expand * hidden_size ({intermediate})")
+        head_dim = intermediate // heads
+    elif isinstance(head_dim, bool) or not isinstance(head_dim, int):
+        raise r.error("mamba_d_head", f"expected an integer or 'auto', got {head_dim!r}")
+    if heads * head_dim != intermediate:
+        raise r.error(
+            "mamba_d_head",
+            f"mamba_n_heads * mamba_d_head ({heads} * {head_dim}) must equal "
+            f"mamba_expand * hidden_size ({intermediate})",
+        )
+    return heads, head_dim
+
+
+def _check_mamba_groups(r: _Reader, key: str, n_heads: int, n_groups: int) -> None:
+    if n_groups <= 0 or n_heads % n_groups:
+        raise r.error(key, f"must divide the number of Mamba heads ({n_heads}), got {n_groups}")
+
+
+_GRANITE_LAYER_NAMES = {
+    "mamba": MAMBA,
+    "linear_attention": MAMBA,
+    "attention": ATTENTION,
+    "full_attention": ATTENTION,
+}
+
+
+def _parse_granite(r: _Reader, arch: str) -> ModelConfig:
+    experts = r.opt("num_local_experts", 8)  # transformers' default when the key is absent
+    if experts > 0:
+        raise r.error(
+            "num_local_experts",
+            f"{experts} experts: mixture-of-experts Granite models are not supported yet; "
+            "only dense ones (num_local_experts: 0) are",
+        )
+    hidden = r.req("hidden_size")
+    n_layers = r.req("num_hidden_layers")
+    raw = r.data.get("layer_types", r.data.get("layers_block_type"))
+    if raw is None:
+        raw = ["mamba"] * n_layers  # transformers' default: all Mamba
+    if not isinstance(raw, list) or len(raw) != n_layers:
+        raise r.error("layer_types", f"expected a list of {n_layers} layer types, got {raw!r}")
+    layer_types = []
+    for t in raw:
+        if t not in _GRANITE_LAYER_NAMES:
+            raise r.error(
+                "layer_types",
+                f"unknown layer type {t!r}; expected one of {sorted(_GRANITE_LAYER_NAMES)}",
+            )
+        layer_types.append(_GRANITE_LAYER_NAMES[t])
+    pos = r.opt("position_embedding_type", None, str)
+    if pos not in (None, "rope", "nope"):
+        raise r.error("position_embedding_type", f"expected 'rope' or null, got {pos!r}")
+    act = _activation(r, "hidden_act", "silu")
+    eps = r.opt("rms_norm_eps", 1e-6, float)
+    attn = None
+    if ATTENTION in layer_types:
+        attn = _attention_params(
+            r,
+            head_dim_key_default=True,
+            bias=r.opt("attention_bias", False, bool),
+            scale=r.opt("attention_multiplier", 1.0, float),
+            rope=pos == "rope",
+        )
+    mamba = None
+    if MAMBA in layer_types:
+        expand = r.opt("mamba_expand", 2)
+        n_heads, head_dim = _mamba_heads(r, hidden, "mamba_n_heads", expand)
+        n_groups = r.opt("mamba_n_groups", 1)
+        _check_mamba_groups(r, "mamba_n_groups", n_heads, n_groups)
+        mamba = MambaParams(
+            n_heads=n_heads,
+            head_dim=head_dim,
+            n_groups=n_groups,
+            d_state=r.opt("mamba_d_state", 256),
+            d_conv=r.opt("mamba_d_conv", 4),
+            expand=expand,
+            chunk_size=r.opt("mamba_chunk_size", 256),
+            conv_bias=r.opt("mamba_conv_bias", True, bool),
+            proj_bias=r.opt("mamba_proj_bias", False, bool),
+            activation=act,
+            norm_eps=eps,
+            time_step_limit=_time_step_limit(r),
+            time_step_min=r.opt("time_step_min", 0.001, float),
+            time_step_max=r.opt("time_step_max", 0.1, float),
+        )
+    bos, eos, pad = _token_ids(r)
+    return ModelConfig(
+        architecture=arch,
+        model_type=r.opt("model_type", "granitemoehybrid", str),
+        vocab_size=r.req("vocab_size"),
+        hidden_size=hidden,
+        layer_types=tuple(layer_types),
+        layer_has_mlp=True,
+        attention=attn,
+        mamba=mamba,
+        mlp=MLPParams("gated_fused", r.opt("shared_intermediate_size", 1024), act, False),
+        norm_eps=eps,
+        norm_weight_in_fp32=False,
+        tie_word_embeddings=r.opt("tie_word_embeddings", False, bool),
+        embedding_multiplier=r.opt("embedding_multiplier", 1.0, float),
+        residual_multiplier=r.opt("residual_multiplier", 1.0, float),
+        logits_scaling=r.opt("logits_scaling", 1.0, float),
+        max_position_embeddings=r.opt("max_position_embeddings", 2048),
+        bos_token_id=bos,
+        eos_token_ids=eos,
+        pad_token_id=pad,
+        torch_dtype=_dtype_name(r),
+    )
+
+
+_NEMOTRON_PATTERN = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": "moe"}
+_NEMOTRON_NAMES = {
+    "mamba": MAMBA,
+    "linear_attention": MAMBA,
+    "attention": ATTENTION,
+    "full_attention": ATTENTION,
+    "mlp": MLP,
+    "moe": "moe",
+}
+
+
+def _parse_nemotron(r: _Reader, arch: str) -> ModelConfig:
+    hidden = r.req("hidden_size")
+    field = next((k for k in ("layers_block_type", "layer_types") if r.has(k)), None)
+    if field is not None:
+        raw = r.data[field]
+        if not isinstance(raw, list) or any(t not in _NEMOTRON_NAMES for t in raw):
+            raise r.error(
+                field, f"expected a list of {sorted(_NEMOTRON_NAMES)}, got {raw!r}"
+            )
+        layer_types = [_NEMOTRON_NAMES[t] for t in raw]
+    elif r.has("hybrid_override_pattern"):
+        field = "hybrid_override_pattern"
+        pattern = r.req(field, str)
+        bad = sorted(set(pattern) - set(_NEMOTRON_PATTERN))
+        if bad:
+            raise r.error(field, f"unknown layer codes {bad}; expected M (mamba), * (attention), - (mlp)")
+        layer_types = [_NEMOTRON_PATTERN[c] for c in pattern]
+    else:
+        raise r.error(
+            "layers_block_type",
+            "missing; give 'layers_block_type' (a list) or 'hybrid_override_pattern' (e.g. \"M-M*\")",
+        )
+    if not layer_types:
+        raise r.error(field, "no layers")
+    if "moe" in layer_types:
+        idx = [i for i, t in enumerate(layer_types) if t == "moe"]
+        raise r.error(
+            field,
+            f"layers {idx} are mixture-of-experts ('E' / 'moe'); MoE Nemotron-H models are not "
+            "supported yet",
+        )
+    eps = r.opt("layer_norm_epsilon", 1e-5, float)
+    attn = None
+    if ATTENTION in layer_types:
+        # transformers' NemotronHAttention builds q/k/v/o without bias and without RoPE.
+        attn = _attention_params(r, head_dim_key_default=False, bias=False, scale=None, rope=False)
+    mamba = None
+    if MAMBA in layer_types:
+        n_heads = r.req("mamba_num_heads")
+        n_groups = r.first(("mamba_n_groups", "n_groups"), 8)
+        _check_mamba_groups(r, "n_groups", n_heads, n_groups)
+        t_min = r.first(("mamba_dt_min", "time_step_min"), 0.001, float)
+        mamba = MambaParams(
+            n_heads=n_heads,
+            head_dim=r.req("mamba_head_dim"),
+            n_groups=n_groups,
+            d_state=r.opt("ssm_state_size", 128),
+            d_conv=r.first(("mamba_d_conv", "conv_kernel"), 4),
+            expand=r.first(("mamba_expand", "expand"), 2),
+            chunk_size=r.first(("mamba_chunk_size", "chunk_size"), 128),
+            conv_bias=r.first(("mamba_conv_bias", "use_conv_bias"), True, bool),
+            proj_bias=r.opt("use_bias", False, bool),
+            activation=_activation(r, "mamba_hidden_act", "silu"),
+            norm_eps=eps,
+            # transformers ignores the file's time_step_limit and uses (time_step_min, inf).
+            time_step_limit=(t_min, math.inf),
+            time_step_min=t_min,
+            time_step_max=r.first(("mamba_dt_max", "time_step_max"), 0.1, float),
+        )
+    mlp = None
+    if MLP in layer_types:
+        mlp = MLPParams(
+            "plain",
+            r.req("intermediate_size"),
+            _activation(r, "mlp_hidden_act", "relu2"),
+            r.opt("mlp_bias", False, bool),
+        )
+    bos, eos, pad = _token_ids(r)
+    return ModelConfig(
+        architecture=arch,
+        model_type=r.opt("model_type", "nemotron_h", str),
+        vocab_size=r.req("vocab_size"),
+        hidden_size=hidden,
+        layer_types=tuple(layer_types),
+        layer_has_mlp=False,
+        attention=attn,
+        mamba=mamba,
+        mlp=mlp,
+        norm_eps=eps,
+        norm_weight_in_fp32=True,
+        tie_word_embeddings=r.opt("tie_word_embeddings", False, bool),
+        embedding_multiplier=1.0,
+        residual_multiplier=1.0,
+        logits_scaling=1.0,
+        max_position_embeddings=r.opt("max_position_embeddings", 4096),
+        bos_token_id=bos,
+        eos_token_ids=eos,
+        pad_token_id=pad,
+        torch_dtype=_dtype_name(r),
+    )
+
+
+def _parse_bamba(r: _Reader, arch: str) -> ModelConfig:
+    hidden = r.req("hidden_size")
+    n_layers = r.req("num_hidden_layers")
+    attn_idx = r.opt("attn_layer_indices", [], list)
+    if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n_layers for i in attn_idx):
+        raise r.error(
+            "attn_layer_indices", f"expected layer indices in [0, {n_layers}), got {attn_idx!r}"
+        )
+    layer_types = tuple(ATTENTION if i in attn_idx else MAMBA for i in range(n_layers))
+    act = _activation(r, "hidden_act", "silu")
+    eps = r.opt("rms_norm_eps", 1e-5, float)
+    attn = None
+    if ATTENTION in layer_types:
+        # transformers' BambaConfig hard-codes partial_rotary_factor 0.5 unless the file sets one.
+        attn = _attention_params(
+            r,
+            head_dim_key_default=True,
+            bias=r.opt("attention_bias", False, bool),
+            scale=None,
+            rope=True,
+            default_partial=0.5,
+        )
+    mamba = None
+    if MAMBA in layer_types:
+        expand = r.opt("mamba_expand", 2)
+        n_heads, head_dim = _mamba_heads(r, hidden, "mamba_n_heads", expand)
+        n_groups = r.opt("mamba_n_groups", 1)
+        _check_mamba_groups(r, "mamba_n_groups", n_heads, n_groups)
+        mamba = MambaParams(
+            n_heads=n_heads,
+            head_dim=head_dim,
+            n_groups=n_groups,
+            d_state=r.opt("mamba_d_state", 256),
+            d_conv=r.opt("mamba_d_conv", 4),
+            expand=expand,
+            chunk_size=r.opt("mamba_chunk_size", 256),
+            conv_bias=r.opt("mamba_conv_bias", True, bool),
+            proj_bias=r.opt("mamba_proj_bias", False, bool),
+            activation=act,
+            norm_eps=eps,
+            time_step_limit=_time_step_limit(r),
+            time_step_min=r.opt("time_step_min", 0.001, float),
+            time_step_max=r.opt("time_step_max", 0.1, float),
+        )
+    bos, eos, pad = _token_ids(r)
+    return ModelConfig(
+        architecture=arch,
+        model_type=r.opt("model_type", "bamba", str),
+        vocab_size=r.req("vocab_size"),
+        hidden_size=hidden,
+        layer_types=layer_types,
+        layer_has_mlp=True,
+        attention=attn,
+        mamba=mamba,
+        mlp=MLPParams("gated", r.req("intermediate_size"), act, r.opt("mlp_bias", False, bool)),
+        norm_eps=eps,
+        norm_weight_in_fp32=False,
+        tie_word_embeddings=r.opt("tie_word_embeddings", False, bool),
+        embedding_multiplier=1.0,
+        residual_multiplier=1.0,
+        logits_scaling=1.0,
+        max_position_embeddings=r.opt("max_position_embeddings", 262144),
+        bos_token_id=bos,
+        eos_token_ids=eos,
+        pad_token_id=pad,
+        torch_dtype=_dtype_name(r),
+    )
+
+
+_PARSERS = {
+    "GraniteMoeHybridForCausalLM": _parse_granite,
+    "NemotronHForCausalLM": _parse_nemotron,
+    "BambaForCausalLM": _parse_bamba,
+}

@@ -1,0 +1,208 @@
+"""One hybrid decoder shared by every supported architecture.
+
+A decoder layer is ``h += mixer(norm(h))`` followed, where the architecture has one, by
+``h += mlp(norm2(h))`` (both scaled by Granite's ``residual_multiplier``). The mixer is a
+Mamba2 mixer, an attention layer, or (Nemotron-H) a plain MLP. The architectures differ
+only in module names (which must equal their checkpoints' weight names), their MLP
+flavour and a few multipliers; :class:`LayerNames` captures the names, the rest comes
+from :class:`~hybridserve.models.config.ModelConfig`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from hybridserve.models.base import CacheSpec
+from hybridserve.models.batch import ForwardBatch, ModelCaches
+from hybridserve.models.config import ATTENTION, MAMBA, ModelConfig
+from hybridserve.models.layers.attention import Attention
+from hybridserve.models.layers.mamba2 import Mamba2Mixer
+from hybridserve.models.layers.mlp import build_mlp
+from hybridserve.models.layers.norm import RMSNorm
+
+
+@dataclass(frozen=True)
+class LayerNames:
+    """Attribute names that make ``state_dict()`` keys equal the checkpoint's."""
+
+    embed: str
+    final_norm: str
+    input_norm: str
+    mamba: str
+    attention: str
+    mlp_mixer: str  # a layer whose mixer is an MLP (Nemotron-H "-")
+    post_norm: str | None  # norm before the per-layer MLP, if the architecture has one
+    mlp: str | None
+
+
+class DecoderLayer(nn.Module):
+    """One decoder layer; see the module docstring."""
+
+    def __init__(self, config: ModelConfig, index: int, names: LayerNames) -> None:
+        super().__init__()
+        self.index = index
+        self.kind = config.layer_types[index]
+        self.residual_multiplier = config.residual_multiplier
+        hidden = config.hidden_size
+        self._names = names
+        self.add_module(names.input_norm, RMSNorm(hidden, config.norm_eps, config.norm_weight_in_fp32))
+        if self.kind == MAMBA:
+            self._mixer = names.mamba
+            self.add_module(names.mamba, Mamba2Mixer(hidden, config.mamba))
+        elif self.kind == ATTENTION:
+            self._mixer = names.attention
+            self.add_module(names.attention, Attention(hidden, config.attention))
+        else:
+            self._mixer = names.mlp_mixer
+            self.add_module(names.mlp_mixer, build_mlp(hidden, config.mlp))
+        self.has_mlp = config.layer_has_mlp
+        if self.has_mlp:
+            self.add_module(names.post_norm, RMSNorm(hidden, config.norm_eps, config.norm_weight_in_fp32))
+            self.add_module(names.mlp, build_mlp(hidden, config.mlp))
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+        x = getattr(self, self._names.input_norm)(h)
+        mixer = getattr(self, self._mixer)
+        if self.kind == MAMBA:
+            x = mixer(x, batch, caches.conv[self.index], caches.ssm[self.index])
+        elif self.kind == ATTENTION:
+            x = mixer(x, batch, caches.kv[self.index])
+        else:
+            x = mixer(x)
+        h = h + x * self.residual_multiplier
+        if self.has_mlp:
+            x = getattr(self, self._names.mlp)(getattr(self, self._names.post_norm)(h))
+            h = h + x * self.residual_multiplier
+        return h
+
+
+class HybridBackbone(nn.Module):
+    """Embedding, decoder layers and final norm (the checkpoint's ``model.*``)."""
+
+    def __init__(self, config: ModelConfig, names: LayerNames) -> None:
+        super().__init__()
+        self._names = names
+        self.embedding_multiplier = config.embedding_multiplier
+        self.add_module(names.embed, nn.Embedding(config.vocab_size, config.hidden_size))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, names) for i in range(config.num_layers)
+        )
+        self.add_module(
+            names.final_norm,
+            RMSNorm(config.hidden_size, config.norm_eps, config.norm_weight_in_fp32),
+        )
+
+    @property
+    def embed(self) -> nn.Embedding:
+        return getattr(self, self._names.embed)
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+        h = self.embed(input_ids)
+        if self.embedding_multiplier != 1.0:
+            h = h * self.embedding_multiplier
+        for layer in self.layers:
+            h = layer(h, batch, caches)
+        return getattr(self, self._names.final_norm)(h)
+
+
+class HybridForCausalLM(nn.Module):
+    """A hybrid Mamba2/attention causal LM implementing :class:`~hybridserve.models.base.HybridModel`.
+
+    Subclasses set :attr:`names` (and the registry maps ``config.architecture`` to them).
+    ``forward`` only reads ``batch`` and writes the caches named in
+    :mod:`hybridserve.models.batch`; it keeps no state between calls.
+    """
+
+    names: ClassVar[LayerNames]
+    # (prefix in the file, prefix in state_dict()) pairs for checkpoints that name the
+    # backbone differently from transformers' in-memory module tree.
+    checkpoint_prefixes: ClassVar[tuple[tuple[str, str], ...]] = ()
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = HybridBackbone(config, self.names)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        m, a = config.mamba, config.attention
+        self.cache_spec = CacheSpec(
+            attention_layers=config.attention_layers,
+            num_kv_heads=a.num_kv_heads if a else 0,
+            head_dim=a.head_dim if a else 0,
+            mamba_layers=config.mamba_layers,
+            conv_dim=m.conv_dim if m else 0,
+            d_conv=m.d_conv if m else 1,
+            num_ssm_heads=m.n_heads if m else 0,
+            ssm_head_dim=m.head_dim if m else 0,
+            d_state=m.d_state if m else 0,
+        )
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+        """``input_ids [T]`` (packed rows) -> hidden ``[T, hidden_size]`` after the final norm."""
+        return self.model(input_ids, batch, caches)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden_size]`` -> float32 ``[N, vocab_size]`` (divided by ``logits_scaling``)."""
+        weight = self.model.embed.weight if self.lm_head is None else self.lm_head.weight
+        logits = torch.nn.functional.linear(hidden, weight).float()
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
+        return logits
+
+
+class GraniteMoeHybridForCausalLM(HybridForCausalLM):
+    """IBM Granite 4.0-H (dense: ``num_local_experts == 0``)."""
+
+    names = LayerNames(
+        embed="embed_tokens",
+        final_norm="norm",
+        input_norm="input_layernorm",
+        mamba="mamba",
+        attention="self_attn",
+        mlp_mixer="shared_mlp",
+        post_norm="post_attention_layernorm",
+        mlp="shared_mlp",
+    )
+
+
+class NemotronHForCausalLM(HybridForCausalLM):
+    """NVIDIA Nemotron-H (dense: M / * / - layers).
+
+    Its checkpoints (and transformers' ``save_pretrained``) name the backbone
+    ``backbone.*``; transformers renames it to ``model.*`` in memory, and so do we.
+    """
+
+    checkpoint_prefixes = (("backbone.", "model."),)
+
+    names = LayerNames(
+        embed="embeddings",
+        final_norm="norm_f",
+        input_norm="norm",
+        mamba="mixer",
+        attention="mixer",
+        mlp_mixer="mixer",
+        post_norm=None,
+        mlp=None,
+    )
+
+
+class BambaForCausalLM(HybridForCausalLM):
+    """IBM Bamba."""
+
+    names = LayerNames(
+        embed="embed_tokens",
+        final_norm="final_layernorm",
+        input_norm="input_layernorm",
+        mamba="mamba",
+        attention="self_attn",
+        mlp_mixer="feed_forward",
+        post_norm="pre_ff_layernorm",
+        mlp="feed_forward",
+    )

@@ -1,0 +1,91 @@
+"""Grouped-query attention over the paged KV cache (torch reference path).
+
+Per step (see :mod:`hybridserve.models.batch`): keys and values of every packed token are
+written to their ``slot_mapping`` slot first, then each row attends over its first
+``context_lens[i]`` cached tokens, causally: a token at absolute position ``p`` sees the
+keys at positions ``0 .. p``. Rows are processed one at a time; that is the CPU reference,
+not the GPU path.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridserve.models.batch import ForwardBatch
+from hybridserve.models.config import AttentionParams
+from hybridserve.models.layers.rotary import apply_rope, rope_cos_sin
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: ForwardBatch,
+    scale: float,
+) -> torch.Tensor:
+    """Attend ``q [T, H, D]`` over the paged cache (already holding this step's keys).
+
+    ``k_cache, v_cache``: ``[num_blocks, block_size, KV, D]``. Returns ``[T, H, D]`` in
+    ``q.dtype``; scores and softmax are computed in float32 (or float64 for float64 input).
+    """
+    num_heads = q.shape[1]
+    block_size, num_kv = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv
+    compute = torch.promote_types(q.dtype, torch.float32)
+    flat_k = k_cache.reshape(-1, num_kv, k_cache.shape[-1])
+    flat_v = v_cache.reshape(-1, num_kv, v_cache.shape[-1])
+    out = torch.empty_like(q)
+    offsets = torch.arange(block_size, device=q.device)
+    for i in range(batch.num_rows):
+        s, e = batch.query_start[i], batch.query_start[i + 1]
+        if e == s:
+            continue
+        ctx = batch.context_lens[i]
+        n_blocks = -(-ctx // block_size)
+        blocks = batch.block_tables[i, :n_blocks].to(torch.int64)
+        slots = (blocks[:, None] * block_size + offsets[None, :]).reshape(-1)[:ctx]
+        keys = flat_k[slots].to(compute).repeat_interleave(group, dim=1)  # [ctx, H, D]
+        values = flat_v[slots].to(compute).repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[s:e].to(compute), keys) * scale
+        key_pos = torch.arange(ctx, device=q.device)
+        visible = key_pos[None, :] <= batch.positions[s:e, None].to(q.device)  # [q, ctx]
+        scores = scores.masked_fill(~visible[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[s:e] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
+    return out
+
+
+class Attention(nn.Module):
+    """q/k/v/o projections + optional (partial) RoPE + paged causal attention."""
+
+    def __init__(self, hidden_size: int, p: AttentionParams) -> None:
+        super().__init__()
+        self.p = p
+        self.q_proj = nn.Linear(hidden_size, p.num_heads * p.head_dim, bias=p.bias)
+        self.k_proj = nn.Linear(hidden_size, p.num_kv_heads * p.head_dim, bias=p.bias)
+        self.v_proj = nn.Linear(hidden_size, p.num_kv_heads * p.head_dim, bias=p.bias)
+        self.o_proj = nn.Linear(p.num_heads * p.head_dim, hidden_size, bias=p.bias)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        batch: ForwardBatch,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """``h [T, hidden]`` -> ``[T, hidden]``; writes this step's K/V at ``batch.slot_mapping``."""
+        p = self.p
+        t = h.shape[0]
+        q = self.q_proj(h).view(t, p.num_heads, p.head_dim)
+        k = self.k_proj(h).view(t, p.num_kv_heads, p.head_dim)
+        v = self.v_proj(h).view(t, p.num_kv_heads, p.head_dim)
+        if p.rotary_dim:
+            cos, sin = rope_cos_sin(batch.positions, p.rotary_dim, p.rope_theta, q.dtype)
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+        k_cache, v_cache = kv_cache
+        slots = batch.slot_mapping.to(torch.int64)
+        k_cache.view(-1, p.num_kv_heads, p.head_dim)[slots] = k.to(k_cache.dtype)
+        v_cache.view(-1, p.num_kv_heads, p.head_dim)[slots] = v.to(v_cache.dtype)
+        out = paged_attention_reference(q, k_cache, v_cache, batch, p.scale)
+        return self.o_proj(out.reshape(t, p.num_heads * p.head_dim))

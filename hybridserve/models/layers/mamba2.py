@@ -1,0 +1,105 @@
+"""Mamba2 mixer against :class:`~hybridserve.models.batch.ForwardBatch` (torch reference path).
+
+Per row: in_proj -> split (z, xBC, dt) -> causal depthwise conv starting from the row's
+conv window -> SSD scan starting from the row's SSM state -> D skip -> grouped gated
+RMSNorm -> out_proj. The row's initial state is page ``state_in_page[i]`` (zeros for
+-1); every requested ``(offset, page)`` gets the conv window and SSM state *after* the
+row's token at that offset (see :mod:`hybridserve.models.batch`).
+
+All initial states are gathered before any page is written, so the result does not
+depend on the order rows are processed in even if a caller broke the "never write a
+page you read" rule.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridserve.kernels.conv1d import causal_conv1d_reference
+from hybridserve.kernels.ssd import discretize_dt, ssd_chunked_reference, ssd_step_reference
+from hybridserve.models.batch import ForwardBatch
+from hybridserve.models.config import MambaParams
+from hybridserve.models.layers.norm import GatedRMSNorm
+
+
+class Mamba2Mixer(nn.Module):
+    """Module names and shapes match the Hugging Face checkpoints (``in_proj``, ``conv1d``,
+    ``dt_bias``, ``A_log``, ``D``, ``norm``, ``out_proj``)."""
+
+    def __init__(self, hidden_size: int, p: MambaParams) -> None:
+        super().__init__()
+        self.p = p
+        self.in_proj = nn.Linear(
+            hidden_size, p.intermediate_size + p.conv_dim + p.n_heads, bias=p.proj_bias
+        )
+        self.conv1d = nn.Conv1d(
+            p.conv_dim, p.conv_dim, p.d_conv, groups=p.conv_dim, bias=p.conv_bias,
+            padding=p.d_conv - 1,
+        )
+        self.dt_bias = nn.Parameter(torch.ones(p.n_heads))
+        self.A_log = nn.Parameter(torch.zeros(p.n_heads))
+        self.D = nn.Parameter(torch.ones(p.n_heads))
+        self.norm = GatedRMSNorm(p.intermediate_size, p.n_groups, p.norm_eps)
+        self.out_proj = nn.Linear(p.intermediate_size, hidden_size, bias=p.proj_bias)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        batch: ForwardBatch,
+        conv_cache: torch.Tensor,
+        ssm_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """``h [T, hidden]`` -> ``[T, hidden]``; writes the requested states to their pages."""
+        p = self.p
+        zxbcdt = self.in_proj(h)
+        z, xbc, dt = zxbcdt.split([p.intermediate_size, p.conv_dim, p.n_heads], dim=-1)
+        weight = self.conv1d.weight[:, 0, :]
+        bias = self.conv1d.bias
+        A = -torch.exp(self.A_log.float())
+        gs = p.n_groups * p.d_state
+
+        initial = [
+            (conv_cache[page], ssm_cache[page]) if page >= 0 else (None, None)
+            for page in batch.state_in_page
+        ]
+        writes: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        y = torch.empty(h.shape[0], p.intermediate_size, dtype=torch.float32, device=h.device)
+        for i in range(batch.num_rows):
+            s, e = batch.query_start[i], batch.query_start[i + 1]
+            q = e - s
+            if q == 0:
+                continue
+            outputs = batch.state_outputs_of(i)
+            offsets = [off for off, _ in outputs]
+            conv_in, ssm_in = initial[i]
+            xbc_i, windows = causal_conv1d_reference(
+                xbc[s:e], weight, bias, conv_in, p.activation, offsets
+            )
+            x, B, C = xbc_i.split([p.intermediate_size, gs, gs], dim=-1)
+            x = x.reshape(q, p.n_heads, p.head_dim)
+            B = B.reshape(q, p.n_groups, p.d_state)
+            C = C.reshape(q, p.n_groups, p.d_state)
+            # A one-token continuation takes the per-token recurrent step, as the reference
+            # implementation's decode does (which also skips the dt clamp there).
+            single = q == 1 and ssm_in is not None
+            limit = p.time_step_limit
+            if single and not p.clamp_dt_in_single_token_step:
+                limit = None
+            dt_i = discretize_dt(dt[s:e], self.dt_bias, limit)
+            if single:
+                y0, state = ssd_step_reference(x[0], dt_i[0], A, B[0], C[0], self.D, ssm_in)
+                y_i = y0[None]
+                states = state[None].expand(len(offsets), *state.shape)
+            else:
+                y_i, states = ssd_chunked_reference(
+                    x, dt_i, A, B, C, p.chunk_size, self.D, ssm_in, offsets
+                )
+            y[s:e] = y_i.reshape(q, -1)
+            for (_, page), window, state in zip(outputs, windows, states):
+                writes.append((page, window, state))
+        for page, window, state in writes:
+            conv_cache[page] = window.to(conv_cache.dtype)
+            ssm_cache[page] = state.to(ssm_cache.dtype)
+        y = self.norm(y, z)
+        return self.out_proj(y.to(h.dtype))

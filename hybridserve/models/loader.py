@@ -1,0 +1,179 @@
+"""Load a Hugging Face checkpoint directory into a model of :mod:`hybridserve.models`.
+
+Reads ``config.json`` (through :class:`~hybridserve.models.config.ModelConfig`) and either a
+single ``model.safetensors`` or the shards listed in ``model.safetensors.index.json``.
+Weight names must be exactly those ``transformers`` writes for the architecture, so
+``save_pretrained`` output loads as is. Every expected weight must be present with the
+expected shape and nothing unknown may be present, except names a checkpoint may carry
+that the model does not use: ``lm_head.weight`` when embeddings are tied, and Nemotron-H's
+multi-token-prediction ``mtp.*`` weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from hybridserve.models.config import ModelConfig
+from hybridserve.models.hybrid import HybridForCausalLM
+from hybridserve.models.registry import model_class
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+class CheckpointError(ValueError):
+    """The weights of a checkpoint cannot be loaded; the message names the file and weight."""
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """``torch.float32/bfloat16/float16`` or one of their names (``"bf16"``, ``"float16"``...)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype in (torch.float32, torch.bfloat16, torch.float16):
+            return dtype
+    elif isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in _DTYPES:
+        return _DTYPES[dtype.lower().removeprefix("torch.")]
+    raise ValueError(f"unsupported model dtype {dtype!r}; use float32, bfloat16 or float16")
+
+
+def _ignored(config: ModelConfig, name: str) -> bool:
+    if config.tie_word_embeddings and name == "lm_head.weight":
+        return True
+    return config.architecture == "NemotronHForCausalLM" and re.match(r"mtp\.", name) is not None
+
+
+def _model_name(cls: type[HybridForCausalLM], name: str) -> str:
+    for on_disk, in_model in cls.checkpoint_prefixes:
+        if name.startswith(on_disk):
+            return in_model + name[len(on_disk) :]
+    return name
+
+
+def checkpoint_files(path: Path) -> dict[str, Path]:
+    """Map every weight name of the checkpoint at ``path`` to the file that holds it."""
+    index = path / INDEX_FILE
+    single = path / SINGLE_FILE
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: unreadable shard index ({e}); expected a 'weight_map' object") from e
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: 'weight_map' must map weight names to shard files")
+        files: dict[str, Path] = {}
+        shards: dict[str, list[str]] = {}
+        for name, shard in weight_map.items():
+            shards.setdefault(shard, []).append(name)
+        for shard, names in shards.items():
+            f = path / shard
+            actual = set(_keys(f))
+            for name in names:
+                if name not in actual:
+                    raise CheckpointError(f"{f}: weight {name!r} listed in {INDEX_FILE} is not in the shard")
+                files[name] = f
+        return files
+    if single.exists():
+        return dict.fromkeys(_keys(single), single)
+    raise CheckpointError(
+        f"{path}: no weights found; expected {SINGLE_FILE} or {INDEX_FILE} in the checkpoint directory"
+    )
+
+
+def _keys(file: Path) -> list[str]:
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            return list(f.keys())
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{file}: shard file is missing") from e
+    except Exception as e:  # safetensors raises its own error types for corrupt headers
+        raise CheckpointError(f"{file}: unreadable or truncated safetensors file ({e})") from e
+
+
+def load_model(
+    path: str | os.PathLike[str],
+    dtype: torch.dtype | str = torch.float32,
+    device: torch.device | str = "cpu",
+    config: ModelConfig | None = None,
+) -> HybridForCausalLM:
+    """Build the model described by ``path/config.json`` and load its weights.
+
+    Args:
+        path: checkpoint directory.
+        dtype: parameter dtype (weights are converted on load).
+        device: where the parameters live.
+        config: use this config instead of reading ``config.json`` (e.g. one changed
+            with :meth:`ModelConfig.with_overrides`); it must describe the same weights.
+
+    Returns:
+        The model in eval mode with gradients disabled.
+
+    Raises:
+        ConfigError: the config is unsupported or invalid.
+        CheckpointError: a weight is missing, unexpected, misshapen, or a file is unreadable.
+    """
+    path = Path(path)
+    dtype = resolve_dtype(dtype)
+    if config is None:
+        config = ModelConfig.from_pretrained(path)
+    cls = model_class(config.architecture)
+    with torch.device("meta"):
+        model = cls(config)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    files: dict[str, tuple[Path, str]] = {}
+    for disk_name, file in checkpoint_files(path).items():
+        files[_model_name(cls, disk_name)] = (file, disk_name)
+    where = path / INDEX_FILE if (path / INDEX_FILE).exists() else path / SINGLE_FILE
+
+    missing = sorted(set(expected) - set(files))
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise CheckpointError(
+            f"{where}: missing weight(s) {missing[:5]}{more} required by {config.architecture}"
+        )
+    unexpected = sorted(n for n in files if n not in expected and not _ignored(config, n))
+    if unexpected:
+        more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
+        raise CheckpointError(
+            f"{files[unexpected[0]][0]}: unexpected weight(s) "
+            f"{[files[n][1] for n in unexpected[:5]]}{more}, unknown to "
+            f"{config.architecture} with this config.json (wrong architecture or layer layout?)"
+        )
+
+    state: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[str]] = {}
+    for name in expected:
+        by_file.setdefault(files[name][0], []).append(name)
+    for file, names in by_file.items():
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in names:
+                    disk_name = files[name][1]
+                    shape = tuple(f.get_slice(disk_name).get_shape())
+                    if shape != expected[name]:
+                        raise CheckpointError(
+                            f"{file}: weight {disk_name!r} has shape {list(shape)}, expected "
+                            f"{list(expected[name])} from config.json"
+                        )
+                    state[name] = f.get_tensor(disk_name).to(device=device, dtype=dtype)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{file}: unreadable or truncated safetensors file ({e})") from e
+    model.load_state_dict(state, strict=True, assign=True)
+    model.requires_grad_(False)
+    return model.eval()

@@ -1,0 +1,211 @@
+"""Tiny random hybrid checkpoints for tests.
+
+:func:`make_tiny_checkpoint` builds a real Hugging Face model of one of the supported
+architectures with ``transformers`` (a test dependency, imported on first use), fills
+every parameter with well-spread random values, and writes it with ``save_pretrained``
+(``config.json`` + ``model.safetensors``, float32). Typical use::
+
+    path = make_tiny_checkpoint("granitemoehybrid", tmp_path / "g", layers="AMMA", seed=1)
+    model = hybridserve.models.load_model(path)
+
+Defaults: vocab 256, hidden 64, 4 attention heads / 2 KV heads of width 16, Mamba2 with
+8 heads of width 16, 2 groups, d_state 16, d_conv 4, chunk_size 8 (so prompts of a few
+dozen tokens span several chunks), MLP width 128.
+
+Values are chosen so that greedy decoding is not decided by near-ties: logits have a
+spread of a few units, every norm weight, conv bias, ``D``, ``A_log`` and ``dt_bias`` is
+random (so a weight loaded into the wrong place changes the output), and ``dt`` stays
+well above Nemotron-H's ``time_step_min`` unless a test asks otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ARCHITECTURES = ("granitemoehybrid", "nemotron_h", "bamba")
+
+DEFAULT_LAYERS = {
+    "granitemoehybrid": "MAMMA",
+    "nemotron_h": "M*-M*-",
+    "bamba": "MAMMA",
+}
+
+
+def _layer_codes(arch: str, layers: str) -> list[str]:
+    """Normalise a pattern: ``M`` Mamba, ``A`` or ``*`` attention, ``-`` MLP (Nemotron-H only)."""
+    codes = []
+    for c in layers:
+        if c in "A*":
+            codes.append("A")
+        elif c == "M" or (c == "-" and arch == "nemotron_h"):
+            codes.append(c)
+        else:
+            raise ValueError(f"layer code {c!r} not valid for {arch}; use M, A (or *)" + (
+                ", -" if arch == "nemotron_h" else ""))
+    if not codes:
+        raise ValueError("layers must name at least one layer")
+    return codes
+
+
+def _hf_config(arch: str, codes: list[str], overrides: dict[str, Any]) -> Any:
+    import transformers
+
+    if arch == "granitemoehybrid":
+        kwargs: dict[str, Any] = dict(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            shared_intermediate_size=128,
+            num_hidden_layers=len(codes),
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            layer_types=["attention" if c == "A" else "mamba" for c in codes],
+            num_local_experts=0,
+            mamba_n_heads=8,
+            mamba_d_head=16,
+            mamba_n_groups=2,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_chunk_size=8,
+            position_embedding_type="rope",
+            # Non-trivial multipliers so the loader and model must honour each of them.
+            embedding_multiplier=2.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.125,
+            logits_scaling=1.5,
+            max_position_embeddings=4096,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
+        kwargs.update(overrides)
+        return transformers.GraniteMoeHybridConfig(**kwargs)
+    if arch == "nemotron_h":
+        kwargs = dict(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            layers_block_type=[
+                {"M": "mamba", "A": "attention", "-": "mlp"}[c] for c in codes
+            ],
+            mamba_num_heads=8,
+            mamba_head_dim=16,
+            n_groups=2,
+            ssm_state_size=16,
+            conv_kernel=4,
+            chunk_size=8,
+            max_position_embeddings=4096,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
+        kwargs.update(overrides)
+        return transformers.NemotronHConfig(**kwargs)
+    kwargs = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=len(codes),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_layer_indices=[i for i, c in enumerate(codes) if c == "A"],
+        mamba_n_heads=8,
+        mamba_d_head=16,
+        mamba_n_groups=2,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_chunk_size=8,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    kwargs.update(overrides)
+    return transformers.BambaConfig(**kwargs)
+
+
+def _model_class(arch: str) -> Any:
+    import transformers
+
+    return {
+        "granitemoehybrid": transformers.GraniteMoeHybridForCausalLM,
+        "nemotron_h": transformers.NemotronHForCausalLM,
+        "bamba": transformers.BambaForCausalLM,
+    }[arch]
+
+
+@torch.no_grad()
+def _randomize(model: torch.nn.Module, hidden: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+
+    def normal(shape: torch.Size, std: float, mean: float = 0.0) -> torch.Tensor:
+        return torch.randn(shape, generator=g) * std + mean
+
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if name.endswith("embed_tokens.weight") or name.endswith("embeddings.weight"):
+            value = normal(p.shape, 1.0)
+        elif name == "lm_head.weight":
+            value = normal(p.shape, 2.5 / math.sqrt(hidden))  # logits spread ~2.5
+        elif leaf == "A_log":
+            value = torch.log(torch.rand(p.shape, generator=g) * 7.0 + 1.0)  # A in [-8, -1]
+        elif leaf == "dt_bias":
+            value = torch.rand(p.shape, generator=g) * 1.5 - 1.0  # softplus in ~[0.3, 1.0]
+        elif leaf == "D":
+            value = normal(p.shape, 0.3, 1.0)
+        elif "conv1d.weight" in name:
+            value = normal(p.shape, 0.5)
+        elif leaf == "bias":
+            value = normal(p.shape, 0.1)
+        elif p.dim() == 1:  # norm weights
+            value = normal(p.shape, 0.1, 1.0)
+        elif p.dim() == 2:
+            value = normal(p.shape, 1.0 / math.sqrt(p.shape[1]))
+        else:
+            raise AssertionError(f"no init rule for parameter {name} {tuple(p.shape)}")
+        p.copy_(value)
+
+
+def make_tiny_checkpoint(
+    arch: str,
+    path: str | os.PathLike[str],
+    *,
+    seed: int = 0,
+    layers: str | None = None,
+    **overrides: Any,
+) -> Path:
+    """Write a tiny random float32 checkpoint of ``arch`` to directory ``path``; return it.
+
+    Args:
+        arch: ``"granitemoehybrid"``, ``"nemotron_h"`` or ``"bamba"``.
+        path: output directory (created if needed).
+        seed: weights are a pure function of ``seed`` and the config.
+        layers: layer pattern, one letter per decoder layer: ``M`` Mamba, ``A`` (or ``*``)
+            attention, ``-`` MLP (Nemotron-H only). Defaults: ``DEFAULT_LAYERS[arch]``.
+        **overrides: keyword arguments for the ``transformers`` config class of ``arch``
+            (e.g. ``mamba_n_groups=4``, ``tie_word_embeddings=True``, ``time_step_min=0.3``).
+
+    Takes well under a second once ``transformers`` is imported.
+    """
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown tiny architecture {arch!r}; expected one of {ARCHITECTURES}")
+    codes = _layer_codes(arch, layers or DEFAULT_LAYERS[arch])
+    config = _hf_config(arch, codes, overrides)
+    model = _model_class(arch)(config)
+    _randomize(model, config.hidden_size, seed)
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    import transformers
+
+    # The shard-writing progress bar would clutter every test log.
+    transformers.utils.logging.disable_progress_bar()
+    model.save_pretrained(out)
+    return out
