@@ -1,0 +1,137 @@
+"""State pages and KV pages through ForwardBatch: the invariants the engine relies on.
+
+- A prompt split over several forwards (each resuming from the previous state page)
+  gives the logits of one forward.
+- States written at arbitrary offsets inside a forward equal the final states of
+  separate forwards stopped at those positions.
+- A speculative-verify row of q tokens writing every offset equals q single-token steps.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_driver import PagedDriver
+
+from hybridserve.models.loader import load_model
+from hybridserve.testing.tiny_models import make_tiny_checkpoint
+
+CASES = [
+    ("granitemoehybrid", "MAMMA", {}),
+    ("nemotron_h", "*M-M*", {"n_groups": 4}),
+    ("bamba", "AMMA", {}),
+]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{a}-{l}" for a, l, _ in CASES])
+def model(request, tmp_path_factory):
+    arch, layers, extra = request.param
+    path = make_tiny_checkpoint(
+        arch, tmp_path_factory.mktemp(arch), seed=10 + CASES.index(request.param), layers=layers, **extra
+    )
+    return load_model(path)
+
+
+def _tokens(n: int) -> list[int]:
+    return torch.randint(3, 256, (n,)).tolist()
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def _states(driver: PagedDriver, page: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    return {
+        layer: (driver.conv_state(layer, page), driver.ssm_state(layer, page))
+        for layer in driver.caches.conv
+    }
+
+
+def _max_state_err(a, b) -> float:
+    return max(
+        max((ca - cb).abs().max().item(), (sa - sb).abs().max().item())
+        for (ca, sa), (cb, sb) in zip(a.values(), b.values())
+    )
+
+
+def test_chunked_prefill_matches_single_forward(model):
+    torch.manual_seed(torch.seed() % 2**31)
+    prompts = {0: _tokens(37), 1: _tokens(29)}
+    # Chunks of 1 and 2 tokens are shorter than the conv window, 13 and 16 cross chunk edges.
+    splits = {0: [5, 1, 2, 13, 16], 1: [12, 1, 3, 13]}
+    whole = PagedDriver(model)
+    expected, _ = whole.step([(0, prompts[0]), (1, prompts[1])])
+    expected = {0: expected[:37], 1: expected[37:]}
+
+    driver = PagedDriver(model)
+    got: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+    pos = {0: 0, 1: 0}
+    for step in range(max(len(s) for s in splits.values())):
+        rows = []
+        for sid in (0, 1):
+            if step < len(splits[sid]):
+                n = splits[sid][step]
+                rows.append((sid, prompts[sid][pos[sid] : pos[sid] + n]))
+                pos[sid] += n
+        logits, _ = driver.step(rows)
+        start = 0
+        for sid, toks in rows:
+            got[sid].append(logits[start : start + len(toks)])
+            start += len(toks)
+    for sid in (0, 1):
+        assert _rel_err(torch.cat(got[sid]), expected[sid]) < 1e-4
+        # The state after the whole prompt is the same either way.
+        assert _max_state_err(
+            _states(driver, driver.seqs[sid].state_page), _states(whole, whole.seqs[sid].state_page)
+        ) <= 1e-5
+
+
+@pytest.mark.parametrize("prefix_len", [0, 10])
+def test_states_at_offsets_equal_separate_runs(model, prefix_len):
+    torch.manual_seed(torch.seed() % 2**31)
+    prefix, body = _tokens(prefix_len), _tokens(25)
+    # 0..2 are shorter than the conv window; 7/8 and 15/16 straddle chunk boundaries
+    # (chunk_size 8); 24 is the last token.
+    offsets = [0, 1, 2, 5, 7, 8, 15, 16, 21, 24]
+    driver = PagedDriver(model)
+    if prefix:
+        driver.step([(0, prefix)])
+    _, pages = driver.step([(0, body)], extra_state_offsets={0: offsets})
+    for off in offsets:
+        ref = PagedDriver(model)
+        ref.step([(0, prefix + body[: off + 1])])
+        err = _max_state_err(_states(driver, pages[0][off]), _states(ref, ref.seqs[0].state_page))
+        assert err <= 1e-5, f"offset {off}: max abs err {err}"
+
+
+def test_verify_row_equals_single_token_steps(model):
+    torch.manual_seed(torch.seed() % 2**31)
+    prompt, draft = _tokens(11), _tokens(4)
+    spec = PagedDriver(model)
+    spec.step([(0, prompt)])
+    verify_logits, pages = spec.step([(0, draft)], extra_state_offsets={0: [0, 1, 2, 3]})
+
+    step = PagedDriver(model)
+    step.step([(0, prompt)])
+    for j, tok in enumerate(draft):
+        logits, _ = step.step([(0, [tok])])
+        assert _rel_err(verify_logits[j], logits[0]) < 1e-4, f"draft position {j}"
+        err = _max_state_err(_states(spec, pages[0][j]), _states(step, step.seqs[0].state_page))
+        assert err <= 1e-5, f"state after draft position {j}: max abs err {err}"
+
+
+def test_mixed_batch_rows_are_independent(model):
+    """Decode rows, a verify row and a prefill row in one forward give each row's solo result."""
+    torch.manual_seed(torch.seed() % 2**31)
+    prompts = [_tokens(n) for n in (9, 17, 4)]
+    new = [_tokens(1), _tokens(4), _tokens(20)]
+    together = PagedDriver(model)
+    together.step([(i, p) for i, p in enumerate(prompts)])
+    logits, _ = together.step([(i, t) for i, t in enumerate(new)])
+    start = 0
+    for i in range(3):
+        solo = PagedDriver(model)
+        solo.step([(0, prompts[i])])
+        expected, _ = solo.step([(0, new[i])])
+        assert _rel_err(logits[start : start + len(new[i])], expected) < 1e-5
+        start += len(new[i])
