@@ -55,7 +55,9 @@ def _check_shapes(x, dt, A, B, C, D, initial_state) -> None:
     if A.shape != (heads,):
         raise ValueError(f"A must be [H={heads}], got {tuple(A.shape)}")
     if B.dim() != 3 or B.shape[0] != length or B.shape != C.shape:
-        raise ValueError(f"B and C must both be [L={length}, G, N], got {tuple(B.shape)}, {tuple(C.shape)}")
+        raise ValueError(
+            f"B and C must both be [L={length}, G, N], got {tuple(B.shape)}, {tuple(C.shape)}"
+        )
     if D is not None and D.shape != (heads,):
         raise ValueError(f"D must be [H={heads}], got {tuple(D.shape)}")
     if initial_state is not None and initial_state.shape != (heads, head_dim, B.shape[-1]):
@@ -217,9 +219,13 @@ def ssd_chunked_reference(
     if D is not None:
         y = y + x.to(compute) * D.to(compute)[:, None]
 
-    states = torch.empty(len(state_offsets), heads, head_dim, d_state, dtype=compute, device=x.device)
+    states = torch.empty(
+        len(state_offsets), heads, head_dim, d_state, dtype=compute, device=x.device
+    )
     for j, t in enumerate(state_offsets):
         c, l = divmod(t, q)
-        intra = torch.einsum("hs,shn,shp->hpn", decay_ls[c, :, l, : l + 1], Bc[c, : l + 1], xdt[c, : l + 1])
+        intra = torch.einsum(
+            "hs,shn,shp->hpn", decay_ls[c, :, l, : l + 1], Bc[c, : l + 1], xdt[c, : l + 1]
+        )
         states[j] = start[c] * decay_from_start[c, :, l][:, None, None] + intra
     return y, states

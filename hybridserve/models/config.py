@@ -28,7 +28,11 @@ MAMBA = "mamba"
 ATTENTION = "attention"
 MLP = "mlp"
 
-SUPPORTED_ARCHITECTURES = ("GraniteMoeHybridForCausalLM", "NemotronHForCausalLM", "BambaForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "GraniteMoeHybridForCausalLM",
+    "NemotronHForCausalLM",
+    "BambaForCausalLM",
+)
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu", "relu2")
 
 
@@ -257,10 +261,12 @@ def _json_float(r: _Reader, field: str, value: Any) -> float:
             pass
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
-    raise r.error(field, f"expected a number (or {{\"__float__\": \"Infinity\"}}), got {value!r}")
+    raise r.error(field, f'expected a number (or {{"__float__": "Infinity"}}), got {value!r}')
 
 
-def _time_step_limit(r: _Reader, keys: tuple[str, ...] = ("time_step_limit",)) -> tuple[float, float]:
+def _time_step_limit(
+    r: _Reader, keys: tuple[str, ...] = ("time_step_limit",)
+) -> tuple[float, float]:
     for key in keys:
         value = r.data.get(key)
         if value is None:
@@ -277,7 +283,9 @@ def _time_step_limit(r: _Reader, keys: tuple[str, ...] = ("time_step_limit",)) -
 def _activation(r: _Reader, key: str, default: str) -> str:
     act = r.opt(key, default, str)
     if act not in SUPPORTED_ACTIVATIONS:
-        raise r.error(key, f"unsupported activation {act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
+        raise r.error(
+            key, f"unsupported activation {act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}"
+        )
     return act
 
 
@@ -297,7 +305,9 @@ def _rope(r: _Reader, default_partial: float) -> tuple[float, float]:
         )
     theta = params.get("rope_theta", r.data.get("rope_theta", 10000.0))
     theta = _json_float(r, "rope_parameters.rope_theta", theta)
-    partial = params.get("partial_rotary_factor", r.data.get("partial_rotary_factor", default_partial))
+    partial = params.get(
+        "partial_rotary_factor", r.data.get("partial_rotary_factor", default_partial)
+    )
     partial = _json_float(r, "rope_parameters.partial_rotary_factor", partial)
     if not 0.0 < partial <= 1.0:
         raise r.error("rope_parameters.partial_rotary_factor", f"must be in (0, 1], got {partial}")
@@ -323,7 +333,12 @@ def _dtype_name(r: _Reader) -> str | None:
 
 
 def _attention_params(
-    r: _Reader, *, head_dim_key_default: bool, bias: bool, scale: float | None, rope: bool,
+    r: _Reader,
+    *,
+    head_dim_key_default: bool,
+    bias: bool,
+    scale: float | None,
+    rope: bool,
     default_partial: float = 1.0,
 ) -> AttentionParams:
     hidden = r.req("hidden_size")
@@ -483,21 +498,22 @@ def _parse_nemotron(r: _Reader, arch: str) -> ModelConfig:
     if field is not None:
         raw = r.data[field]
         if not isinstance(raw, list) or any(t not in _NEMOTRON_NAMES for t in raw):
-            raise r.error(
-                field, f"expected a list of {sorted(_NEMOTRON_NAMES)}, got {raw!r}"
-            )
+            raise r.error(field, f"expected a list of {sorted(_NEMOTRON_NAMES)}, got {raw!r}")
         layer_types = [_NEMOTRON_NAMES[t] for t in raw]
     elif r.has("hybrid_override_pattern"):
         field = "hybrid_override_pattern"
         pattern = r.req(field, str)
         bad = sorted(set(pattern) - set(_NEMOTRON_PATTERN))
         if bad:
-            raise r.error(field, f"unknown layer codes {bad}; expected M (mamba), * (attention), - (mlp)")
+            raise r.error(
+                field, f"unknown layer codes {bad}; expected M (mamba), * (attention), - (mlp)"
+            )
         layer_types = [_NEMOTRON_PATTERN[c] for c in pattern]
     else:
         raise r.error(
             "layers_block_type",
-            "missing; give 'layers_block_type' (a list) or 'hybrid_override_pattern' (e.g. \"M-M*\")",
+            "missing; give 'layers_block_type' (a list) or 'hybrid_override_pattern' "
+            '(e.g. "M-M*")',
         )
     if not layer_types:
         raise r.error(field, "no layers")
@@ -573,7 +589,9 @@ def _parse_bamba(r: _Reader, arch: str) -> ModelConfig:
     hidden = r.req("hidden_size")
     n_layers = r.req("num_hidden_layers")
     attn_idx = r.opt("attn_layer_indices", [], list)
-    if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n_layers for i in attn_idx):
+    if any(
+        isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n_layers for i in attn_idx
+    ):
         raise r.error(
             "attn_layer_indices", f"expected layer indices in [0, {n_layers}), got {attn_idx!r}"
         )

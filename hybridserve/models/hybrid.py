@@ -49,7 +49,9 @@ class DecoderLayer(nn.Module):
         self.residual_multiplier = config.residual_multiplier
         hidden = config.hidden_size
         self._names = names
-        self.add_module(names.input_norm, RMSNorm(hidden, config.norm_eps, config.norm_weight_in_fp32))
+        self.add_module(
+            names.input_norm, RMSNorm(hidden, config.norm_eps, config.norm_weight_in_fp32)
+        )
         if self.kind == MAMBA:
             self._mixer = names.mamba
             self.add_module(names.mamba, Mamba2Mixer(hidden, config.mamba))
@@ -61,7 +63,9 @@ class DecoderLayer(nn.Module):
             self.add_module(names.mlp_mixer, build_mlp(hidden, config.mlp))
         self.has_mlp = config.layer_has_mlp
         if self.has_mlp:
-            self.add_module(names.post_norm, RMSNorm(hidden, config.norm_eps, config.norm_weight_in_fp32))
+            self.add_module(
+                names.post_norm, RMSNorm(hidden, config.norm_eps, config.norm_weight_in_fp32)
+            )
             self.add_module(names.mlp, build_mlp(hidden, config.mlp))
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
@@ -100,7 +104,9 @@ class HybridBackbone(nn.Module):
     def embed(self) -> nn.Embedding:
         return getattr(self, self._names.embed)
 
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, batch: ForwardBatch, caches: ModelCaches
+    ) -> torch.Tensor:
         h = self.embed(input_ids)
         if self.embedding_multiplier != 1.0:
             h = h * self.embedding_multiplier
@@ -110,7 +116,7 @@ class HybridBackbone(nn.Module):
 
 
 class HybridForCausalLM(nn.Module):
-    """A hybrid Mamba2/attention causal LM implementing :class:`~hybridserve.models.base.HybridModel`.
+    """A hybrid Mamba2/attention causal LM; implements :class:`hybridserve.models.base.HybridModel`.
 
     Subclasses set :attr:`names` (and the registry maps ``config.architecture`` to them).
     ``forward`` only reads ``batch`` and writes the caches named in
@@ -144,7 +150,9 @@ class HybridForCausalLM(nn.Module):
             d_state=m.d_state if m else 0,
         )
 
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, batch: ForwardBatch, caches: ModelCaches
+    ) -> torch.Tensor:
         """``input_ids [T]`` (packed rows) -> hidden ``[T, hidden_size]`` after the final norm."""
         return self.model(input_ids, batch, caches)
 

@@ -72,7 +72,9 @@ def checkpoint_files(path: Path) -> dict[str, Path]:
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: unreadable shard index ({e}); expected a 'weight_map' object") from e
+            raise CheckpointError(
+                f"{index}: unreadable shard index ({e}); expected a 'weight_map' object"
+            ) from e
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: 'weight_map' must map weight names to shard files")
         files: dict[str, Path] = {}
@@ -84,13 +86,16 @@ def checkpoint_files(path: Path) -> dict[str, Path]:
             actual = set(_keys(f))
             for name in names:
                 if name not in actual:
-                    raise CheckpointError(f"{f}: weight {name!r} listed in {INDEX_FILE} is not in the shard")
+                    raise CheckpointError(
+                        f"{f}: weight {name!r} listed in {INDEX_FILE} is not in the shard"
+                    )
                 files[name] = f
         return files
     if single.exists():
         return dict.fromkeys(_keys(single), single)
     raise CheckpointError(
-        f"{path}: no weights found; expected {SINGLE_FILE} or {INDEX_FILE} in the checkpoint directory"
+        f"{path}: no weights found; expected {SINGLE_FILE} or {INDEX_FILE} "
+        "in the checkpoint directory"
     )
 
 

@@ -45,8 +45,10 @@ def _layer_codes(arch: str, layers: str) -> list[str]:
         elif c == "M" or (c == "-" and arch == "nemotron_h"):
             codes.append(c)
         else:
-            raise ValueError(f"layer code {c!r} not valid for {arch}; use M, A (or *)" + (
-                ", -" if arch == "nemotron_h" else ""))
+            raise ValueError(
+                f"layer code {c!r} not valid for {arch}; use M, A (or *)"
+                + (", -" if arch == "nemotron_h" else "")
+            )
     if not codes:
         raise ValueError("layers must name at least one layer")
     return codes
@@ -93,9 +95,7 @@ def _hf_config(arch: str, codes: list[str], overrides: dict[str, Any]) -> Any:
             num_attention_heads=4,
             num_key_value_heads=2,
             head_dim=16,
-            layers_block_type=[
-                {"M": "mamba", "A": "attention", "-": "mlp"}[c] for c in codes
-            ],
+            layers_block_type=[{"M": "mamba", "A": "attention", "-": "mlp"}[c] for c in codes],
             mamba_num_heads=8,
             mamba_head_dim=16,
             n_groups=2,

@@ -82,7 +82,9 @@ def test_varlen_rows_are_independent():
     init = torch.randn(len(lengths), 4, 3, dtype=torch.float64)
     has_init = [True, False, True, True]
     rows, offs = [0, 1, 1, 2, 3], [1, 0, 8, 0, 2]
-    out, windows = causal_conv1d_varlen_reference(x, cu, w, None, init, has_init, "silu", rows, offs)
+    out, windows = causal_conv1d_varlen_reference(
+        x, cu, w, None, init, has_init, "silu", rows, offs
+    )
     for i in range(len(lengths)):
         o, _ = causal_conv1d_reference(
             x[cu[i] : cu[i + 1]], w, None, init[i] if has_init[i] else None, "silu"

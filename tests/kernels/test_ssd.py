@@ -21,7 +21,9 @@ torch.set_num_threads(1)
 
 def _inputs(length, heads, head_dim, groups, d_state, *, initial: bool, dtype=torch.float64):
     x = torch.randn(length, heads, head_dim, dtype=dtype)
-    dt = discretize_dt(torch.randn(length, heads, dtype=dtype), torch.rand(heads, dtype=dtype) - 1.0)
+    dt = discretize_dt(
+        torch.randn(length, heads, dtype=dtype), torch.rand(heads, dtype=dtype) - 1.0
+    )
     A = -torch.exp(torch.rand(heads, dtype=dtype) * 2.0)
     B = torch.randn(length, groups, d_state, dtype=dtype)
     C = torch.randn(length, groups, d_state, dtype=dtype)
@@ -99,7 +101,9 @@ def test_recurrence_matches_its_definition():
         g = h // 2
         expected = torch.exp(dt[0, h] * A[h]) * s0[h] + dt[0, h] * torch.outer(x[0, h], B[0, g])
         torch.testing.assert_close(s[h], expected, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(y[h], expected @ C[0, g] + D[h] * x[0, h], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(
+            y[h], expected @ C[0, g] + D[h] * x[0, h], rtol=1e-12, atol=1e-12
+        )
 
 
 def test_float32_inputs_compute_in_float32_close_to_float64():

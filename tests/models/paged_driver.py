@@ -86,7 +86,9 @@ class PagedDriver:
             context_lens.append(n + q)
             for p in range(n, n + q):
                 positions.append(p)
-                slots.append(seq.blocks[p // self.block_size] * self.block_size + p % self.block_size)
+                slots.append(
+                    seq.blocks[p // self.block_size] * self.block_size + p % self.block_size
+                )
             tables.append(seq.blocks)
             state_in.append(seq.state_page)
             offsets = sorted(set(extra_state_offsets.get(sid, [])) | {q - 1})

@@ -37,14 +37,18 @@ CASES = [
 
 def _ids(case):
     arch, layers, extra = case
-    return f"{arch}-{layers}" + ("-" + "-".join(f"{k}={v}" for k, v in extra.items()) if extra else "")
+    return f"{arch}-{layers}" + (
+        "-" + "-".join(f"{k}={v}" for k, v in extra.items()) if extra else ""
+    )
 
 
 @pytest.fixture(scope="module", params=CASES, ids=_ids)
 def pair(request, tmp_path_factory):
     arch, layers, extra = request.param
     seed = CASES.index(request.param)
-    path = make_tiny_checkpoint(arch, tmp_path_factory.mktemp(arch), seed=seed, layers=layers, **extra)
+    path = make_tiny_checkpoint(
+        arch, tmp_path_factory.mktemp(arch), seed=seed, layers=layers, **extra
+    )
     ours = load_model(path)
     ref = getattr(transformers, HF_CLASSES[arch]).from_pretrained(path, attn_implementation="eager")
     ref.eval()
@@ -78,7 +82,10 @@ def test_greedy_decode_matches_generate(pair):
     (prompt,) = _prompts(torch.seed() % 2**31, (13,))
     with torch.no_grad():
         expected = ref.generate(
-            torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None,
+            torch.tensor([prompt]),
+            max_new_tokens=32,
+            do_sample=False,
+            eos_token_id=None,
             pad_token_id=0,
         )[0, len(prompt) :].tolist()
     assert PagedDriver(ours).greedy(0, prompt, 32) == expected

@@ -27,7 +27,11 @@ CASES = [
 def model(request, tmp_path_factory):
     arch, layers, extra = request.param
     path = make_tiny_checkpoint(
-        arch, tmp_path_factory.mktemp(arch), seed=10 + CASES.index(request.param), layers=layers, **extra
+        arch,
+        tmp_path_factory.mktemp(arch),
+        seed=10 + CASES.index(request.param),
+        layers=layers,
+        **extra,
     )
     return load_model(path)
 
@@ -81,9 +85,13 @@ def test_chunked_prefill_matches_single_forward(model):
     for sid in (0, 1):
         assert _rel_err(torch.cat(got[sid]), expected[sid]) < 1e-4
         # The state after the whole prompt is the same either way.
-        assert _max_state_err(
-            _states(driver, driver.seqs[sid].state_page), _states(whole, whole.seqs[sid].state_page)
-        ) <= 1e-5
+        assert (
+            _max_state_err(
+                _states(driver, driver.seqs[sid].state_page),
+                _states(whole, whole.seqs[sid].state_page),
+            )
+            <= 1e-5
+        )
 
 
 @pytest.mark.parametrize("prefix_len", [0, 10])

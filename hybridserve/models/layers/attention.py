@@ -73,7 +73,7 @@ class Attention(nn.Module):
         batch: ForwardBatch,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
-        """``h [T, hidden]`` -> ``[T, hidden]``; writes this step's K/V at ``batch.slot_mapping``."""
+        """``h [T, hidden]`` -> ``[T, hidden]``; writes the step's K/V at ``batch.slot_mapping``."""
         p = self.p
         t = h.shape[0]
         q = self.q_proj(h).view(t, p.num_heads, p.head_dim)

@@ -34,7 +34,11 @@ class Mamba2Mixer(nn.Module):
             hidden_size, p.intermediate_size + p.conv_dim + p.n_heads, bias=p.proj_bias
         )
         self.conv1d = nn.Conv1d(
-            p.conv_dim, p.conv_dim, p.d_conv, groups=p.conv_dim, bias=p.conv_bias,
+            p.conv_dim,
+            p.conv_dim,
+            p.d_conv,
+            groups=p.conv_dim,
+            bias=p.conv_bias,
             padding=p.d_conv - 1,
         )
         self.dt_bias = nn.Parameter(torch.ones(p.n_heads))

@@ -27,7 +27,7 @@ def activation_fn(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 class FusedGatedMLP(nn.Module):
-    """Granite ``shared_mlp``: ``input_linear`` holds [gate; up], ``output_linear`` projects down."""
+    """Granite ``shared_mlp``: ``input_linear`` holds [gate; up]; ``output_linear`` maps down."""
 
     def __init__(self, hidden_size: int, p: MLPParams) -> None:
         super().__init__()

@@ -44,7 +44,7 @@ class GatedRMSNorm(nn.Module):
         self.n_groups = n_groups
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """``x``: ``[T, hidden]`` (any float dtype), ``gate``: ``[T, hidden]``; returns ``x.dtype``."""
+        """``x, gate``: ``[T, hidden]`` (any float dtype); returns ``x.dtype``."""
         dtype = x.dtype
         h = x.float() * F.silu(gate.float())
         g = h.view(*h.shape[:-1], self.n_groups, -1)

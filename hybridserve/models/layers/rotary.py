@@ -17,9 +17,7 @@ def rope_cos_sin(
     Frequencies are built in float32 exactly as the reference implementation does, so
     the result is bit-identical to it for float32 models.
     """
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim)
-    )
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
     freqs = positions.to(torch.float)[:, None] * inv_freq.to(positions.device)[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
