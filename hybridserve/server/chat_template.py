@@ -1,0 +1,89 @@
+"""Chat templates: Jinja2 sources from ``tokenizer_config.json`` (or a file), compiled
+once in a sandbox and rendered per request the way Hugging Face tokenizers do.
+
+Contract: :func:`compile_chat_template` raises :class:`ChatTemplateError` for a
+template that does not parse; :func:`render_chat` raises it for a conversation the
+template refuses (its ``raise_exception(...)``) or cannot render. The sandbox is
+immutable: a template cannot mutate the objects it is given or reach Python internals.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class ChatTemplateError(ValueError):
+    """A template failed to compile, or refused or failed to render a conversation."""
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # Jinja2's own tojson escapes HTML characters, which changes prompts.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                      separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def pick_template(source: str | list[dict[str, Any]] | None) -> str | None:
+    """The template text from a tokenizer config's ``chat_template`` value, which may
+    be a string or a list of named templates (the one named ``default`` is used)."""
+    if source is None or isinstance(source, str):
+        return source
+    named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+    return named.get("default") or next(iter(named.values()), None)
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile ``source``; raises ChatTemplateError naming the problem."""
+    try:
+        return _environment().from_string(source)
+    except jinja2.exceptions.TemplateError as e:
+        raise ChatTemplateError(f"the chat template does not compile: {e}") from e
+
+
+def render_chat(
+    template: jinja2.Template,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    bos_token: str | None = None,
+    eos_token: str | None = None,
+) -> str:
+    """The prompt text for ``messages``; raises ChatTemplateError if the template
+    refuses the conversation."""
+    try:
+        return template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos_token or "",
+            eos_token=eos_token or "",
+        )
+    except jinja2.exceptions.TemplateError as e:
+        raise ChatTemplateError(f"the chat template refused the messages: {e}") from e
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+        raise ChatTemplateError(
+            f"the chat template failed on the messages: {type(e).__name__}: {e}"
+        ) from e

@@ -1,0 +1,514 @@
+"""Completions and chat completions: requests in, engine requests out, and engine
+outputs back as OpenAI responses (whole, or as server-sent events).
+
+Contracts:
+
+- Validation happens before anything is queued: a request that fails it leaves the
+  engine untouched and gets a 4xx naming the field.
+- A request of ``k`` prompts becomes ``k`` engine requests (``<id>-<i>``); each asks
+  for ``n`` sequences; choice ``i * n + j`` is sequence ``j`` of prompt ``i``.
+- Whatever ends a response early (client gone, an error while formatting, server
+  shutdown) aborts every engine request of that response, so its pages are freed.
+- Streamed text deltas concatenate to the non-streamed text: a delta never ends in a
+  partial UTF-8 character and never shows the start of what could become a stop string.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any
+
+import jinja2
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.types import Receive
+
+from hybridserve.engine.request import CompletionOutput, Logprob, RequestOutput, SamplingParams
+from hybridserve.server.async_engine import AsyncEngine, EngineError, EngineStopped, RequestStream
+from hybridserve.server.chat_template import ChatTemplateError, render_chat
+from hybridserve.server.errors import APIError, error_body, param_from_message
+from hybridserve.server.protocol import (
+    SAMPLING_FIELDS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    sampling_params,
+)
+from hybridserve.tokenizer import Tokenizer
+
+log = logging.getLogger("hybridserve.server")
+
+Prompt = tuple[str | None, list[int]]
+
+
+@dataclass
+class ServingConfig:
+    """What the handlers need to know about the model being served."""
+
+    model_name: str
+    model_aliases: frozenset[str]
+    max_model_len: int
+    tokenizer: Tokenizer | None
+    chat_template: jinja2.Template | None
+
+
+class OpenAIServing:
+    """Handlers for ``/v1/completions`` and ``/v1/chat/completions``."""
+
+    def __init__(self, engine: AsyncEngine, config: ServingConfig) -> None:
+        self.engine = engine
+        self.config = config
+
+    # ---- endpoints ---------------------------------------------------------------
+
+    async def completions(self, req: CompletionRequest, receive: Receive) -> Any:
+        self._check_model(req.model)
+        _check_stream_options(req)
+        if req.logprobs is not None and not isinstance(req.logprobs, int):
+            raise APIError(400, "logprobs must be an integer", param="logprobs")
+        params = self._params(req, req.logprobs)
+        prompts = self._completion_prompts(req.prompt)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        fmt = _CompletionFormat(self, rid, req.n, req.logprobs)
+        return await self._respond(rid, prompts, params, req, fmt, receive)
+
+    async def chat(self, req: ChatCompletionRequest, receive: Receive) -> Any:
+        self._check_model(req.model)
+        _check_stream_options(req)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        top = req.top_logprobs or 0
+        if req.max_tokens is not None and req.max_completion_tokens is not None:
+            raise APIError(400, "give max_tokens or max_completion_tokens, not both",
+                           param="max_completion_tokens")
+        params = self._params(req, top if req.logprobs else None)
+        prompt = self._chat_prompt(req)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        fmt = _ChatFormat(self, rid, req.n, top if req.logprobs else None)
+        return await self._respond(rid, [prompt], params, req, fmt, receive)
+
+    # ---- validation --------------------------------------------------------------
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.config.model_aliases:
+            raise APIError(
+                404, f"the model {model!r} does not exist; this server serves "
+                f"{self.config.model_name!r}", param="model", code="model_not_found",
+            )
+
+    def _params(self, req: CompletionRequest | ChatCompletionRequest, logprobs: int | None) -> SamplingParams:
+        try:
+            return sampling_params(req, logprobs)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e), param=param_from_message(str(e), set(SAMPLING_FIELDS)),
+                           code="invalid_value") from None
+
+    def _check_length(self, ids: list[int], param: str) -> None:
+        limit = self.config.max_model_len
+        if len(ids) >= limit:
+            raise APIError(
+                400, f"the prompt has {len(ids)} tokens but this model's context is {limit} "
+                "tokens and must leave room for at least one generated token",
+                param=param, code="context_length_exceeded",
+            )
+
+    def _completion_prompts(self, prompt: Any) -> list[Prompt]:
+        if isinstance(prompt, str):
+            items: list[Any] = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            items = [prompt]
+        else:
+            items = list(prompt)
+        out = []
+        for item in items:
+            if isinstance(item, str):
+                if not item:
+                    raise APIError(400, "prompt is empty", param="prompt")
+                tok = self.config.tokenizer
+                if tok is None:
+                    raise APIError(400, "this model has no tokenizer: send the prompt as "
+                                   "token ids", param="prompt")
+                out.append((item, tok.encode(item)))
+            else:
+                out.append((None, list(item)))
+            self._check_length(out[-1][1], "prompt")
+        return out
+
+    def _chat_prompt(self, req: ChatCompletionRequest) -> Prompt:
+        cfg = self.config
+        if cfg.chat_template is None:
+            raise APIError(400, "this model has no chat template: start the server with "
+                           "--chat-template FILE, or use /v1/completions", param="messages",
+                           code="no_chat_template")
+        if cfg.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer, which chat needs", param="messages")
+        messages = []
+        for m in req.messages:
+            msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+            if m.name is not None:
+                msg["name"] = m.name
+            messages.append(msg)
+        try:
+            text = render_chat(
+                cfg.chat_template, messages, add_generation_prompt=True,
+                bos_token=cfg.tokenizer.bos_token, eos_token=cfg.tokenizer.eos_token,
+            )
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), param="messages", code="invalid_messages") from None
+        ids = cfg.tokenizer.encode(text, add_special_tokens=False)
+        if not ids:
+            raise APIError(400, "the messages render to an empty prompt", param="messages")
+        self._check_length(ids, "messages")
+        return text, ids
+
+    # ---- running -----------------------------------------------------------------
+
+    async def _respond(
+        self,
+        rid: str,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        req: CompletionRequest | ChatCompletionRequest,
+        fmt: _Format,
+        receive: Receive,
+    ) -> Any:
+        log.info(
+            "request %s: %d prompt(s), prompt_tokens=%s max_tokens=%s n=%d stream=%s user=%s",
+            rid, len(prompts), ",".join(str(len(p[1])) for p in prompts), params.max_tokens,
+            params.n, req.stream, req.user,
+        )
+        streams = await self._start(rid, prompts, params)
+        headers = {"X-Request-Id": rid}
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            body = self._sse(rid, streams, fmt, params, include_usage)
+            return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+        finals = await _unless_disconnected(self._collect(rid, streams), receive)
+        if finals is None:
+            log.info("request %s: client disconnected; aborted", rid)
+            return JSONResponse(error_body("client disconnected", "invalid_request_error"), 499)
+        try:
+            body = fmt.whole(finals)
+        except Exception as e:
+            log.exception("request %s: formatting the response failed", rid)
+            raise APIError(500, f"formatting the response failed: {type(e).__name__}: {e}",
+                           code="internal_error") from None
+        return JSONResponse(body, headers=headers)
+
+    async def _start(self, rid: str, prompts: list[Prompt], params: SamplingParams) -> list[RequestStream]:
+        streams: list[RequestStream] = []
+        ids = [rid if len(prompts) == 1 else f"{rid}-{i}" for i in range(len(prompts))]
+        try:
+            for engine_id, (text, token_ids) in zip(ids, prompts):
+                streams.append(await self.engine.add_request(engine_id, token_ids, params, text))
+        except BaseException as e:
+            # Including the request whose add was in flight: aborting an id the engine
+            # never took is a no-op, and the abort runs after the add on the worker.
+            for engine_id in ids[: len(streams) + 1]:
+                self.engine.abort(engine_id)
+            if isinstance(e, (ValueError, TypeError)):
+                raise APIError(400, str(e), param=param_from_message(str(e), {"prompt"}) or
+                               "prompt", code="invalid_value") from None
+            if isinstance(e, EngineStopped):
+                raise APIError(503, str(e), code="engine_unavailable") from None
+            raise
+        return streams
+
+    async def _iterate(self, rid: str, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Yield ``(prompt index, output)`` as outputs arrive; on any exit before all
+        are finished, abort the unfinished ones."""
+        tasks: dict[asyncio.Task, int] = {}
+        try:
+            if len(streams) == 1:
+                while not streams[0].finished:
+                    out = await _engine_call(streams[0].next_output())
+                    yield 0, out
+                return
+            tasks = {asyncio.ensure_future(s.next_output()): i for i, s in enumerate(streams)}
+            while tasks:
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    i = tasks.pop(task)
+                    out = await _engine_call(task)
+                    if not out.finished:
+                        tasks[asyncio.ensure_future(streams[i].next_output())] = i
+                    yield i, out
+        finally:
+            for task in tasks:
+                task.cancel()
+            unfinished = [s.request_id for s in streams if not s.finished]
+            for engine_id in unfinished:
+                self.engine.abort(engine_id)
+            if unfinished:
+                log.info("request %s: ended early; aborted %s", rid, ", ".join(unfinished))
+
+    async def _collect(self, rid: str, streams: list[RequestStream]) -> list[RequestOutput]:
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in self._iterate(rid, streams):
+            if out.finished:
+                finals[i] = out
+        result = [finals[i] for i in range(len(streams))]
+        _log_finished(rid, result)
+        return result
+
+    async def _sse(
+        self,
+        rid: str,
+        streams: list[RequestStream],
+        fmt: _Format,
+        params: SamplingParams,
+        include_usage: bool,
+    ) -> AsyncIterator[str]:
+        hold_back = max((len(s) for s in params.stop or ()), default=1) - 1
+        cursors = [[_Cursor(hold_back) for _ in range(params.n)] for _ in streams]
+        latest: dict[int, RequestOutput] = {}
+        try:
+            for chunk in fmt.opening(len(streams)):
+                yield _event(chunk, include_usage)
+            async for i, out in self._iterate(rid, streams):
+                latest[i] = out
+                for j, comp in enumerate(out.outputs):
+                    chunk = fmt.delta(i * params.n + j, comp, cursors[i][j])
+                    if chunk is not None:
+                        yield _event(chunk, include_usage)
+            if include_usage:
+                yield _event(fmt.usage_chunk([latest[i] for i in range(len(streams))]), False)
+            _log_finished(rid, [latest[i] for i in range(len(streams))])
+        except APIError as e:
+            yield _sse_line(e.body())
+        except Exception as e:
+            log.exception("request %s: streaming failed", rid)
+            yield _sse_line(error_body(f"streaming failed: {type(e).__name__}: {e}",
+                                       "server_error", code="internal_error"))
+        yield "data: [DONE]\n\n"
+
+
+async def _engine_call(aw: Awaitable[RequestOutput]) -> RequestOutput:
+    """Await an engine output, turning engine failures into API errors."""
+    try:
+        return await aw
+    except EngineError as e:
+        raise APIError(500, f"the engine failed while running this request: {e}",
+                       code="engine_error") from None
+    except EngineStopped as e:
+        raise APIError(503, str(e), code="engine_unavailable") from None
+
+
+async def _unless_disconnected(work: Awaitable[Any], receive: Receive) -> Any:
+    """Run ``work``; if the client disconnects first, cancel it and return None."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    # The body has been read, so the next message is the disconnect.
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _check_stream_options(req: CompletionRequest | ChatCompletionRequest) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed with stream=true",
+                       param="stream_options")
+
+
+def _log_finished(rid: str, outs: list[RequestOutput]) -> None:
+    reasons = ",".join(str(c.finish_reason) for o in outs for c in o.outputs)
+    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outs)
+    log.info("request %s: finished (%s) completion_tokens=%d cached_tokens=%d",
+             rid, reasons, tokens, cached)
+
+
+def _sse_line(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, allow_nan=False)}\n\n"
+
+
+def _event(chunk: dict[str, Any], include_usage: bool) -> str:
+    if include_usage:
+        chunk["usage"] = None
+    return _sse_line(chunk)
+
+
+# ---- response formatting ---------------------------------------------------------
+
+
+@dataclass
+class _Cursor:
+    """How much of one sequence a stream has sent."""
+
+    hold_back: int
+    text: str = ""
+    num_tokens: int = 0
+    done: bool = False
+
+    def advance(self, comp: CompletionOutput) -> tuple[str, int, int]:
+        """The new text delta and the range of new tokens ``[start, end)``."""
+        finished = comp.finish_reason is not None
+        text = comp.text
+        if not finished:
+            end = len(text)
+            while end and text[end - 1] == "\ufffd":
+                end -= 1  # maybe a partial UTF-8 character that the next token completes
+            text = text[: max(len(self.text), end - self.hold_back)]
+        delta = text[len(self.text):] if text.startswith(self.text) else ""
+        self.text += delta
+        start, self.num_tokens = self.num_tokens, len(comp.token_ids)
+        self.done = finished
+        return delta, start, self.num_tokens
+
+
+def usage(outs: list[RequestOutput]) -> dict[str, Any]:
+    prompt = sum(len(o.prompt_token_ids) for o in outs)
+    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)},
+    }
+
+
+def _finite(x: float) -> float:
+    # JSON has no infinities; OpenAI clients expect a number.
+    return x if math.isfinite(x) else -9999.0
+
+
+@dataclass
+class _Format:
+    serving: OpenAIServing
+    rid: str
+    n: int
+    logprobs: int | None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def token_text(self, token_id: int) -> str:
+        tok = self.serving.config.tokenizer
+        return tok.decode([token_id], skip_special_tokens=False) if tok else f"token_id:{token_id}"
+
+    def header(self, obj: str) -> dict[str, Any]:
+        return {"id": self.rid, "object": obj, "created": self.created,
+                "model": self.serving.config.model_name}
+
+    def opening(self, num_prompts: int) -> list[dict[str, Any]]:
+        return []
+
+    def whole(self, outs: list[RequestOutput]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def delta(self, index: int, comp: CompletionOutput, cursor: _Cursor) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def usage_chunk(self, outs: list[RequestOutput]) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class _CompletionFormat(_Format):
+    def legacy_logprobs(self, comp: CompletionOutput, start: int, end: int, offset: int) -> dict[str, Any] | None:
+        if self.logprobs is None or comp.logprobs is None:
+            return None
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for tid, cands in zip(comp.token_ids[start:end], comp.logprobs[start:end]):
+            text = self.token_text(tid)
+            tokens.append(text)
+            token_lps.append(_finite(cands[tid].logprob))
+            ranked = sorted(cands.items(), key=lambda kv: kv[1].rank)
+            tops.append({self.token_text(i): _finite(lp.logprob) for i, lp in ranked})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+                "text_offset": offsets}
+
+    def whole(self, outs: list[RequestOutput]) -> dict[str, Any]:
+        choices = []
+        for i, out in enumerate(outs):
+            for j, comp in enumerate(out.outputs):
+                choices.append({
+                    "index": i * self.n + j,
+                    "text": comp.text,
+                    "logprobs": self.legacy_logprobs(comp, 0, len(comp.token_ids), 0),
+                    "finish_reason": comp.finish_reason,
+                })
+        return {**self.header("text_completion"), "choices": choices, "usage": usage(outs)}
+
+    def delta(self, index: int, comp: CompletionOutput, cursor: _Cursor) -> dict[str, Any] | None:
+        offset = len(cursor.text)
+        text, start, end = cursor.advance(comp)
+        lps = self.legacy_logprobs(comp, start, end, offset) if end > start else None
+        if not text and comp.finish_reason is None and lps is None:
+            return None
+        choice = {"index": index, "text": text, "logprobs": lps,
+                  "finish_reason": comp.finish_reason}
+        return {**self.header("text_completion"), "choices": [choice]}
+
+    def usage_chunk(self, outs: list[RequestOutput]) -> dict[str, Any]:
+        return {**self.header("text_completion"), "choices": [], "usage": usage(outs)}
+
+
+class _ChatFormat(_Format):
+    def content_logprobs(self, comp: CompletionOutput, start: int, end: int) -> dict[str, Any] | None:
+        if self.logprobs is None or comp.logprobs is None:
+            return None
+        content = []
+        for tid, cands in zip(comp.token_ids[start:end], comp.logprobs[start:end]):
+            content.append({**self._entry(tid, cands[tid]), "top_logprobs": [
+                self._entry(i, lp)
+                for i, lp in sorted(cands.items(), key=lambda kv: kv[1].rank)
+                if lp.rank <= self.logprobs
+            ]})
+        return {"content": content}
+
+    def _entry(self, token_id: int, lp: Logprob) -> dict[str, Any]:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": _finite(lp.logprob), "bytes": list(text.encode())}
+
+    def whole(self, outs: list[RequestOutput]) -> dict[str, Any]:
+        (out,) = outs
+        choices = [{
+            "index": j,
+            "message": {"role": "assistant", "content": comp.text},
+            "logprobs": self.content_logprobs(comp, 0, len(comp.token_ids)),
+            "finish_reason": comp.finish_reason,
+        } for j, comp in enumerate(out.outputs)]
+        return {**self.header("chat.completion"), "choices": choices, "usage": usage(outs)}
+
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        return {**self.header("chat.completion.chunk"), "choices": [choice]}
+
+    def opening(self, num_prompts: int) -> list[dict[str, Any]]:
+        return [self._chunk({"index": j, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None})
+                for j in range(self.n * num_prompts)]
+
+    def delta(self, index: int, comp: CompletionOutput, cursor: _Cursor) -> dict[str, Any] | None:
+        text, start, end = cursor.advance(comp)
+        lps = self.content_logprobs(comp, start, end) if end > start else None
+        if not text and comp.finish_reason is None and lps is None:
+            return None
+        return self._chunk({"index": index, "delta": {"content": text} if text else {},
+                            "logprobs": lps, "finish_reason": comp.finish_reason})
+
+    def usage_chunk(self, outs: list[RequestOutput]) -> dict[str, Any]:
+        return {**self.header("chat.completion.chunk"), "choices": [], "usage": usage(outs)}
+

@@ -1,0 +1,131 @@
+"""Malformed requests get OpenAI's error shape, the right status and the field's name;
+none of them disturbs the engine."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+MSGS = [{"role": "user", "content": "hi"}]
+
+# (path, body, status, param, words the message must contain)
+CASES = [
+    (C, {"prompt": "x", "best_of": 2}, 400, "best_of", "unsupported"),
+    (C, {"prompt": "x", "logit_bias": {"1": 2}}, 400, "logit_bias", "unsupported"),
+    (C, {}, 400, "prompt", "missing"),
+    (C, {"prompt": 5}, 400, "prompt", "prompt"),
+    (C, {"prompt": ""}, 400, "prompt", "empty"),
+    (C, {"prompt": []}, 400, "prompt", "prompt"),
+    (C, {"prompt": [[]]}, 400, "prompt", "prompt"),
+    (C, {"prompt": [1, 2, 999999]}, 400, "prompt", "prompt_token_ids"),
+    (C, {"prompt": [-1]}, 400, "prompt", "prompt_token_ids"),
+    (C, {"prompt": "x", "max_tokens": "8"}, 400, "max_tokens", "integer"),
+    (C, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "max_tokens"),
+    (C, {"prompt": "x", "temperature": -0.5}, 400, "temperature", "temperature"),
+    (C, {"prompt": "x", "top_p": 0}, 400, "top_p", "top_p"),
+    (C, {"prompt": "x", "top_k": -3}, 400, "top_k", "top_k"),
+    (C, {"prompt": "x", "min_p": 1.5}, 400, "min_p", "min_p"),
+    (C, {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty", "presence_penalty"),
+    (C, {"prompt": "x", "frequency_penalty": -2.5}, 400, "frequency_penalty", "frequency_penalty"),
+    (C, {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty", "repetition_penalty"),
+    (C, {"prompt": "x", "logprobs": 21}, 400, "logprobs", "logprobs"),
+    (C, {"prompt": "x", "logprobs": True}, 400, "logprobs", "logprobs"),
+    (C, {"prompt": "x", "n": 0}, 400, "n", "n"),
+    (C, {"prompt": "x", "n": 1000}, 400, "n", "n"),
+    (C, {"prompt": "x", "stop": ""}, 400, "stop", "stop"),
+    (C, {"prompt": "x", "stop": [1]}, 400, "stop", "stop"),
+    (C, {"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids", "stop_token_ids"),
+    (C, {"prompt": "x", "seed": 2**70}, 400, "seed", "seed"),
+    (C, {"prompt": "x", "stream": "yes"}, 400, "stream", "boolean"),
+    (C, {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
+    (C, {"prompt": "x", "stream": True, "stream_options": {"foo": 1}}, 400, "stream_options.foo", "unsupported"),
+    (C, {"prompt": "x", "model": "gpt-4"}, 404, "model", "gpt-4"),
+    (C, {"prompt": "x" * 5000}, 400, "prompt", "context"),
+    (CHAT, {"messages": []}, 400, "messages", "messages"),
+    (CHAT, {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages.0.role", "role"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi", "extra": 1}]}, 400, "messages.0.extra", "unsupported"),
+    (CHAT, {"messages": [{"role": "tool", "content": "hi"}]}, 400, "messages", "not supported"),
+    (CHAT, {"messages": MSGS, "logprobs": 3}, 400, "logprobs", "boolean"),
+    (CHAT, {"messages": MSGS, "top_logprobs": 2}, 400, "top_logprobs", "logprobs"),
+    (CHAT, {"messages": MSGS, "logprobs": True, "top_logprobs": 50}, 400, "logprobs", "logprobs"),
+    (CHAT, {"messages": MSGS, "max_tokens": 2, "max_completion_tokens": 2}, 400, "max_completion_tokens", "max_tokens"),
+    (CHAT, {"messages": MSGS, "tools": []}, 400, "tools", "unsupported"),
+    (CHAT, {"messages": MSGS, "model": "nope"}, 404, "model", "nope"),
+    (CHAT, {"prompt": "x"}, 400, "messages", "missing"),
+]
+
+
+def _check_shape(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    return err
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param", "words"), CASES,
+                         ids=[f"{i}-{c[3]}" for i, c in enumerate(CASES)])
+def test_bad_request(client: httpx.Client, path, body, status, param, words) -> None:
+    err = _check_shape(client.post(path, json=body), status)
+    assert err["param"] == param
+    assert words in err["message"]
+    assert err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(("content", "headers", "code"), [
+    (b"{not json", {"content-type": "application/json"}, "invalid_json"),
+    (b'{"prompt": "x"', {"content-type": "application/json"}, "invalid_json"),
+    (b"[1, 2]", {"content-type": "application/json"}, "invalid_body"),
+    (b'{"prompt": "x"}', {"content-type": "text/plain"}, "invalid_body"),
+    (b"", {"content-type": "application/json"}, "missing_body"),
+])
+def test_bad_body(client: httpx.Client, content: bytes, headers: dict, code: str) -> None:
+    err = _check_shape(client.post(C, content=content, headers=headers), 400)
+    assert err["code"] == code
+
+
+def test_unknown_route_and_method(client: httpx.Client) -> None:
+    assert _check_shape(client.get("/v1/nothing"), 404)["code"] == "not_found"
+    assert _check_shape(client.get(C), 405)["code"] == "method_not_allowed"
+
+
+def test_bad_requests_leave_engine_clean(server, client: httpx.Client) -> None:
+    for path, body, *_ in CASES:
+        client.post(path, json=body)
+    stats = server.wait_idle()
+    server.engine.call_sync(lambda e: e.scheduler.check_integrity())
+    assert stats["requests_running"] == stats["requests_waiting"] == 0
+    # ...and the server still answers.
+    assert client.post(C, json={"prompt": "still fine", "max_tokens": 2}).status_code == 200
+
+
+def test_api_key(chat_model, server_factory) -> None:
+    srv = server_factory(chat_model, api_key="s3cret", served_model_name="tiny")
+    with httpx.Client(base_url=srv.base_url, timeout=30) as c:
+        body = {"prompt": "x", "max_tokens": 2}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"},
+                        {"Authorization": "Basic s3cret"}):
+            r = c.post(C, json=body, headers=headers)
+            err = _check_shape(r, 401)
+            assert err["code"] == "invalid_api_key"
+            assert r.headers["www-authenticate"] == "Bearer"
+        assert _check_shape(c.get("/v1/models"), 401)["code"] == "invalid_api_key"
+        ok = {"Authorization": "Bearer s3cret"}
+        assert c.post(C, json=body, headers=ok).status_code == 200
+        assert c.get("/v1/models", headers=ok).status_code == 200
+        # Probes and scrapers need no key.
+        assert c.get("/health").status_code == 200
+        assert c.get("/metrics").status_code == 200
+
+
+def test_chat_without_template(plain_model, server_factory) -> None:
+    srv = server_factory(plain_model, served_model_name="plain")
+    with httpx.Client(base_url=srv.base_url, timeout=30) as c:
+        r = c.post(CHAT, json={"messages": MSGS, "max_tokens": 2})
+        err = _check_shape(r, 400)
+        assert err["code"] == "no_chat_template" and "--chat-template" in err["message"]
+        # Completions still work.
+        assert c.post(C, json={"prompt": "x", "max_tokens": 2}).status_code == 200
