@@ -143,3 +143,31 @@ def test_mixed_batch_rows_are_independent(model):
         expected, _ = solo.step([(0, new[i])])
         assert _rel_err(logits[start : start + len(new[i])], expected) < 1e-5
         start += len(new[i])
+
+
+def test_forward_writes_only_requested_pages_and_slots(model):
+    """The caches start poisoned (NaN); after a step exactly the requested state pages and
+    the step's KV slots hold finite values, and nothing else was touched."""
+    torch.manual_seed(torch.seed() % 2**31)
+    driver = PagedDriver(model)
+    _, pages = driver.step([(0, _tokens(6)), (1, _tokens(11))], extra_state_offsets={1: [2, 7]})
+    written = {p for row in pages.values() for p in row.values()}
+    assert len(written) == 4
+    for layer in driver.caches.conv:
+        for cache in (driver.caches.conv[layer], driver.caches.ssm[layer]):
+            finite = cache.flatten(1).isfinite()
+            assert finite[sorted(written)].all()
+            others = [p for p in range(cache.shape[0]) if p not in written]
+            assert not finite[others].any()
+    slots = {
+        seq.blocks[p // driver.block_size] * driver.block_size + p % driver.block_size
+        for seq in driver.seqs.values()
+        for p in range(len(seq.tokens))
+    }
+    for k_cache, v_cache in driver.caches.kv.values():
+        for cache in (k_cache, v_cache):
+            finite = cache.reshape(-1, cache.shape[2] * cache.shape[3]).isfinite()
+            assert finite[sorted(slots)].all()
+            assert finite.all(dim=1).sum().item() == len(slots) and finite.any(dim=1).sum() == len(
+                slots
+            )

@@ -43,7 +43,7 @@ def paged_attention_reference(
             continue
         ctx = batch.context_lens[i]
         n_blocks = -(-ctx // block_size)
-        blocks = batch.block_tables[i, :n_blocks].to(torch.int64)
+        blocks = batch.block_tables[i, :n_blocks].to(device=q.device, dtype=torch.int64)
         slots = (blocks[:, None] * block_size + offsets[None, :]).reshape(-1)[:ctx]
         keys = flat_k[slots].to(compute).repeat_interleave(group, dim=1)  # [ctx, H, D]
         values = flat_v[slots].to(compute).repeat_interleave(group, dim=1)
@@ -80,11 +80,12 @@ class Attention(nn.Module):
         k = self.k_proj(h).view(t, p.num_kv_heads, p.head_dim)
         v = self.v_proj(h).view(t, p.num_kv_heads, p.head_dim)
         if p.rotary_dim:
-            cos, sin = rope_cos_sin(batch.positions, p.rotary_dim, p.rope_theta, q.dtype)
+            positions = batch.positions.to(h.device)
+            cos, sin = rope_cos_sin(positions, p.rotary_dim, p.rope_theta, q.dtype)
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
         k_cache, v_cache = kv_cache
-        slots = batch.slot_mapping.to(torch.int64)
+        slots = batch.slot_mapping.to(device=h.device, dtype=torch.int64)
         k_cache.view(-1, p.num_kv_heads, p.head_dim)[slots] = k.to(k_cache.dtype)
         v_cache.view(-1, p.num_kv_heads, p.head_dim)[slots] = v.to(v_cache.dtype)
         out = paged_attention_reference(q, k_cache, v_cache, batch, p.scale)
