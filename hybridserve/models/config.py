@@ -145,8 +145,23 @@ class ModelConfig:
     def mamba_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == MAMBA)
 
+    def __post_init__(self) -> None:
+        kinds = set(self.layer_types)
+        if not kinds <= {MAMBA, ATTENTION, MLP}:
+            raise ConfigError(f"ModelConfig.layer_types: unknown kinds {sorted(kinds)}")
+        for kind, params, name in (
+            (ATTENTION, self.attention, "attention"),
+            (MAMBA, self.mamba, "mamba"),
+        ):
+            if (kind in kinds) != (params is not None):
+                raise ConfigError(
+                    f"ModelConfig.{name} must be given exactly when a layer is {kind}"
+                )
+        if (MLP in kinds or self.layer_has_mlp) and self.mlp is None:
+            raise ConfigError("ModelConfig.mlp is required when a layer has an MLP")
+
     def with_overrides(self, **changes: Any) -> ModelConfig:
-        """A copy with some fields replaced (validated the same way)."""
+        """A copy with some fields replaced, e.g. ``mamba=replace(c.mamba, ...)``."""
         return replace(self, **changes)
 
     @classmethod
@@ -278,6 +293,13 @@ def _time_step_limit(
             raise r.error(key, f"expected min <= max, got {value!r}")
         return (lo, hi)
     return (0.0, math.inf)
+
+
+def _mamba_activation(r: _Reader, key: str, default: str) -> str:
+    act = r.opt(key, default, str)
+    if act not in ("silu", "swish"):
+        raise r.error(key, f"the Mamba conv activation must be 'silu', got {act!r}")
+    return act
 
 
 def _activation(r: _Reader, key: str, default: str) -> str:
@@ -450,7 +472,7 @@ def _parse_granite(r: _Reader, arch: str) -> ModelConfig:
             chunk_size=r.opt("mamba_chunk_size", 256),
             conv_bias=r.opt("mamba_conv_bias", True, bool),
             proj_bias=r.opt("mamba_proj_bias", False, bool),
-            activation=act,
+            activation=_mamba_activation(r, "hidden_act", "silu"),
             norm_eps=eps,
             time_step_limit=_time_step_limit(r),
             time_step_min=r.opt("time_step_min", 0.001, float),
@@ -545,7 +567,7 @@ def _parse_nemotron(r: _Reader, arch: str) -> ModelConfig:
             chunk_size=r.first(("mamba_chunk_size", "chunk_size"), 128),
             conv_bias=r.first(("mamba_conv_bias", "use_conv_bias"), True, bool),
             proj_bias=r.opt("use_bias", False, bool),
-            activation=_activation(r, "mamba_hidden_act", "silu"),
+            activation=_mamba_activation(r, "mamba_hidden_act", "silu"),
             norm_eps=eps,
             # transformers ignores the file's time_step_limit and uses (time_step_min, inf).
             time_step_limit=(t_min, math.inf),
@@ -589,7 +611,7 @@ def _parse_bamba(r: _Reader, arch: str) -> ModelConfig:
     hidden = r.req("hidden_size")
     n_layers = r.req("num_hidden_layers")
     attn_idx = r.opt("attn_layer_indices", [], list)
-    if any(
+    if not isinstance(attn_idx, list) or any(
         isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n_layers for i in attn_idx
     ):
         raise r.error(
@@ -625,7 +647,7 @@ def _parse_bamba(r: _Reader, arch: str) -> ModelConfig:
             chunk_size=r.opt("mamba_chunk_size", 256),
             conv_bias=r.opt("mamba_conv_bias", True, bool),
             proj_bias=r.opt("mamba_proj_bias", False, bool),
-            activation=act,
+            activation=_mamba_activation(r, "hidden_act", "silu"),
             norm_eps=eps,
             time_step_limit=_time_step_limit(r),
             time_step_min=r.opt("time_step_min", 0.001, float),

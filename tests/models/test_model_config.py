@@ -173,3 +173,23 @@ def test_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="JSON object"):
         ModelConfig.from_pretrained(tmp_path / "config.json")
     assert issubclass(ConfigError, ValueError)
+
+
+def test_overrides_are_checked_for_consistency():
+    c = ModelConfig.from_dict(_granite())
+    mamba = dataclasses.replace(c.mamba, clamp_dt_in_single_token_step=True)
+    assert c.with_overrides(mamba=mamba).mamba.clamp_dt_in_single_token_step
+    with pytest.raises(ConfigError, match="ModelConfig.mamba"):
+        c.with_overrides(mamba=None)
+    with pytest.raises(ConfigError, match="ModelConfig.attention"):
+        c.with_overrides(layer_types=(MAMBA, MAMBA, MAMBA))
+
+
+def test_bamba_attn_layer_indices_checked(tmp_path):
+    data = json.loads(
+        (make_tiny_checkpoint("bamba", tmp_path / "b", layers="MA") / "config.json").read_text()
+    )
+    for bad in (5, [2], [True]):
+        data["attn_layer_indices"] = bad
+        with pytest.raises(ConfigError, match="attn_layer_indices"):
+            ModelConfig.from_dict(data)
