@@ -108,10 +108,10 @@ class AsyncEngine:
         # after the worker's last look at the inbox.
         self._inbox_lock = threading.Lock()
         self._closed = False
-        self._stats: dict[str, float | int] = engine.stats()
         self._aborted = 0
         self._failed = 0
         self.healthy = True
+        self._stats: dict[str, float | int] = self._snapshot()
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -185,8 +185,13 @@ class AsyncEngine:
             self._submit(abort)
 
     def stats(self) -> dict[str, float | int]:
-        """The engine counters as of the last step, plus the server's own."""
+        """The engine counters as of the last step, plus the server's own
+        (``requests_aborted``, ``requests_failed``). Never waits for the engine."""
         return self._stats
+
+    def stats_sync(self, timeout: float | None = None) -> dict[str, float | int]:
+        """The same counters, taken now on the worker (waits for the current step)."""
+        return self.call_sync(lambda _: self._snapshot(), timeout)
 
     # ---- worker --------------------------------------------------------------------
 
@@ -209,7 +214,8 @@ class AsyncEngine:
                     break
                 if engine.has_unfinished_requests():
                     self._step()
-                self._publish_stats()
+                else:
+                    self._publish_stats()
         finally:
             self._stop_all()
 
@@ -236,7 +242,10 @@ class AsyncEngine:
             outputs = self.engine.step()
         except Exception as e:
             self._step_failed(e)
+            self._publish_stats()
             return
+        # Counters first, so a client that has its final output also sees it counted.
+        self._publish_stats()
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -275,11 +284,14 @@ class AsyncEngine:
             self.healthy = False
             self._stopping.set()
 
-    def _publish_stats(self) -> None:
+    def _snapshot(self) -> dict[str, float | int]:
         stats = self.engine.stats()
         stats["requests_aborted"] = self._aborted
         stats["requests_failed"] = self._failed
-        self._stats = stats  # one reference swap: readers see a whole snapshot
+        return stats
+
+    def _publish_stats(self) -> None:
+        self._stats = self._snapshot()  # one reference swap: readers see a whole snapshot
 
     def _stop_all(self) -> None:
         for rid, stream in list(self._streams.items()):

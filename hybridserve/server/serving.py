@@ -250,9 +250,10 @@ class OpenAIServing:
 
     async def _collect(self, rid: str, streams: list[RequestStream]) -> list[RequestOutput]:
         finals: dict[int, RequestOutput] = {}
-        async for i, out in self._iterate(rid, streams):
-            if out.finished:
-                finals[i] = out
+        async with contextlib.aclosing(self._iterate(rid, streams)) as outputs:
+            async for i, out in outputs:
+                if out.finished:
+                    finals[i] = out
         result = [finals[i] for i in range(len(streams))]
         _log_finished(rid, result)
         return result
@@ -271,12 +272,13 @@ class OpenAIServing:
         try:
             for chunk in fmt.opening(len(streams)):
                 yield _event(chunk, include_usage)
-            async for i, out in self._iterate(rid, streams):
-                latest[i] = out
-                for j, comp in enumerate(out.outputs):
-                    chunk = fmt.delta(i * params.n + j, comp, cursors[i][j])
-                    if chunk is not None:
-                        yield _event(chunk, include_usage)
+            async with contextlib.aclosing(self._iterate(rid, streams)) as outputs:
+                async for i, out in outputs:
+                    latest[i] = out
+                    for j, comp in enumerate(out.outputs):
+                        chunk = fmt.delta(i * params.n + j, comp, cursors[i][j])
+                        if chunk is not None:
+                            yield _event(chunk, include_usage)
             if include_usage:
                 yield _event(fmt.usage_chunk([latest[i] for i in range(len(streams))]), False)
             _log_finished(rid, [latest[i] for i in range(len(streams))])

@@ -109,7 +109,7 @@ class ServerThread:
         """Wait until the engine runs nothing; returns its counters."""
         deadline = time.monotonic() + timeout
         while True:
-            stats = self.engine.call_sync(lambda e: e.stats(), timeout)
+            stats = self.engine.stats_sync(timeout)
             if stats["requests_running"] == 0 and stats["requests_waiting"] == 0:
                 return stats
             if time.monotonic() > deadline:
