@@ -1,0 +1,113 @@
+"""Command line: ``hybridserve generate | serve | demo``.
+
+With no ``--model``, every command uses the embedded default model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """Engine options shared by every command (names follow vLLM's flags)."""
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--kv-block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--num-state-pages", type=int, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    p.add_argument("--state-interval", type=int, default=64, help="checkpoint grid in tokens")
+    p.add_argument("--max-checkpoint-pages", type=int, default=None)
+    p.add_argument(
+        "--num-speculative-tokens", type=int, default=0,
+        help="n-gram (prompt lookup) speculative decoding with this many draft tokens; 0 = off",
+    )
+    p.add_argument("--seed", type=int, default=0)
+
+
+def llm_from_args(args: argparse.Namespace):
+    """Build an :class:`~hybridserve.LLM` from parsed :func:`add_engine_arguments` options."""
+    from hybridserve import LLM
+
+    spec = None
+    if args.num_speculative_tokens > 0:
+        spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
+    return LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_block_size=args.kv_block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        num_state_pages=args.num_state_pages,
+        enable_prefix_caching=not args.no_prefix_caching,
+        state_interval=args.state_interval,
+        max_checkpoint_pages=args.max_checkpoint_pages,
+        speculative_config=spec,
+    )
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from hybridserve import SamplingParams
+
+    llm = llm_from_args(args)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.sample_seed
+    )
+    for out in llm.generate(args.prompts, params, use_tqdm=False):
+        print(f"--- {out.prompt!r}")
+        print(out.prompt + out.outputs[0].text if out.prompt else out.outputs[0].text)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hybridserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete prompts and print the results")
+    add_engine_arguments(gen)
+    gen.add_argument("prompts", nargs="+")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--sample-seed", type=int, default=None)
+
+    demo = sub.add_parser("demo", help="show completions, prefix-cache hits and speculation")
+    add_engine_arguments(demo)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_arguments(serve)
+    try:
+        from hybridserve.server.cli import add_serve_arguments
+    except ImportError:  # the server's dependencies are optional at import time
+        add_serve_arguments = None
+    if add_serve_arguments is not None:
+        add_serve_arguments(serve)
+
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "generate":
+            return _generate(args)
+        if args.command == "demo":
+            from hybridserve.demo import run_demo
+
+            return run_demo(args)
+        from hybridserve.server.cli import serve_main
+
+        return serve_main(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
