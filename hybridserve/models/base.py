@@ -39,13 +39,22 @@ class CacheSpec:
     def kv_block_bytes(self, kv_block_size: int, dtype: torch.dtype) -> int:
         """Bytes of one KV block across all attention layers (keys and values)."""
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * len(self.attention_layers) * kv_block_size * self.num_kv_heads * self.head_dim * elem
+        return (
+            2
+            * len(self.attention_layers)
+            * kv_block_size
+            * self.num_kv_heads
+            * self.head_dim
+            * elem
+        )
 
     def state_page_bytes(self, conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> int:
         """Bytes of one state page across all Mamba layers (conv window + SSM state)."""
         conv = self.conv_dim * (self.d_conv - 1) * torch.empty((), dtype=conv_dtype).element_size()
         ssm = (
-            self.num_ssm_heads * self.ssm_head_dim * self.d_state
+            self.num_ssm_heads
+            * self.ssm_head_dim
+            * self.d_state
             * torch.empty((), dtype=ssm_dtype).element_size()
         )
         return len(self.mamba_layers) * (conv + ssm)
@@ -62,18 +71,39 @@ class CacheSpec:
         """Allocate every cache tensor. Contents are undefined until written."""
         kv = {
             layer: (
-                torch.empty(num_kv_blocks, kv_block_size, self.num_kv_heads, self.head_dim, dtype=dtype, device=device),
-                torch.empty(num_kv_blocks, kv_block_size, self.num_kv_heads, self.head_dim, dtype=dtype, device=device),
+                torch.empty(
+                    num_kv_blocks,
+                    kv_block_size,
+                    self.num_kv_heads,
+                    self.head_dim,
+                    dtype=dtype,
+                    device=device,
+                ),
+                torch.empty(
+                    num_kv_blocks,
+                    kv_block_size,
+                    self.num_kv_heads,
+                    self.head_dim,
+                    dtype=dtype,
+                    device=device,
+                ),
             )
             for layer in self.attention_layers
         }
         conv = {
-            layer: torch.empty(num_state_pages, self.conv_dim, self.d_conv - 1, dtype=dtype, device=device)
+            layer: torch.empty(
+                num_state_pages, self.conv_dim, self.d_conv - 1, dtype=dtype, device=device
+            )
             for layer in self.mamba_layers
         }
         ssm = {
             layer: torch.empty(
-                num_state_pages, self.num_ssm_heads, self.ssm_head_dim, self.d_state, dtype=ssm_dtype, device=device
+                num_state_pages,
+                self.num_ssm_heads,
+                self.ssm_head_dim,
+                self.d_state,
+                dtype=ssm_dtype,
+                device=device,
             )
             for layer in self.mamba_layers
         }
@@ -85,6 +115,8 @@ class HybridModel(Protocol):
 
     cache_spec: CacheSpec
 
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor: ...
+    def forward(
+        self, input_ids: torch.Tensor, batch: ForwardBatch, caches: ModelCaches
+    ) -> torch.Tensor: ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...

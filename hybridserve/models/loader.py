@@ -34,6 +34,10 @@ _DTYPES = {
     "float16": torch.float16,
     "fp16": torch.float16,
     "half": torch.float16,
+    # float64 is for reference computations in tests, not for serving.
+    "float64": torch.float64,
+    "fp64": torch.float64,
+    "double": torch.float64,
 }
 
 
@@ -42,13 +46,16 @@ class CheckpointError(ValueError):
 
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """``torch.float32/bfloat16/float16`` or one of their names (``"bf16"``, ``"float16"``...)."""
+    """``torch.float32/bfloat16/float16`` (or ``float64``, for reference runs in tests), or
+    one of their names (``"bf16"``, ``"float16"``...)."""
     if isinstance(dtype, torch.dtype):
-        if dtype in (torch.float32, torch.bfloat16, torch.float16):
+        if dtype in set(_DTYPES.values()):
             return dtype
     elif isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in _DTYPES:
         return _DTYPES[dtype.lower().removeprefix("torch.")]
-    raise ValueError(f"unsupported model dtype {dtype!r}; use float32, bfloat16 or float16")
+    raise ValueError(
+        f"unsupported model dtype {dtype!r}; use float32, bfloat16 or float16 (float64 in tests)"
+    )
 
 
 def _ignored(config: ModelConfig, name: str) -> bool:

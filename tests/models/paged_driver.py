@@ -30,11 +30,13 @@ class PagedDriver:
         kv_block_size: int = 4,
         num_kv_blocks: int = 256,
         num_state_pages: int = 64,
-        ssm_dtype: torch.dtype = torch.float32,
+        ssm_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.block_size = kv_block_size
         dtype = next(model.parameters()).dtype
+        if ssm_dtype is None:
+            ssm_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         self.caches = model.cache_spec.allocate(
             num_kv_blocks, kv_block_size, num_state_pages, dtype, ssm_dtype, "cpu"
         )

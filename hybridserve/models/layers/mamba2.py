@@ -60,7 +60,9 @@ class Mamba2Mixer(nn.Module):
         z, xbc, dt = zxbcdt.split([p.intermediate_size, p.conv_dim, p.n_heads], dim=-1)
         weight = self.conv1d.weight[:, 0, :]
         bias = self.conv1d.bias
-        A = -torch.exp(self.A_log.float())
+        # float32 at least: the scan and its states are kept in float32 even for bf16 weights.
+        compute = torch.promote_types(h.dtype, torch.float32)
+        A = -torch.exp(self.A_log.to(compute))
         gs = p.n_groups * p.d_state
 
         initial = [
@@ -68,7 +70,7 @@ class Mamba2Mixer(nn.Module):
             for page in batch.state_in_page
         ]
         writes: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-        y = torch.empty(h.shape[0], p.intermediate_size, dtype=torch.float32, device=h.device)
+        y = torch.empty(h.shape[0], p.intermediate_size, dtype=compute, device=h.device)
         for i in range(batch.num_rows):
             s, e = batch.query_start[i], batch.query_start[i + 1]
             q = e - s
