@@ -7,8 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from hybridserve.testing.tiny_models import make_tiny_checkpoint
+
+# Tiny models: thread start-up costs more than the matrix products it would split.
+torch.set_num_threads(1)
 
 
 def write_byte_tokenizer(path: Path, eos_id: int = 2) -> None:

@@ -189,9 +189,13 @@ class Scheduler:
         h, hit_blocks, hit_page = 0, [], -1
         if caching and req.num_computed_tokens == 0:
             if "prompt_end" in self.cache_config.checkpoint_policies:
-                end = req.num_prompt_tokens // self.block_size * self.block_size
-                if end > 0:
-                    req.extra_checkpoints.add(end)
+                # The prompt's end serves a prompt that extends it; the last boundary
+                # before its final token serves the same prompt again (a hit must
+                # leave at least one token to compute).
+                bs = self.block_size
+                for end in (req.num_prompt_tokens // bs * bs, (req.num_prompt_tokens - 1) // bs * bs):
+                    if end > 0:
+                        req.extra_checkpoints.add(end)
             h, hit_blocks, hit_page = self._lookup_prefix(req)
         q = min(req.num_tokens - h, budget)
         outputs = self._prefill_outputs(req, h, q)
