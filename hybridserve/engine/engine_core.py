@@ -318,6 +318,15 @@ class EngineCore:
                 )
             )
         finished = all(r.status.finished for r in group.children)
+        drafts = sum(r.spec_draft_tokens for r in group.children)
+        accepted = sum(r.spec_accepted_tokens for r in group.children)
+        verify_steps = sum(r.spec_steps for r in group.children)
+        metrics = {
+            "spec_draft_tokens": drafts,
+            "spec_accepted_tokens": accepted,
+            "spec_mean_accepted_length": 1.0 + accepted / verify_steps if verify_steps else 0.0,
+            "num_preemptions": sum(r.num_preemptions for r in group.children),
+        }
         if finished:
             self.groups.pop(group.request_id, None)
         return RequestOutput(
@@ -327,6 +336,7 @@ class EngineCore:
             outputs=outs,
             finished=finished,
             num_cached_tokens=group.children[0].num_cached_tokens,
+            metrics=metrics,
         )
 
     # ---- statistics --------------------------------------------------------------

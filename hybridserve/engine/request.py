@@ -192,3 +192,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # Per-request counters: spec_draft_tokens, spec_accepted_tokens,
+    # spec_mean_accepted_length (tokens per verify step), num_preemptions.
+    metrics: dict[str, float] = field(default_factory=dict)

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from hybridserve.cache.block_pool import block_hashes
 from hybridserve.models.batch import ForwardBatch
 
 
@@ -43,3 +44,27 @@ def reference_state(
     conv = {layer: t[0].clone() for layer, t in caches.conv.items()}
     ssm = {layer: t[0].clone() for layer, t in caches.ssm.items()}
     return conv, ssm
+
+
+def assert_checkpoints_exact(llm, sequences: Sequence[Sequence[int]], atol: float = 1e-5) -> int:
+    """Assert every live checkpoint of ``llm`` equals a cold run's state at its position.
+
+    ``sequences`` must include the token sequence each checkpoint was taken from (its
+    prefix is recovered through the chained block hashes). Returns how many were checked.
+    """
+    sched = llm.engine.scheduler
+    caches = llm.engine.runner.caches
+    by_key = {}
+    for seq in sequences:
+        for i, h in enumerate(block_hashes(seq, sched.block_size)):
+            by_key.setdefault(h, seq[: (i + 1) * sched.block_size])
+    checked = 0
+    for key, ckpt in sched.states.checkpoints.items():
+        prefix = by_key[key]  # KeyError: a checkpoint from no sequence given
+        assert len(prefix) == ckpt.length
+        conv, ssm = reference_state(llm.model, prefix, ckpt.length)
+        for layer in conv:
+            assert (caches.conv[layer][ckpt.page] - conv[layer]).abs().max() <= atol
+            assert (caches.ssm[layer][ckpt.page] - ssm[layer]).abs().max() <= atol
+        checked += 1
+    return checked

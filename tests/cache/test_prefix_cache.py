@@ -7,8 +7,7 @@ import random
 import pytest
 
 from hybridserve import LLM, SamplingParams
-from hybridserve.cache.block_pool import block_hashes
-from hybridserve.testing.reference import reference_state
+from hybridserve.testing.reference import assert_checkpoints_exact
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -19,26 +18,6 @@ def _rand(rng: random.Random, n: int) -> list[int]:
 
 def _tokens(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
-
-
-def assert_checkpoints_exact(llm: LLM, sequences: list[list[int]]) -> int:
-    """Every live checkpoint equals a cold run's state at its position. Returns the count."""
-    sched = llm.engine.scheduler
-    caches = llm.engine.runner.caches
-    by_key = {}
-    for seq in sequences:
-        for i, h in enumerate(block_hashes(seq, sched.block_size)):
-            by_key.setdefault(h, seq[: (i + 1) * sched.block_size])
-    checked = 0
-    for key, ckpt in sched.states.checkpoints.items():
-        prefix = by_key[key]  # every checkpoint's prefix is one of the sequences run
-        assert len(prefix) == ckpt.length
-        conv, ssm = reference_state(llm.model, prefix, ckpt.length)
-        for layer in conv:
-            assert (caches.conv[layer][ckpt.page] - conv[layer]).abs().max() <= 1e-5
-            assert (caches.ssm[layer][ckpt.page] - ssm[layer]).abs().max() <= 1e-5
-        checked += 1
-    return checked
 
 
 def _workload(seed: int) -> list[list[int]]:
