@@ -20,6 +20,10 @@ _DTYPES = {
     "float16": torch.float16,
     "fp16": torch.float16,
     "half": torch.float16,
+    # float64 is for reference computations in tests, not for serving.
+    "float64": torch.float64,
+    "fp64": torch.float64,
+    "double": torch.float64,
 }
 
 
@@ -30,7 +34,7 @@ def resolve_dtype(value: str | torch.dtype, field_name: str = "dtype") -> torch.
             return value
         raise ValueError(f"{field_name}={value} is not supported; use float32, bfloat16 or float16")
     try:
-        return _DTYPES[str(value).lower()]
+        return _DTYPES[str(value).lower().removeprefix("torch.")]
     except KeyError:
         raise ValueError(
             f"{field_name}={value!r} is not supported; use one of {sorted(set(_DTYPES))}"

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from hybridserve.config import resolve_dtype
 from hybridserve.models.config import ModelConfig
 from hybridserve.models.hybrid import HybridForCausalLM
 from hybridserve.models.registry import model_class
@@ -26,36 +27,8 @@ from hybridserve.models.registry import model_class
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    # float64 is for reference computations in tests, not for serving.
-    "float64": torch.float64,
-    "fp64": torch.float64,
-    "double": torch.float64,
-}
-
-
 class CheckpointError(ValueError):
     """The weights of a checkpoint cannot be loaded; the message names the file and weight."""
-
-
-def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """``torch.float32/bfloat16/float16`` (or ``float64``, for reference runs in tests), or
-    one of their names (``"bf16"``, ``"float16"``...)."""
-    if isinstance(dtype, torch.dtype):
-        if dtype in set(_DTYPES.values()):
-            return dtype
-    elif isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in _DTYPES:
-        return _DTYPES[dtype.lower().removeprefix("torch.")]
-    raise ValueError(
-        f"unsupported model dtype {dtype!r}; use float32, bfloat16 or float16 (float64 in tests)"
-    )
 
 
 def _ignored(config: ModelConfig, name: str) -> bool:

@@ -87,7 +87,7 @@ def test_low_precision_load(granite, dtype):
 
 
 def test_rejects_unsupported_dtype(granite):
-    with pytest.raises(ValueError, match="unsupported model dtype"):
+    with pytest.raises(ValueError, match="dtype=torch.int8 is not supported"):
         load_model(granite, dtype=torch.int8)
 
 
