@@ -54,7 +54,9 @@ class CacheConfig:
     the cached path), ``prompt_end`` (each prompt's end, rounded down to a block) and
     ``finished`` (each finished sequence's end, rounded down to a block).
     ``max_checkpoint_pages`` caps the pages checkpoints may hold (None: a quarter of
-    the pool); checkpoints beyond it are evicted least recently used first.
+    the pool); beyond it checkpoints are evicted by ``eviction_policy``: ``lru`` or
+    ``flop_aware`` (recency plus ``eviction_alpha`` (default 2) times the prefill FLOPs a hit saves;
+    see :mod:`hybridserve.cache.state_cache`).
     """
 
     kv_block_size: int = 16
@@ -65,6 +67,8 @@ class CacheConfig:
     checkpoint_policies: tuple[str, ...] = CHECKPOINT_POLICIES
     max_checkpoint_pages: int | None = None
     ssm_state_dtype: torch.dtype = torch.float32
+    eviction_policy: str = "lru"
+    eviction_alpha: float = 2.0
 
     def __post_init__(self) -> None:
         if self.kv_block_size < 1:
@@ -77,6 +81,10 @@ class CacheConfig:
             raise ValueError(
                 f"state_interval={self.state_interval} must be a positive multiple of "
                 f"kv_block_size={self.kv_block_size} (checkpoints sit on KV block boundaries)"
+            )
+        if self.eviction_policy not in ("lru", "flop_aware"):
+            raise ValueError(
+                f"eviction_policy={self.eviction_policy!r} is not supported; use 'lru' or 'flop_aware'"
             )
         bad = [p for p in self.checkpoint_policies if p not in CHECKPOINT_POLICIES]
         if bad:

@@ -54,6 +54,7 @@ class LLM:
         checkpoint_policies: Sequence[str] = CHECKPOINT_POLICIES,
         max_checkpoint_pages: int | None = None,
         ssm_state_dtype: str | torch.dtype = "float32",
+        eviction_policy: str = "lru",
         speculative_config: dict[str, Any] | None = None,
     ) -> None:
         from hybridserve.models.loader import load_model
@@ -104,6 +105,7 @@ class LLM:
             checkpoint_policies=tuple(checkpoint_policies),
             max_checkpoint_pages=min(checkpoint_pages, num_state_pages - 1),
             ssm_state_dtype=resolve_dtype(ssm_state_dtype, "ssm_state_dtype"),
+            eviction_policy=eviction_policy,
         )
         self.config = EngineConfig(
             model=str(path), dtype=torch_dtype, device=device, seed=seed,

@@ -15,7 +15,13 @@ Ownership and invariants
   records the hashes of every block of its prefix: when any of those KV blocks is
   evicted the checkpoint can never be hit again and is dropped.
 - Checkpoints hold at most ``budget`` pages; beyond that, and whenever live requests
-  need pages, checkpoints are evicted least recently used first.
+  need pages, a checkpoint is evicted. ``lru``: the least recently used.
+  ``flop_aware`` (after Marconi, MLSys 2025): the lowest score
+  ``recency + alpha * flops_saved / max_flops_saved``, where recency runs from 0 (least
+  recent) to 1 (most recent) and ``flops_saved(length)`` is the prefill work a hit on
+  the checkpoint saves. Every checkpoint holds one page, so FLOPs saved per byte is
+  proportional to FLOPs saved; long prefixes, whose attention cost grows
+  quadratically, outlive short ones that were touched a little more recently.
 
 Only the scheduler calls into this class.
 """
@@ -23,7 +29,7 @@ Only the scheduler calls into this class.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -37,9 +43,21 @@ class Checkpoint:
 class StateCache:
     """The state page pool plus the checkpoint index (see module docstring)."""
 
-    def __init__(self, num_pages: int, checkpoint_budget: int) -> None:
+    def __init__(
+        self,
+        num_pages: int,
+        checkpoint_budget: int,
+        eviction_policy: str = "lru",
+        flops_saved: Callable[[int], float] | None = None,
+        alpha: float = 2.0,
+    ) -> None:
+        if eviction_policy not in ("lru", "flop_aware"):
+            raise ValueError(f"eviction_policy={eviction_policy!r}; use 'lru' or 'flop_aware'")
         self.num_pages = num_pages
         self.checkpoint_budget = checkpoint_budget
+        self.eviction_policy = eviction_policy
+        self.flops_saved = flops_saved or (lambda length: float(length))
+        self.alpha = alpha
         self.ref_count = [0] * num_pages
         # Stack of free pages; recently freed pages are reused first.
         self.free: list[int] = list(range(num_pages - 1, -1, -1))
@@ -135,11 +153,18 @@ class StateCache:
         self.release([ckpt.page])
 
     def _evict_lru(self) -> None:
-        # Prefer a checkpoint whose page nobody else holds: evicting it frees a page.
-        key = next(
-            (k for k, c in self.checkpoints.items() if self.ref_count[c.page] == 1),
-            next(iter(self.checkpoints)),
-        )
+        # Candidates: checkpoints whose page nobody else holds (evicting them frees a
+        # page); if there are none, any checkpoint.
+        keys = [k for k, c in self.checkpoints.items() if self.ref_count[c.page] == 1]
+        keys = keys or list(self.checkpoints)
+        if self.eviction_policy == "lru" or len(keys) == 1:
+            key = keys[0]
+        else:
+            flops = [self.flops_saved(self.checkpoints[k].length) for k in keys]
+            top = max(flops) or 1.0
+            n = len(keys) - 1
+            scores = [i / n + self.alpha * f / top for i, f in enumerate(flops)]
+            key = keys[scores.index(min(scores))]
         self._remove(key)
         self.num_evicted += 1
 

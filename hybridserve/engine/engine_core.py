@@ -29,6 +29,22 @@ from hybridserve.spec.ngram import NgramDrafter
 from hybridserve.tokenizer import Tokenizer
 
 
+def prefill_flops(model: torch.nn.Module):
+    """``length -> FLOPs`` of prefilling that many tokens: 2 per weight per token, plus
+    attention's score and value products, quadratic in the length."""
+    weights = sum(
+        p.numel() for name, p in model.named_parameters() if "embed" not in name and "lm_head" not in name
+    )
+    mc = model.config
+    attn_layers = sum(1 for kind in mc.layer_types if kind == "attention")
+    width = mc.attention.num_heads * mc.attention.head_dim if mc.attention else 0
+
+    def flops(length: int) -> float:
+        return 2.0 * weights * length + 2.0 * attn_layers * width * length * length
+
+    return flops
+
+
 @dataclass
 class _Group:
     """The ``n`` sequences of one user request, reported together."""
@@ -54,7 +70,7 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
-        self.scheduler = Scheduler(config.scheduler, config.cache)
+        self.scheduler = Scheduler(config.scheduler, config.cache, prefill_flops(model))
         cc = config.cache
         caches = model.cache_spec.allocate(
             cc.num_kv_blocks, cc.kv_block_size, cc.num_state_pages, config.dtype, cc.ssm_state_dtype, config.device

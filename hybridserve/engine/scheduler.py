@@ -26,6 +26,7 @@ Which state each row writes (the pages come from :class:`StateCache`)
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hybridserve.cache.block_pool import BlockPool, block_hashes, chain_hash
@@ -67,13 +68,22 @@ class SchedulerOutput:
 class Scheduler:
     """Owns the waiting and running queues and every cache reference of every request."""
 
-    def __init__(self, sched: SchedulerConfig, cache: CacheConfig) -> None:
+    def __init__(
+        self,
+        sched: SchedulerConfig,
+        cache: CacheConfig,
+        flops_saved: Callable[[int], float] | None = None,
+    ) -> None:
+        """``flops_saved(length)``: prefill work a checkpoint of that length saves
+        (used by the ``flop_aware`` eviction policy)."""
         self.config = sched
         self.cache_config = cache
         self.block_size = cache.kv_block_size
         self.blocks = BlockPool(cache.num_kv_blocks, cache.kv_block_size, cache.enable_prefix_caching)
         budget = cache.checkpoint_budget if cache.enable_prefix_caching else 0
-        self.states = StateCache(cache.num_state_pages, budget)
+        self.states = StateCache(
+            cache.num_state_pages, budget, cache.eviction_policy, flops_saved, cache.eviction_alpha
+        )
         self.blocks.on_evict.append(self.states.on_block_evicted)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

@@ -186,3 +186,28 @@ def test_prefix_cache_benchmark_runs(tmp_path):
     shared = report["results"]["shared_prefix"]
     assert shared["hybridserve"]["hit_rate"] > shared["block_grid_528"]["hit_rate"] == 0.0
     assert shared["no_cache"]["prefix_hit_tokens"] == 0
+
+
+def test_flop_aware_eviction_keeps_long_prefixes(tiny_granite):
+    """A long shared prefix revisited between bursts of short one-off prompts: LRU lets
+    the bursts push it out; FLOP-aware eviction keeps it and hits more tokens."""
+    rng = random.Random(11)
+    long_prefix = _rand(rng, 160)
+    trace = []
+    for _ in range(4):
+        trace.append([long_prefix + _rand(rng, 5)])
+        trace += [[_rand(rng, 20) + _rand(rng, 3)] for _ in range(3)]
+    hits = {}
+    outs = {}
+    for policy in ("lru", "flop_aware"):
+        llm = LLM(
+            tiny_granite, eviction_policy=policy, max_checkpoint_pages=2,
+            checkpoint_policies=("prompt_end",), max_num_seqs=1,
+        )
+        llm.engine.check_integrity_every_step = True
+        outs[policy] = [_tokens(llm.generate(wave, GREEDY)) for wave in trace]
+        hits[policy] = llm.stats()["prefix_hit_tokens"]
+    assert outs["lru"] == outs["flop_aware"]
+    assert hits["flop_aware"] > hits["lru"]
+    with pytest.raises(ValueError, match="eviction_policy"):
+        LLM(tiny_granite, eviction_policy="random")
