@@ -1,0 +1,97 @@
+"""Allocator-level tests of the KV block pool and the state page cache."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridserve.cache.block_pool import BlockPool, block_hashes
+from hybridserve.cache.state_cache import StateCache
+
+
+def test_block_pool_keeps_hashes_until_reuse_and_evicts_oldest_first():
+    pool = BlockPool(num_blocks=4, block_size=2)
+    evicted = []
+    pool.on_evict.append(evicted.append)
+    toks = [1, 2, 3, 4]
+    hashes = block_hashes(toks, 2)
+    blocks = pool.allocate(2)
+    for b, h, i in zip(blocks, hashes, (0, 2)):
+        pool.register(b, h, toks[i : i + 2])
+    pool.release(blocks)
+    assert pool.num_free == 4
+    # Freed blocks stay hittable, with token confirmation.
+    assert pool.lookup(hashes[0], [1, 2]) == blocks[0]
+    assert pool.lookup(hashes[0], [9, 9]) is None
+    pool.acquire([blocks[0]])
+    assert pool.num_free == 3
+    pool.release([blocks[0]])
+    # Unhashed blocks are reused first; then hashed ones, oldest release first.
+    fresh = pool.allocate(2)
+    assert set(fresh).isdisjoint(blocks) and evicted == []
+    pool.allocate(1)
+    assert len(evicted) == 1
+    pool.check_integrity()
+    with pytest.raises(MemoryError):
+        pool.allocate(2)
+
+
+def test_block_pool_refuses_double_release():
+    pool = BlockPool(num_blocks=2, block_size=2)
+    b = pool.allocate(1)
+    pool.release(b)
+    with pytest.raises(AssertionError, match="ref_count"):
+        pool.release(b)
+
+
+def test_chained_hash_depends_on_the_whole_prefix():
+    a = block_hashes([1, 2, 3, 4], 2)
+    b = block_hashes([9, 2, 3, 4], 2)
+    assert a[1] != b[1]  # same second block, different parent
+    assert block_hashes([1, 2, 3, 4], 2, extra_key="lora-1")[0] != a[0]
+    assert block_hashes([1, 2, 3], 2) == a[:1]  # partial blocks are not hashed
+
+
+def test_state_cache_checkpoint_lifecycle():
+    sc = StateCache(num_pages=4, checkpoint_budget=2)
+    (p,) = sc.allocate(1)
+    assert sc.admit(key=10, length=32, page=p, prefix_hashes=[5, 10])
+    assert not sc.admit(key=10, length=32, page=p, prefix_hashes=[5, 10])  # once per prefix
+    sc.release([p])  # the writer's reference; the index keeps the page alive
+    assert sc.ref_count[p] == 1 and sc.lookup(10).page == p
+    sc.check_integrity()
+    # A KV block of its prefix is evicted: the checkpoint can never hit again.
+    sc.on_block_evicted(5)
+    assert sc.lookup(10) is None and sc.num_dropped == 1
+    assert sc.num_free == 4
+    sc.check_integrity()
+
+
+def test_state_cache_evicts_checkpoints_for_live_pages():
+    sc = StateCache(num_pages=3, checkpoint_budget=3)
+    pages = sc.allocate(3)
+    for i, page in enumerate(pages):
+        sc.admit(key=i, length=16 * (i + 1), page=page, prefix_hashes=[i])
+        sc.release([page])
+    assert sc.num_free == 0 and sc.can_allocate(2)
+    got = sc.allocate(2)
+    assert len(got) == 2 and sc.num_evicted == 2
+    assert list(sc.checkpoints) == [2]  # the most recently used survives
+    sc.check_integrity(holders=got)
+    with pytest.raises(MemoryError):
+        sc.allocate(2)
+    # A page shared by a request and the index is not reclaimable.
+    sc.incref(sc.checkpoints[2].page)
+    assert not sc.can_allocate(1)
+
+
+def test_flop_aware_eviction_prefers_cheap_prefixes():
+    sc = StateCache(num_pages=8, checkpoint_budget=2, eviction_policy="flop_aware",
+                    flops_saved=lambda n: float(n * n))
+    for key, length in ((1, 256), (2, 16), (3, 16)):
+        (page,) = sc.allocate(1)
+        sc.admit(key=key, length=length, page=page, prefix_hashes=[key])
+        sc.release([page])
+    # LRU would have evicted the 256-token prefix (the oldest).
+    assert sorted(c.length for c in sc.checkpoints.values()) == [16, 256]
+    with pytest.raises(ValueError, match="eviction_policy"):
+        StateCache(4, 1, eviction_policy="mru")
