@@ -14,6 +14,7 @@ Two modes:
   ``atomic-read``; atomic against atomic is not a conflict).
 - :func:`run_in_orders`: the same launch on fresh copies of the inputs with the grid
   run forward, reversed and shuffled; an :class:`OrderReport` says which outputs differ.
+  :func:`run_launcher_in_orders` does the same for a function that launches kernels.
 
 :func:`record_launches` does either for every launch inside a ``with`` block (for
 launchers that build their own arguments). Memory a kernel reaches through raw
@@ -29,6 +30,7 @@ of integer type (which the interpreter rejects) are coerced to bool while record
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -59,6 +61,7 @@ __all__ = [
     "check",
     "record_launches",
     "run_in_orders",
+    "run_launcher_in_orders",
 ]
 
 ProgramId = tuple[int, int, int]
@@ -658,8 +661,8 @@ def assert_race_free(
 def _clone(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.clone()
-    if isinstance(value, tuple):
-        return tuple(_clone(v) for v in value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_clone(v) for v in value)
     return value
 
 
@@ -668,8 +671,11 @@ def _tensors(names_values: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     for name, value in names_values.items():
         if isinstance(value, torch.Tensor):
             out[name] = value
-        elif isinstance(value, tuple):
+        elif isinstance(value, (tuple, list)):
             out.update(_tensors({f"{name}[{i}]": v for i, v in enumerate(value)}))
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            fields = {f"{name}.{f.name}": getattr(value, f.name) for f in dataclasses.fields(value)}
+            out.update(_tensors(fields))
     return out
 
 
@@ -685,6 +691,24 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> tuple[int, tuple[int, ...]] | Non
         return None
     first = int(differs.nonzero()[0, 0])
     return num, tuple(int(i) for i in np.unravel_index(first, tuple(a.shape)))
+
+
+def _compare(kernel: str, orders: Sequence[str],
+             outputs: dict[str, dict[str, torch.Tensor]]) -> OrderReport:
+    base = outputs[orders[0]]
+    differences = []
+    for order in orders[1:]:
+        for name, tensor in outputs[order].items():
+            d = _diff(base[name], tensor)
+            if d is not None:
+                differences.append(OrderDifference(order, name, d[0], d[1]))
+    return OrderReport(kernel, tuple(orders), outputs, differences)
+
+
+def _split(made: Sequence[Any] | Mapping[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    if isinstance(made, Mapping):
+        return (), {k: _clone(v) for k, v in made.items()}
+    return tuple(_clone(v) for v in made), {}
 
 
 def run_in_orders(
@@ -707,28 +731,45 @@ def run_in_orders(
         raise ValueError("run_in_orders: need at least one order")
     grid = tuple(grid) if not callable(grid) else grid
     made = make_args()
+    names = list(getattr(_innermost(kernel), "arg_names", []))
     outputs: dict[str, dict[str, torch.Tensor]] = {}
     for order in orders:
-        if isinstance(made, Mapping):
-            args: tuple = ()
-            kwargs = {k: _clone(v) for k, v in made.items()}
-        else:
-            args = tuple(_clone(v) for v in made)
-            kwargs = {}
+        args, kwargs = _split(made)
         with record_launches(record=False, order=order, seed=seed):
             kernel[grid](*args, **kwargs, **constants)
-        names = list(getattr(_innermost(kernel), "arg_names", []))
         named = dict(zip(names, args)) if names else {f"arg{i}": v for i, v in enumerate(args)}
         named.update(kwargs)
         outputs[order] = _tensors(named)
-    base = outputs[orders[0]]
-    differences = []
-    for order in orders[1:]:
-        for name, tensor in outputs[order].items():
-            d = _diff(base[name], tensor)
-            if d is not None:
-                differences.append(OrderDifference(order, name, d[0], d[1]))
-    return OrderReport(getattr(kernel, "__name__", "kernel"), tuple(orders), outputs, differences)
+    return _compare(getattr(kernel, "__name__", "kernel"), orders, outputs)
+
+
+def run_launcher_in_orders(
+    launcher: Callable[..., Any],
+    make_args: Callable[[], Sequence[Any] | Mapping[str, Any]],
+    orders: Sequence[str] = _ORDERS,
+    seed: int = 0,
+) -> OrderReport:
+    """:func:`run_in_orders` for a Python function that launches kernels itself.
+
+    Every launch inside ``launcher`` runs its grid in the given order. Compared
+    outputs: the launcher's tensor arguments (lists, tuples and dataclasses of tensors
+    included, named ``arg[i]`` / ``arg.field``) and its return value (``return``...).
+    """
+    if not orders:
+        raise ValueError("run_launcher_in_orders: need at least one order")
+    made = make_args()
+    signature = inspect.signature(launcher)
+    outputs: dict[str, dict[str, torch.Tensor]] = {}
+    for order in orders:
+        args, kwargs = _split(made)
+        with record_launches(record=False, order=order, seed=seed) as rec:
+            result = launcher(*args, **kwargs)
+        if rec.launches == 0:
+            raise RuntimeError("run_launcher_in_orders: the launcher launched no kernel")
+        named = dict(signature.bind(*args, **kwargs).arguments)
+        named["return"] = result
+        outputs[order] = _tensors(named)
+    return _compare(getattr(launcher, "__name__", "launcher"), orders, outputs)
 
 
 def _innermost(kernel: Any) -> Any:
