@@ -101,13 +101,25 @@ class ModelRunner:
             k = row.num_drafts + 1
             spans.append((len(gather), k))
             gather += range(end - k, end)
-        logits = (
-            self.model.compute_logits(hidden[torch.tensor(gather, dtype=torch.long, device=hidden.device)])
-            .float()
-            .cpu()
-            if gather
-            else None
-        )
+        if not gather:
+            return [RowResult([], []) for _ in sched.rows]
+        index = torch.tensor(gather, dtype=torch.long, device=hidden.device)
+        logits = self.model.compute_logits(hidden[index])
+        if all(sampler.samples_by_argmax(row.request.params) for row in sched.rows if row.samples):
+            # Device fast path: pick every token on the device and read back one id per
+            # gathered position (one small copy per step, no [rows, vocab] transfer).
+            choices = sampler.argmax_ids(logits).tolist()
+            results = []
+            for row, (start, k) in zip(sched.rows, spans):
+                if k == 0:
+                    results.append(RowResult([], []))
+                    continue
+                drafts = row.request.draft_token_ids[: row.num_drafts]
+                results.append(
+                    RowResult(sampler.verify_greedy_ids(choices[start : start + k], drafts), [])
+                )
+            return results
+        logits = logits.float().cpu()
         results = []
         for row, (start, k) in zip(sched.rows, spans):
             if k == 0:

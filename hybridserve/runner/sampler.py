@@ -62,6 +62,47 @@ def process_logits(
     return logp
 
 
+def samples_by_argmax(params: SamplingParams) -> bool:
+    """True when the token after any position is the plain argmax of the raw logits.
+
+    Greedy with no penalty and no logprobs: :func:`process_logits` is then a
+    log-softmax (order preserving) and nothing else of the row's logits is needed, so
+    the runner can pick the token on the device and read back one id per position.
+    """
+    return (
+        params.greedy
+        and params.repetition_penalty == 1.0
+        and not params.presence_penalty
+        and not params.frequency_penalty
+        and params.logprobs is None
+    )
+
+
+def argmax_ids(logits: torch.Tensor) -> torch.Tensor:
+    """Device-side greedy choice for every row of ``logits [N, vocab]`` -> ``[N]`` int64.
+
+    Same value as ``argmax(process_logits(row))`` for a greedy request without penalties:
+    the argmax is taken over the log-softmax, as on the general path, so ties resolve
+    identically.
+    """
+    return torch.argmax(torch.log_softmax(logits.float(), dim=-1), dim=-1)
+
+
+def verify_greedy_ids(choices: Sequence[int], drafts: Sequence[int]) -> list[int]:
+    """:func:`verify_drafts` for a greedy request, given the argmax after every position.
+
+    ``choices[j]`` is the argmax after draft position j (``len(drafts) + 1`` entries).
+    """
+    out: list[int] = []
+    for j, x in enumerate(drafts):
+        if choices[j] != x:
+            out.append(int(choices[j]))
+            return out
+        out.append(x)
+    out.append(int(choices[len(drafts)]))
+    return out
+
+
 def sample_token(logp: torch.Tensor, params: SamplingParams, sample_seed: int, index: int) -> int:
     """Draw one token from processed log-probabilities (argmax when greedy)."""
     if params.greedy:

@@ -3,8 +3,12 @@
 Per step (see :mod:`hybridserve.models.batch`): keys and values of every packed token are
 written to their ``slot_mapping`` slot first, then each row attends over its first
 ``context_lens[i]`` cached tokens, causally: a token at absolute position ``p`` sees the
-keys at positions ``0 .. p``. Rows are processed one at a time; that is the CPU reference,
-not the GPU path.
+keys at positions ``0 .. p``. Rows are processed one at a time; that is the CPU reference.
+
+Decode fast path: when every row runs the same few tokens (plain decode, uniform verify
+rows), all rows attend at once over their gathered blocks
+(:mod:`hybridserve.kernels.paged_attention`: fused SDPA on CUDA, its float32 twin
+elsewhere).
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridserve.kernels import paged_attention
+from hybridserve.kernels.mamba_decode import MAX_DECODE_TOKENS
 from hybridserve.models.batch import ForwardBatch
 from hybridserve.models.config import AttentionParams
 from hybridserve.models.layers.rotary import apply_rope, rope_cos_sin
@@ -56,6 +62,16 @@ def paged_attention_reference(
     return out
 
 
+def _uniform_rows(batch: ForwardBatch) -> bool:
+    """Every row runs the same ``1 <= q <= MAX_DECODE_TOKENS`` tokens (a decode/verify step)."""
+    if batch.num_rows == 0:
+        return False
+    q = batch.query_len(0)
+    return 1 <= q <= MAX_DECODE_TOKENS and all(
+        batch.query_len(i) == q for i in range(batch.num_rows)
+    )
+
+
 class Attention(nn.Module):
     """q/k/v/o projections + optional (partial) RoPE + paged causal attention."""
 
@@ -88,5 +104,16 @@ class Attention(nn.Module):
         slots = batch.slot_mapping.to(device=h.device, dtype=torch.int64)
         k_cache.view(-1, p.num_kv_heads, p.head_dim)[slots] = k.to(k_cache.dtype)
         v_cache.view(-1, p.num_kv_heads, p.head_dim)[slots] = v.to(v_cache.dtype)
-        out = paged_attention_reference(q, k_cache, v_cache, batch, p.scale)
+        if _uniform_rows(batch):
+            attend = (
+                paged_attention.paged_attention_decode
+                if h.is_cuda
+                else paged_attention.paged_attention_decode_reference
+            )
+            out = attend(
+                q, k_cache, v_cache, batch.block_tables, batch.context_lens,
+                batch.positions, p.scale,
+            )
+        else:
+            out = paged_attention_reference(q, k_cache, v_cache, batch, p.scale)
         return self.o_proj(out.reshape(t, p.num_heads * p.head_dim))

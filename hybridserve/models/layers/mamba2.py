@@ -9,6 +9,13 @@ row's token at that offset (see :mod:`hybridserve.models.batch`).
 All initial states are gathered before any page is written, so the result does not
 depend on the order rows are processed in even if a caller broke the "never write a
 page you read" rule.
+
+Decode fast path: when every row of the step runs the same few tokens from a stored
+state (plain decode, uniform verify rows; :func:`~hybridserve.kernels.mamba_decode.decode_plan`),
+all rows go through one batched conv update and one batched selective-state update
+that read the rows' pages and write the requested states to their output pages
+(Triton kernels on CUDA, their torch twins elsewhere). The per-row path above stays the
+reference and serves prefill and mixed steps.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridserve.kernels import mamba_decode
 from hybridserve.kernels.conv1d import causal_conv1d_reference
 from hybridserve.kernels.ssd import discretize_dt, ssd_chunked_reference, ssd_step_reference
 from hybridserve.models.batch import ForwardBatch
@@ -65,6 +73,12 @@ class Mamba2Mixer(nn.Module):
         A = -torch.exp(self.A_log.to(compute))
         gs = p.n_groups * p.d_state
 
+        plan = mamba_decode.decode_plan(batch, h.device)
+        if plan is not None:
+            y = self._decode_rows(xbc, dt, A, plan, conv_cache, ssm_cache)
+            y = self.norm(y.to(compute), z)
+            return self.out_proj(y.to(h.dtype))
+
         initial = [
             (conv_cache[page], ssm_cache[page]) if page >= 0 else (None, None)
             for page in batch.state_in_page
@@ -109,3 +123,50 @@ class Mamba2Mixer(nn.Module):
             ssm_cache[page] = state.to(ssm_cache.dtype)
         y = self.norm(y, z)
         return self.out_proj(y.to(h.dtype))
+
+    def _decode_rows(
+        self,
+        xbc: torch.Tensor,
+        dt: torch.Tensor,
+        A: torch.Tensor,
+        plan: mamba_decode.DecodePlan,
+        conv_cache: torch.Tensor,
+        ssm_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """The fast path of a uniform step: ``[T, intermediate]`` scan output (compute dtype)."""
+        p = self.p
+        t = xbc.shape[0]
+        weight = self.conv1d.weight[:, 0, :]
+        # Triton on CUDA (float32 recurrence); the torch twin elsewhere, and for float64.
+        fast = xbc.is_cuda and A.dtype == torch.float32
+        conv = mamba_decode.conv_decode_update if fast else mamba_decode.conv_decode_update_reference
+        ssm = mamba_decode.ssm_decode_update if fast else mamba_decode.ssm_decode_update_reference
+        xbc = conv(
+            xbc.contiguous(),
+            weight.contiguous(),
+            self.conv1d.bias,
+            conv_cache,
+            plan.in_pages,
+            plan.out_pages,
+            p.activation,
+        )
+        gs = p.n_groups * p.d_state
+        x, B, C = xbc.split([p.intermediate_size, gs, gs], dim=-1)
+        # The reference's single-token step skips the dt clamp (see MambaParams); rows of
+        # several tokens take the chunked scan there, which clamps.
+        limit = p.time_step_limit
+        if plan.q == 1 and not p.clamp_dt_in_single_token_step:
+            limit = None
+        dt = discretize_dt(dt, self.dt_bias, limit)
+        y = ssm(
+            x.view(t, p.n_heads, p.head_dim),
+            dt.contiguous(),
+            A,
+            B.view(t, p.n_groups, p.d_state),
+            C.view(t, p.n_groups, p.d_state),
+            self.D,
+            ssm_cache,
+            plan.in_pages,
+            plan.out_pages,
+        )
+        return y.reshape(t, p.intermediate_size)

@@ -1,0 +1,750 @@
+"""GPU benchmark: decode throughput, time to first token, state postprocess share, bf16 agreement.
+
+One run measures, on a random-weight Nemotron-H-8B-shaped model (52 layers: 24 Mamba2 with
+128 heads x 64 x d_state 128 in 8 groups, 4 attention, 24 MLP; d_model 4096; vocab
+131072; bf16; built in the script, nothing downloaded):
+
+(a) decode throughput of our engine at several batch sizes (full-batch decode steps only,
+    prompts of ``--prompt`` tokens), against, in the same run: the engine with its
+    per-row reference paths (the fast paths off), Hugging Face ``transformers``'
+    ``generate`` on the same weights (its torch Mamba path), and the roofline: the bytes
+    a decode step must read and write (weights once, every request's KV and its
+    recurrent state read plus the new state written) over the device-to-device copy
+    bandwidth measured here;
+(b) time to first token of a long prompt whose prefix is cached (a checkpoint on the
+    state grid) against the same prompt cold;
+(c) the share of a decode step spent in the state postprocess;
+plus the batched Mamba decode kernels against their torch twins on one layer, and
+greedy token agreement between the GPU bf16 path and the CPU float32 path on a tiny
+model. Writes ``--out`` (JSON) and a PNG of throughput against batch size beside it.
+
+``--smoke`` runs every section on the CPU with tiny shapes (the check before spending
+device time; a test runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import triton  # noqa: E402
+
+import hybridserve.models.loader as loader  # noqa: E402
+from hybridserve import LLM, SamplingParams  # noqa: E402
+from hybridserve.kernels import mamba_decode  # noqa: E402
+from hybridserve.models.config import ModelConfig  # noqa: E402
+from hybridserve.models.layers import attention as attention_layer  # noqa: E402
+from hybridserve.models.registry import model_class  # noqa: E402
+from hybridserve.runner import sampler  # noqa: E402
+
+# --------------------------------------------------------------------------------------
+# Model shapes
+# --------------------------------------------------------------------------------------
+
+NEMOTRON_8B = dict(
+    vocab_size=131072,
+    hidden_size=4096,
+    intermediate_size=21504,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    mamba_num_heads=128,
+    mamba_head_dim=64,
+    n_groups=8,
+    ssm_state_size=128,
+    conv_kernel=4,
+    chunk_size=128,
+    # 24 M, 4 *, 24 -: "M-M-M-M*-" four times, then "M-" eight times.
+    pattern="M-M-M-M*-" * 4 + "M-" * 8,
+)
+NEMOTRON_1B = dict(
+    NEMOTRON_8B,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    mamba_num_heads=64,
+    n_groups=4,
+    pattern="M-M-M-M*-" * 2 + "M-" * 4,
+)
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    mamba_num_heads=8,
+    mamba_head_dim=16,
+    n_groups=2,
+    ssm_state_size=16,
+    conv_kernel=4,
+    chunk_size=16,
+    pattern="M-M*-M-",
+)
+
+
+def hf_config(shape: dict):
+    import transformers
+
+    kinds = {"M": "mamba", "*": "attention", "-": "mlp"}
+    kw = {k: v for k, v in shape.items() if k != "pattern"}
+    return transformers.NemotronHConfig(
+        architectures=["NemotronHForCausalLM"],
+        layers_block_type=[kinds[c] for c in shape["pattern"]],
+        max_position_embeddings=16384,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+        **kw,
+    )
+
+
+@torch.no_grad()
+def randomize_(model: torch.nn.Module, seed: int) -> None:
+    """Well-spread random weights in place (on the model's device), as the tiny test
+    checkpoints do: logits of a few units, dt in a realistic range, stable decays."""
+    g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        r = torch.empty(p.shape, device=p.device, dtype=torch.float32)
+        if "embed" in name:
+            r.normal_(0.0, 1.0, generator=g)
+        elif name.startswith("lm_head"):
+            r.normal_(0.0, 2.5 / math.sqrt(p.shape[1]), generator=g)
+        elif leaf == "A_log":
+            r.uniform_(0.0, 1.0, generator=g).mul_(7.0).add_(1.0).log_()
+        elif leaf == "dt_bias":
+            r.uniform_(-1.0, 0.5, generator=g)
+        elif leaf == "D":
+            r.normal_(1.0, 0.3, generator=g)
+        elif "conv1d.weight" in name:
+            r.normal_(0.0, 0.5, generator=g)
+        elif leaf == "bias":
+            r.normal_(0.0, 0.1, generator=g)
+        elif p.dim() == 1:
+            r.normal_(1.0, 0.1, generator=g)
+        else:
+            r.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=g)
+        p.copy_(r)
+
+
+def build_models(shape: dict, device: str, dtype: torch.dtype, workdir: Path, with_hf: bool):
+    """(ours, hf or None, ModelConfig): both models share the same weight tensors."""
+    cfg = hf_config(shape)
+    path = workdir / "model"
+    cfg.save_pretrained(path)
+    mcfg = ModelConfig.from_pretrained(path)
+    cls = model_class(mcfg.architecture)
+    hf = None
+    if with_hf:
+        import transformers
+
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                hf = transformers.NemotronHForCausalLM(cfg)
+        finally:
+            torch.set_default_dtype(prev)
+        hf.eval().requires_grad_(False)
+        randomize_(hf, seed=0)
+        state = {}
+        for k, v in hf.state_dict().items():
+            for disk, mem in cls.checkpoint_prefixes:
+                if k.startswith(disk):
+                    k = mem + k[len(disk):]
+            state[k] = v
+        with torch.device("meta"):
+            ours = cls(mcfg)
+        ours.load_state_dict(state, strict=True, assign=True)
+    else:
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                ours = cls(mcfg)
+        finally:
+            torch.set_default_dtype(prev)
+        randomize_(ours, seed=0)
+    ours.eval().requires_grad_(False)
+    return ours, hf, mcfg, path
+
+
+@contextlib.contextmanager
+def engine_with(model):
+    """Make ``LLM(...)`` use ``model`` instead of loading weights from the directory."""
+    original = loader.load_model
+    loader.load_model = lambda *a, **k: model
+    try:
+        yield
+    finally:
+        loader.load_model = original
+
+
+@contextlib.contextmanager
+def reference_paths():
+    """Turn the decode fast paths off: per-row Mamba and attention, host-side sampling."""
+    saved = (mamba_decode.decode_plan, attention_layer._uniform_rows, sampler.samples_by_argmax)
+    mamba_decode.decode_plan = lambda batch, device: None
+    attention_layer._uniform_rows = lambda batch: False
+    sampler.samples_by_argmax = lambda params: False
+    try:
+        yield
+    finally:
+        (mamba_decode.decode_plan, attention_layer._uniform_rows,
+         sampler.samples_by_argmax) = saved
+
+
+# --------------------------------------------------------------------------------------
+# Timing helpers
+# --------------------------------------------------------------------------------------
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def wall(fn, device: str) -> float:
+    sync(device)
+    t = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t
+
+
+def free_memory(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def copy_bandwidth(device: str, nbytes: int) -> dict:
+    """Device-to-device copy, bytes read + written per second (median of 20)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(25):
+        t = wall(lambda: dst.copy_(src), device)
+        if i >= 5:
+            times.append(t)
+    med = statistics.median(times)
+    src = dst = None  # noqa: F841 (release before emptying the allocator cache)
+    free_memory(device)
+    return {"bytes_per_copy": nbytes, "median_s": med, "bytes_per_s": 2 * nbytes / med}
+
+
+def model_bytes(model: torch.nn.Module) -> dict:
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.model.embed.weight
+    return {"parameters": sum(p.numel() for p in model.parameters()), "total": total,
+            "embedding": embed.numel() * embed.element_size()}
+
+
+def decode_step_bytes(model, batch: int, context: int, ssm_bytes: int) -> int:
+    """Fewest bytes one decode step moves: every weight once (the embedding table only
+    for the rows looked up), every request's KV read, its recurrent state read and the
+    new state written."""
+    mb = model_bytes(model)
+    spec = model.cache_spec
+    hidden = model.config.hidden_size
+    elem = next(model.parameters()).element_size()
+    weights = mb["total"] - mb["embedding"] + batch * hidden * elem
+    kv = batch * context * spec.kv_block_bytes(1, next(model.parameters()).dtype)
+    conv = spec.conv_dim * (spec.d_conv - 1) * elem
+    ssm = spec.num_ssm_heads * spec.ssm_head_dim * spec.d_state * ssm_bytes
+    state = 2 * batch * len(spec.mamba_layers) * (conv + ssm)
+    return weights + kv + state
+
+
+# --------------------------------------------------------------------------------------
+# (a) + (c): decode throughput of the engine, postprocess share
+# --------------------------------------------------------------------------------------
+
+
+def make_llm(model, path, device, dtype, batch, max_len, **kw):
+    with engine_with(model):
+        return LLM(
+            str(path), dtype=dtype, device=device, max_num_seqs=batch,
+            max_model_len=max_len, **kw,
+        )
+
+
+def engine_decode(model, path, device, dtype, batch, prompt_len, warmup, steps, vocab, seed):
+    """Median wall time of full-batch decode steps (every request decoding)."""
+    max_len = prompt_len + warmup + steps + batch // 4 + 64
+    llm = make_llm(
+        model, path, device, dtype, batch, max_len,
+        enable_prefix_caching=False, num_state_pages=3 * batch + 8, max_checkpoint_pages=1,
+        max_num_batched_tokens=max(8192, batch),
+        num_kv_blocks=batch * (-(-max_len // 16)) + 8,
+    )
+    eng = llm.engine
+    g = torch.Generator().manual_seed(seed)
+    params = SamplingParams(temperature=0.0, max_tokens=max_len - prompt_len - 1, ignore_eos=True)
+    for i in range(batch):
+        ids = torch.randint(3, vocab, (prompt_len,), generator=g).tolist()
+        eng.add_request(f"r{i}", ids, params)
+    post_times: list[float] = []
+    original_post = eng._postprocess_states
+
+    def timed_post(rows):
+        t = time.perf_counter()
+        original_post(rows)
+        post_times.append(time.perf_counter() - t)
+
+    eng._postprocess_states = timed_post
+    step_times, post_in_step, prefill_time = [], [], 0.0
+    decoding = 0
+    while len(step_times) < steps:
+        sched = eng.scheduler
+        full = (not sched.waiting and len(sched.running) == batch
+                and not any(r.is_prefill for r in sched.running))
+        n_post = len(post_times)
+        t = wall(eng.step, device)
+        if not full:
+            prefill_time += t
+            continue
+        decoding += 1
+        if decoding > warmup:
+            step_times.append(t)
+            post_in_step.append(post_times[-1] if len(post_times) > n_post else 0.0)
+    stats = llm.stats()
+    for i in range(batch):
+        eng.abort_request(f"r{i}")
+    llm = eng = None  # noqa: F841
+    free_memory(device)
+    med = statistics.median(step_times)
+    return {
+        "batch": batch,
+        "median_step_s": med,
+        "tokens_per_s": batch / med,
+        "steps_timed": len(step_times),
+        "step_times_s": step_times,
+        "prefill_and_ramp_s": prefill_time,
+        "postprocess_median_s": statistics.median(post_in_step),
+        "postprocess_share": statistics.median(post_in_step) / med,
+        "num_preemptions": stats.get("num_preemptions", stats.get("preemptions", None)),
+    }
+
+
+# --------------------------------------------------------------------------------------
+# (a) baseline: transformers generate on the same weights
+# --------------------------------------------------------------------------------------
+
+
+def hf_decode(hf, device, batch, prompt_len, new_tokens, vocab, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (batch, prompt_len), generator=g).to(device)
+    mask = torch.ones_like(ids)
+
+    def gen(n):
+        with torch.no_grad():
+            return hf.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                do_sample=False, pad_token_id=0, eos_token_id=None,
+            )
+
+    gen(2)  # warm-up
+    # Best of two: one-off host hiccups only ever add time.
+    t1 = min(wall(lambda: gen(1), device) for _ in range(2))
+    tn = min(wall(lambda: gen(new_tokens), device) for _ in range(2))
+    per_step = (tn - t1) / (new_tokens - 1)
+    free_memory(device)
+    return {"batch": batch, "new_tokens": new_tokens, "generate_1_s": t1,
+            "generate_n_s": tn, "median_step_s": per_step, "tokens_per_s": batch / per_step}
+
+
+# --------------------------------------------------------------------------------------
+# (b): time to first token, cached prefix vs cold
+# --------------------------------------------------------------------------------------
+
+
+def ttft(model, path, device, dtype, prompt_len, cached_len, interval, vocab, seed):
+    max_len = prompt_len + 16
+    pages = cached_len // interval + 16
+    llm = make_llm(
+        model, path, device, dtype, 2, max_len,
+        enable_prefix_caching=True, state_interval=interval,
+        checkpoint_policies=("grid", "prompt_end"), max_checkpoint_pages=pages,
+        num_state_pages=pages + 24, max_num_batched_tokens=prompt_len,
+        num_kv_blocks=4 * (-(-max_len // 16)) + 8,
+    )
+    g = torch.Generator().manual_seed(seed)
+    tail = prompt_len - cached_len
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+    def prompt(prefix):
+        return prefix + torch.randint(3, vocab, (tail,), generator=g).tolist()
+
+    def run(ids):
+        out = {}
+        out["s"] = wall(lambda: out.setdefault("r", llm.generate([ids], one, use_tqdm=False)),
+                        device)
+        return out["s"], out["r"][0].num_cached_tokens
+
+    # Warm-up at full size (kernel compilation, allocator), then drop every checkpoint.
+    run(prompt(torch.randint(3, vocab, (cached_len,), generator=g).tolist()))
+    llm.reset_prefix_cache()
+    cold, warm = [], []
+    for _ in range(2):
+        prefix = torch.randint(3, vocab, (cached_len,), generator=g).tolist()
+        llm.reset_prefix_cache()
+        t, hit = run(prompt(prefix))
+        cold.append((t, hit))
+        t, hit = run(prompt(prefix))  # same prefix, new tail: served from the checkpoint
+        warm.append((t, hit))
+    llm = None  # noqa: F841
+    free_memory(device)
+    cold_s = statistics.median(t for t, _ in cold)
+    warm_s = statistics.median(t for t, _ in warm)
+    return {"prompt_len": prompt_len, "cached_len": cached_len, "state_interval": interval,
+            "cold_s": cold_s, "cached_s": warm_s, "speedup": cold_s / warm_s,
+            "cold_runs": cold, "cached_runs": warm}
+
+
+# --------------------------------------------------------------------------------------
+# Kernels on one layer: Triton vs twin vs the per-row reference mixer
+# --------------------------------------------------------------------------------------
+
+
+def bench_fn(fn, device, reps=20):
+    if device.startswith("cuda"):
+        return triton.testing.do_bench(fn, warmup=5, rep=50, return_mode="median") / 1e3
+    fn()
+    return statistics.median(wall(fn, device) for _ in range(reps))
+
+
+def layer_kernels(model, device, batches):
+    """ssm/conv decode update alone at 8B shapes: time and achieved bandwidth."""
+    spec = model.cache_spec
+    mixer_layer = spec.mamba_layers[0]
+    mixer = model.model.layers[mixer_layer].mixer
+    p = mixer.p
+    dtype = next(model.parameters()).dtype
+    out = []
+    for b in batches:
+        pages = 2 * b + 2
+        g = torch.Generator(device=device).manual_seed(b)
+        ssm_cache = torch.randn(pages, p.n_heads, p.head_dim, p.d_state, device=device,
+                                generator=g)
+        conv_cache = torch.randn(pages, p.conv_dim, p.d_conv - 1, device=device,
+                                 generator=g).to(dtype)
+        in_pages = torch.arange(b, dtype=torch.int32, device=device)
+        out_pages = (torch.arange(b, dtype=torch.int32, device=device) + b)[:, None]
+        x = torch.randn(b, p.n_heads, p.head_dim, device=device, generator=g).to(dtype)
+        dt = torch.rand(b, p.n_heads, device=device, generator=g) * 0.5
+        A = -torch.rand(p.n_heads, device=device, generator=g) - 0.5
+        B = torch.randn(b, p.n_groups, p.d_state, device=device, generator=g).to(dtype)
+        C = torch.randn_like(B)
+        xbc = torch.randn(b, p.conv_dim, device=device, generator=g).to(dtype)
+        w = mixer.conv1d.weight[:, 0, :].contiguous()
+        ssm_bytes = 2 * b * p.n_heads * p.head_dim * p.d_state * 4
+        conv_bytes = b * p.conv_dim * (2 * (p.d_conv - 1) + 2) * xbc.element_size()
+        rec = {"batch": b, "ssm_state_bytes": ssm_bytes, "conv_bytes": conv_bytes}
+        fast = device.startswith("cuda")
+        for name, ssm, conv in (
+            ("triton", mamba_decode.ssm_decode_update, mamba_decode.conv_decode_update),
+            ("torch_twin", mamba_decode.ssm_decode_update_reference,
+             mamba_decode.conv_decode_update_reference),
+        ):
+            if name == "triton" and not fast:
+                continue
+            ssm_args = (x, dt, A, B, C, mixer.D, ssm_cache, in_pages, out_pages)
+            conv_args = (xbc, w, mixer.conv1d.bias, conv_cache, in_pages, out_pages, p.activation)
+            ts = bench_fn(lambda s=ssm, a=ssm_args: s(*a), device)
+            tc = bench_fn(lambda c=conv, a=conv_args: c(*a), device)
+            rec[name] = {"ssm_s": ts, "ssm_bytes_per_s": ssm_bytes / ts,
+                         "conv_s": tc, "conv_bytes_per_s": conv_bytes / tc}
+        if fast:
+            want_cache = ssm_cache.clone()
+            want = mamba_decode.ssm_decode_update_reference(
+                x, dt, A, B, C, mixer.D, want_cache, in_pages, out_pages)
+            got = mamba_decode.ssm_decode_update(
+                x, dt, A, B, C, mixer.D, ssm_cache, in_pages, out_pages)
+            rec["triton_vs_twin_rel_err"] = float((got - want).norm() / want.norm())
+        out.append(rec)
+        free_memory(device)
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# bf16 GPU vs float32 CPU agreement on a tiny model
+# --------------------------------------------------------------------------------------
+
+
+def agreement(device, dtype, workdir: Path, prompts=8, prompt_len=24, new_tokens=32):
+    from hybridserve.testing.tiny_models import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint("nemotron_h", workdir / "tiny", seed=5, layers="M*-M-M*-")
+    g = torch.Generator().manual_seed(11)
+    ids = [torch.randint(3, 256, (prompt_len,), generator=g).tolist() for _ in range(prompts)]
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in
+           LLM(str(path), device="cpu", dtype="float32").generate(ids, params, use_tqdm=False)]
+
+    def compare(dt):
+        got = [o.outputs[0].token_ids for o in
+               LLM(str(path), device=device, dtype=dt).generate(ids, params, use_tqdm=False)]
+        first_div, same = [], 0
+        for a, b in zip(ref, got):
+            same += sum(x == y for x, y in zip(a, b))
+            first_div.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None))
+        return {"dtype": dt, "positional_agreement": same / (prompts * new_tokens),
+                "identical_sequences": sum(d is None for d in first_div),
+                "first_divergence": first_div}
+
+    out = {"prompts": prompts, "prompt_len": prompt_len, "new_tokens": new_tokens,
+           "reference": "cpu float32", "device": device, **compare(dtype)}
+    if dtype != "float32":
+        # Same device, float32: isolates the fast kernels from bf16 rounding.
+        out["float32_on_device"] = compare("float32")
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------------------
+
+
+def git_commit() -> str:
+    env = os.environ.get("HYBRIDSERVE_COMMIT")
+    if env:
+        return env
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def plot(result: dict, png: Path) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib not installed: no plot"
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ours = result.get("decode", {}).get("ours", [])
+    if ours:
+        ax.plot([r["batch"] for r in ours], [r["tokens_per_s"] for r in ours], "o-",
+                label="hybridserve (fast paths)")
+        ax.plot([r["batch"] for r in ours], [r["roofline_tokens_per_s"] for r in ours], "k--",
+                label="roofline (bytes / copy bandwidth)")
+    for key, label in (("reference_paths", "hybridserve (per-row paths)"),
+                       ("transformers", "transformers generate")):
+        rows = result.get("decode", {}).get(key, [])
+        if rows:
+            ax.plot([r["batch"] for r in rows], [r["tokens_per_s"] for r in rows], "s-",
+                    label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch (requests decoding)")
+    ax.set_ylabel("decode tokens / s")
+    ax.set_title(f"{result['model']['name']} ({result['env']['device']})", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    return str(png)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/gpu_bench.json")
+    ap.add_argument("--budget-s", type=float, default=270.0,
+                    help="skip sections that would start after this many seconds")
+    ap.add_argument("--batches", type=str, default="1,16,64,256")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--warmup-steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--hf-batches", type=str, default="1,16")
+    ap.add_argument("--hf-new-tokens", type=int, default=24)
+    ap.add_argument("--ref-batches", type=str, default="1,16")
+    ap.add_argument("--ttft-prompt", type=int, default=8192)
+    ap.add_argument("--ttft-cached", type=int, default=8064)
+    ap.add_argument("--with-1b", action="store_true", help="also decode on a ~1B shape")
+    args = ap.parse_args(argv)
+
+    start = time.perf_counter()
+    if args.smoke:
+        device, dtype, shape, name = "cpu", torch.float32, TINY, "tiny Nemotron-H (smoke)"
+        args.batches, args.hf_batches, args.ref_batches = "1,4", "1,2", "2"
+        args.prompt, args.warmup_steps, args.steps, args.hf_new_tokens = 16, 1, 3, 4
+        args.ttft_prompt, args.ttft_cached = 96, 64
+        bw_bytes = 64 << 20
+    else:
+        if not torch.cuda.is_available():
+            print("no CUDA device: use --smoke for the CPU check", file=sys.stderr)
+            return 2
+        device, dtype, shape, name = "cuda", torch.bfloat16, NEMOTRON_8B, "Nemotron-H-8B-shaped"
+        bw_bytes = 4 << 30
+    batches = [int(b) for b in args.batches.split(",")]
+    result: dict = {
+        "benchmark": "bench_gpu",
+        "env": {
+            "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor()
+            or platform.machine(),
+            "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version(), "commit": git_commit(),
+            "smoke": args.smoke,
+        },
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "model": {"name": name, "shape": shape, "dtype": str(dtype), "random_weights": True},
+        "errors": {},
+        "skipped": [],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        result["elapsed_s"] = time.perf_counter() - start
+        args.out.write_text(json.dumps(result, indent=2, default=str))
+
+    def section(key, fn):
+        if time.perf_counter() - start > args.budget_s:
+            result["skipped"].append(key)
+            print(f"[skip] {key}: over the time budget", flush=True)
+            return None
+        t = time.perf_counter()
+        try:
+            value = fn()
+        except Exception as e:  # keep every other section's numbers
+            result["errors"][key] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"
+            print(f"[error] {key}: {type(e).__name__}: {e}", flush=True)
+            free_memory(device)
+            value = None
+        print(f"[done] {key} in {time.perf_counter() - t:.1f}s", flush=True)
+        save()
+        return value
+
+    torch.manual_seed(0)
+    bw = section("copy_bandwidth", lambda: copy_bandwidth(device, bw_bytes))
+    result["copy_bandwidth"] = bw
+    workdir = Path(tempfile.mkdtemp(prefix="bench_gpu_"))
+    built = section("build_model", lambda: build_models(shape, device, dtype, workdir, True))
+    if built is None:
+        save()
+        return 1
+    model, hf, mcfg, path = built
+    result["model"]["bytes"] = model_bytes(model)
+    result["model"]["state_page_bytes"] = model.cache_spec.state_page_bytes(dtype, torch.float32)
+    vocab = mcfg.vocab_size
+
+    result["kernels"] = section(
+        "kernels", lambda: layer_kernels(model, device, [b for b in batches if b > 1] or [1]))
+
+    decode = result.setdefault("decode", {"ours": [], "reference_paths": [], "transformers": []})
+    bandwidth = bw["bytes_per_s"] if bw else float("nan")
+    for b in batches:
+        def ours(b=b):
+            r = engine_decode(model, path, device, dtype, b, args.prompt, args.warmup_steps,
+                              args.steps, vocab, seed=b)
+            context = args.prompt + args.warmup_steps + args.steps // 2
+            r["roofline_bytes_per_step"] = decode_step_bytes(model, b, context, 4)
+            r["roofline_step_s"] = r["roofline_bytes_per_step"] / bandwidth
+            r["roofline_tokens_per_s"] = b / r["roofline_step_s"]
+            r["fraction_of_roofline"] = r["tokens_per_s"] / r["roofline_tokens_per_s"]
+            return r
+        r = section(f"decode_ours_b{b}", ours)
+        if r:
+            decode["ours"].append(r)
+    for b in [int(x) for x in args.hf_batches.split(",") if x]:
+        r = section(f"decode_transformers_b{b}",
+                    lambda b=b: hf_decode(hf, device, b, args.prompt, args.hf_new_tokens, vocab, b))
+        if r:
+            decode["transformers"].append(r)
+    for b in [int(x) for x in args.ref_batches.split(",") if x]:
+        def ref(b=b):
+            with reference_paths():
+                return engine_decode(model, path, device, dtype, b, args.prompt, 1,
+                                     max(2, args.steps // 4), vocab, seed=b)
+        r = section(f"decode_reference_paths_b{b}", ref)
+        if r:
+            decode["reference_paths"].append(r)
+    ours_by_b = {r["batch"]: r for r in decode["ours"]}
+    result["ratios"] = {
+        "ours_over_transformers": {r["batch"]: ours_by_b[r["batch"]]["tokens_per_s"]
+                                   / r["tokens_per_s"]
+                                   for r in decode["transformers"] if r["batch"] in ours_by_b},
+        "fast_over_reference_paths": {r["batch"]: ours_by_b[r["batch"]]["tokens_per_s"]
+                                      / r["tokens_per_s"] for r in decode["reference_paths"]
+                                      if r["batch"] in ours_by_b},
+    }
+    hf = None  # noqa: F841
+    free_memory(device)
+
+    result["ttft"] = section("ttft", lambda: ttft(model, path, device, dtype, args.ttft_prompt,
+                                                  args.ttft_cached, 64, vocab, seed=7))
+    model = None  # noqa: F841
+    free_memory(device)
+    if args.with_1b and not args.smoke:
+        def one_b():
+            m, _, c, pth = build_models(NEMOTRON_1B, device, dtype, workdir / "1b", False)
+            rows = []
+            for b in (1, 64):
+                r = engine_decode(m, pth, device, dtype, b, args.prompt, args.warmup_steps,
+                                  args.steps, c.vocab_size, seed=b)
+                r["roofline_tokens_per_s"] = b / (decode_step_bytes(
+                    m, b, args.prompt + args.steps, 4) / bandwidth)
+                r["fraction_of_roofline"] = r["tokens_per_s"] / r["roofline_tokens_per_s"]
+                rows.append(r)
+            return {"shape": NEMOTRON_1B, "bytes": model_bytes(m), "decode": rows}
+        result["model_1b"] = section("decode_1b", one_b)
+    result["agreement"] = section(
+        "agreement", lambda: agreement(device, "bfloat16" if device == "cuda" else "float32",
+                                       workdir))
+    result["plot"] = plot(result, args.out.with_suffix(".png"))
+    save()
+
+    print(f"\n{name} on {result['env']['device']}, torch {torch.__version__}, "
+          f"triton {triton.__version__}")
+    if bw:
+        print(f"copy bandwidth {bw['bytes_per_s'] / 1e12:.2f} TB/s (read + write)")
+    print(f"{'batch':>6} {'ours tok/s':>11} {'roofline':>10} {'frac':>6} {'post %':>7}")
+    for r in decode["ours"]:
+        print(f"{r['batch']:>6} {r['tokens_per_s']:>11.1f} {r['roofline_tokens_per_s']:>10.1f} "
+              f"{r['fraction_of_roofline']:>6.2f} {100 * r['postprocess_share']:>6.1f}%")
+    for key in ("transformers", "reference_paths"):
+        for r in decode[key]:
+            print(f"{key} b{r['batch']}: {r['tokens_per_s']:.1f} tok/s")
+    if result.get("ttft"):
+        t = result["ttft"]
+        print(f"TTFT {t['prompt_len']} tokens: cold {t['cold_s']:.3f}s, "
+              f"{t['cached_len']} cached {t['cached_s']:.3f}s ({t['speedup']:.1f}x)")
+    if result.get("agreement"):
+        a = result["agreement"]
+        print(f"agreement {a['dtype']} vs cpu float32: {a['positional_agreement']:.3f}, "
+              f"first divergence {a['first_divergence']}")
+        if "float32_on_device" in a:
+            f = a["float32_on_device"]
+            print(f"  float32 on device: {f['positional_agreement']:.3f}, {f['first_divergence']}")
+    if result["errors"]:
+        print("errors in:", ", ".join(result["errors"]))
+    print(f"wrote {args.out} in {time.perf_counter() - start:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

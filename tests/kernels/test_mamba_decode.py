@@ -1,0 +1,210 @@
+"""Batched Mamba2 decode over state pages: Triton kernels vs torch twins vs the per-row
+reference (float64), output pages poisoned first, the race checker, and the mixer's fast
+path against its per-row path on the same step."""
+
+import os
+
+# The interpreter must be chosen before the kernels are defined.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from hybridserve.kernels.conv1d import causal_conv1d_reference
+from hybridserve.kernels.mamba_decode import (
+    conv_decode_update,
+    conv_decode_update_reference,
+    decode_plan,
+    ssm_decode_update,
+    ssm_decode_update_reference,
+)
+from hybridserve.kernels.ssd import ssd_recurrent_reference
+from hybridserve.models.batch import ForwardBatch
+from hybridserve.testing import racecheck
+
+
+def _seed() -> int:
+    return int(torch.randint(0, 2**31 - 1, ()))
+
+
+def _pages(g: torch.Generator, rows: int, q: int, num_pages: int, holes: bool):
+    """Distinct input and output pages; with ``holes`` some outputs are not requested."""
+    perm = torch.randperm(num_pages, generator=g)
+    in_pages = perm[:rows].to(torch.int32)
+    out_pages = perm[rows : rows + rows * q].view(rows, q).to(torch.int32).clone()
+    if holes and q > 1:
+        drop = torch.rand(rows, q, generator=g) < 0.4
+        drop[:, -1] = False  # the last token's state is always written, as the engine does
+        out_pages[drop] = -1
+    return in_pages, out_pages
+
+
+def _ssm_inputs(g, rows, q, heads, head_dim, groups, d_state, num_pages, dtype, holes=True):
+    t = rows * q
+    x = torch.randn(t, heads, head_dim, generator=g, dtype=dtype)
+    dt = torch.rand(t, heads, generator=g, dtype=dtype) * 0.9 + 0.1
+    A = -(torch.rand(heads, generator=g, dtype=dtype) * 4 + 0.5)
+    B = torch.randn(t, groups, d_state, generator=g, dtype=dtype)
+    C = torch.randn(t, groups, d_state, generator=g, dtype=dtype)
+    D = torch.randn(heads, generator=g, dtype=dtype)
+    cache = torch.randn(num_pages, heads, head_dim, d_state, generator=g, dtype=dtype)
+    in_pages, out_pages = _pages(g, rows, q, num_pages, holes)
+    cache[out_pages[out_pages >= 0].long()] = float("nan")  # poison every output page
+    return x, dt, A, B, C, D, cache, in_pages, out_pages
+
+
+def _conv_inputs(g, rows, q, channels, k, num_pages, dtype, holes=True):
+    xbc = torch.randn(rows * q, channels, generator=g, dtype=dtype)
+    weight = torch.randn(channels, k, generator=g, dtype=dtype)
+    bias = torch.randn(channels, generator=g, dtype=dtype)
+    cache = torch.randn(num_pages, channels, k - 1, generator=g, dtype=dtype)
+    in_pages, out_pages = _pages(g, rows, q, num_pages, holes)
+    cache[out_pages[out_pages >= 0].long()] = float("nan")
+    return xbc, weight, bias, cache, in_pages, out_pages
+
+
+@pytest.mark.parametrize("q", [1, 2, 4])
+def test_ssm_twin_matches_per_row_recurrence_float64(q):
+    g = torch.Generator().manual_seed(_seed())
+    rows, heads, head_dim, groups, d_state = 5, 6, 8, 3, 10
+    x, dt, A, B, C, D, cache, in_pages, out_pages = _ssm_inputs(
+        g, rows, q, heads, head_dim, groups, d_state, 40, torch.float64
+    )
+    before = cache.clone()
+    y = ssm_decode_update_reference(x, dt, A, B, C, D, cache, in_pages, out_pages)
+    for r in range(rows):
+        s = slice(r * q, (r + 1) * q)
+        y_ref, states = ssd_recurrent_reference(
+            x[s], dt[s], A, B[s], C[s], D, before[int(in_pages[r])]
+        )
+        torch.testing.assert_close(y[s], y_ref, rtol=1e-12, atol=1e-12)
+        for t in range(q):
+            page = int(out_pages[r, t])
+            if page >= 0:
+                torch.testing.assert_close(cache[page], states[t], rtol=1e-12, atol=1e-12)
+    written = set(out_pages[out_pages >= 0].tolist())
+    untouched = [p for p in range(cache.shape[0]) if p not in written]
+    assert torch.equal(cache[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("q", [1, 3])
+def test_conv_twin_matches_per_row_conv_float64(q):
+    g = torch.Generator().manual_seed(_seed())
+    rows, channels, k = 4, 7, 4
+    xbc, weight, bias, cache, in_pages, out_pages = _conv_inputs(
+        g, rows, q, channels, k, 30, torch.float64
+    )
+    before = cache.clone()
+    out = conv_decode_update_reference(xbc, weight, bias, cache, in_pages, out_pages, "silu")
+    for r in range(rows):
+        s = slice(r * q, (r + 1) * q)
+        offsets = [t for t in range(q) if out_pages[r, t] >= 0]
+        o_ref, windows = causal_conv1d_reference(
+            xbc[s], weight, bias, before[int(in_pages[r])], "silu", offsets
+        )
+        torch.testing.assert_close(out[s], o_ref, rtol=1e-12, atol=1e-12)
+        for t, w in zip(offsets, windows):
+            assert torch.equal(cache[int(out_pages[r, t])], w)
+    written = set(out_pages[out_pages >= 0].tolist())
+    untouched = [p for p in range(cache.shape[0]) if p not in written]
+    assert torch.equal(cache[untouched], before[untouched])
+
+
+@pytest.mark.parametrize(
+    "rows,q,heads,head_dim,groups,d_state",
+    [(3, 1, 4, 8, 2, 16), (2, 3, 4, 12, 1, 8), (4, 2, 6, 5, 3, 12)],
+)
+def test_ssm_kernel_matches_twin_race_free(rows, q, heads, head_dim, groups, d_state):
+    g = torch.Generator().manual_seed(_seed())
+    args = _ssm_inputs(g, rows, q, heads, head_dim, groups, d_state, 3 * rows * q, torch.float32)
+    x, dt, A, B, C, D, cache, in_pages, out_pages = args
+    want_cache = cache.clone()
+    want = ssm_decode_update_reference(x, dt, A, B, C, D, want_cache, in_pages, out_pages)
+    with racecheck.record_launches() as rec:
+        got = ssm_decode_update(x, dt, A, B, C, D, cache, in_pages, out_pages)
+    assert len(rec.reports) == 1 and rec.reports[0].clean, str(rec.reports[0])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # Written pages equal the twin's; unwritten pages keep their (NaN or random) contents.
+    torch.testing.assert_close(cache, want_cache, rtol=1e-5, atol=1e-5, equal_nan=True)
+    written = out_pages[out_pages >= 0].long()
+    assert not cache[written].isnan().any()
+
+
+def test_ssm_kernel_bf16_state_pages_and_no_d():
+    g = torch.Generator().manual_seed(_seed())
+    x, dt, A, B, C, _, cache, in_pages, out_pages = _ssm_inputs(
+        g, 3, 2, 4, 8, 2, 8, 20, torch.float32
+    )
+    cache = cache.to(torch.bfloat16)
+    want_cache = cache.clone()
+    want = ssm_decode_update_reference(x, dt, A, B, C, None, want_cache, in_pages, out_pages)
+    got = ssm_decode_update(x, dt, A, B, C, None, cache, in_pages, out_pages)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        cache.float(), want_cache.float(), rtol=1e-2, atol=1e-2, equal_nan=True
+    )
+
+
+@pytest.mark.parametrize("rows,q,channels,k,act", [(3, 1, 40, 4, "silu"), (2, 3, 9, 4, None),
+                                                   (2, 2, 300, 3, "silu")])
+def test_conv_kernel_matches_twin_race_free(rows, q, channels, k, act):
+    g = torch.Generator().manual_seed(_seed())
+    xbc, weight, bias, cache, in_pages, out_pages = _conv_inputs(
+        g, rows, q, channels, k, 3 * rows * q, torch.float32
+    )
+    want_cache = cache.clone()
+    want = conv_decode_update_reference(xbc, weight, bias, want_cache, in_pages, out_pages, act)
+    with racecheck.record_launches() as rec:
+        got = conv_decode_update(xbc, weight, bias, cache, in_pages, out_pages, act)
+    assert len(rec.reports) == 1 and rec.reports[0].clean, str(rec.reports[0])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # Windows are copies of inputs: bit-identical.
+    assert torch.equal(cache.nan_to_num(7.0), want_cache.nan_to_num(7.0))
+
+
+def test_kernels_independent_of_program_order():
+    g = torch.Generator().manual_seed(_seed())
+    x, dt, A, B, C, D, cache, in_pages, out_pages = _ssm_inputs(
+        g, 4, 2, 4, 8, 2, 8, 30, torch.float32
+    )
+    results = []
+    for order in ("forward", "reversed", "shuffled"):
+        c = cache.clone()
+        with racecheck.record_launches(record=False, order=order, seed=3):
+            y = ssm_decode_update(x, dt, A, B, C, D, c, in_pages, out_pages)
+        results.append((y, c))
+    for y, c in results[1:]:
+        assert torch.equal(y, results[0][0])
+        assert torch.equal(c.nan_to_num(0.0), results[0][1].nan_to_num(0.0))
+
+
+def _batch(q_lens, in_pages, outs):
+    qs = [0]
+    for q in q_lens:
+        qs.append(qs[-1] + q)
+    rows, offs, pages = [], [], []
+    for r, o in enumerate(outs):
+        for off, page in o:
+            rows.append(r)
+            offs.append(off)
+            pages.append(page)
+    t = qs[-1]
+    return ForwardBatch(
+        query_start=qs, num_computed=[5] * len(q_lens), positions=torch.arange(t),
+        context_lens=[5 + q for q in q_lens], block_tables=torch.zeros(len(q_lens), 4,
+                                                                       dtype=torch.int32),
+        slot_mapping=torch.arange(t), state_in_page=in_pages, state_out_row=rows,
+        state_out_offset=offs, state_out_page=pages,
+    )
+
+
+def test_decode_plan_qualifies_only_uniform_steps_from_stored_states():
+    plan = decode_plan(_batch([2, 2], [3, 4], [[(1, 7)], [(0, 8), (1, 9)]]), torch.device("cpu"))
+    assert plan is not None and plan.q == 2
+    assert plan.in_pages.tolist() == [3, 4]
+    assert plan.out_pages.tolist() == [[-1, 7], [8, 9]]
+    cpu = torch.device("cpu")
+    assert decode_plan(_batch([1, 2], [3, 4], [[(0, 7)], [(1, 9)]]), cpu) is None  # mixed q
+    assert decode_plan(_batch([1, 1], [-1, 4], [[(0, 7)], [(0, 9)]]), cpu) is None  # zero state
+    assert decode_plan(_batch([1, 1], [3, 4], [[(0, 4)], [(0, 9)]]), cpu) is None  # reads a write
+    assert decode_plan(_batch([17], [3], [[(16, 5)]]), cpu) is None  # a prefill chunk
