@@ -97,9 +97,9 @@ class AsyncEngine:
     def __init__(self, engine: EngineCore, *, name: str = "hybridserve-engine") -> None:
         self.engine = engine
         self._name = name
-        self._inbox: queue.SimpleQueue[tuple[Callable[[EngineCore], Any], concurrent.futures.Future] | None] = (
-            queue.SimpleQueue()
-        )
+        self._inbox: queue.SimpleQueue[
+            tuple[Callable[[EngineCore], Any], concurrent.futures.Future] | None
+        ] = queue.SimpleQueue()
         # Owned by the worker thread: request id -> stream.
         self._streams: dict[str, RequestStream] = {}
         self._thread: threading.Thread | None = None
@@ -265,8 +265,13 @@ class AsyncEngine:
             victims = [EngineCore._group_id(sched.waiting[0])]
         else:
             victims = list(self._streams)
-        log.error("engine step failed (%s: %s); failing request(s) %s",
-                  type(exc).__name__, exc, ", ".join(victims), exc_info=exc)
+        log.error(
+            "engine step failed (%s: %s); failing request(s) %s",
+            type(exc).__name__,
+            exc,
+            ", ".join(victims),
+            exc_info=exc,
+        )
         err = EngineError(str(exc) or type(exc).__name__)
         for rid in victims:
             try:

@@ -14,20 +14,36 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """Server options (the engine options come from ``add_engine_arguments``)."""
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (default: loopback only)")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: loopback only)"
+    )
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("HYBRIDSERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/ routes "
-                   "(default: $HYBRIDSERVE_API_KEY, unset means no check)")
-    p.add_argument("--served-model-name", default=None,
-                   help="model name clients use (default: the checkpoint directory's name)")
-    p.add_argument("--chat-template", default=None, metavar="PATH",
-                   help="Jinja2 chat template file, replacing the checkpoint's own")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("HYBRIDSERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/ routes "
+        "(default: $HYBRIDSERVE_API_KEY, unset means no check)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model name clients use (default: the checkpoint directory's name)",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="PATH",
+        help="Jinja2 chat template file, replacing the checkpoint's own",
+    )
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
-    p.add_argument("--graceful-shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="on SIGINT/SIGTERM, how long in-flight requests may take to finish "
-                   "before they are cancelled")
+    p.add_argument(
+        "--graceful-shutdown-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGINT/SIGTERM, how long in-flight requests may take to finish "
+        "before they are cancelled",
+    )
 
 
 def read_chat_template(path: str | None) -> str | None:
@@ -69,8 +85,9 @@ def serve_main(args: argparse.Namespace) -> int:
     )
     template = read_chat_template(args.chat_template)
     llm = llm_from_args(args)
-    app = create_app(llm, served_model_name=args.served_model_name, api_key=args.api_key,
-                     chat_template=template)
+    app = create_app(
+        llm, served_model_name=args.served_model_name, api_key=args.api_key, chat_template=template
+    )
     name = app.state.server.serving.config.model_name
     log.info("%s", startup_line(llm, name, args.host, args.port))
     if args.api_key:

@@ -86,13 +86,19 @@ def validation_error(exc: RequestValidationError) -> APIError:
         name = _loc_name(tuple(err.get("loc", ())))
         if kind == "json_invalid":
             detail = (err.get("ctx") or {}).get("error", "")
-            return APIError(400, f"the request body is not valid JSON: {detail}".rstrip(": "),
-                            code="invalid_json")
+            return APIError(
+                400,
+                f"the request body is not valid JSON: {detail}".rstrip(": "),
+                code="invalid_json",
+            )
         if not name:
             if kind == "missing":
                 return APIError(400, "the request needs a JSON object body", code="missing_body")
-            return APIError(400, "the request body must be a JSON object sent with "
-                            "Content-Type: application/json", code="invalid_body")
+            return APIError(
+                400,
+                "the request body must be a JSON object sent with Content-Type: application/json",
+                code="invalid_body",
+            )
         if kind == "extra_forbidden":
             text = "unsupported field; this server does not accept it"
         elif kind == "missing":
@@ -104,8 +110,12 @@ def validation_error(exc: RequestValidationError) -> APIError:
             msgs.append(text)
     # A union (e.g. ``prompt``) reports one error per alternative: join a few of them.
     parts = [f"{name}: {'; or '.join(msgs[:4])}" for name, msgs in list(by_field.items())[:4]]
-    return APIError(400, "; ".join(parts) or "invalid request",
-                    param=next(iter(by_field), None), code="invalid_value")
+    return APIError(
+        400,
+        "; ".join(parts) or "invalid request",
+        param=next(iter(by_field), None),
+        code="invalid_value",
+    )
 
 
 async def handle_api_error(_: Request, exc: APIError) -> JSONResponse:

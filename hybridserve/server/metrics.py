@@ -15,30 +15,100 @@ from collections.abc import Mapping
 METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("requests_running", "requests_running", "gauge", "Requests being generated."),
     ("requests_waiting", "requests_waiting", "gauge", "Requests queued for admission."),
-    ("requests_finished", "requests_finished_total", "counter", "Requests finished (stop or length)."),
-    ("requests_aborted", "requests_aborted_total", "counter", "Requests aborted (client gone or shutdown)."),
+    (
+        "requests_finished",
+        "requests_finished_total",
+        "counter",
+        "Requests finished (stop or length).",
+    ),
+    (
+        "requests_aborted",
+        "requests_aborted_total",
+        "counter",
+        "Requests aborted (client gone or shutdown).",
+    ),
     ("requests_failed", "requests_failed_total", "counter", "Requests failed by an engine error."),
     ("prompt_tokens", "prompt_tokens_total", "counter", "Prompt tokens received."),
     ("generation_tokens", "generation_tokens_total", "counter", "Tokens generated."),
     ("steps", "engine_steps_total", "counter", "Engine steps run."),
     ("preemptions", "preemptions_total", "counter", "Requests preempted for lack of cache space."),
-    ("prefix_queries", "prefix_queries_total", "counter", "Prefix-cache lookups (one per admitted prompt)."),
-    ("prefix_query_tokens", "prefix_query_tokens_total", "counter", "Prompt tokens looked up in the prefix cache."),
-    ("prefix_hits", "prefix_hits_total", "counter", "Prefix-cache lookups that reused a cached prefix."),
-    ("prefix_hit_tokens", "prefix_hit_tokens_total", "counter", "Prompt tokens served from the prefix cache."),
-    ("prefix_hit_rate", "prefix_hit_rate", "gauge", "prefix_hit_tokens / prefix_query_tokens since start."),
-    ("checkpoint_pages", "checkpoint_pages", "gauge", "State pages held by recurrent-state checkpoints."),
-    ("checkpoints_admitted", "checkpoints_admitted_total", "counter", "Checkpoints admitted to the prefix cache."),
+    (
+        "prefix_queries",
+        "prefix_queries_total",
+        "counter",
+        "Prefix-cache lookups (one per admitted prompt).",
+    ),
+    (
+        "prefix_query_tokens",
+        "prefix_query_tokens_total",
+        "counter",
+        "Prompt tokens looked up in the prefix cache.",
+    ),
+    (
+        "prefix_hits",
+        "prefix_hits_total",
+        "counter",
+        "Prefix-cache lookups that reused a cached prefix.",
+    ),
+    (
+        "prefix_hit_tokens",
+        "prefix_hit_tokens_total",
+        "counter",
+        "Prompt tokens served from the prefix cache.",
+    ),
+    (
+        "prefix_hit_rate",
+        "prefix_hit_rate",
+        "gauge",
+        "prefix_hit_tokens / prefix_query_tokens since start.",
+    ),
+    (
+        "checkpoint_pages",
+        "checkpoint_pages",
+        "gauge",
+        "State pages held by recurrent-state checkpoints.",
+    ),
+    (
+        "checkpoints_admitted",
+        "checkpoints_admitted_total",
+        "counter",
+        "Checkpoints admitted to the prefix cache.",
+    ),
     ("checkpoints_evicted", "checkpoints_evicted_total", "counter", "Checkpoints evicted."),
-    ("checkpoints_dropped", "checkpoints_dropped_total", "counter", "Checkpoints dropped because their KV prefix was evicted."),
+    (
+        "checkpoints_dropped",
+        "checkpoints_dropped_total",
+        "counter",
+        "Checkpoints dropped because their KV prefix was evicted.",
+    ),
     ("kv_blocks_free", "kv_blocks_free", "gauge", "Free attention KV blocks."),
     ("kv_blocks_total", "kv_blocks", "gauge", "Attention KV blocks in the pool."),
     ("state_pages_free", "state_pages_free", "gauge", "Free recurrent-state pages."),
     ("state_pages_total", "state_pages", "gauge", "Recurrent-state pages in the pool."),
-    ("spec_draft_tokens", "spec_draft_tokens_total", "counter", "Speculative draft tokens proposed."),
-    ("spec_accepted_tokens", "spec_accepted_tokens_total", "counter", "Speculative draft tokens accepted."),
-    ("spec_acceptance_rate", "spec_acceptance_rate", "gauge", "spec_accepted_tokens / spec_draft_tokens since start."),
-    ("spec_mean_accepted_length", "spec_mean_accepted_length", "gauge", "Tokens gained per verify step (1 + accepted drafts)."),
+    (
+        "spec_draft_tokens",
+        "spec_draft_tokens_total",
+        "counter",
+        "Speculative draft tokens proposed.",
+    ),
+    (
+        "spec_accepted_tokens",
+        "spec_accepted_tokens_total",
+        "counter",
+        "Speculative draft tokens accepted.",
+    ),
+    (
+        "spec_acceptance_rate",
+        "spec_acceptance_rate",
+        "gauge",
+        "spec_accepted_tokens / spec_draft_tokens since start.",
+    ),
+    (
+        "spec_mean_accepted_length",
+        "spec_mean_accepted_length",
+        "gauge",
+        "Tokens gained per verify step (1 + accepted drafts).",
+    ),
 )
 
 PREFIX = "hybridserve_"
@@ -62,7 +132,9 @@ def render(stats: Mapping[str, float | int], info: Mapping[str, str] | None = No
     stats = dict(stats)
     drafts = stats.get("spec_draft_tokens")
     if drafts is not None and "spec_acceptance_rate" not in stats:
-        stats["spec_acceptance_rate"] = stats.get("spec_accepted_tokens", 0) / drafts if drafts else 0.0
+        stats["spec_acceptance_rate"] = (
+            stats.get("spec_accepted_tokens", 0) / drafts if drafts else 0.0
+        )
     lines = []
     if info:
         labels = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(info.items()))

@@ -115,8 +115,11 @@ def create_app(
             if scheme.lower() != "bearer" or not hmac.compare_digest(
                 token.strip().encode(), state.api_key.encode()
             ):
-                return APIError(401, "invalid or missing API key (send Authorization: Bearer "
-                                "<key>)", code="invalid_api_key").response()
+                return APIError(
+                    401,
+                    "invalid or missing API key (send Authorization: Bearer <key>)",
+                    code="invalid_api_key",
+                ).response()
         return await call_next(request)
 
     @app.post("/v1/completions")
@@ -129,22 +132,31 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": name, "object": "model", "created": state.created, "owned_by": "hybridserve",
-            "max_model_len": serving_cfg.max_model_len,
-        }]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": state.created,
+                    "owned_by": "hybridserve",
+                    "max_model_len": serving_cfg.max_model_len,
+                }
+            ],
+        }
 
     @app.get("/health")
     async def health() -> Response:
         if engine.running and engine.healthy:
             return JSONResponse({"status": "ok"})
-        return JSONResponse(error_body("the engine is not running", "server_error",
-                                       code="engine_unavailable"), status_code=503)
+        return JSONResponse(
+            error_body("the engine is not running", "server_error", code="engine_unavailable"),
+            status_code=503,
+        )
 
     @app.get("/metrics")
     async def get_metrics() -> Response:
-        return Response(metrics.render(engine.stats(), state.info),
-                        media_type=metrics.CONTENT_TYPE)
+        return Response(metrics.render(engine.stats(), state.info), media_type=metrics.CONTENT_TYPE)
 
     return app
 

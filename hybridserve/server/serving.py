@@ -85,8 +85,11 @@ class OpenAIServing:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         top = req.top_logprobs or 0
         if req.max_tokens is not None and req.max_completion_tokens is not None:
-            raise APIError(400, "give max_tokens or max_completion_tokens, not both",
-                           param="max_completion_tokens")
+            raise APIError(
+                400,
+                "give max_tokens or max_completion_tokens, not both",
+                param="max_completion_tokens",
+            )
         params = self._params(req, top if req.logprobs else None)
         prompt = self._chat_prompt(req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -98,24 +101,35 @@ class OpenAIServing:
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in self.config.model_aliases:
             raise APIError(
-                404, f"the model {model!r} does not exist; this server serves "
-                f"{self.config.model_name!r}", param="model", code="model_not_found",
+                404,
+                f"the model {model!r} does not exist; this server serves "
+                f"{self.config.model_name!r}",
+                param="model",
+                code="model_not_found",
             )
 
-    def _params(self, req: CompletionRequest | ChatCompletionRequest, logprobs: int | None) -> SamplingParams:
+    def _params(
+        self, req: CompletionRequest | ChatCompletionRequest, logprobs: int | None
+    ) -> SamplingParams:
         try:
             return sampling_params(req, logprobs)
         except (ValueError, TypeError) as e:
-            raise APIError(400, str(e), param=param_from_message(str(e), set(SAMPLING_FIELDS)),
-                           code="invalid_value") from None
+            raise APIError(
+                400,
+                str(e),
+                param=param_from_message(str(e), set(SAMPLING_FIELDS)),
+                code="invalid_value",
+            ) from None
 
     def _check_length(self, ids: list[int], param: str) -> None:
         limit = self.config.max_model_len
         if len(ids) >= limit:
             raise APIError(
-                400, f"the prompt has {len(ids)} tokens but this model's context is {limit} "
+                400,
+                f"the prompt has {len(ids)} tokens but this model's context is {limit} "
                 "tokens and must leave room for at least one generated token",
-                param=param, code="context_length_exceeded",
+                param=param,
+                code="context_length_exceeded",
             )
 
     def _completion_prompts(self, prompt: Any) -> list[Prompt]:
@@ -132,8 +146,11 @@ class OpenAIServing:
                     raise APIError(400, "prompt is empty", param="prompt")
                 tok = self.config.tokenizer
                 if tok is None:
-                    raise APIError(400, "this model has no tokenizer: send the prompt as "
-                                   "token ids", param="prompt")
+                    raise APIError(
+                        400,
+                        "this model has no tokenizer: send the prompt as token ids",
+                        param="prompt",
+                    )
                 out.append((item, tok.encode(item)))
             else:
                 out.append((None, list(item)))
@@ -143,9 +160,13 @@ class OpenAIServing:
     def _chat_prompt(self, req: ChatCompletionRequest) -> Prompt:
         cfg = self.config
         if cfg.chat_template is None:
-            raise APIError(400, "this model has no chat template: start the server with "
-                           "--chat-template FILE, or use /v1/completions", param="messages",
-                           code="no_chat_template")
+            raise APIError(
+                400,
+                "this model has no chat template: start the server with "
+                "--chat-template FILE, or use /v1/completions",
+                param="messages",
+                code="no_chat_template",
+            )
         if cfg.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, which chat needs", param="messages")
         messages = []
@@ -156,8 +177,11 @@ class OpenAIServing:
             messages.append(msg)
         try:
             text = render_chat(
-                cfg.chat_template, messages, add_generation_prompt=True,
-                bos_token=cfg.tokenizer.bos_token, eos_token=cfg.tokenizer.eos_token,
+                cfg.chat_template,
+                messages,
+                add_generation_prompt=True,
+                bos_token=cfg.tokenizer.bos_token,
+                eos_token=cfg.tokenizer.eos_token,
             )
         except ChatTemplateError as e:
             raise APIError(400, str(e), param="messages", code="invalid_messages") from None
@@ -180,8 +204,13 @@ class OpenAIServing:
     ) -> Any:
         log.info(
             "request %s: %d prompt(s), prompt_tokens=%s max_tokens=%s n=%d stream=%s user=%s",
-            rid, len(prompts), ",".join(str(len(p[1])) for p in prompts), params.max_tokens,
-            params.n, req.stream, req.user,
+            rid,
+            len(prompts),
+            ",".join(str(len(p[1])) for p in prompts),
+            params.max_tokens,
+            params.n,
+            req.stream,
+            req.user,
         )
         streams = await self._start(rid, prompts, params)
         headers = {"X-Request-Id": rid}
@@ -197,11 +226,16 @@ class OpenAIServing:
             body = fmt.whole(finals)
         except Exception as e:
             log.exception("request %s: formatting the response failed", rid)
-            raise APIError(500, f"formatting the response failed: {type(e).__name__}: {e}",
-                           code="internal_error") from None
+            raise APIError(
+                500,
+                f"formatting the response failed: {type(e).__name__}: {e}",
+                code="internal_error",
+            ) from None
         return JSONResponse(body, headers=headers)
 
-    async def _start(self, rid: str, prompts: list[Prompt], params: SamplingParams) -> list[RequestStream]:
+    async def _start(
+        self, rid: str, prompts: list[Prompt], params: SamplingParams
+    ) -> list[RequestStream]:
         streams: list[RequestStream] = []
         ids = [rid if len(prompts) == 1 else f"{rid}-{i}" for i in range(len(prompts))]
         try:
@@ -213,14 +247,20 @@ class OpenAIServing:
             for engine_id in ids[: len(streams) + 1]:
                 self.engine.abort(engine_id)
             if isinstance(e, (ValueError, TypeError)):
-                raise APIError(400, str(e), param=param_from_message(str(e), {"prompt"}) or
-                               "prompt", code="invalid_value") from None
+                raise APIError(
+                    400,
+                    str(e),
+                    param=param_from_message(str(e), {"prompt"}) or "prompt",
+                    code="invalid_value",
+                ) from None
             if isinstance(e, EngineStopped):
                 raise APIError(503, str(e), code="engine_unavailable") from None
             raise
         return streams
 
-    async def _iterate(self, rid: str, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _iterate(
+        self, rid: str, streams: list[RequestStream]
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Yield ``(prompt index, output)`` as outputs arrive; on any exit before all
         are finished, abort the unfinished ones."""
         tasks: dict[asyncio.Task, int] = {}
@@ -286,8 +326,13 @@ class OpenAIServing:
             yield _sse_line(e.body())
         except Exception as e:
             log.exception("request %s: streaming failed", rid)
-            yield _sse_line(error_body(f"streaming failed: {type(e).__name__}: {e}",
-                                       "server_error", code="internal_error"))
+            yield _sse_line(
+                error_body(
+                    f"streaming failed: {type(e).__name__}: {e}",
+                    "server_error",
+                    code="internal_error",
+                )
+            )
         yield "data: [DONE]\n\n"
 
 
@@ -296,8 +341,9 @@ async def _engine_call(aw: Awaitable[RequestOutput]) -> RequestOutput:
     try:
         return await aw
     except EngineError as e:
-        raise APIError(500, f"the engine failed while running this request: {e}",
-                       code="engine_error") from None
+        raise APIError(
+            500, f"the engine failed while running this request: {e}", code="engine_error"
+        ) from None
     except EngineStopped as e:
         raise APIError(503, str(e), code="engine_unavailable") from None
 
@@ -331,16 +377,22 @@ async def _wait_disconnect(receive: Receive) -> None:
 
 def _check_stream_options(req: CompletionRequest | ChatCompletionRequest) -> None:
     if req.stream_options is not None and not req.stream:
-        raise APIError(400, "stream_options is only allowed with stream=true",
-                       param="stream_options")
+        raise APIError(
+            400, "stream_options is only allowed with stream=true", param="stream_options"
+        )
 
 
 def _log_finished(rid: str, outs: list[RequestOutput]) -> None:
     reasons = ",".join(str(c.finish_reason) for o in outs for c in o.outputs)
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     cached = sum(o.num_cached_tokens for o in outs)
-    log.info("request %s: finished (%s) completion_tokens=%d cached_tokens=%d",
-             rid, reasons, tokens, cached)
+    log.info(
+        "request %s: finished (%s) completion_tokens=%d cached_tokens=%d",
+        rid,
+        reasons,
+        tokens,
+        cached,
+    )
 
 
 def _sse_line(payload: dict[str, Any]) -> str:
@@ -374,7 +426,7 @@ class _Cursor:
             while end and text[end - 1] == "\ufffd":
                 end -= 1  # maybe a partial UTF-8 character that the next token completes
             text = text[: max(len(self.text), end - self.hold_back)]
-        delta = text[len(self.text):] if text.startswith(self.text) else ""
+        delta = text[len(self.text) :] if text.startswith(self.text) else ""
         self.text += delta
         start, self.num_tokens = self.num_tokens, len(comp.token_ids)
         self.done = finished
@@ -410,8 +462,12 @@ class _Format:
         return tok.decode([token_id], skip_special_tokens=False) if tok else f"token_id:{token_id}"
 
     def header(self, obj: str) -> dict[str, Any]:
-        return {"id": self.rid, "object": obj, "created": self.created,
-                "model": self.serving.config.model_name}
+        return {
+            "id": self.rid,
+            "object": obj,
+            "created": self.created,
+            "model": self.serving.config.model_name,
+        }
 
     def opening(self, num_prompts: int) -> list[dict[str, Any]]:
         return []
@@ -427,7 +483,9 @@ class _Format:
 
 
 class _CompletionFormat(_Format):
-    def legacy_logprobs(self, comp: CompletionOutput, start: int, end: int, offset: int) -> dict[str, Any] | None:
+    def legacy_logprobs(
+        self, comp: CompletionOutput, start: int, end: int, offset: int
+    ) -> dict[str, Any] | None:
         if self.logprobs is None or comp.logprobs is None:
             return None
         tokens, token_lps, tops, offsets = [], [], [], []
@@ -439,19 +497,25 @@ class _CompletionFormat(_Format):
             tops.append({self.token_text(i): _finite(lp.logprob) for i, lp in ranked})
             offsets.append(offset)
             offset += len(text)
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
-                "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_lps,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
 
     def whole(self, outs: list[RequestOutput]) -> dict[str, Any]:
         choices = []
         for i, out in enumerate(outs):
             for j, comp in enumerate(out.outputs):
-                choices.append({
-                    "index": i * self.n + j,
-                    "text": comp.text,
-                    "logprobs": self.legacy_logprobs(comp, 0, len(comp.token_ids), 0),
-                    "finish_reason": comp.finish_reason,
-                })
+                choices.append(
+                    {
+                        "index": i * self.n + j,
+                        "text": comp.text,
+                        "logprobs": self.legacy_logprobs(comp, 0, len(comp.token_ids), 0),
+                        "finish_reason": comp.finish_reason,
+                    }
+                )
         return {**self.header("text_completion"), "choices": choices, "usage": usage(outs)}
 
     def delta(self, index: int, comp: CompletionOutput, cursor: _Cursor) -> dict[str, Any] | None:
@@ -460,8 +524,12 @@ class _CompletionFormat(_Format):
         lps = self.legacy_logprobs(comp, start, end, offset) if end > start else None
         if not text and comp.finish_reason is None and lps is None:
             return None
-        choice = {"index": index, "text": text, "logprobs": lps,
-                  "finish_reason": comp.finish_reason}
+        choice = {
+            "index": index,
+            "text": text,
+            "logprobs": lps,
+            "finish_reason": comp.finish_reason,
+        }
         return {**self.header("text_completion"), "choices": [choice]}
 
     def usage_chunk(self, outs: list[RequestOutput]) -> dict[str, Any]:
@@ -469,16 +537,23 @@ class _CompletionFormat(_Format):
 
 
 class _ChatFormat(_Format):
-    def content_logprobs(self, comp: CompletionOutput, start: int, end: int) -> dict[str, Any] | None:
+    def content_logprobs(
+        self, comp: CompletionOutput, start: int, end: int
+    ) -> dict[str, Any] | None:
         if self.logprobs is None or comp.logprobs is None:
             return None
         content = []
         for tid, cands in zip(comp.token_ids[start:end], comp.logprobs[start:end]):
-            content.append({**self._entry(tid, cands[tid]), "top_logprobs": [
-                self._entry(i, lp)
-                for i, lp in sorted(cands.items(), key=lambda kv: kv[1].rank)
-                if lp.rank <= self.logprobs
-            ]})
+            content.append(
+                {
+                    **self._entry(tid, cands[tid]),
+                    "top_logprobs": [
+                        self._entry(i, lp)
+                        for i, lp in sorted(cands.items(), key=lambda kv: kv[1].rank)
+                        if lp.rank <= self.logprobs
+                    ],
+                }
+            )
         return {"content": content}
 
     def _entry(self, token_id: int, lp: Logprob) -> dict[str, Any]:
@@ -487,30 +562,46 @@ class _ChatFormat(_Format):
 
     def whole(self, outs: list[RequestOutput]) -> dict[str, Any]:
         (out,) = outs
-        choices = [{
-            "index": j,
-            "message": {"role": "assistant", "content": comp.text},
-            "logprobs": self.content_logprobs(comp, 0, len(comp.token_ids)),
-            "finish_reason": comp.finish_reason,
-        } for j, comp in enumerate(out.outputs)]
+        choices = [
+            {
+                "index": j,
+                "message": {"role": "assistant", "content": comp.text},
+                "logprobs": self.content_logprobs(comp, 0, len(comp.token_ids)),
+                "finish_reason": comp.finish_reason,
+            }
+            for j, comp in enumerate(out.outputs)
+        ]
         return {**self.header("chat.completion"), "choices": choices, "usage": usage(outs)}
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         return {**self.header("chat.completion.chunk"), "choices": [choice]}
 
     def opening(self, num_prompts: int) -> list[dict[str, Any]]:
-        return [self._chunk({"index": j, "delta": {"role": "assistant", "content": ""},
-                             "logprobs": None, "finish_reason": None})
-                for j in range(self.n * num_prompts)]
+        return [
+            self._chunk(
+                {
+                    "index": j,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            )
+            for j in range(self.n * num_prompts)
+        ]
 
     def delta(self, index: int, comp: CompletionOutput, cursor: _Cursor) -> dict[str, Any] | None:
         text, start, end = cursor.advance(comp)
         lps = self.content_logprobs(comp, start, end) if end > start else None
         if not text and comp.finish_reason is None and lps is None:
             return None
-        return self._chunk({"index": index, "delta": {"content": text} if text else {},
-                            "logprobs": lps, "finish_reason": comp.finish_reason})
+        return self._chunk(
+            {
+                "index": index,
+                "delta": {"content": text} if text else {},
+                "logprobs": lps,
+                "finish_reason": comp.finish_reason,
+            }
+        )
 
     def usage_chunk(self, outs: list[RequestOutput]) -> dict[str, Any]:
         return {**self.header("chat.completion.chunk"), "choices": [], "usage": usage(outs)}
-

@@ -62,6 +62,11 @@ def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="package")
+def chat_template_text() -> str:
+    return CHAT_TEMPLATE
+
+
+@pytest.fixture(scope="package")
 def plain_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same kind of model without a chat template."""
     path = make_tiny_checkpoint("granitemoehybrid", tmp_path_factory.mktemp("plain"), seed=1)
@@ -81,10 +86,13 @@ class ServerThread:
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=graceful_timeout)
+        config = uvicorn.Config(
+            app, log_level="warning", timeout_graceful_shutdown=graceful_timeout
+        )
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
+        )
 
     @property
     def engine(self) -> Any:

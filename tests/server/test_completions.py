@@ -55,9 +55,16 @@ def test_token_id_prompt_and_logprobs(client: httpx.Client, reference_llm) -> No
         [ids], SamplingParams(max_tokens=5, temperature=0, logprobs=2), use_tqdm=False
     )
     want = outs[0].outputs[0]
-    r = client.post("/v1/completions", json={
-        "model": "tiny", "prompt": ids, "max_tokens": 5, "temperature": 0, "logprobs": 2,
-    })
+    r = client.post(
+        "/v1/completions",
+        json={
+            "model": "tiny",
+            "prompt": ids,
+            "max_tokens": 5,
+            "temperature": 0,
+            "logprobs": 2,
+        },
+    )
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     lp = choice["logprobs"]
@@ -72,7 +79,9 @@ def test_token_id_prompt_and_logprobs(client: httpx.Client, reference_llm) -> No
 
 def test_seeded_sampling_is_reproducible(client: httpx.Client) -> None:
     body = {"prompt": "seeded", "max_tokens": 8, "temperature": 1.0, "seed": 1234}
-    texts = [client.post("/v1/completions", json=body).json()["choices"][0]["text"] for _ in range(2)]
+    texts = [
+        client.post("/v1/completions", json=body).json()["choices"][0]["text"] for _ in range(2)
+    ]
     assert texts[0] == texts[1]
 
 

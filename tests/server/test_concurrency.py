@@ -15,13 +15,18 @@ MAX_TOKENS = 8
 
 def test_200_concurrent_streams(server, reference_llm) -> None:
     prompts = [f"request {i}: {'ab' * (i % 7)} tail" for i in range(NUM_REQUESTS)]
-    expected = [o.outputs[0].text for o in reference_llm.generate(
-        prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0), use_tqdm=False)]
+    expected = [
+        o.outputs[0].text
+        for o in reference_llm.generate(
+            prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0), use_tqdm=False
+        )
+    ]
     before = server.engine.stats()["requests_finished"]
 
     async def one(client: openai.AsyncOpenAI, prompt: str) -> tuple[str, str, list[str]]:
         stream = await client.completions.create(
-            model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True)
+            model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True
+        )
         ids, text, reasons = set(), "", []
         async for chunk in stream:
             ids.add(chunk.id)
@@ -34,10 +39,12 @@ def test_200_concurrent_streams(server, reference_llm) -> None:
         return rid, text, reasons
 
     async def run_all() -> list[tuple[str, str, list[str]]]:
-        async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused",
-                                      max_retries=0, timeout=120) as client:
+        async with openai.AsyncOpenAI(
+            base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120
+        ) as client:
             return await asyncio.wait_for(
-                asyncio.gather(*(one(client, p) for p in prompts)), timeout=150)
+                asyncio.gather(*(one(client, p) for p in prompts)), timeout=150
+            )
 
     results = asyncio.run(run_all())
     assert len(results) == NUM_REQUESTS

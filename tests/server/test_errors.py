@@ -24,6 +24,16 @@ CASES = [
     (C, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "max_tokens"),
     (C, {"prompt": "x", "temperature": -0.5}, 400, "temperature", "temperature"),
     (C, {"prompt": "x", "top_p": 0}, 400, "top_p", "top_p"),
+    # Values that would underflow the float32 sampler into NaNs.
+    (C, {"prompt": "x", "temperature": 1e-300}, 400, "temperature", "temperature"),
+    (C, {"prompt": "x", "top_p": 5e-324}, 400, "top_p", "top_p"),
+    (
+        C,
+        {"prompt": "x", "repetition_penalty": 1e-300},
+        400,
+        "repetition_penalty",
+        "repetition_penalty",
+    ),
     (C, {"prompt": "x", "top_k": -3}, 400, "top_k", "top_k"),
     (C, {"prompt": "x", "min_p": 1.5}, 400, "min_p", "min_p"),
     (C, {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty", "presence_penalty"),
@@ -38,18 +48,42 @@ CASES = [
     (C, {"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids", "stop_token_ids"),
     (C, {"prompt": "x", "seed": 2**70}, 400, "seed", "seed"),
     (C, {"prompt": "x", "stream": "yes"}, 400, "stream", "boolean"),
-    (C, {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
-    (C, {"prompt": "x", "stream": True, "stream_options": {"foo": 1}}, 400, "stream_options.foo", "unsupported"),
+    (
+        C,
+        {"prompt": "x", "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+        "stream",
+    ),
+    (
+        C,
+        {"prompt": "x", "stream": True, "stream_options": {"foo": 1}},
+        400,
+        "stream_options.foo",
+        "unsupported",
+    ),
     (C, {"prompt": "x", "model": "gpt-4"}, 404, "model", "gpt-4"),
     (C, {"prompt": "x" * 5000}, 400, "prompt", "context"),
     (CHAT, {"messages": []}, 400, "messages", "messages"),
     (CHAT, {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages.0.role", "role"),
-    (CHAT, {"messages": [{"role": "user", "content": "hi", "extra": 1}]}, 400, "messages.0.extra", "unsupported"),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": "hi", "extra": 1}]},
+        400,
+        "messages.0.extra",
+        "unsupported",
+    ),
     (CHAT, {"messages": [{"role": "tool", "content": "hi"}]}, 400, "messages", "not supported"),
     (CHAT, {"messages": MSGS, "logprobs": 3}, 400, "logprobs", "boolean"),
     (CHAT, {"messages": MSGS, "top_logprobs": 2}, 400, "top_logprobs", "logprobs"),
     (CHAT, {"messages": MSGS, "logprobs": True, "top_logprobs": 50}, 400, "logprobs", "logprobs"),
-    (CHAT, {"messages": MSGS, "max_tokens": 2, "max_completion_tokens": 2}, 400, "max_completion_tokens", "max_tokens"),
+    (
+        CHAT,
+        {"messages": MSGS, "max_tokens": 2, "max_completion_tokens": 2},
+        400,
+        "max_completion_tokens",
+        "max_tokens",
+    ),
     (CHAT, {"messages": MSGS, "tools": []}, 400, "tools", "unsupported"),
     (CHAT, {"messages": MSGS, "model": "nope"}, 404, "model", "nope"),
     (CHAT, {"prompt": "x"}, 400, "messages", "missing"),
@@ -66,8 +100,11 @@ def _check_shape(r: httpx.Response, status: int) -> dict:
     return err
 
 
-@pytest.mark.parametrize(("path", "body", "status", "param", "words"), CASES,
-                         ids=[f"{i}-{c[3]}" for i, c in enumerate(CASES)])
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param", "words"),
+    CASES,
+    ids=[f"{i}-{c[3]}" for i, c in enumerate(CASES)],
+)
 def test_bad_request(client: httpx.Client, path, body, status, param, words) -> None:
     err = _check_shape(client.post(path, json=body), status)
     assert err["param"] == param
@@ -75,13 +112,16 @@ def test_bad_request(client: httpx.Client, path, body, status, param, words) -> 
     assert err["type"] == "invalid_request_error"
 
 
-@pytest.mark.parametrize(("content", "headers", "code"), [
-    (b"{not json", {"content-type": "application/json"}, "invalid_json"),
-    (b'{"prompt": "x"', {"content-type": "application/json"}, "invalid_json"),
-    (b"[1, 2]", {"content-type": "application/json"}, "invalid_body"),
-    (b'{"prompt": "x"}', {"content-type": "text/plain"}, "invalid_body"),
-    (b"", {"content-type": "application/json"}, "missing_body"),
-])
+@pytest.mark.parametrize(
+    ("content", "headers", "code"),
+    [
+        (b"{not json", {"content-type": "application/json"}, "invalid_json"),
+        (b'{"prompt": "x"', {"content-type": "application/json"}, "invalid_json"),
+        (b"[1, 2]", {"content-type": "application/json"}, "invalid_body"),
+        (b'{"prompt": "x"}', {"content-type": "text/plain"}, "invalid_body"),
+        (b"", {"content-type": "application/json"}, "missing_body"),
+    ],
+)
 def test_bad_body(client: httpx.Client, content: bytes, headers: dict, code: str) -> None:
     err = _check_shape(client.post(C, content=content, headers=headers), 400)
     assert err["code"] == code
@@ -106,8 +146,12 @@ def test_api_key(chat_model, server_factory) -> None:
     srv = server_factory(chat_model, api_key="s3cret", served_model_name="tiny")
     with httpx.Client(base_url=srv.base_url, timeout=30) as c:
         body = {"prompt": "x", "max_tokens": 2}
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"},
-                        {"Authorization": "Basic s3cret"}):
+        for headers in (
+            {},
+            {"Authorization": "Bearer wrong"},
+            {"Authorization": "s3cret"},
+            {"Authorization": "Basic s3cret"},
+        ):
             r = c.post(C, json=body, headers=headers)
             err = _check_shape(r, 401)
             assert err["code"] == "invalid_api_key"

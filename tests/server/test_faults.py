@@ -30,11 +30,18 @@ def test_stream_disconnect_aborts_and_frees(server, reference_llm) -> None:
 
     def bystander() -> None:
         with httpx.Client(base_url=server.base_url, timeout=60) as c:
-            other["r"] = c.post("/v1/completions", json={
-                "prompt": "bystander", "max_tokens": 24, "temperature": 0})
+            other["r"] = c.post(
+                "/v1/completions", json={"prompt": "bystander", "max_tokens": 24, "temperature": 0}
+            )
 
     with httpx.Client(base_url=server.base_url, timeout=60) as c:
-        body = {"prompt": "a long story", "max_tokens": LONG, "temperature": 0, "stream": True}
+        body = {
+            "prompt": "a long story",
+            "max_tokens": LONG,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+        }
         with c.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
             t = threading.Thread(target=bystander)
@@ -48,18 +55,27 @@ def test_stream_disconnect_aborts_and_frees(server, reference_llm) -> None:
     stats = _assert_clean(server, aborted)
     assert stats["requests_running"] == 0
     t.join(30)
-    want = reference_llm.generate(["bystander"], SamplingParams(max_tokens=24, temperature=0),
-                                  use_tqdm=False)[0].outputs[0].text
+    want = (
+        reference_llm.generate(
+            ["bystander"], SamplingParams(max_tokens=24, temperature=0), use_tqdm=False
+        )[0]
+        .outputs[0]
+        .text
+    )
     assert other["r"].status_code == 200 and other["r"].json()["choices"][0]["text"] == want
 
 
 def test_non_streaming_disconnect_aborts(server) -> None:
     aborted = server.engine.stats()["requests_aborted"]
-    body = json.dumps({"prompt": "never read", "max_tokens": LONG, "n": 2}).encode()
+    body = json.dumps(
+        {"prompt": "never read", "max_tokens": LONG, "ignore_eos": True, "n": 2}
+    ).encode()
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                     b"Content-Type: application/json\r\n"
-                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
         deadline = time.monotonic() + 20
         while server.engine.stats()["requests_running"] == 0:
             assert time.monotonic() < deadline, "the request never started"
@@ -83,8 +99,10 @@ def test_error_while_formatting_one_request(server, monkeypatch) -> None:
 
     def good() -> None:
         with httpx.Client(base_url=server.base_url, timeout=60) as c:
-            results["good"] = c.post("/v1/completions", json={
-                "prompt": "fine", "max_tokens": 16, "logprobs": 1})
+            results["good"] = c.post(
+                "/v1/completions",
+                json={"prompt": "fine", "max_tokens": 16, "ignore_eos": True, "logprobs": 1},
+            )
 
     t = threading.Thread(target=good)
     t.start()
@@ -93,7 +111,13 @@ def test_error_while_formatting_one_request(server, monkeypatch) -> None:
         assert r.status_code == 500
         err = r.json()["error"]
         assert err["type"] == "server_error" and "formatting exploded" in err["message"]
-        body = {"prompt": "bad", "max_tokens": LONG, "logprobs": 4, "stream": True}
+        body = {
+            "prompt": "bad",
+            "max_tokens": LONG,
+            "ignore_eos": True,
+            "logprobs": 4,
+            "stream": True,
+        }
         with c.stream("POST", "/v1/completions", json=body) as s:
             lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
         assert lines[-1] == "data: [DONE]"

@@ -32,13 +32,21 @@ def test_streamed_completion_equals_whole_and_offline(oai, reference_llm) -> Non
     )
     for prompt, want in zip(PROMPTS, expected):
         whole = oai.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0)
-        chunks = list(oai.completions.create(
-            model="tiny", prompt=prompt, max_tokens=16, temperature=0, stream=True,
-            stream_options={"include_usage": True},
-        ))
+        chunks = list(
+            oai.completions.create(
+                model="tiny",
+                prompt=prompt,
+                max_tokens=16,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
         text = "".join(c.choices[0].text for c in chunks if c.choices)
         assert text == whole.choices[0].text == want.outputs[0].text
-        finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        finals = [
+            c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+        ]
         assert finals == [whole.choices[0].finish_reason]
         # The last chunk carries the usage and no choices; the others carry usage: null.
         assert chunks[-1].choices == [] and chunks[-1].usage is not None
@@ -51,15 +59,20 @@ def test_streamed_completion_equals_whole_and_offline(oai, reference_llm) -> Non
 def test_streamed_chat_equals_whole_and_offline(oai, reference_llm) -> None:
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
     ids = chat_prompt_ids(reference_llm, messages)
-    want = reference_llm.generate([ids], SamplingParams(max_tokens=12, temperature=0),
-                                  use_tqdm=False)[0]
-    whole = oai.chat.completions.create(model="tiny", messages=messages, max_tokens=12,
-                                        temperature=0)
+    want = reference_llm.generate(
+        [ids], SamplingParams(max_tokens=12, temperature=0), use_tqdm=False
+    )[0]
+    whole = oai.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=12, temperature=0
+    )
     assert whole.choices[0].message.role == "assistant"
     assert whole.choices[0].message.content == want.outputs[0].text
     assert whole.usage.prompt_tokens == len(ids)
-    chunks = list(oai.chat.completions.create(model="tiny", messages=messages, max_tokens=12,
-                                              temperature=0, stream=True))
+    chunks = list(
+        oai.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=12, temperature=0, stream=True
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks)
     assert text == whole.choices[0].message.content
@@ -68,20 +81,32 @@ def test_streamed_chat_equals_whole_and_offline(oai, reference_llm) -> None:
 
 
 def test_max_completion_tokens_and_content_parts(oai, reference_llm) -> None:
-    messages = [{"role": "user", "content": [{"type": "text", "text": "hi "},
-                                             {"type": "text", "text": "there"}]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}],
+        }
+    ]
     ids = chat_prompt_ids(reference_llm, [{"role": "user", "content": "hi there"}])
-    want = reference_llm.generate([ids], SamplingParams(max_tokens=5, temperature=0),
-                                  use_tqdm=False)[0]
-    r = oai.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=5,
-                                    temperature=0)
+    want = reference_llm.generate(
+        [ids], SamplingParams(max_tokens=5, temperature=0), use_tqdm=False
+    )[0]
+    r = oai.chat.completions.create(
+        model="tiny", messages=messages, max_completion_tokens=5, temperature=0
+    )
     assert r.choices[0].message.content == want.outputs[0].text
     assert r.usage.completion_tokens == len(want.outputs[0].token_ids)
 
 
 def test_chat_logprobs_streamed_and_whole(oai) -> None:
-    kw = dict(model="tiny", messages=[{"role": "user", "content": "logprobs"}], max_tokens=6,
-              temperature=0, logprobs=True, top_logprobs=3)
+    kw = dict(
+        model="tiny",
+        messages=[{"role": "user", "content": "logprobs"}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
     whole = oai.chat.completions.create(**kw)
     content = whole.choices[0].logprobs.content
     assert len(content) == whole.usage.completion_tokens == 6
@@ -90,27 +115,40 @@ def test_chat_logprobs_streamed_and_whole(oai) -> None:
         # Greedy: the chosen token is the most likely one.
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
         assert entry.bytes == list(entry.token.encode())
-    streamed = [e for c in oai.chat.completions.create(**kw, stream=True) if c.choices
-                and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    streamed = [
+        e
+        for c in oai.chat.completions.create(**kw, stream=True)
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
     assert [e.token for e in streamed] == [e.token for e in content]
     assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content])
 
 
 def test_stop_string_streamed(oai, reference_llm) -> None:
     prompt = "stop strings"
-    full = reference_llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0),
-                                  use_tqdm=False)[0].outputs[0].text
+    full = (
+        reference_llm.generate(
+            [prompt], SamplingParams(max_tokens=24, temperature=0), use_tqdm=False
+        )[0]
+        .outputs[0]
+        .text
+    )
     # A stop string taken from the middle of the greedy text (avoiding the replacement
     # character, which stands for bytes that are not text).
-    clean = [i for i in range(4, len(full) - 2) if "\ufffd" not in full[i:i + 2]]
+    clean = [i for i in range(4, len(full) - 2) if "\ufffd" not in full[i : i + 2]]
     assert clean, f"no usable stop string in {full!r}"
-    stop = full[clean[0]:clean[0] + 2]
-    cut = full[:full.index(stop)]
-    whole = oai.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
-                                   stop=[stop])
+    stop = full[clean[0] : clean[0] + 2]
+    cut = full[: full.index(stop)]
+    whole = oai.completions.create(
+        model="tiny", prompt=prompt, max_tokens=24, temperature=0, stop=[stop]
+    )
     assert whole.choices[0].text == cut and whole.choices[0].finish_reason == "stop"
-    chunks = list(oai.completions.create(model="tiny", prompt=prompt, max_tokens=24,
-                                         temperature=0, stop=[stop], stream=True))
+    chunks = list(
+        oai.completions.create(
+            model="tiny", prompt=prompt, max_tokens=24, temperature=0, stop=[stop], stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == cut
 
 
@@ -139,4 +177,4 @@ def test_sse_wire_format(client: httpx.Client) -> None:
     assert events[-1] == "" and events[-2] == "data: [DONE]"
     for ev in events[:-2]:
         assert ev.startswith("data: ")
-        json.loads(ev[len("data: "):])
+        json.loads(ev[len("data: ") :])
