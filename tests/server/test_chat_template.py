@@ -1,0 +1,63 @@
+"""Chat templates: rendering as Hugging Face does, in a sandbox."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridserve.server.chat_template import (
+    ChatTemplateError,
+    compile_chat_template,
+    pick_template,
+    render_chat,
+)
+
+MSGS = [{"role": "user", "content": "hi <b>&</b>"}]
+
+
+def test_render_with_specials_and_generation_prompt(chat_template_text: str) -> None:
+    t = compile_chat_template(chat_template_text)
+    text = render_chat(t, MSGS, bos_token="<s>", eos_token="</s>")
+    assert text == "<s><user>hi <b>&</b></s>\n<assistant>"
+    assert (
+        render_chat(t, MSGS, add_generation_prompt=False, bos_token="<s>", eos_token="</s>")
+        == "<s><user>hi <b>&</b></s>\n"
+    )
+
+
+def test_raise_exception_becomes_template_error(chat_template_text: str) -> None:
+    t = compile_chat_template(chat_template_text)
+    with pytest.raises(ChatTemplateError, match="role tool is not supported"):
+        render_chat(t, [{"role": "tool", "content": "x"}])
+
+
+def test_tojson_keeps_text_as_is() -> None:
+    t = compile_chat_template("{{ messages | tojson }}")
+    assert render_chat(t, MSGS) == '[{"role": "user", "content": "hi <b>&</b>"}]'
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+        "{{ messages.append({'role': 'x'}) }}",
+        "{{ messages[0].update({'role': 'x'}) }}",
+    ],
+)
+def test_sandbox_refuses_internals_and_mutation(source: str) -> None:
+    t = compile_chat_template(source)
+    messages = [dict(m) for m in MSGS]
+    with pytest.raises(ChatTemplateError):
+        render_chat(t, messages)
+    assert messages == MSGS
+
+
+def test_compile_error_is_reported() -> None:
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        compile_chat_template("{% for m in messages %}")
+
+
+def test_pick_named_template() -> None:
+    named = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
+    assert pick_template(named) == "D"
+    assert pick_template([{"name": "other", "template": "O"}]) == "O"
+    assert pick_template("S") == "S" and pick_template(None) is None
