@@ -71,11 +71,8 @@ class RequestStream:
     async def next_output(self) -> RequestOutput:
         """The newest output; raises the request's error, if it failed."""
         item = await self._queue.get()
-        while not self._queue.empty():
-            newer = self._queue.get_nowait()
-            if isinstance(item, BaseException):
-                break
-            item = newer
+        while not isinstance(item, BaseException) and not self._queue.empty():
+            item = self._queue.get_nowait()
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -121,6 +118,8 @@ class AsyncEngine:
             return
         self._stopping.clear()
         self._closed = False
+        while not self._inbox.empty():  # a stop sentinel left by an earlier run
+            self._inbox.get_nowait()
         self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
         self._thread.start()
 

@@ -13,6 +13,7 @@ finish; whatever is still running then is aborted and its clients get an error.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -98,7 +99,8 @@ def create_app(
             yield
         finally:
             log.info("shutting down: stopping the engine")
-            engine.shutdown()
+            # Joining the thread blocks; keep the loop free to deliver the last outputs.
+            await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="hybridserve", version="0.1.0", lifespan=lifespan)
     app.state.server = state
