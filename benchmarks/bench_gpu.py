@@ -586,6 +586,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ttft-prompt", type=int, default=8192)
     ap.add_argument("--ttft-cached", type=int, default=8064)
     ap.add_argument("--with-1b", action="store_true", help="also decode on a ~1B shape")
+    ap.add_argument("--skip", type=str, default="",
+                    help="comma-separated section names (or name prefixes) not to run")
     args = ap.parse_args(argv)
 
     start = time.perf_counter()
@@ -622,7 +624,12 @@ def main(argv=None) -> int:
         result["elapsed_s"] = time.perf_counter() - start
         args.out.write_text(json.dumps(result, indent=2, default=str))
 
+    skip = [k for k in args.skip.split(",") if k]
+
     def section(key, fn):
+        if any(key.startswith(k) for k in skip):
+            result["skipped"].append(key)
+            return None
         if time.perf_counter() - start > args.budget_s:
             result["skipped"].append(key)
             print(f"[skip] {key}: over the time budget", flush=True)
@@ -657,6 +664,11 @@ def main(argv=None) -> int:
 
     decode = result.setdefault("decode", {"ours": [], "reference_paths": [], "transformers": []})
     bandwidth = bw["bytes_per_s"] if bw else float("nan")
+    for b in [int(x) for x in args.hf_batches.split(",") if x]:
+        r = section(f"decode_transformers_b{b}",
+                    lambda b=b: hf_decode(hf, device, b, args.prompt, args.hf_new_tokens, vocab, b))
+        if r:
+            decode["transformers"].append(r)
     for b in batches:
         def ours(b=b):
             r = engine_decode(model, path, device, dtype, b, args.prompt, args.warmup_steps,
@@ -670,11 +682,6 @@ def main(argv=None) -> int:
         r = section(f"decode_ours_b{b}", ours)
         if r:
             decode["ours"].append(r)
-    for b in [int(x) for x in args.hf_batches.split(",") if x]:
-        r = section(f"decode_transformers_b{b}",
-                    lambda b=b: hf_decode(hf, device, b, args.prompt, args.hf_new_tokens, vocab, b))
-        if r:
-            decode["transformers"].append(r)
     for b in [int(x) for x in args.ref_batches.split(",") if x]:
         def ref(b=b):
             with reference_paths():

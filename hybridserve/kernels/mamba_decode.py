@@ -104,8 +104,11 @@ def _build_plan(batch: ForwardBatch, device: torch.device) -> DecodePlan | None:
     for r, off, page in zip(batch.state_out_row, batch.state_out_offset, batch.state_out_page):
         out[r][off] = page
     host = torch.tensor([[page, *o] for page, o in zip(batch.state_in_page, out)], dtype=torch.int32)
-    # One host-to-device copy for both index tensors.
-    both = host.to(device)
+    # One asynchronous host-to-device copy for both index tensors: a copy from pageable
+    # memory would stall the host until the device drained its queue, once per step.
+    if device.type == "cuda":
+        host = host.pin_memory()
+    both = host.to(device, non_blocking=True)
     return DecodePlan(
         num_rows=rows,
         q=q,

@@ -30,35 +30,43 @@ def gather_paged_kv(
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     context_lens: Sequence[int],
+    last_pos: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Keys and values of every row, padded to the longest context.
 
-    Returns ``(keys [R, L, KV, D], values [R, L, KV, D], key_pos [L])``; entries at or past
-    a row's context length are zeros (never cache contents: an unwritten slot may hold
-    NaN, and a masked NaN value still poisons the probability-weighted sum).
+    ``last_pos [R]`` (on the cache's device) is each row's last query position, so its
+    context is ``last_pos + 1`` tokens; ``context_lens`` (host) only sizes the padding,
+    so building the mask needs no host-to-device copy (which would stall the host until
+    the device caught up).
+
+    Returns ``(keys [R, L, KV, D], values [R, L, KV, D], key_pos [L])``; entries past a
+    row's context are zeros (never cache contents: an unwritten slot may hold NaN, and a
+    masked NaN value still poisons the probability-weighted sum).
     """
     block_size = k_cache.shape[1]
     longest = max(context_lens)
     n_blocks = -(-longest // block_size)
     tables = block_tables[:, :n_blocks].to(device=k_cache.device, dtype=torch.int64)
-    # -1 pads point at block 0: read, then masked.
+    # -1 pads point at block 0: read, then zeroed.
     tables = tables.clamp(min=0)
     offsets = torch.arange(block_size, device=k_cache.device)
     slots = (tables[:, :, None] * block_size + offsets).reshape(tables.shape[0], -1)[:, :longest]
     flat_k = k_cache.view(-1, *k_cache.shape[2:])
     flat_v = v_cache.view(-1, *v_cache.shape[2:])
     key_pos = torch.arange(longest, device=k_cache.device)
-    ctx = torch.tensor(list(context_lens), device=k_cache.device)
-    valid = (key_pos[None, :] < ctx[:, None])[:, :, None, None]
+    valid = (key_pos[None, :] <= last_pos[:, None])[:, :, None, None]
     zero = k_cache.new_zeros(())
     keys = torch.where(valid, flat_k[slots], zero)
     values = torch.where(valid, flat_v[slots], zero)
     return keys, values, key_pos
 
 
-def _visible(positions: torch.Tensor, key_pos: torch.Tensor, rows: int, q: int) -> torch.Tensor:
-    """``[R, Q, L]`` bool: key ``l`` is visible to query ``t`` of row ``r``."""
-    pos = positions.to(device=key_pos.device).view(rows, q)
+def _row_positions(positions: torch.Tensor, device: torch.device, rows: int) -> torch.Tensor:
+    return positions.to(device=device).view(rows, -1)
+
+
+def _visible(pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+    """``[R, Q, L]`` bool: key ``l`` is visible to query ``t`` of row ``r`` (``pos [R, Q]``)."""
     return key_pos[None, None, :] <= pos[:, :, None]
 
 
@@ -81,12 +89,13 @@ def paged_attention_decode_reference(
     qlen = tokens // rows
     num_kv = k_cache.shape[2]
     compute = torch.promote_types(q.dtype, torch.float32)
-    keys, values, key_pos = gather_paged_kv(k_cache, v_cache, block_tables, context_lens)
+    pos = _row_positions(positions, k_cache.device, rows)
+    keys, values, key_pos = gather_paged_kv(k_cache, v_cache, block_tables, context_lens, pos[:, -1])
     keys = keys.to(compute).repeat_interleave(heads // num_kv, dim=2)  # [R, L, H, D]
     values = values.to(compute).repeat_interleave(heads // num_kv, dim=2)
     qr = q.to(compute).view(rows, qlen, heads, dim)
     scores = torch.einsum("rqhd,rlhd->rhql", qr, keys) * scale
-    visible = _visible(positions, key_pos, rows, qlen)
+    visible = _visible(pos, key_pos)
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("rhql,rlhd->rqhd", probs, values)
@@ -107,8 +116,9 @@ def paged_attention_decode(
     tokens, heads, dim = q.shape
     qlen = tokens // rows
     num_kv = k_cache.shape[2]
-    keys, values, key_pos = gather_paged_kv(k_cache, v_cache, block_tables, context_lens)
-    visible = _visible(positions, key_pos, rows, qlen)  # [R, Q, L]
+    pos = _row_positions(positions, k_cache.device, rows)
+    keys, values, key_pos = gather_paged_kv(k_cache, v_cache, block_tables, context_lens, pos[:, -1])
+    visible = _visible(pos, key_pos)  # [R, Q, L]
     out = F.scaled_dot_product_attention(
         q.view(rows, qlen, heads, dim).transpose(1, 2),  # [R, H, Q, D]
         keys.to(q.dtype).transpose(1, 2),  # [R, KV, L, D]

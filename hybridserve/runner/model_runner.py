@@ -103,7 +103,12 @@ class ModelRunner:
             gather += range(end - k, end)
         if not gather:
             return [RowResult([], []) for _ in sched.rows]
-        index = torch.tensor(gather, dtype=torch.long, device=hidden.device)
+        index = torch.tensor(gather, dtype=torch.long)
+        if hidden.is_cuda:
+            # Asynchronous copy: the host keeps queueing work instead of waiting here for
+            # the forward to finish.
+            index = index.pin_memory()
+        index = index.to(hidden.device, non_blocking=True)
         logits = self.model.compute_logits(hidden[index])
         if all(sampler.samples_by_argmax(row.request.params) for row in sched.rows if row.samples):
             # Device fast path: pick every token on the device and read back one id per
