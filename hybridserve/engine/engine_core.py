@@ -23,7 +23,7 @@ from hybridserve.engine.request import (
     SamplingParams,
 )
 from hybridserve.engine.scheduler import ScheduledRow, Scheduler
-from hybridserve.kernels.state_postprocess import state_postprocess_reference
+from hybridserve.kernels.state_postprocess import state_postprocess, state_postprocess_reference
 from hybridserve.runner.model_runner import ModelRunner
 from hybridserve.spec.ngram import NgramDrafter
 from hybridserve.tokenizer import Tokenizer
@@ -195,41 +195,49 @@ class EngineCore:
         return [self._make_output(g) for g in touched.values()]
 
     def _postprocess_states(self, rows: list[tuple[ScheduledRow, object]]) -> None:
-        """Decide every verify row's surviving state page and checkpoints in one call."""
+        """Decide every verify row's surviving state page and checkpoints in one call.
+
+        On CUDA this is the fused Triton kernel; elsewhere its torch twin. The per-slot
+        tables (``slot_num_computed``, ``slot_state_page``) are the kernel's read-only
+        decision inputs; its per-slot outputs land in fresh buffers that replace them
+        after the launch (DESIGN.md section 5).
+        """
+        runner = self.runner
+        device = runner.slot_num_computed.device
         max_q = max(r.num_tokens for r, _ in rows)
-        n_rows = len(rows)
-        slots = torch.tensor([r.request.slot for r, _ in rows], dtype=torch.int32)
-        num_computed = self.runner.slot_num_computed.cpu()
-        state_page = self.runner.slot_state_page.cpu()
-        out_pages = torch.full((n_rows, max_q), -1, dtype=torch.int32)
-        accepted = []
+        out_pages = torch.full((len(rows), max_q), -1, dtype=torch.int32)
+        slots, accepted = [], []
         for i, (row, res) in enumerate(rows):
-            n = row.num_computed
-            num_computed[row.request.slot] = n
-            state_page[row.request.slot] = row.state_in_page
+            slot, n = row.request.slot, row.num_computed
+            slots.append(slot)
+            runner.slot_num_computed[slot] = n
+            runner.slot_state_page[slot] = row.state_in_page
             for j in range(row.num_tokens):
                 out_pages[i, j] = row.state_outputs[n + 1 + j]
             accepted.append(len(res.new_tokens))
-        result = state_postprocess_reference(
-            idx_mapping=slots,
-            num_computed=num_computed,
-            num_accepted=torch.tensor(accepted, dtype=torch.int32),
-            out_pages=out_pages,
-            state_page=state_page,
-            release_prev=(state_page[slots.long()] >= 0).to(torch.int32),
+        idx = torch.tensor(slots, dtype=torch.int32, device=device)
+        decide = state_postprocess if device.type == "cuda" else state_postprocess_reference
+        result = decide(
+            idx_mapping=idx,
+            num_computed=runner.slot_num_computed,
+            num_accepted=torch.tensor(accepted, dtype=torch.int32, device=device),
+            out_pages=out_pages.to(device),
+            state_page=runner.slot_state_page,
+            # The request holds a reference on whatever page it read, a checkpoint too.
+            release_prev=runner.slot_state_page[idx.long()] >= 0,
             state_interval=self.scheduler.verify_interval(),
         )
+        # One device-to-host read per step, for the host's page bookkeeping.
         new_pages = result.new_state_page.tolist()
         ckpt_pages, ckpt_lens = result.ckpt_page.tolist(), result.ckpt_len.tolist()
         released = result.release_pages.tolist()
         for i, (row, _) in enumerate(rows):
-            slot = row.request.slot
             ckpts = [(p, page) for p, page in zip(ckpt_lens[i], ckpt_pages[i]) if page >= 0]
             self.scheduler.commit_verify_row(
-                row, accepted[i], new_pages[slot], ckpts, [p for p in released[i] if p >= 0]
+                row, accepted[i], new_pages[row.request.slot], ckpts, [p for p in released[i] if p >= 0]
             )
-        self.runner.slot_num_computed.copy_(result.new_num_computed)
-        self.runner.slot_state_page.copy_(result.new_state_page)
+        runner.slot_num_computed = result.new_num_computed
+        runner.slot_state_page = result.new_state_page
 
     def _propose_drafts(self) -> None:
         d = self.config.spec.num_speculative_tokens
