@@ -265,7 +265,9 @@ def state_postprocess(
     state_page, 1 byte of release_prev, Q * 4 bytes of out_pages (plus re-reads of at
     most 1 + K of those words); writes 8 bytes of per-slot results and (2K + Q) * 4
     bytes of checkpoint and release lists. Zero bytes of state: the step's states
-    stay where the forward wrote them.
+    stay where the forward wrote them. Without ``out`` the launcher also clones
+    ``state_page`` and ``num_computed`` (4S bytes each, read and written once) so that
+    slots outside the batch carry over.
 
     Why one program per row: the decision is per request, not per layer, and no layer
     dimension exists in this launch. The seed bug needed many programs (one per
