@@ -29,12 +29,20 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="n-gram (prompt lookup) speculative decoding with this many draft tokens; 0 = off",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--num-threads", type=int, default=None,
+        help="CPU threads for torch (small models on few cores run fastest with 1)",
+    )
 
 
 def llm_from_args(args: argparse.Namespace):
     """Build an :class:`~hybridserve.LLM` from parsed :func:`add_engine_arguments` options."""
+    import torch
+
     from hybridserve import LLM
 
+    if args.num_threads is not None:
+        torch.set_num_threads(args.num_threads)
     spec = None
     if args.num_speculative_tokens > 0:
         spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}

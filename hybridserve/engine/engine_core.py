@@ -132,6 +132,7 @@ class EngineCore:
                     eos_token_ids=self.eos_token_ids,
                     max_model_len=max_len,
                     sample_seed=seed,
+                    parent_id=request_id if params.n > 1 else None,
                 )
             )
         group = _Group(request_id, prompt, list(prompt_token_ids), children, [""] * params.n)
@@ -170,7 +171,14 @@ class EngineCore:
                 )
             return []
         self.counters["steps"] += 1
-        results = self.runner.execute(sched)
+        try:
+            results = self.runner.execute(sched)
+        except BaseException:
+            # Nothing was committed: give back the pages this step was to write. The
+            # requests keep their caches and are scheduled again by the next step.
+            for row in sched.rows:
+                self.scheduler.states.release(list(row.state_outputs.values()))
+            raise
         verify_rows = [(row, res) for row, res in zip(sched.rows, results) if row.is_verify]
         touched: dict[str, _Group] = {}
         for row, res in zip(sched.rows, results):
@@ -179,7 +187,7 @@ class EngineCore:
                 self._append_tokens(req, res.new_tokens, res.logprobs)
             if not row.is_verify:
                 self.scheduler.commit_prefill_row(row)
-            group = self.groups.get(self._group_id(req))
+            group = self.groups.get(self.group_id(req))
             if group is not None:
                 touched[group.request_id] = group
         if verify_rows:
@@ -305,8 +313,9 @@ class EngineCore:
     # ---- outputs -----------------------------------------------------------------
 
     @staticmethod
-    def _group_id(req: Request) -> str:
-        return req.request_id.rsplit("#", 1)[0] if "#" in req.request_id else req.request_id
+    def group_id(req: Request) -> str:
+        """The user-facing request id of an engine request (``n > 1`` fans out)."""
+        return req.parent_id or req.request_id
 
     def _decode(self, req: Request) -> str:
         if self.tokenizer is None:
@@ -328,7 +337,7 @@ class EngineCore:
                 finish_reason = "stop"
             elif req.status is RequestStatus.FINISHED_ABORTED:
                 finish_reason = "abort"
-            logprobs = req.logprobs if req.params.logprobs is not None else None
+            logprobs = list(req.logprobs) if req.params.logprobs is not None else None
             cum = sum(lp[t].logprob for lp, t in zip(req.logprobs, req.output_token_ids)) if logprobs else None
             outs.append(
                 CompletionOutput(

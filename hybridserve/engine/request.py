@@ -42,14 +42,23 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer >= 1 (or None), got {self.max_tokens!r}")
         if not _finite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if self.temperature < _GREEDY_BELOW:
+            # Dividing float32 logits by a vanishing temperature overflows; the limit of
+            # sampling as temperature -> 0 is greedy decoding, so use that.
+            self.temperature = 0.0
         if not _finite(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        # Below float32's resolution top_p would round to 0 and drop every token; any
+        # top_p this small keeps just the most likely token, as 1e-6 does.
+        self.top_p = max(self.top_p, 1e-6)
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be an integer >= 0 (0 or -1 disables it), got {self.top_k!r}")
         if not _finite(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if not _finite(self.repetition_penalty) or not 0.01 <= self.repetition_penalty <= 100:
+            raise ValueError(
+                f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty!r}"
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not _finite(v) or not -2 <= v <= 2:
@@ -72,6 +81,9 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+_GREEDY_BELOW = 1e-5
 
 
 def _finite(x: object) -> bool:
@@ -121,6 +133,7 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     max_model_len: int = 4096
     sample_seed: int | None = None
+    parent_id: str | None = None  # the user's request id when n > 1 fans out
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

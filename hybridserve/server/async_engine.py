@@ -261,7 +261,7 @@ class AsyncEngine:
         sched = self.engine.scheduler
         victims: list[str]
         if not sched.running and sched.waiting:
-            victims = [EngineCore._group_id(sched.waiting[0])]
+            victims = [EngineCore.group_id(sched.waiting[0])]
         else:
             victims = list(self._streams)
         log.error(

@@ -19,12 +19,6 @@ from hybridserve.engine.request import SamplingParams
 MAX_N = 16
 MAX_BATCH_PROMPTS = 64
 _INT64 = 2**63
-# The sampler computes in float32: a temperature, top_p or repetition_penalty below
-# about 1e-38 underflows and turns the distribution into NaNs that fail the whole
-# batch's step. Refuse such values here (their effect is indistinguishable from the
-# nearest allowed one anyway).
-MIN_SAMPLING_SCALE = 1e-6
-MAX_REPETITION_PENALTY = 1e6
 
 
 class _Strict(BaseModel):
@@ -118,7 +112,6 @@ def sampling_params(
         "frequency_penalty": req.frequency_penalty,
         "repetition_penalty": req.repetition_penalty,
     }
-    _check_float32_safe(req)
     return SamplingParams(
         n=req.n,
         max_tokens=max_tokens,
@@ -129,19 +122,6 @@ def sampling_params(
         logprobs=logprobs,
         **{k: v for k, v in kwargs.items() if v is not None},
     )
-
-
-def _check_float32_safe(req: CompletionRequest | ChatCompletionRequest) -> None:
-    t, p, r = req.temperature, req.top_p, req.repetition_penalty
-    if t is not None and 0 < t < MIN_SAMPLING_SCALE:
-        raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_SAMPLING_SCALE}, got {t!r}")
-    if p is not None and 0 < p < MIN_SAMPLING_SCALE:
-        raise ValueError(f"top_p must be >= {MIN_SAMPLING_SCALE}, got {p!r}")
-    if r is not None and r > 0 and not MIN_SAMPLING_SCALE <= r <= MAX_REPETITION_PENALTY:
-        raise ValueError(
-            f"repetition_penalty must be in [{MIN_SAMPLING_SCALE}, {MAX_REPETITION_PENALTY:g}], "
-            f"got {r!r}"
-        )
 
 
 SAMPLING_FIELDS = frozenset(_SamplingFields.model_fields) | {

@@ -168,3 +168,45 @@ def test_engine_options_are_validated(tiny_granite):
         LLM(tiny_granite, speculative_config={"method": "ngram", "num_speculative_tokens": 0})
     with pytest.raises(ValueError, match="method"):
         LLM(tiny_granite, speculative_config={"method": "eagle"})
+
+
+def test_extreme_sampling_values_do_not_break_a_step(tiny_granite):
+    llm = LLM(tiny_granite, max_num_seqs=4)
+    prompt = _prompts(18, 1)[0]
+    greedy = llm.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    tiny_t = SamplingParams(max_tokens=32, temperature=1e-30, ignore_eos=True)
+    assert tiny_t.temperature == 0.0  # the limit of sampling as temperature -> 0
+    outs = llm.generate([prompt, prompt], [tiny_t, SamplingParams(max_tokens=32, top_p=5e-324, seed=1, ignore_eos=True)])
+    assert outs[0].outputs[0].token_ids == greedy
+    # A top_p that small keeps only the most likely token: greedy again.
+    assert outs[1].outputs[0].token_ids == greedy
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=1e-39)
+
+
+def test_failed_forward_leaks_nothing_and_engine_recovers(tiny_granite, monkeypatch):
+    llm = LLM(tiny_granite, max_num_seqs=4)
+    prompt = _prompts(19, 1)[0]
+    ref = llm.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    runner = llm.engine.runner
+    real = runner.execute
+    calls = {"n": 0}
+
+    def flaky(sched):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected failure")
+        return real(sched)
+
+    monkeypatch.setattr(runner, "execute", flaky)
+    llm.engine.add_request("r", prompt, GREEDY)
+    with pytest.raises(RuntimeError, match="injected"):
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+    llm.engine.scheduler.check_integrity()
+    done = None
+    while llm.engine.has_unfinished_requests():
+        for out in llm.engine.step():
+            done = out if out.finished else done
+    assert done.outputs[0].token_ids == ref
+    llm.engine.scheduler.check_integrity()
