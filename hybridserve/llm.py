@@ -208,6 +208,44 @@ class LLM:
                 bar.close()
         return [done[rid] for rid in ids_order]
 
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{"role", "content"}``
+        messages) or to a list of them, rendered with the checkpoint's chat template
+        (or ``chat_template``). Raises ValueError when the model has no template."""
+        from hybridserve.chat_template import compile_chat_template, pick_template, render_chat
+
+        if self.tokenizer is None:
+            raise ValueError("this model ships no tokenizer.json, so it cannot chat")
+        source = chat_template or pick_template(self.tokenizer.chat_template)
+        if source is None:
+            raise ValueError(
+                "this model has no chat template (tokenizer_config.json 'chat_template'); "
+                "pass chat_template=..."
+            )
+        template = compile_chat_template(source)
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [
+            {
+                "prompt": text,
+                "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False),
+            }
+            for text in (
+                render_chat(
+                    template, conv, add_generation_prompt=add_generation_prompt,
+                    bos_token=self.tokenizer.bos_token, eos_token=self.tokenizer.eos_token,
+                )
+                for conv in conversations
+            )
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
     def stats(self) -> dict[str, float | int]:
         """Engine counters (prefix-cache hits, checkpoints, speculative acceptance...)."""
         return self.engine.stats()

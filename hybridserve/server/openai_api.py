@@ -28,9 +28,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from hybridserve.chat_template import compile_chat_template, pick_template
 from hybridserve.server import metrics
 from hybridserve.server.async_engine import AsyncEngine
-from hybridserve.server.chat_template import compile_chat_template, pick_template
 from hybridserve.server.errors import (
     APIError,
     error_body,

@@ -30,9 +30,9 @@ import jinja2
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive
 
+from hybridserve.chat_template import ChatTemplateError, render_chat
 from hybridserve.engine.request import CompletionOutput, Logprob, RequestOutput, SamplingParams
 from hybridserve.server.async_engine import AsyncEngine, EngineError, EngineStopped, RequestStream
-from hybridserve.server.chat_template import ChatTemplateError, render_chat
 from hybridserve.server.errors import APIError, error_body, param_from_message
 from hybridserve.server.protocol import (
     SAMPLING_FIELDS,

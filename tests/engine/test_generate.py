@@ -210,3 +210,17 @@ def test_failed_forward_leaks_nothing_and_engine_recovers(tiny_granite, monkeypa
             done = out if out.finished else done
     assert done.outputs[0].token_ids == ref
     llm.engine.scheduler.check_integrity()
+
+
+def test_chat_renders_the_template(tiny_granite):
+    llm = LLM(tiny_granite, max_num_seqs=4)
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match="chat template"):
+        llm.chat(messages)
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+    template += "{% if add_generation_prompt %}<assistant>{% endif %}"
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    out = llm.chat([messages, messages + [{"role": "user", "content": "more"}]], params, chat_template=template)
+    assert [o.prompt for o in out] == ["<user>hi\n<assistant>", "<user>hi\n<user>more\n<assistant>"]
+    direct = llm.generate(["<user>hi\n<assistant>"], params)[0]
+    assert out[0].outputs[0].token_ids == direct.outputs[0].token_ids

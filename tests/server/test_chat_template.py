@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridserve.server.chat_template import (
+from hybridserve.chat_template import (
     ChatTemplateError,
     compile_chat_template,
     pick_template,
