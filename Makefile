@@ -21,7 +21,7 @@ demo: $(STAMP)
 
 # TRITON_INTERPRET=1 runs Triton kernels on the CPU (the race checker needs it).
 test: $(STAMP)
-	$(PY) -m ruff check hybridserve tests benchmarks scripts
+	$(PY) -m ruff check .
 	TRITON_INTERPRET=1 $(PY) -m pytest -q
 
 clean:
