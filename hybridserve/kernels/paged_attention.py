@@ -8,11 +8,14 @@ one batched product, causally by absolute position: query token ``t`` of row ``r
 position ``pos`` sees the row's keys at positions ``0 .. pos``; padding and other rows'
 blocks are masked out.
 
-- :func:`paged_attention_decode_reference`: float32 (float64) scores and softmax, the
-  CPU path and the test oracle;
+- :func:`paged_attention_decode_reference`: float32 (float64) scores and softmax; the
+  path the attention layer takes for uniform steps on every device, and the test oracle;
 - :func:`paged_attention_decode`: the same function through
-  ``torch.nn.functional.scaled_dot_product_attention`` in the cache dtype (the GPU path;
-  grouped-query heads are not materialised).
+  ``torch.nn.functional.scaled_dot_product_attention`` in the cache dtype. Not used by
+  the layer: on the H200 the decode step with it cost about 60 ms at every batch size
+  (against 42 ms for the per-row path at batch 1), with 0.5 s spikes every few steps at
+  batch 16. The suspected cause, not yet confirmed, is backend planning for each new key
+  length; docs/gpu.md records the measurement. Kept, tested, for that comparison.
 """
 
 from __future__ import annotations
@@ -91,14 +94,15 @@ def paged_attention_decode_reference(
     compute = torch.promote_types(q.dtype, torch.float32)
     pos = _row_positions(positions, k_cache.device, rows)
     keys, values, key_pos = gather_paged_kv(k_cache, v_cache, block_tables, context_lens, pos[:, -1])
-    keys = keys.to(compute).repeat_interleave(heads // num_kv, dim=2)  # [R, L, H, D]
-    values = values.to(compute).repeat_interleave(heads // num_kv, dim=2)
-    qr = q.to(compute).view(rows, qlen, heads, dim)
-    scores = torch.einsum("rqhd,rlhd->rhql", qr, keys) * scale
-    visible = _visible(pos, key_pos)
-    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    group = heads // num_kv
+    # Grouped-query heads by reshaping the queries (head h uses KV head h // group), so the
+    # keys and values are never repeated per query head.
+    qr = q.to(compute).view(rows, qlen, num_kv, group, dim)
+    scores = torch.einsum("rqkgd,rlkd->rkgql", qr, keys.to(compute)) * scale
+    visible = _visible(pos, key_pos)  # [R, Q, L]
+    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("rhql,rlhd->rqhd", probs, values)
+    out = torch.einsum("rkgql,rlkd->rqkgd", probs, values.to(compute))
     return out.reshape(tokens, heads, dim).to(q.dtype)
 
 

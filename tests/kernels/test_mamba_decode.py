@@ -208,3 +208,46 @@ def test_decode_plan_qualifies_only_uniform_steps_from_stored_states():
     assert decode_plan(_batch([1, 1], [-1, 4], [[(0, 7)], [(0, 9)]]), cpu) is None  # zero state
     assert decode_plan(_batch([1, 1], [3, 4], [[(0, 4)], [(0, 9)]]), cpu) is None  # reads a write
     assert decode_plan(_batch([17], [3], [[(16, 5)]]), cpu) is None  # a prefill chunk
+
+
+@pytest.mark.parametrize("q", [1, 3])
+def test_mixer_fast_path_matches_per_row_path(tmp_path, monkeypatch, q):
+    """A whole model step through the fast path equals the per-row path: logits and every
+    written state page (rows continue from stored states; caches are NaN-poisoned)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    from paged_driver import PagedDriver
+
+    from hybridserve.kernels import mamba_decode
+    from hybridserve.models.loader import load_model
+    from hybridserve.testing.tiny_models import make_tiny_checkpoint
+
+    torch.set_num_threads(1)
+    path = make_tiny_checkpoint("nemotron_h", tmp_path / "m", seed=_seed() % 1000, layers="M*-M")
+    model = load_model(path, dtype=torch.float64)
+    g = torch.Generator().manual_seed(_seed())
+    prompts = {i: torch.randint(3, 256, (5 + 3 * i,), generator=g).tolist() for i in range(3)}
+    nxt = {i: torch.randint(3, 256, (q,), generator=g).tolist() for i in range(3)}
+    results = []
+    for fast in (True, False):
+        if not fast:
+            monkeypatch.setattr(mamba_decode, "decode_plan", lambda batch, device: None)
+        d = PagedDriver(model)
+        d.step([(i, p) for i, p in prompts.items()])
+        logits, pages = d.step([(i, t) for i, t in nxt.items()], {0: [0]} if q > 1 else None)
+        states = {
+            (sid, off, layer): (d.conv_state(layer, page), d.ssm_state(layer, page))
+            for sid, offs in pages.items()
+            for off, page in offs.items()
+            for layer in model.cache_spec.mamba_layers
+        }
+        results.append((logits, states))
+    (fl, fs), (sl, ss) = results
+    assert not fl.isnan().any()
+    torch.testing.assert_close(fl, sl, rtol=1e-10, atol=1e-10)
+    assert fs.keys() == ss.keys()
+    for key in fs:
+        assert torch.equal(fs[key][0], ss[key][0]), key
+        torch.testing.assert_close(fs[key][1], ss[key][1], rtol=1e-10, atol=1e-10)

@@ -7,8 +7,8 @@ keys at positions ``0 .. p``. Rows are processed one at a time; that is the CPU 
 
 Decode fast path: when every row runs the same few tokens (plain decode, uniform verify
 rows), all rows attend at once over their gathered blocks
-(:mod:`hybridserve.kernels.paged_attention`: fused SDPA on CUDA, its float32 twin
-elsewhere).
+(:func:`hybridserve.kernels.paged_attention.paged_attention_decode_reference`, float32
+scores, on every device).
 """
 
 from __future__ import annotations
@@ -105,12 +105,7 @@ class Attention(nn.Module):
         k_cache.view(-1, p.num_kv_heads, p.head_dim)[slots] = k.to(k_cache.dtype)
         v_cache.view(-1, p.num_kv_heads, p.head_dim)[slots] = v.to(v_cache.dtype)
         if _uniform_rows(batch):
-            attend = (
-                paged_attention.paged_attention_decode
-                if h.is_cuda
-                else paged_attention.paged_attention_decode_reference
-            )
-            out = attend(
+            out = paged_attention.paged_attention_decode_reference(
                 q, k_cache, v_cache, batch.block_tables, batch.context_lens,
                 batch.positions, p.scale,
             )
