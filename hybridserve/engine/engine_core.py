@@ -213,37 +213,48 @@ class EngineCore:
         runner = self.runner
         device = runner.slot_num_computed.device
         max_q = max(r.num_tokens for r, _ in rows)
-        out_pages = torch.full((len(rows), max_q), -1, dtype=torch.int32)
-        slots, accepted = [], []
-        for i, (row, res) in enumerate(rows):
-            slot, n = row.request.slot, row.num_computed
-            slots.append(slot)
-            runner.slot_num_computed[slot] = n
-            runner.slot_state_page[slot] = row.state_in_page
-            for j in range(row.num_tokens):
-                out_pages[i, j] = row.state_outputs[n + 1 + j]
+        slots, computed, state_in, pages, accepted = [], [], [], [], []
+        for row, res in rows:
+            n = row.num_computed
+            slots.append(row.request.slot)
+            computed.append(n)
+            state_in.append(row.state_in_page)
+            pages.append(
+                [row.state_outputs[n + 1 + j] for j in range(row.num_tokens)]
+                + [-1] * (max_q - row.num_tokens)
+            )
             accepted.append(len(res.new_tokens))
-        idx = torch.tensor(slots, dtype=torch.int32, device=device)
+
+        def ints(values: list) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
+
+        idx = ints(slots)
+        # Prefill rows advance the host's counts only; refresh the decision tables of
+        # this step's slots (one small copy each) before the launch reads them.
+        runner.slot_num_computed[idx.long()] = ints(computed)
+        runner.slot_state_page[idx.long()] = ints(state_in)
+        out_pages = ints(pages)
         decide = state_postprocess if device.type == "cuda" else state_postprocess_reference
         result = decide(
             idx_mapping=idx,
             num_computed=runner.slot_num_computed,
-            num_accepted=torch.tensor(accepted, dtype=torch.int32, device=device),
-            out_pages=out_pages.to(device),
+            num_accepted=ints(accepted),
+            out_pages=out_pages,
             state_page=runner.slot_state_page,
             # The request holds a reference on whatever page it read, a checkpoint too.
             release_prev=runner.slot_state_page[idx.long()] >= 0,
             state_interval=self.scheduler.verify_interval(),
         )
         # One device-to-host read per step, for the host's page bookkeeping.
-        new_pages = result.new_state_page.tolist()
-        ckpt_pages, ckpt_lens = result.ckpt_page.tolist(), result.ckpt_len.tolist()
-        released = result.release_pages.tolist()
-        for i, (row, _) in enumerate(rows):
-            ckpts = [(p, page) for p, page in zip(ckpt_lens[i], ckpt_pages[i]) if page >= 0]
-            self.scheduler.commit_verify_row(
-                row, accepted[i], new_pages[row.request.slot], ckpts, [p for p in released[i] if p >= 0]
-            )
+        k = result.ckpt_page.shape[1]
+        host = torch.cat(
+            [result.new_state_page[idx.long()][:, None], result.ckpt_page, result.ckpt_len,
+             result.release_pages], dim=1,
+        ).tolist()
+        for (row, _), a, h in zip(rows, accepted, host):
+            ckpts = [(p, page) for p, page in zip(h[1 + k : 1 + 2 * k], h[1 : 1 + k]) if page >= 0]
+            released = [p for p in h[1 + 2 * k :] if p >= 0]
+            self.scheduler.commit_verify_row(row, a, h[0], ckpts, released)
         runner.slot_num_computed = result.new_num_computed
         runner.slot_state_page = result.new_state_page
 
