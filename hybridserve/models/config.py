@@ -419,6 +419,30 @@ _GRANITE_LAYER_NAMES = {
 }
 
 
+def _mamba_prefixed_params(r: _Reader, hidden: int, eps: float) -> MambaParams:
+    """Mamba2 settings spelled ``mamba_*``, as Granite 4.0-H and Bamba configs name them."""
+    expand = r.opt("mamba_expand", 2)
+    n_heads, head_dim = _mamba_heads(r, hidden, "mamba_n_heads", expand)
+    n_groups = r.opt("mamba_n_groups", 1)
+    _check_mamba_groups(r, "mamba_n_groups", n_heads, n_groups)
+    return MambaParams(
+        n_heads=n_heads,
+        head_dim=head_dim,
+        n_groups=n_groups,
+        d_state=r.opt("mamba_d_state", 256),
+        d_conv=r.opt("mamba_d_conv", 4),
+        expand=expand,
+        chunk_size=r.opt("mamba_chunk_size", 256),
+        conv_bias=r.opt("mamba_conv_bias", True, bool),
+        proj_bias=r.opt("mamba_proj_bias", False, bool),
+        activation=_mamba_activation(r, "hidden_act", "silu"),
+        norm_eps=eps,
+        time_step_limit=_time_step_limit(r),
+        time_step_min=r.opt("time_step_min", 0.001, float),
+        time_step_max=r.opt("time_step_max", 0.1, float),
+    )
+
+
 def _parse_granite(r: _Reader, arch: str) -> ModelConfig:
     experts = r.opt("num_local_experts", 8)  # transformers' default when the key is absent
     if experts > 0:
@@ -456,28 +480,7 @@ def _parse_granite(r: _Reader, arch: str) -> ModelConfig:
             scale=r.opt("attention_multiplier", 1.0, float),
             rope=pos == "rope",
         )
-    mamba = None
-    if MAMBA in layer_types:
-        expand = r.opt("mamba_expand", 2)
-        n_heads, head_dim = _mamba_heads(r, hidden, "mamba_n_heads", expand)
-        n_groups = r.opt("mamba_n_groups", 1)
-        _check_mamba_groups(r, "mamba_n_groups", n_heads, n_groups)
-        mamba = MambaParams(
-            n_heads=n_heads,
-            head_dim=head_dim,
-            n_groups=n_groups,
-            d_state=r.opt("mamba_d_state", 256),
-            d_conv=r.opt("mamba_d_conv", 4),
-            expand=expand,
-            chunk_size=r.opt("mamba_chunk_size", 256),
-            conv_bias=r.opt("mamba_conv_bias", True, bool),
-            proj_bias=r.opt("mamba_proj_bias", False, bool),
-            activation=_mamba_activation(r, "hidden_act", "silu"),
-            norm_eps=eps,
-            time_step_limit=_time_step_limit(r),
-            time_step_min=r.opt("time_step_min", 0.001, float),
-            time_step_max=r.opt("time_step_max", 0.1, float),
-        )
+    mamba = _mamba_prefixed_params(r, hidden, eps) if MAMBA in layer_types else None
     bos, eos, pad = _token_ids(r)
     return ModelConfig(
         architecture=arch,
@@ -631,28 +634,7 @@ def _parse_bamba(r: _Reader, arch: str) -> ModelConfig:
             rope=True,
             default_partial=0.5,
         )
-    mamba = None
-    if MAMBA in layer_types:
-        expand = r.opt("mamba_expand", 2)
-        n_heads, head_dim = _mamba_heads(r, hidden, "mamba_n_heads", expand)
-        n_groups = r.opt("mamba_n_groups", 1)
-        _check_mamba_groups(r, "mamba_n_groups", n_heads, n_groups)
-        mamba = MambaParams(
-            n_heads=n_heads,
-            head_dim=head_dim,
-            n_groups=n_groups,
-            d_state=r.opt("mamba_d_state", 256),
-            d_conv=r.opt("mamba_d_conv", 4),
-            expand=expand,
-            chunk_size=r.opt("mamba_chunk_size", 256),
-            conv_bias=r.opt("mamba_conv_bias", True, bool),
-            proj_bias=r.opt("mamba_proj_bias", False, bool),
-            activation=_mamba_activation(r, "hidden_act", "silu"),
-            norm_eps=eps,
-            time_step_limit=_time_step_limit(r),
-            time_step_min=r.opt("time_step_min", 0.001, float),
-            time_step_max=r.opt("time_step_max", 0.1, float),
-        )
+    mamba = _mamba_prefixed_params(r, hidden, eps) if MAMBA in layer_types else None
     bos, eos, pad = _token_ids(r)
     return ModelConfig(
         architecture=arch,
