@@ -272,19 +272,7 @@ class Scheduler:
                 continue
             if need_blocks > 0:
                 req.block_ids += self.blocks.allocate(need_blocks)
-            pages = self.states.allocate(len(positions))
-            rows.append(
-                ScheduledRow(
-                    request=req,
-                    num_computed=n,
-                    num_tokens=q,
-                    num_drafts=drafts,
-                    samples=n + q >= req.num_tokens,
-                    state_in_page=req.state_page,
-                    is_verify=not req.is_prefill,
-                    state_outputs=dict(zip(positions, pages)),
-                )
-            )
+            rows.append(self._make_row(req, q, drafts, positions, verify=not req.is_prefill))
             budget -= q
             i += 1
 
@@ -301,21 +289,26 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(req)
-            n = req.num_computed_tokens
-            pages = self.states.allocate(len(positions))
-            rows.append(
-                ScheduledRow(
-                    request=req,
-                    num_computed=n,
-                    num_tokens=q,
-                    num_drafts=0,
-                    samples=n + q >= req.num_tokens,
-                    state_in_page=req.state_page,
-                    state_outputs=dict(zip(positions, pages)),
-                )
-            )
+            rows.append(self._make_row(req, q, 0, positions, verify=False))
             budget -= q
         return SchedulerOutput(rows=rows, preempted=preempted)
+
+    def _make_row(
+        self, req: Request, q: int, drafts: int, positions: list[int], verify: bool
+    ) -> ScheduledRow:
+        """A row of ``q`` tokens whose states at ``positions`` go to freshly taken pages."""
+        n = req.num_computed_tokens
+        pages = self.states.allocate(len(positions))
+        return ScheduledRow(
+            request=req,
+            num_computed=n,
+            num_tokens=q,
+            num_drafts=drafts,
+            samples=n + q >= req.num_tokens,
+            state_in_page=req.state_page,
+            is_verify=verify,
+            state_outputs=dict(zip(positions, pages)),
+        )
 
     # ---- after the forward -------------------------------------------------------
 
