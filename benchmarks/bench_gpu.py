@@ -5,18 +5,22 @@ One run measures, on a random-weight Nemotron-H-8B-shaped model (52 layers: 24 M
 131072; bf16; built in the script, nothing downloaded):
 
 (a) decode throughput of our engine at several batch sizes (full-batch decode steps only,
-    prompts of ``--prompt`` tokens), against, in the same run: the engine with its
-    per-row reference paths (the fast paths off), Hugging Face ``transformers``'
-    ``generate`` on the same weights (its torch Mamba path), and the roofline: the bytes
-    a decode step must read and write (weights once, every request's KV and its
-    recurrent state read plus the new state written) over the device-to-device copy
-    bandwidth measured here;
+    prompts of ``--prompt`` tokens), with decode steps replayed from CUDA graphs and
+    eagerly (alternating steps of one engine), against, in the same run: the engine
+    with its per-row reference paths (the fast paths off), Hugging Face
+    ``transformers``' ``generate`` on the same weights (its torch Mamba path), and the
+    roofline: the bytes a decode step must read and write (weights once, every
+    request's KV and its recurrent state read plus the new state written) over the
+    device-to-device copy bandwidth measured here;
 (b) time to first token of a long prompt whose prefix is cached (a checkpoint on the
     state grid) against the same prompt cold;
 (c) the share of a decode step spent in the state postprocess;
+(d) prefill throughput (``--prefill-prompts`` prompts of ``--prefill-len`` tokens in one
+    ``generate``) against the FLOP roofline: 2 x weights x tokens plus the attention
+    products, over the bf16 matrix-product rate measured here;
 plus the batched Mamba decode kernels against their torch twins on one layer, and
 greedy token agreement between the GPU bf16 path and the CPU float32 path on a tiny
-model. Writes ``--out`` (JSON) and a PNG of throughput against batch size beside it.
+model (and between decode graphs and eager steps). Writes ``--out`` (JSON) and a PNG of throughput against batch size beside it.
 
 ``--smoke`` runs every section on the CPU with tiny shapes (the check before spending
 device time; a test runs it).
@@ -48,6 +52,7 @@ import triton  # noqa: E402
 
 import hybridserve.models.loader as loader  # noqa: E402
 from hybridserve import LLM, SamplingParams  # noqa: E402
+from hybridserve.engine.engine_core import EngineCore, prefill_flops  # noqa: E402
 from hybridserve.kernels import mamba_decode  # noqa: E402
 from hybridserve.models.config import ModelConfig  # noqa: E402
 from hybridserve.models.layers import attention as attention_layer  # noqa: E402
@@ -281,24 +286,49 @@ def decode_step_bytes(model, batch: int, context: int, ssm_bytes: int) -> int:
 # --------------------------------------------------------------------------------------
 
 
-def make_llm(model, path, device, dtype, batch, max_len, **kw):
+def make_llm(model, path, device, dtype, batch, max_len, enforce_eager=None, **kw):
+    """``LLM`` over ``model``; ``enforce_eager`` None keeps the engine's default (decode
+    graphs on CUDA), True or False rebuilds the engine that way (False on the CPU: the
+    graph path's static-buffer step without capture)."""
     with engine_with(model):
-        return LLM(
+        llm = LLM(
             str(path), dtype=dtype, device=device, max_num_seqs=batch,
             max_model_len=max_len, **kw,
         )
+    return with_engine(llm, enforce_eager, device)
 
 
-def engine_decode(model, path, device, dtype, batch, prompt_len, warmup, steps, vocab, seed):
-    """Median wall time of full-batch decode steps (every request decoding)."""
-    max_len = prompt_len + warmup + steps + batch // 4 + 64
+def with_engine(llm, enforce_eager, device):
+    """``llm`` with its engine rebuilt for ``enforce_eager`` (None: left as it is)."""
+    eng = llm.engine
+    if enforce_eager is not None and (eng.runner.graphs is None) != enforce_eager:
+        vocab, eos = eng.vocab_size, eng.eos_token_ids
+        llm.engine = eng = None  # release its caches before allocating the new ones
+        free_memory(device)
+        llm.engine = EngineCore(llm.config, llm.model, llm.tokenizer, vocab, eos,
+                                enforce_eager=enforce_eager)
+    return llm
+
+
+def engine_decode(model, path, device, dtype, batch, prompt_len, warmup, steps, vocab, seed,
+                  enforce_eager=None):
+    """Median wall time of full-batch decode steps (every request decoding).
+
+    With decode graphs on, the steps alternate between graph replay and the eager fast
+    path on the same engine and requests (``warmup`` + ``steps`` of each), so both modes
+    see the same contexts; ``modes`` holds one result per mode.
+    """
+    max_len = prompt_len + 2 * (warmup + steps) + batch // 4 + 64
     llm = make_llm(
-        model, path, device, dtype, batch, max_len,
+        model, path, device, dtype, batch, max_len, enforce_eager,
         enable_prefix_caching=False, num_state_pages=3 * batch + 8, max_checkpoint_pages=1,
         max_num_batched_tokens=max(8192, batch),
         num_kv_blocks=batch * (-(-max_len // 16)) + 8,
     )
     eng = llm.engine
+    runner = eng.runner
+    graphs = runner.graphs
+    modes = ("graph", "eager") if graphs is not None else ("eager",)
     g = torch.Generator().manual_seed(seed)
     params = SamplingParams(temperature=0.0, max_tokens=max_len - prompt_len - 1, ignore_eos=True)
     for i in range(batch):
@@ -313,38 +343,55 @@ def engine_decode(model, path, device, dtype, batch, prompt_len, warmup, steps, 
         post_times.append(time.perf_counter() - t)
 
     eng._postprocess_states = timed_post
-    step_times, post_in_step, prefill_time = [], [], 0.0
-    decoding = 0
-    while len(step_times) < steps:
+    times = {m: [] for m in modes}
+    post = {m: [] for m in modes}
+    seen = {m: 0 for m in modes}
+    replayed = 0  # graph-mode timed steps that did replay a graph
+    prefill_time, decoding = 0.0, 0
+    while min(len(times[m]) for m in modes) < steps:
         sched = eng.scheduler
         full = (not sched.waiting and len(sched.running) == batch
                 and not any(r.is_prefill for r in sched.running))
-        n_post = len(post_times)
-        t = wall(eng.step, device)
+        runner.graphs = graphs
         if not full:
-            prefill_time += t
+            prefill_time += wall(eng.step, device)
             continue
+        mode = modes[decoding % len(modes)]
         decoding += 1
-        if decoding > warmup:
-            step_times.append(t)
-            post_in_step.append(post_times[-1] if len(post_times) > n_post else 0.0)
+        runner.graphs = graphs if mode == "graph" else None
+        n_post = len(post_times)
+        before = graphs.counters["graph_steps"] if graphs is not None else 0
+        t = wall(eng.step, device)
+        seen[mode] += 1
+        if seen[mode] > warmup:
+            times[mode].append(t)
+            post[mode].append(post_times[-1] if len(post_times) > n_post else 0.0)
+            if mode == "graph":
+                replayed += graphs.counters["graph_steps"] - before
+    runner.graphs = graphs
     stats = llm.stats()
     for i in range(batch):
         eng.abort_request(f"r{i}")
-    llm = eng = None  # noqa: F841
+    llm = eng = runner = None  # noqa: F841
+    out = {"batch": batch, "prefill_and_ramp_s": prefill_time,
+           "num_preemptions": stats.get("num_preemptions", stats.get("preemptions", None)),
+           "modes": {}}
+    if graphs is not None:
+        out["graphs"] = {"counters": dict(graphs.counters), "keys": [list(k) for k in graphs._graphs],
+                         "capture_errors": list(graphs.capture_errors),
+                         "timed_graph_steps_replayed": replayed}
+    graphs = None
     free_memory(device)
-    med = statistics.median(step_times)
-    return {
-        "batch": batch,
-        "median_step_s": med,
-        "tokens_per_s": batch / med,
-        "steps_timed": len(step_times),
-        "step_times_s": step_times,
-        "prefill_and_ramp_s": prefill_time,
-        "postprocess_median_s": statistics.median(post_in_step),
-        "postprocess_share": statistics.median(post_in_step) / med,
-        "num_preemptions": stats.get("num_preemptions", stats.get("preemptions", None)),
-    }
+    for m in modes:
+        med = statistics.median(times[m])
+        pmed = statistics.median(post[m])
+        out["modes"][m] = {"median_step_s": med, "tokens_per_s": batch / med,
+                           "steps_timed": len(times[m]), "step_times_s": times[m],
+                           "postprocess_median_s": pmed, "postprocess_share": pmed / med}
+    # The default mode's figures at the top level (graph replay where it is on).
+    out.update(out["modes"][modes[0]])
+    out["mode"] = modes[0]
+    return out
 
 
 # --------------------------------------------------------------------------------------
@@ -420,6 +467,59 @@ def ttft(model, path, device, dtype, prompt_len, cached_len, interval, vocab, se
     return {"prompt_len": prompt_len, "cached_len": cached_len, "state_interval": interval,
             "cold_s": cold_s, "cached_s": warm_s, "speedup": cold_s / warm_s,
             "cold_runs": cold, "cached_runs": warm}
+
+
+# --------------------------------------------------------------------------------------
+# Prefill throughput against the FLOP roofline
+# --------------------------------------------------------------------------------------
+
+
+def matmul_rate(device, dtype, n):
+    """FLOP/s of one ``n x n x n`` matrix product (median), random inputs."""
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, generator=g).to(dtype)
+    b = torch.randn(n, n, device=device, generator=g).to(dtype)
+    t = bench_fn(lambda: a @ b, device)
+    a = b = None  # noqa: F841
+    free_memory(device)
+    return {"n": n, "dtype": str(dtype), "median_s": t, "flops_per_s": 2 * n**3 / t}
+
+
+def prefill_throughput(model, path, device, dtype, prompts, prompt_len, vocab, seed,
+                       flops_per_s, max_s):
+    """Wall time of prefilling ``prompts`` prompts of ``prompt_len`` tokens in one
+    ``generate`` (one token each), against the FLOP roofline: 2 x weights x tokens plus
+    the attention products (the engine's ``prefill_flops``) over the matrix rate.
+
+    A warm-up prefills one prompt first; if ``prompts`` of them would take longer than
+    ``max_s`` at that rate, fewer are run (``prompts_run`` says how many).
+    """
+    max_len = prompt_len + 8
+    llm = make_llm(
+        model, path, device, dtype, prompts, max_len,
+        enable_prefix_caching=False, num_state_pages=3 * prompts + 8, max_checkpoint_pages=1,
+        max_num_batched_tokens=prompts * prompt_len,
+        num_kv_blocks=prompts * (-(-max_len // 16)) + 8,
+    )
+    g = torch.Generator().manual_seed(seed)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+    def batch(n):
+        return [torch.randint(3, vocab, (prompt_len,), generator=g).tolist() for _ in range(n)]
+
+    warm = wall(lambda: llm.generate(batch(1), one, use_tqdm=False), device)
+    run = max(1, min(prompts, int(max_s / warm)))
+    t = wall(lambda: llm.generate(batch(run), one, use_tqdm=False), device)
+    llm = None  # noqa: F841
+    free_memory(device)
+    flops = run * prefill_flops(model)(prompt_len)
+    roof = flops / flops_per_s
+    return {"prompts_asked": prompts, "prompts_run": run, "prompt_len": prompt_len,
+            "tokens": run * prompt_len, "warmup_one_prompt_s": warm, "wall_s": t,
+            "tokens_per_s": run * prompt_len / t, "flops": flops,
+            "achieved_flops_per_s": flops / t, "matmul_flops_per_s": flops_per_s,
+            "roofline_s": roof, "roofline_tokens_per_s": run * prompt_len / roof,
+            "fraction_of_roofline": roof / t}
 
 
 # --------------------------------------------------------------------------------------
@@ -502,16 +602,27 @@ def agreement(device, dtype, workdir: Path, prompts=8, prompt_len=24, new_tokens
     ref = [o.outputs[0].token_ids for o in
            LLM(str(path), device="cpu", dtype="float32").generate(ids, params, use_tqdm=False)]
 
-    def compare(dt):
-        got = [o.outputs[0].token_ids for o in
-               LLM(str(path), device=device, dtype=dt).generate(ids, params, use_tqdm=False)]
+    def generate(dt, enforce_eager):
+        llm = with_engine(LLM(str(path), device=device, dtype=dt), enforce_eager, device)
+        got = [o.outputs[0].token_ids for o in llm.generate(ids, params, use_tqdm=False)]
+        graphs = llm.engine.runner.graphs
+        return got, (dict(graphs.counters) if graphs is not None else None)
+
+    def agree(want, got):
         first_div, same = [], 0
-        for a, b in zip(ref, got):
+        for a, b in zip(want, got):
             same += sum(x == y for x, y in zip(a, b))
             first_div.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None))
-        return {"dtype": dt, "positional_agreement": same / (prompts * new_tokens),
+        return {"positional_agreement": same / (prompts * new_tokens),
                 "identical_sequences": sum(d is None for d in first_div),
                 "first_divergence": first_div}
+
+    def compare(dt):
+        # Decode graphs on (replayed on CUDA; the static-buffer step on the CPU) and off.
+        got, counters = generate(dt, False)
+        eager, _ = generate(dt, True)
+        return {"dtype": dt, **agree(ref, got), "graph_counters": counters,
+                "eager_vs_cpu": agree(ref, eager), "graphs_vs_eager": agree(eager, got)}
 
     out = {"prompts": prompts, "prompt_len": prompt_len, "new_tokens": new_tokens,
            "reference": "cpu float32", "device": device, **compare(dtype)}
@@ -549,10 +660,11 @@ def plot(result: dict, png: Path) -> str:
     ours = result.get("decode", {}).get("ours", [])
     if ours:
         ax.plot([r["batch"] for r in ours], [r["tokens_per_s"] for r in ours], "o-",
-                label="hybridserve (fast paths)")
+                label="hybridserve (fast paths, CUDA graphs)")
         ax.plot([r["batch"] for r in ours], [r["roofline_tokens_per_s"] for r in ours], "k--",
                 label="roofline (bytes / copy bandwidth)")
-    for key, label in (("reference_paths", "hybridserve (per-row paths)"),
+    for key, label in (("ours_eager", "hybridserve (fast paths, eager)"),
+                       ("reference_paths", "hybridserve (per-row paths)"),
                        ("transformers", "transformers generate")):
         rows = result.get("decode", {}).get(key, [])
         if rows:
@@ -585,6 +697,11 @@ def main(argv=None) -> int:
     ap.add_argument("--ref-batches", type=str, default="1,16")
     ap.add_argument("--ttft-prompt", type=int, default=8192)
     ap.add_argument("--ttft-cached", type=int, default=8064)
+    ap.add_argument("--prefill-prompts", type=int, default=8)
+    ap.add_argument("--prefill-len", type=int, default=4096)
+    ap.add_argument("--prefill-max-s", type=float, default=60.0,
+                    help="run fewer prompts if the warm-up says all would take longer")
+    ap.add_argument("--matmul-n", type=int, default=8192)
     ap.add_argument("--with-1b", action="store_true", help="also decode on a ~1B shape")
     ap.add_argument("--skip", type=str, default="",
                     help="comma-separated section names (or name prefixes) not to run")
@@ -596,6 +713,7 @@ def main(argv=None) -> int:
         args.batches, args.hf_batches, args.ref_batches = "1,4", "1,2", "2"
         args.prompt, args.warmup_steps, args.steps, args.hf_new_tokens = 16, 1, 3, 4
         args.ttft_prompt, args.ttft_cached = 96, 64
+        args.prefill_prompts, args.prefill_len, args.matmul_n = 2, 48, 256
         bw_bytes = 64 << 20
     else:
         if not torch.cuda.is_available():
@@ -649,6 +767,8 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     bw = section("copy_bandwidth", lambda: copy_bandwidth(device, bw_bytes))
     result["copy_bandwidth"] = bw
+    mm = section("matmul", lambda: matmul_rate(device, dtype, args.matmul_n))
+    result["matmul"] = mm
     workdir = Path(tempfile.mkdtemp(prefix="bench_gpu_"))
     built = section("build_model", lambda: build_models(shape, device, dtype, workdir, True))
     if built is None:
@@ -662,8 +782,12 @@ def main(argv=None) -> int:
     result["kernels"] = section(
         "kernels", lambda: layer_kernels(model, device, [b for b in batches if b > 1] or [1]))
 
-    decode = result.setdefault("decode", {"ours": [], "reference_paths": [], "transformers": []})
+    decode = result.setdefault(
+        "decode", {"ours": [], "ours_eager": [], "reference_paths": [], "transformers": []})
     bandwidth = bw["bytes_per_s"] if bw else float("nan")
+    # Decode graphs: the engine's default on CUDA; on the CPU the smoke run takes the same
+    # static-buffer path without capture.
+    graphs_mode = None if device == "cuda" else False
     for b in [int(x) for x in args.hf_batches.split(",") if x]:
         r = section(f"decode_transformers_b{b}",
                     lambda b=b: hf_decode(hf, device, b, args.prompt, args.hf_new_tokens, vocab, b))
@@ -672,21 +796,38 @@ def main(argv=None) -> int:
     for b in batches:
         def ours(b=b):
             r = engine_decode(model, path, device, dtype, b, args.prompt, args.warmup_steps,
-                              args.steps, vocab, seed=b)
-            context = args.prompt + args.warmup_steps + args.steps // 2
+                              args.steps, vocab, seed=b, enforce_eager=graphs_mode)
+            # The two modes alternate, so both see contexts around the middle.
+            context = args.prompt + args.warmup_steps + args.steps
             r["roofline_bytes_per_step"] = decode_step_bytes(model, b, context, 4)
             r["roofline_step_s"] = r["roofline_bytes_per_step"] / bandwidth
             r["roofline_tokens_per_s"] = b / r["roofline_step_s"]
-            r["fraction_of_roofline"] = r["tokens_per_s"] / r["roofline_tokens_per_s"]
+            for m in [r, *r["modes"].values()]:
+                m["fraction_of_roofline"] = m["tokens_per_s"] / r["roofline_tokens_per_s"]
             return r
         r = section(f"decode_ours_b{b}", ours)
         if r:
             decode["ours"].append(r)
+            if "eager" in r["modes"] and r["mode"] != "eager":
+                decode["ours_eager"].append(
+                    {"batch": b, **r["modes"]["eager"],
+                     "roofline_tokens_per_s": r["roofline_tokens_per_s"]})
+
+    def prefill():
+        rate = mm["flops_per_s"] if mm else float("nan")
+        return prefill_throughput(model, path, device, dtype, args.prefill_prompts,
+                                  args.prefill_len, vocab, 3, rate, args.prefill_max_s)
+
+    result["prefill"] = section("prefill", prefill)
+    result["agreement"] = section(
+        "agreement", lambda: agreement(device, "bfloat16" if device == "cuda" else "float32",
+                                       workdir))
     for b in [int(x) for x in args.ref_batches.split(",") if x]:
         def ref(b=b):
             with reference_paths():
                 return engine_decode(model, path, device, dtype, b, args.prompt, 1,
-                                     max(2, args.steps // 4), vocab, seed=b)
+                                     max(2, args.steps // 4), vocab, seed=b,
+                                     enforce_eager=True)
         r = section(f"decode_reference_paths_b{b}", ref)
         if r:
             decode["reference_paths"].append(r)
@@ -698,6 +839,9 @@ def main(argv=None) -> int:
         "fast_over_reference_paths": {r["batch"]: ours_by_b[r["batch"]]["tokens_per_s"]
                                       / r["tokens_per_s"] for r in decode["reference_paths"]
                                       if r["batch"] in ours_by_b},
+        "graphs_over_eager": {r["batch"]: ours_by_b[r["batch"]]["tokens_per_s"]
+                              / r["tokens_per_s"] for r in decode["ours_eager"]
+                              if r["batch"] in ours_by_b},
     }
     hf = None  # noqa: F841
     free_memory(device)
@@ -719,9 +863,6 @@ def main(argv=None) -> int:
                 rows.append(r)
             return {"shape": NEMOTRON_1B, "bytes": model_bytes(m), "decode": rows}
         result["model_1b"] = section("decode_1b", one_b)
-    result["agreement"] = section(
-        "agreement", lambda: agreement(device, "bfloat16" if device == "cuda" else "float32",
-                                       workdir))
     result["plot"] = plot(result, args.out.with_suffix(".png"))
     save()
 
@@ -729,24 +870,38 @@ def main(argv=None) -> int:
           f"triton {triton.__version__}")
     if bw:
         print(f"copy bandwidth {bw['bytes_per_s'] / 1e12:.2f} TB/s (read + write)")
-    print(f"{'batch':>6} {'ours tok/s':>11} {'roofline':>10} {'frac':>6} {'post %':>7}")
+    if mm:
+        print(f"matmul {mm['n']}^3 {mm['dtype']}: {mm['flops_per_s'] / 1e12:.0f} TFLOP/s")
+    print(f"{'batch':>6} {'mode':>6} {'tok/s':>9} {'ms/step':>8} {'eager':>9} {'x':>5} "
+          f"{'roofline':>9} {'frac':>5} {'post %':>7} replayed")
     for r in decode["ours"]:
-        print(f"{r['batch']:>6} {r['tokens_per_s']:>11.1f} {r['roofline_tokens_per_s']:>10.1f} "
-              f"{r['fraction_of_roofline']:>6.2f} {100 * r['postprocess_share']:>6.1f}%")
+        e = r["modes"].get("eager", {})
+        gr = r.get("graphs", {})
+        print(f"{r['batch']:>6} {r['mode']:>6} {r['tokens_per_s']:>9.1f} "
+              f"{1e3 * r['median_step_s']:>8.2f} {e.get('tokens_per_s', float('nan')):>9.1f} "
+              f"{r['tokens_per_s'] / e.get('tokens_per_s', float('nan')):>5.2f} "
+              f"{r['roofline_tokens_per_s']:>9.1f} {r['fraction_of_roofline']:>5.2f} "
+              f"{100 * r['postprocess_share']:>6.1f}% "
+              f"{gr.get('timed_graph_steps_replayed')} {gr.get('capture_errors') or ''}")
     for key in ("transformers", "reference_paths"):
         for r in decode[key]:
             print(f"{key} b{r['batch']}: {r['tokens_per_s']:.1f} tok/s")
+    if result.get("prefill"):
+        p = result["prefill"]
+        print(f"prefill {p['prompts_run']} x {p['prompt_len']}: {p['wall_s']:.2f}s, "
+              f"{p['tokens_per_s']:.0f} tok/s, roofline {p['roofline_tokens_per_s']:.0f} tok/s "
+              f"({100 * p['fraction_of_roofline']:.1f}%)")
     if result.get("ttft"):
         t = result["ttft"]
         print(f"TTFT {t['prompt_len']} tokens: cold {t['cold_s']:.3f}s, "
               f"{t['cached_len']} cached {t['cached_s']:.3f}s ({t['speedup']:.1f}x)")
     if result.get("agreement"):
         a = result["agreement"]
-        print(f"agreement {a['dtype']} vs cpu float32: {a['positional_agreement']:.3f}, "
-              f"first divergence {a['first_divergence']}")
-        if "float32_on_device" in a:
-            f = a["float32_on_device"]
-            print(f"  float32 on device: {f['positional_agreement']:.3f}, {f['first_divergence']}")
+        for f in (a, a.get("float32_on_device")):
+            if f:
+                print(f"agreement {f['dtype']} vs cpu float32: {f['positional_agreement']:.3f}, "
+                      f"first divergence {f['first_divergence']}; graphs vs eager "
+                      f"{f['graphs_vs_eager']['identical_sequences']}/{a['prompts']} identical")
     if result["errors"]:
         print("errors in:", ", ".join(result["errors"]))
     print(f"wrote {args.out} in {time.perf_counter() - start:.0f}s")

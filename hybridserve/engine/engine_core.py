@@ -65,17 +65,33 @@ class EngineCore:
         tokenizer: Tokenizer | None,
         vocab_size: int,
         eos_token_ids: tuple[int, ...],
+        enforce_eager: bool | None = None,
     ) -> None:
+        """``enforce_eager``: True runs every step eagerly; False replays uniform greedy
+        decode steps from CUDA graphs (on a CPU: the same static-buffer step, eagerly);
+        None (the default) means False on CUDA and True elsewhere."""
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.scheduler = Scheduler(config.scheduler, config.cache, prefill_flops(model))
         cc = config.cache
+        if enforce_eager is None:
+            enforce_eager = torch.device(config.device).type != "cuda"
+        # Decode graphs pad steps with rows that write one KV block and read one state
+        # page past the ranges the pools hand out.
+        scratch = 0 if enforce_eager else 1
         caches = model.cache_spec.allocate(
-            cc.num_kv_blocks, cc.kv_block_size, cc.num_state_pages, config.dtype, cc.ssm_state_dtype, config.device
+            cc.num_kv_blocks + scratch, cc.kv_block_size, cc.num_state_pages + scratch,
+            config.dtype, cc.ssm_state_dtype, config.device,
         )
         self.runner = ModelRunner(model, caches, cc.kv_block_size, config.scheduler.max_num_seqs, config.device)
+        if not enforce_eager:
+            self.runner.enable_decode_graphs(
+                max_blocks=-(-config.scheduler.max_model_len // cc.kv_block_size),
+                scratch_block=cc.num_kv_blocks,
+                scratch_page=cc.num_state_pages,
+            )
         self.drafter = NgramDrafter(config.spec) if config.spec is not None else None
         self.groups: dict[str, _Group] = {}
         self._arrival = itertools.count()

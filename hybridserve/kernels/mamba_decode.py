@@ -39,6 +39,7 @@ from hybridserve.models.batch import ForwardBatch
 __all__ = [
     "MAX_DECODE_TOKENS",
     "DecodePlan",
+    "attach_decode_plan",
     "conv_decode_update",
     "conv_decode_update_reference",
     "decode_plan",
@@ -56,14 +57,16 @@ class DecodePlan:
 
     ``in_pages [R]`` and ``out_pages [R, q]`` (int32, -1 = no output) live on the model's
     device; the host lists keep the same values for launchers that need no device read.
+    They are None for a plan whose pages exist only on the device (a step replayed from
+    a CUDA graph, :func:`attach_decode_plan`).
     """
 
     num_rows: int
     q: int
     in_pages: torch.Tensor
     out_pages: torch.Tensor
-    in_pages_host: tuple[int, ...]
-    out_pages_host: tuple[tuple[int, ...], ...]
+    in_pages_host: tuple[int, ...] | None = None
+    out_pages_host: tuple[tuple[int, ...], ...] | None = None
 
 
 _PLAN_ATTR = "_decode_plan_memo"
@@ -84,6 +87,27 @@ def decode_plan(batch: ForwardBatch, device: torch.device) -> DecodePlan | None:
         return memo[key]
     plan = _build_plan(batch, device)
     memo[key] = plan
+    return plan
+
+
+def attach_decode_plan(
+    batch: ForwardBatch, in_pages: torch.Tensor, out_pages: torch.Tensor
+) -> DecodePlan:
+    """Give ``batch`` a plan over page tensors already on the model's device (no host copy).
+
+    For a batch built over static device buffers (the CUDA-graph decode step): its host
+    page lists are placeholders, and the pages a replay reads are whatever the buffers
+    hold then. The caller vouches that the step qualifies (uniform rows of ``q`` tokens,
+    every row with an input page, no output page that is an input page).
+    """
+    rows, q = out_pages.shape
+    if in_pages.shape != (rows,) or rows != batch.num_rows or rows * q != batch.num_tokens:
+        raise ValueError(
+            f"pages [{tuple(in_pages.shape)}], [{tuple(out_pages.shape)}] do not fit a batch of "
+            f"{batch.num_rows} rows and {batch.num_tokens} tokens"
+        )
+    plan = DecodePlan(num_rows=rows, q=q, in_pages=in_pages, out_pages=out_pages)
+    batch.__dict__.setdefault(_PLAN_ATTR, {})[str(in_pages.device)] = plan
     return plan
 
 

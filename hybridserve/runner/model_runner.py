@@ -3,6 +3,10 @@
 It owns the cache tensors and the persistent per-slot metadata (``slot_num_computed``,
 ``slot_state_page``: indexed by request slot, as the state postprocess reads them
 through ``idx_mapping``). It never decides what to run; the scheduler does.
+
+With decode graphs enabled (:meth:`ModelRunner.enable_decode_graphs`, the engine's
+default on CUDA), a uniform greedy decode step replays a captured CUDA graph
+(:mod:`hybridserve.runner.cuda_graph`); every other step runs eagerly as below.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from hybridserve.engine.request import Logprob
 from hybridserve.engine.scheduler import SchedulerOutput
 from hybridserve.models.batch import ForwardBatch, ModelCaches
 from hybridserve.runner import sampler
+from hybridserve.runner.cuda_graph import DecodeGraphs
 
 
 @dataclass
@@ -41,6 +46,25 @@ class ModelRunner:
         self.device = torch.device(device)
         self.slot_num_computed = torch.zeros(max_num_seqs, dtype=torch.int32, device=self.device)
         self.slot_state_page = torch.full((max_num_seqs,), -1, dtype=torch.int32, device=self.device)
+        self.max_num_seqs = max_num_seqs
+        self.graphs: DecodeGraphs | None = None
+
+    def enable_decode_graphs(
+        self, max_blocks: int, scratch_block: int, scratch_page: int, capture: bool | None = None
+    ) -> DecodeGraphs:
+        """Replay uniform greedy decode steps from CUDA graphs.
+
+        ``max_blocks``: the widest block table a graph takes (a sequence of
+        ``max_model_len`` tokens). ``scratch_block`` / ``scratch_page``: a KV block and
+        a state page that no request ever owns (padding rows write there).
+        ``capture``: None captures on CUDA only; False runs the same static-buffer step
+        eagerly (the CPU tests' mode).
+        """
+        self.graphs = DecodeGraphs(
+            self.model, self.caches, self.block_size, self.max_num_seqs, max_blocks,
+            scratch_block, scratch_page, self.device, capture,
+        )
+        return self.graphs
 
     def build_batch(self, sched: SchedulerOutput) -> tuple[torch.Tensor, ForwardBatch]:
         """Packed input ids and the :class:`ForwardBatch` of a scheduled step."""
@@ -87,6 +111,20 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> list[RowResult]:
         """Run the forward of a step, then sample (and verify drafts) for every row."""
+        if self.graphs is not None:
+            choices = self.graphs.run(sched)
+            if choices is not None:
+                q = sched.rows[0].num_tokens
+                return [
+                    RowResult(
+                        sampler.verify_greedy_ids(
+                            choices[i * q : (i + 1) * q],
+                            row.request.draft_token_ids[: row.num_drafts],
+                        ),
+                        [],
+                    )
+                    for i, row in enumerate(sched.rows)
+                ]
         input_ids, batch = self.build_batch(sched)
         hidden = self.model.forward(input_ids, batch, self.caches)
         # Gather the positions whose logits are needed: every token of a verify row,

@@ -20,7 +20,7 @@ from hybridserve.kernels import paged_attention
 from hybridserve.kernels.mamba_decode import MAX_DECODE_TOKENS
 from hybridserve.models.batch import ForwardBatch
 from hybridserve.models.config import AttentionParams
-from hybridserve.models.layers.rotary import apply_rope, rope_cos_sin
+from hybridserve.models.layers.rotary import apply_rope
 
 
 def paged_attention_reference(
@@ -82,6 +82,21 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden_size, p.num_kv_heads * p.head_dim, bias=p.bias)
         self.v_proj = nn.Linear(hidden_size, p.num_kv_heads * p.head_dim, bias=p.bias)
         self.o_proj = nn.Linear(p.num_heads * p.head_dim, hidden_size, bias=p.bias)
+        # RoPE inverse frequencies per device, built once: a forward copies nothing from
+        # the host (a captured CUDA graph cannot).
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    def _rope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        """:func:`~hybridserve.models.layers.rotary.rope_cos_sin` (the same float32 ops, so
+        the same bits) with the inverse frequencies kept on the device."""
+        rd = self.p.rotary_dim
+        inv = self._inv_freq.get(positions.device)
+        if inv is None:
+            inv = 1.0 / (self.p.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float) / rd))
+            inv = self._inv_freq.setdefault(positions.device, inv.to(positions.device))
+        freqs = positions.to(torch.float)[:, None] * inv[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward(
         self,
@@ -97,7 +112,7 @@ class Attention(nn.Module):
         v = self.v_proj(h).view(t, p.num_kv_heads, p.head_dim)
         if p.rotary_dim:
             positions = batch.positions.to(h.device)
-            cos, sin = rope_cos_sin(positions, p.rotary_dim, p.rope_theta, q.dtype)
+            cos, sin = self._rope_cos_sin(positions, q.dtype)
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
         k_cache, v_cache = kv_cache

@@ -1,0 +1,315 @@
+"""CUDA-graph replay of uniform greedy decode steps.
+
+A decode step of the fast path launches about a thousand small kernels; at batch 16-64
+on an H200 their launch costs dominate the step. This module captures the whole step
+(the model forward, the logits and the greedy argmax) once per shape and replays it.
+
+Which steps (:meth:`DecodeGraphs.plan`): every row runs the same ``q`` tokens
+(``q = 1``: plain decode; ``q = 1 + d``: speculative verify rows that all carry ``d``
+drafts), continues from a stored state page, writes its ``q`` states to pages that are
+not input pages, samples by plain argmax (greedy, no penalties, no logprobs), and the
+step has at most the largest batch bucket of rows. Anything else (prefill, mixed
+steps, sampling with temperature, too many rows, a context longer than the block
+tables' width) returns None and the runner runs the step eagerly.
+
+Shapes: a graph is keyed by ``(B, q, W)``: ``B`` the batch bucket (the smallest of
+:data:`BATCH_BUCKETS` holding the step's rows), ``W`` the block-table width bucket
+(:func:`blocks_bucket` of the longest row's block count). The attention of a replayed
+step reads ``W * kv_block_size`` key positions per row (masked by position), so ``W``
+buckets are powers of two up to 32 blocks, then multiples of 16. Graphs are captured
+lazily, on the first step of each key, into one shared memory pool.
+
+Static inputs: per ``q``, one int64 device buffer ``meta [B_max, cols]`` holds, per
+row, the token ids, positions, KV slots, the input state page, the ``q`` output pages
+and the block table (layout in :class:`_Static`). The host fills a pinned twin and
+copies it with one asynchronous transfer per step; the graph reads its slices. Rows
+past the step's own (padding up to the bucket) read a scratch state page and write no
+state (output pages -1, which the decode kernels skip), and write their keys and
+values to a scratch KV block that no request owns; their block table names only that
+block, so their attention sees one key. The engine allocates the scratch block and
+page past the ranges its pools hand out.
+
+Without capture (``capture=False``, the default off CUDA) a "replay" runs the same
+static-buffer forward eagerly: the CPU tests check the buffer building, the padding
+and the fallbacks against the ordinary path that way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hybridserve.engine.scheduler import SchedulerOutput
+from hybridserve.kernels import mamba_decode
+from hybridserve.models.batch import ForwardBatch, ModelCaches
+from hybridserve.runner import sampler
+
+__all__ = ["BATCH_BUCKETS", "DecodeGraphs", "StepShape", "batch_bucket", "blocks_bucket"]
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def batch_bucket(rows: int, buckets: Sequence[int]) -> int | None:
+    """The smallest bucket holding ``rows`` rows, or None when none does."""
+    for b in buckets:
+        if b >= rows:
+            return b
+    return None
+
+
+def blocks_bucket(blocks: int, max_blocks: int) -> int:
+    """Block-table width for a step whose longest row spans ``blocks`` KV blocks:
+    a power of two up to 32, then a multiple of 16, never past ``max_blocks``."""
+    if blocks <= 32:
+        w = 1
+        while w < blocks:
+            w *= 2
+    else:
+        w = -(-blocks // 16) * 16
+    return min(w, max_blocks)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The graph key of a step: ``rows`` real rows padded to ``batch``, ``q`` tokens a
+    row, block tables ``width`` blocks wide."""
+
+    rows: int
+    batch: int
+    q: int
+    width: int
+
+
+class _Static:
+    """The static input buffer of one ``q`` (and its pinned host twin).
+
+    Columns: ``[0, q)`` token ids, ``[q, 2q)`` positions, ``[2q, 3q)`` KV slots,
+    ``3q`` the input state page, ``[3q + 1, 4q + 1)`` the output state pages,
+    ``[4q + 1, 4q + 1 + max_blocks)`` the block table (-1 padded).
+    """
+
+    def __init__(self, q: int, max_batch: int, max_blocks: int, scratch_block: int,
+                 scratch_page: int, block_size: int, device: torch.device) -> None:
+        self.q = q
+        self.tables = 4 * q + 1
+        cols = self.tables + max_blocks
+        self.meta = torch.zeros(max_batch, cols, dtype=torch.int64, device=device)
+        host = torch.zeros(max_batch, cols, dtype=torch.int64)
+        self.staging = host.pin_memory() if device.type == "cuda" else host
+        self.host = self.staging.numpy()
+        # A padding row: token 0 at positions 0 .. q - 1 of the scratch block, reading the
+        # scratch page and writing no state.
+        pad = np.full(cols, -1, dtype=np.int64)
+        pad[0:q] = 0
+        pad[q : 2 * q] = np.arange(q)
+        pad[2 * q : 3 * q] = scratch_block * block_size + np.arange(q) % block_size
+        pad[3 * q] = scratch_page
+        pad[self.tables] = scratch_block
+        self.pad = pad
+
+
+class DecodeGraphs:
+    """Captures and replays uniform greedy decode steps (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        caches: ModelCaches,
+        block_size: int,
+        max_num_seqs: int,
+        max_blocks: int,
+        scratch_block: int,
+        scratch_page: int,
+        device: torch.device | str,
+        capture: bool | None = None,
+        buckets: Sequence[int] = BATCH_BUCKETS,
+    ) -> None:
+        self.model = model
+        self.caches = caches
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.capture = self.device.type == "cuda" if capture is None else capture
+        if self.capture and self.device.type != "cuda":
+            raise ValueError("CUDA-graph capture needs a CUDA device")
+        top = batch_bucket(max_num_seqs, buckets)
+        self.buckets = tuple(b for b in buckets if top is None or b <= top)
+        self.max_batch = self.buckets[-1]
+        self.max_blocks = max_blocks
+        self.scratch_block = scratch_block
+        self.scratch_page = scratch_page
+        self.max_q = min(mamba_decode.MAX_DECODE_TOKENS, block_size)
+        self._static: dict[int, _Static] = {}
+        self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
+        self._pool = None
+        # False after a capture failed: every later step runs eagerly.
+        self.enabled = True
+        self.counters = {"graph_steps": 0, "eager_steps": 0, "captures": 0}
+        self.capture_errors: list[str] = []
+        # The scratch page and block start as zeros: padding rows then compute on finite
+        # values (their results are dropped either way).
+        with torch.no_grad():
+            for conv in caches.conv.values():
+                conv[scratch_page].zero_()
+            for ssm in caches.ssm.values():
+                ssm[scratch_page].zero_()
+            for k, v in caches.kv.values():
+                k[scratch_block].zero_()
+                v[scratch_block].zero_()
+
+    # ---- which steps ---------------------------------------------------------------
+
+    def plan(self, sched: SchedulerOutput) -> StepShape | None:
+        """The graph key of ``sched``, or None when the step must run eagerly."""
+        rows = sched.rows
+        if not self.enabled or not rows:
+            return None
+        batch = batch_bucket(len(rows), self.buckets)
+        if batch is None:
+            return None
+        q = rows[0].num_tokens
+        if not 1 <= q <= self.max_q:
+            return None
+        bs = self.block_size
+        blocks = 0
+        in_pages = set()
+        out_pages = set()
+        for row in rows:
+            n = row.num_computed
+            if (
+                row.num_tokens != q
+                or row.num_drafts != q - 1
+                or not row.samples
+                or row.state_in_page < 0
+                or len(row.state_outputs) != q
+                or not sampler.samples_by_argmax(row.request.params)
+            ):
+                return None
+            outs = [row.state_outputs.get(n + 1 + t, -1) for t in range(q)]
+            if min(outs) < 0:
+                return None
+            in_pages.add(row.state_in_page)
+            out_pages.update(outs)
+            need = -(-(n + q) // bs)
+            if need > len(row.request.block_ids):
+                return None
+            blocks = max(blocks, need)
+        if blocks > self.max_blocks or in_pages & out_pages:
+            return None
+        return StepShape(len(rows), batch, q, blocks_bucket(blocks, self.max_blocks))
+
+    # ---- one step ------------------------------------------------------------------
+
+    def run(self, sched: SchedulerOutput) -> list[int] | None:
+        """Run ``sched`` from a graph if it qualifies: the argmax token after every
+        position (``rows * q`` ids, row-major), or None (then nothing ran)."""
+        shape = self.plan(sched)
+        if shape is None:
+            self.counters["eager_steps"] += 1
+            return None
+        st = self._static.get(shape.q)
+        if st is None:
+            st = self._static[shape.q] = _Static(
+                shape.q, self.max_batch, self.max_blocks, self.scratch_block,
+                self.scratch_page, self.block_size, self.device,
+            )
+        self.fill(st, sched, shape)
+        key = (shape.batch, shape.q, shape.width)
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._capture(st, shape)
+            if entry is None:
+                self.counters["eager_steps"] += 1
+                return None
+        graph, out = entry
+        if graph is not None:
+            graph.replay()
+        else:
+            out = self._forward(st, shape)
+        self.counters["graph_steps"] += 1
+        return out[: shape.rows * shape.q].tolist()
+
+    def fill(self, st: _Static, sched: SchedulerOutput, shape: StepShape) -> None:
+        """Write the step's rows (then padding rows up to the bucket) into the static
+        buffer: the pinned host twin first, then one asynchronous copy."""
+        q, bs, h = shape.q, self.block_size, st.host
+        tab = st.tables
+        width = shape.width
+        for i, row in enumerate(sched.rows):
+            req = row.request
+            n = row.num_computed
+            d = row.num_drafts
+            blocks = req.block_ids
+            line = h[i]
+            line[0 : q - d] = req.all_token_ids[n : n + q - d]
+            if d:
+                line[q - d : q] = req.draft_token_ids[:d]
+            for t in range(q):
+                pos = n + t
+                line[q + t] = pos
+                line[2 * q + t] = blocks[pos // bs] * bs + pos % bs
+                line[3 * q + 1 + t] = row.state_outputs[pos + 1]
+            line[3 * q] = row.state_in_page
+            k = min(len(blocks), width)
+            line[tab : tab + k] = blocks[:k]
+            line[tab + k : tab + width] = -1
+        h[shape.rows : shape.batch] = st.pad
+        st.meta[: shape.batch].copy_(st.staging[: shape.batch], non_blocking=True)
+
+    # ---- the static forward --------------------------------------------------------
+
+    def _forward(self, st: _Static, shape: StepShape) -> torch.Tensor:
+        """The step over the static buffer: ``[B * q]`` argmax ids (what is captured)."""
+        b, q, w = shape.batch, shape.q, shape.width
+        m = st.meta[:b]
+        batch = ForwardBatch(
+            query_start=[i * q for i in range(b + 1)],
+            num_computed=[0] * b,
+            positions=m[:, q : 2 * q].reshape(-1),
+            # Sizes the attention's key axis only: W blocks for every row; the true
+            # context of a row comes from its positions on the device.
+            context_lens=[w * self.block_size] * b,
+            block_tables=m[:, st.tables : st.tables + w].to(torch.int32),
+            slot_mapping=m[:, 2 * q : 3 * q].reshape(-1),
+            # Placeholders: the Mamba layers take their pages from the attached plan.
+            state_in_page=[0] * b,
+            state_out_row=[],
+            state_out_offset=[],
+            state_out_page=[],
+        )
+        mamba_decode.attach_decode_plan(
+            batch, m[:, 3 * q].to(torch.int32), m[:, 3 * q + 1 : 4 * q + 1].to(torch.int32)
+        )
+        hidden = self.model.forward(m[:, 0:q].reshape(-1), batch, self.caches)
+        return sampler.argmax_ids(self.model.compute_logits(hidden))
+
+    def _capture(self, st: _Static, shape: StepShape):
+        key = (shape.batch, shape.q, shape.width)
+        if not self.capture:
+            entry = (None, None)
+            self._graphs[key] = entry
+            return entry
+        try:
+            # Warm up outside the graph on a side stream (compiles the Triton kernels, sets
+            # up the BLAS handles). The forward is idempotent for one step's inputs: it
+            # writes this step's keys, values and output states, the same on the replay.
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self._forward(st, shape)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = self._forward(st, shape)
+        except Exception as e:  # a failed capture turns graphs off; the step runs eagerly
+            self.capture_errors.append(f"{key}: {type(e).__name__}: {e}")
+            self.enabled = False
+            return None
+        entry = (graph, out)
+        self._graphs[key] = entry
+        self.counters["captures"] += 1
+        return entry

@@ -1,0 +1,256 @@
+"""Decode graphs (hybridserve.runner.cuda_graph) on the CPU: capture needs CUDA, so these
+run the same static-buffer step eagerly (``enforce_eager=False`` off CUDA) and check it
+against the ordinary path: the same tokens, padding rows that write only the scratch
+block, bucket selection, the static buffer's contents and every fallback to eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridserve import LLM, SamplingParams
+from hybridserve.engine.engine_core import EngineCore
+from hybridserve.engine.request import Request
+from hybridserve.engine.scheduler import ScheduledRow, SchedulerOutput
+from hybridserve.runner.cuda_graph import (
+    DecodeGraphs,
+    StepShape,
+    _Static,
+    batch_bucket,
+    blocks_bucket,
+)
+
+
+def _seed() -> int:
+    return int(torch.randint(0, 2**31 - 1, ()))
+
+
+def graph_llm(path, **kw) -> LLM:
+    """An LLM whose engine takes the decode-graph path (without capture on the CPU)."""
+    llm = LLM(path, **kw)
+    eng = llm.engine
+    llm.engine = None
+    llm.engine = EngineCore(
+        llm.config, llm.model, llm.tokenizer, eng.vocab_size, eng.eos_token_ids,
+        enforce_eager=False,
+    )
+    return llm
+
+
+def test_buckets():
+    buckets = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    assert [batch_bucket(n, buckets) for n in (1, 2, 3, 5, 16, 17, 200, 256)] == [
+        1, 2, 4, 8, 16, 32, 256, 256]
+    assert batch_bucket(257, buckets) is None
+    assert [blocks_bucket(n, 256) for n in (1, 2, 3, 17, 32, 33, 48, 49, 250)] == [
+        1, 2, 4, 32, 32, 48, 48, 64, 256]
+    assert blocks_bucket(40, 36) == 36
+
+
+def test_default_off_on_cpu_and_capture_needs_cuda(tiny_nemotron):
+    llm = LLM(tiny_nemotron)
+    assert llm.engine.runner.graphs is None
+    with pytest.raises(ValueError, match="CUDA"):
+        llm.engine.runner.enable_decode_graphs(8, 0, 0, capture=True)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_granite", "tiny_nemotron", "tiny_bamba"])
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 2}])
+def test_same_tokens_as_eager(request, fixture, spec):
+    path = request.getfixturevalue(fixture)
+    g = torch.Generator().manual_seed(_seed())
+    # Five prompts: the bucket of 8 has three padding rows. Repetitive prompts so n-gram
+    # drafts get accepted (verify rows of several tokens).
+    prompts = [(torch.randint(3, 256, (5,), generator=g).tolist() * 4)[: 9 + 2 * i]
+               for i in range(5)]
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    kw = dict(max_num_seqs=8, speculative_config=spec)
+    want = [o.outputs[0].token_ids for o in
+            LLM(path, **kw).generate(prompts, params, use_tqdm=False)]
+    llm = graph_llm(path, **kw)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    counters = llm.engine.runner.graphs.counters
+    assert counters["graph_steps"] > 0, counters
+    assert counters["eager_steps"] > 0, counters  # the prefill steps
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32) if t.dtype == torch.float32 else t
+
+
+def test_padding_rows_write_only_the_scratch_block(tiny_granite):
+    llm = graph_llm(tiny_granite, max_num_seqs=8)
+    eng = llm.engine
+    runner = eng.runner
+    graphs = runner.graphs
+    g = torch.Generator().manual_seed(_seed())
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for i in range(3):  # three rows: one padding row in the bucket of 4
+        eng.add_request(f"r{i}", torch.randint(3, 256, (7 + i,), generator=g).tolist(), params)
+    caches = runner.caches
+    bs = runner.block_size
+    scratch = graphs.scratch_block
+    checked = []
+    original = runner.execute
+
+    def spy(sched):
+        before = {
+            "kv": {k: (a.clone(), b.clone()) for k, (a, b) in caches.kv.items()},
+            "conv": {k: v.clone() for k, v in caches.conv.items()},
+            "ssm": {k: v.clone() for k, v in caches.ssm.items()},
+        }
+        pages = {p for row in sched.rows for p in row.state_outputs.values()}
+        slots = {
+            row.request.block_ids[pos // bs] * bs + pos % bs
+            for row in sched.rows
+            for pos in range(row.num_computed, row.num_computed + row.num_tokens)
+        }
+        steps = graphs.counters["graph_steps"]
+        out = original(sched)
+        if graphs.counters["graph_steps"] == steps:
+            return out
+        assert len(sched.rows) == 3
+        scratch_slots = set(range(scratch * bs, (scratch + 1) * bs))
+        for layer, (k, v) in caches.kv.items():
+            for now, old in zip((k, v), before["kv"][layer]):
+                changed = (_bits(now) != _bits(old)).reshape(now.shape[0] * bs, -1).any(-1)
+                where = set(changed.nonzero().flatten().tolist())
+                assert where - scratch_slots == slots
+        for name in ("conv", "ssm"):
+            for layer, now in getattr(caches, name).items():
+                old = before[name][layer]
+                changed = (_bits(now) != _bits(old)).reshape(now.shape[0], -1).any(-1)
+                assert set(changed.nonzero().flatten().tolist()) == pages
+                # The scratch page is read, never written: still zeros.
+                assert not now[graphs.scratch_page].any()
+        checked.append(len(sched.rows))
+        return out
+
+    runner.execute = spy
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert len(checked) >= 3
+
+
+class _Row:
+    """A ScheduledRow over a bare request, for plan() and fill()."""
+
+    @staticmethod
+    def make(n=20, q=1, page=3, outs=None, blocks=(5, 6), params=None, samples=True, drafts=None):
+        req = Request("x", list(range(10, 10 + n + 1)),
+                      params or SamplingParams(temperature=0.0), 0)
+        req.block_ids = list(blocks)
+        req.draft_token_ids = list(drafts if drafts is not None else range(200, 200 + q - 1))
+        outs = outs if outs is not None else [100 + page * 16 + t for t in range(q)]
+        return ScheduledRow(
+            request=req, num_computed=n, num_tokens=q, num_drafts=q - 1, samples=samples,
+            state_in_page=page, is_verify=True,
+            state_outputs={n + 1 + t: p for t, p in enumerate(outs)},
+        )
+
+
+def _graphs(tiny_nemotron) -> DecodeGraphs:
+    """Graphs for at most 8 rows and 4-block tables; scratch block 30, scratch page 40."""
+    llm = LLM(tiny_nemotron)
+    return DecodeGraphs(llm.model, llm.engine.runner.caches, 16, 8, 4, 30, 40, "cpu",
+                        capture=False)
+
+
+def test_plan_buckets_and_fallbacks(tiny_nemotron):
+    graphs = _graphs(tiny_nemotron)
+    assert graphs.buckets == (1, 2, 4, 8)
+    rows = [_Row.make(page=p) for p in range(3)]
+    assert graphs.plan(SchedulerOutput(rows, [])) == StepShape(3, 4, 1, 2)
+    verify = [_Row.make(q=3, page=p) for p in range(2)]
+    assert graphs.plan(SchedulerOutput(verify, [])) == StepShape(2, 2, 3, 2)
+    assert graphs.plan(SchedulerOutput([_Row.make(n=40, blocks=(1, 2, 3))], [])).width == 4
+
+    def falls_back(rows):
+        return graphs.plan(SchedulerOutput(rows, [])) is None
+
+    assert falls_back([])
+    assert falls_back([_Row.make(page=p) for p in range(9)])  # more rows than any bucket
+    assert falls_back([_Row.make(), _Row.make(q=2, page=4)])  # mixed q
+    assert falls_back([_Row.make(q=17)])  # a prefill chunk
+    assert falls_back([_Row.make(samples=False)])
+    assert falls_back([_Row.make(page=-1)])  # no stored state
+    assert falls_back([_Row.make(params=SamplingParams(temperature=0.8))])
+    assert falls_back([_Row.make(params=SamplingParams(temperature=0.0, logprobs=1))])
+    assert falls_back([_Row.make(params=SamplingParams(temperature=0.0, repetition_penalty=1.1))])
+    assert falls_back([_Row.make(page=3), _Row.make(page=5, outs=[3])])  # writes a page read
+    assert falls_back([_Row.make(q=2, outs=[7])])  # a missing output page
+    assert falls_back([_Row.make(n=80, blocks=tuple(range(6)))])  # wider than the tables
+    assert falls_back([_Row.make(n=40, blocks=(1, 2))])  # blocks missing for the context
+    graphs.enabled = False
+    assert falls_back([_Row.make()])
+
+
+def test_fill_writes_rows_then_padding(tiny_nemotron):
+    graphs = _graphs(tiny_nemotron)
+    rows = [_Row.make(n=17, q=2, page=3, outs=[8, 9], blocks=(5, 6, 7), drafts=[77]),
+            _Row.make(n=4, q=2, page=4, outs=[10, 11], blocks=(2,), drafts=[78])]
+    sched = SchedulerOutput(rows, [])
+    shape = graphs.plan(sched)
+    assert shape == StepShape(2, 2, 2, 2)
+    # A stale buffer must be overwritten where the step reads it.
+    rows3 = [_Row.make(q=2, page=p) for p in range(3)]
+    st = _Static(2, graphs.max_batch, graphs.max_blocks, 30, 40, 16, torch.device("cpu"))
+    graphs.fill(st, SchedulerOutput(rows3, []), StepShape(3, 4, 2, 4))
+    graphs.fill(st, sched, shape)
+    m = st.meta
+    # ids (last prompt token, then the draft), positions, slots, pages, table.
+    assert m[0, :9].tolist() == [10 + 17, 77, 17, 18, 6 * 16 + 1, 6 * 16 + 2, 3, 8, 9]
+    assert m[0, 9:11].tolist() == [5, 6]
+    assert m[1, :9].tolist() == [14, 78, 4, 5, 2 * 16 + 4, 2 * 16 + 5, 4, 10, 11]
+    assert m[1, 9:11].tolist() == [2, -1]
+    # Three rows in the bucket of 4: row 3 is a padding row.
+    graphs.fill(st, SchedulerOutput(rows3, []), StepShape(3, 4, 2, 4))
+    assert m[3, :9].tolist() == [0, 0, 0, 1, 30 * 16, 30 * 16 + 1, 40, -1, -1]
+    assert m[3, 9:13].tolist() == [30, -1, -1, -1]
+
+
+@pytest.mark.parametrize("q", [1, 3])
+def test_static_step_matches_the_eager_step(tiny_granite, q):
+    """One step of random rows over random caches: the static-buffer step (graph path)
+    gives the eager fast path's tokens and writes the same cache entries."""
+    g = torch.Generator().manual_seed(_seed())
+    runner = LLM(tiny_granite, max_num_seqs=8).engine.runner
+    caches = runner.caches
+    scratch_block, scratch_page = caches.kv[next(iter(caches.kv))][0].shape[0] - 1, 103
+    # (tensor, index of its scratch entry)
+    tensors = [(t, scratch_page) for t in [*caches.conv.values(), *caches.ssm.values()]]
+    tensors += [(t, scratch_block) for kv in caches.kv.values() for t in kv]
+    for t, _ in tensors:
+        t.copy_(torch.randn(t.shape, generator=g))
+    pages = torch.randperm(100, generator=g).tolist()
+    blocks = torch.randperm(200, generator=g).tolist()
+    rows = []
+    for i in range(5):  # five rows: three padding rows in the bucket of 8
+        n = int(torch.randint(1, 60, (), generator=g))
+        drafts = torch.randint(3, 256, (q - 1,), generator=g).tolist()
+        rows.append(_Row.make(n=n, q=q, page=pages[i], blocks=blocks[4 * i : 4 * i + 4],
+                              drafts=drafts, outs=pages[10 + q * i : 10 + q * (i + 1)]))
+    sched = SchedulerOutput(rows, [])
+
+    def snapshot():
+        out = []
+        for t, scratch in tensors:
+            c = t.clone()
+            c[scratch] = 0  # padding may write the scratch block
+            out.append(c)
+        return out
+
+    start = [t.clone() for t, _ in tensors]
+    before = snapshot()
+    want = [r.new_tokens for r in runner.execute(sched)]
+    eager = snapshot()
+    for (t, _), s in zip(tensors, start):
+        t.copy_(s)
+    graphs = runner.enable_decode_graphs(8, scratch_block, scratch_page)
+    got = [r.new_tokens for r in runner.execute(sched)]
+    assert graphs.counters["graph_steps"] == 1
+    assert got == want
+    for a, b, s in zip(snapshot(), eager, before):
+        assert torch.equal(a != s, b != s)  # the same entries written
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
