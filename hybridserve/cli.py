@@ -30,6 +30,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--enforce-eager", action="store_true",
+        help="never replay decode steps from CUDA graphs",
+    )
+    p.add_argument(
         "--num-threads", type=int, default=None,
         help="CPU threads for torch (small models on few cores run fastest with 1)",
     )
@@ -61,6 +65,7 @@ def llm_from_args(args: argparse.Namespace):
         state_interval=args.state_interval,
         max_checkpoint_pages=args.max_checkpoint_pages,
         speculative_config=spec,
+        enforce_eager=True if args.enforce_eager else None,
     )
 
 

@@ -55,6 +55,7 @@ class LLM:
         max_checkpoint_pages: int | None = None,
         ssm_state_dtype: str | torch.dtype = "float32",
         eviction_policy: str = "lru",
+        enforce_eager: bool | None = None,
         speculative_config: dict[str, Any] | None = None,
     ) -> None:
         from hybridserve.models.loader import load_model
@@ -114,7 +115,11 @@ class LLM:
         eos = tuple(mcfg.eos_token_ids)
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = (self.tokenizer.eos_token_id,)
-        self.engine = EngineCore(self.config, self.model, self.tokenizer, mcfg.vocab_size, eos)
+        # enforce_eager: None replays uniform greedy decode steps from CUDA graphs on
+        # CUDA and runs eagerly elsewhere; True always runs eagerly (as vLLM's flag).
+        self.engine = EngineCore(
+            self.config, self.model, self.tokenizer, mcfg.vocab_size, eos, enforce_eager=enforce_eager
+        )
         self._next_id = 0
 
     def get_tokenizer(self) -> Tokenizer | None:
