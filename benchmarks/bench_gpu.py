@@ -18,7 +18,13 @@ One run measures, on a random-weight Nemotron-H-8B-shaped model (52 layers: 24 M
 (d) prefill throughput (``--prefill-prompts`` prompts of ``--prefill-len`` tokens in one
     ``generate``) against the FLOP roofline: 2 x weights x tokens plus the attention
     products, over the bf16 matrix-product rate measured here;
-plus the batched Mamba decode kernels against their torch twins on one layer, and
+(e) where the time of one graph-replayed decode step goes (``--profile-batch``): the
+    replay alone timed with CUDA events against the engine's whole ``step()``, and the
+    GPU time of the step's kernels by kind (Mamba state update, conv, attention, matrix
+    products, other) from ``torch.profiler``, with the attention on the Triton kernel
+    and on its torch twin (a second graph captured for the comparison);
+plus the batched Mamba decode kernels against their torch twins on one layer, the
+paged-attention decode kernel against its twin (error, time, bandwidth), and
 greedy token agreement between the GPU bf16 path and the CPU float32 path on a tiny
 model (and between decode graphs and eager steps). Writes ``--out`` (JSON) and a PNG of throughput against batch size beside it.
 
@@ -53,11 +59,12 @@ import triton  # noqa: E402
 import hybridserve.models.loader as loader  # noqa: E402
 from hybridserve import LLM, SamplingParams  # noqa: E402
 from hybridserve.engine.engine_core import EngineCore, prefill_flops  # noqa: E402
-from hybridserve.kernels import mamba_decode  # noqa: E402
+from hybridserve.kernels import mamba_decode, paged_attention  # noqa: E402
 from hybridserve.models.config import ModelConfig  # noqa: E402
 from hybridserve.models.layers import attention as attention_layer  # noqa: E402
 from hybridserve.models.registry import model_class  # noqa: E402
 from hybridserve.runner import sampler  # noqa: E402
+from hybridserve.runner.cuda_graph import StepShape  # noqa: E402
 
 # --------------------------------------------------------------------------------------
 # Model shapes
@@ -311,12 +318,13 @@ def with_engine(llm, enforce_eager, device):
 
 
 def engine_decode(model, path, device, dtype, batch, prompt_len, warmup, steps, vocab, seed,
-                  enforce_eager=None):
+                  enforce_eager=None, profile=False):
     """Median wall time of full-batch decode steps (every request decoding).
 
     With decode graphs on, the steps alternate between graph replay and the eager fast
     path on the same engine and requests (``warmup`` + ``steps`` of each), so both modes
-    see the same contexts; ``modes`` holds one result per mode.
+    see the same contexts; ``modes`` holds one result per mode. With ``profile`` (and
+    graphs on) the step's graph is then profiled (:func:`profile_graph_step`).
     """
     max_len = prompt_len + 2 * (warmup + steps) + batch // 4 + 64
     llm = make_llm(
@@ -369,6 +377,14 @@ def engine_decode(model, path, device, dtype, batch, prompt_len, warmup, steps, 
             if mode == "graph":
                 replayed += graphs.counters["graph_steps"] - before
     runner.graphs = graphs
+    counters = dict(graphs.counters) if graphs is not None else None
+    profiled = None
+    if profile and graphs is not None and times.get("graph"):
+        try:
+            profiled = profile_graph_step(graphs, device, statistics.median(times["graph"]))
+        except Exception as e:  # keep the decode numbers
+            profiled = {"error": f"{type(e).__name__}: {e}",
+                        "traceback": traceback.format_exc()[-2000:]}
     stats = llm.stats()
     for i in range(batch):
         eng.abort_request(f"r{i}")
@@ -377,9 +393,11 @@ def engine_decode(model, path, device, dtype, batch, prompt_len, warmup, steps, 
            "num_preemptions": stats.get("num_preemptions", stats.get("preemptions", None)),
            "modes": {}}
     if graphs is not None:
-        out["graphs"] = {"counters": dict(graphs.counters), "keys": [list(k) for k in graphs._graphs],
+        out["graphs"] = {"counters": counters, "keys": [list(k) for k in graphs._graphs],
                          "capture_errors": list(graphs.capture_errors),
                          "timed_graph_steps_replayed": replayed}
+    if profiled is not None:
+        out["profile"] = profiled
     graphs = None
     free_memory(device)
     for m in modes:
@@ -391,6 +409,209 @@ def engine_decode(model, path, device, dtype, batch, prompt_len, warmup, steps, 
     # The default mode's figures at the top level (graph replay where it is on).
     out.update(out["modes"][modes[0]])
     out["mode"] = modes[0]
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# (e): where the time of one graph-replayed decode step goes
+# --------------------------------------------------------------------------------------
+
+KERNEL_KINDS = ("mamba_state_update", "conv", "attention", "matmul", "other")
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a GPU kernel, by its name."""
+    n = name.lower()
+    if "ssm_decode" in n:
+        return "mamba_state_update"
+    if "conv_decode" in n:
+        return "conv"
+    if "paged_attention" in n:
+        return "attention"
+    if any(k in n for k in ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "matmul",
+                            "splitk", "sm90_", "sm80_")):
+        return "matmul"
+    return "other"
+
+
+def _profile_kernels(fn, reps: int, device: str) -> dict:
+    """GPU time per call of the kernels ``fn`` runs, by kind (``torch.profiler``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU]
+    if device.startswith("cuda"):
+        acts.append(ProfilerActivity.CUDA)
+    sync(device)
+    with profile(activities=acts) as prof:
+        for _ in range(reps):
+            fn()
+        sync(device)
+    by_kind = dict.fromkeys(KERNEL_KINDS, 0.0)
+    top = []
+    for e in prof.key_averages():
+        if device.startswith("cuda"):
+            if getattr(e, "device_type", None) is None or "CUDA" not in str(e.device_type):
+                continue
+            us = getattr(e, "self_device_time_total", None)
+            if us is None:
+                us = e.self_cuda_time_total
+        else:  # the smoke run: CPU operator time stands in
+            if "aten::" not in e.key:
+                continue
+            us = e.self_cpu_time_total
+        if us <= 0:
+            continue
+        by_kind[kernel_kind(e.key)] += us / 1e6 / reps
+        top.append((us / 1e6 / reps, e.count // reps, e.key[:120]))
+    top.sort(reverse=True)
+    total = sum(by_kind.values())
+    return {"kernel_s_by_kind": by_kind, "kernel_s_total": total,
+            "top_kernels": [{"s": t, "calls": c, "name": k} for t, c, k in top[:15]]}
+
+
+def _event_time(fn, reps: int, device: str) -> float:
+    """Median device time of ``fn`` (CUDA events; the host clock on the CPU)."""
+    fn()
+    if not device.startswith("cuda"):
+        return statistics.median(wall(fn, device) for _ in range(reps))
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def profile_graph_step(graphs, device: str, step_s: float, reps: int = 20) -> dict:
+    """Where the time of the engine's last graph step goes.
+
+    Replays the captured graph of that step's key on the static buffer as the last graph
+    step left it (it rewrites that step's keys, values and output states: idempotent for
+    timing), timed with CUDA events, and profiles its kernels by kind. Then captures the
+    same step again with the attention on its torch twin (a graph of its own, in its
+    own memory pool) and does the same; the engine's graphs are restored afterwards.
+    ``step_s`` is the median wall time of the engine's whole graph ``step()``.
+    """
+    keys = [k for k in graphs._graphs if graphs._graphs[k][0] is not None
+            or not graphs.capture]
+    if not keys:
+        return {"error": "no graph captured"}
+    key = max(keys)  # (batch, q, width): the step's own key when one batch size ran
+    b, q, w = key
+    st = graphs._static[q]
+    shape = StepShape(rows=b, batch=b, q=q, width=w)
+
+    def measure(entry):
+        graph = entry[0]
+        fn = graph.replay if graph is not None else (lambda: graphs._forward(st, shape))
+        replay = _event_time(fn, reps, device)
+        kernels = _profile_kernels(fn, 3, device)
+        return {"replay_s": replay, **kernels,
+                "gaps_in_replay_s": replay - kernels["kernel_s_total"]}
+
+    out = {"key": list(key), "engine_step_s": step_s}
+    out["triton_attention"] = measure(graphs._graphs[key])
+    out["host_and_rest_s"] = step_s - out["triton_attention"]["replay_s"]
+    # Eager, the same static forward: the kernels once more without the graph.
+    eager = _profile_kernels(lambda: graphs._forward(st, shape), 3, device)
+    out["static_forward_eager"] = {
+        "wall_s": statistics.median(wall(lambda: graphs._forward(st, shape), device)
+                                    for _ in range(5)), **eager}
+    saved_entry, saved_pool, saved_flag = graphs._graphs.pop(key), graphs._pool, \
+        paged_attention.TRITON_DECODE
+    saved_counters, saved_enabled = dict(graphs.counters), graphs.enabled
+    try:
+        graphs._pool = None
+        paged_attention.TRITON_DECODE = False
+        entry = graphs._capture(st, shape)
+        if entry is None:
+            out["twin_attention"] = {"error": "; ".join(graphs.capture_errors[-1:])}
+        else:
+            out["twin_attention"] = measure(entry)
+            graphs._graphs.pop(key, None)
+            entry = None
+    finally:
+        paged_attention.TRITON_DECODE = saved_flag
+        graphs._graphs[key] = saved_entry
+        graphs._pool = saved_pool
+        graphs.counters.clear()
+        graphs.counters.update(saved_counters)
+        graphs.enabled = saved_enabled
+        free_memory(device)
+    return out
+
+
+def attention_kernel(model, device, batches, context, block_size=16, reps=3):
+    """The paged-attention decode kernel against its torch twin at the model's attention
+    shape: ``batch`` rows of one token over ``context`` keys each in scattered blocks
+    (bf16 cache, block tables ``-1`` padded to twice the needed width). Relative error
+    against the twin and against a float64 evaluation, time, and the bandwidth over the
+    bytes it must read (each row's keys and values once, plus queries and outputs)."""
+    from hybridserve.models.layers.attention import Attention
+
+    attn = next(m for m in model.modules() if isinstance(m, Attention))
+    p = attn.p
+    dtype = next(model.parameters()).dtype
+    fast = device.startswith("cuda") or triton.knobs.runtime.interpret
+    out = []
+    for b in batches:
+        g = torch.Generator(device=device).manual_seed(b)
+        n_blocks = -(-context // block_size)
+        total = b * n_blocks + 1
+        sets = []
+        # Several input sets so repeated runs do not read from the L2 cache.
+        for _ in range(reps):
+            k = torch.randn(total, block_size, p.num_kv_heads, p.head_dim, device=device,
+                            generator=g).to(dtype)
+            v = torch.randn_like(k)
+            perm = torch.randperm(total, device=device, generator=g)[: b * n_blocks]
+            tables = torch.full((b, 2 * n_blocks), -1, dtype=torch.int32, device=device)
+            tables[:, :n_blocks] = perm.view(b, n_blocks).to(torch.int32)
+            lens = torch.randint(context // 2, context + 1, (b,), device=device, generator=g)
+            lens[0] = context
+            positions = lens - 1
+            qs = torch.randn(b, p.num_heads, p.head_dim, device=device, generator=g).to(dtype)
+            sets.append((qs, k, v, tables, positions, lens))
+        rec = {"batch": b, "context": context, "heads": p.num_heads,
+               "kv_heads": p.num_kv_heads, "head_dim": p.head_dim}
+        kv_bytes = sum(int(x[5].sum()) for x in sets) / reps * 2 * p.num_kv_heads \
+            * p.head_dim * k.element_size()
+        rec["bytes"] = kv_bytes + 2 * qs.numel() * qs.element_size()
+        ctx_host = [context] * b
+
+        def twin(x, ctx_host=ctx_host):
+            return paged_attention.paged_attention_decode_reference(
+                x[0], x[1], x[2], x[3], ctx_host, x[4], p.scale)
+
+        def kern(x):
+            return paged_attention.paged_attention_decode_triton(
+                x[0], x[1], x[2], x[3], x[4], p.scale)
+
+        def rotate(fn, sets=sets, it={"i": 0}):  # noqa: B006 (one counter per call)
+            def call():
+                it["i"] = (it["i"] + 1) % reps
+                return fn(sets[it["i"]])
+            return call
+
+        want = twin(sets[0]).float()
+        rec["twin_s"] = bench_fn(rotate(twin), device)
+        if fast:
+            got = kern(sets[0]).float()
+            rec["triton_vs_twin_rel_err"] = float((got - want).norm() / want.norm())
+            x = sets[0]
+            ref = paged_attention.paged_attention_decode_reference(
+                x[0].double(), x[1].double(), x[2].double(), x[3], ctx_host, x[4], p.scale)
+            rec["triton_vs_float64_rel_err"] = float((got.double() - ref).norm() / ref.norm())
+            rec["twin_vs_float64_rel_err"] = float((want.double() - ref).norm() / ref.norm())
+            rec["triton_s"] = bench_fn(rotate(kern), device)
+            rec["triton_bytes_per_s"] = rec["bytes"] / rec["triton_s"]
+            rec["twin_over_triton"] = rec["twin_s"] / rec["triton_s"]
+        out.append(rec)
+        sets = None
+        free_memory(device)
     return out
 
 
@@ -703,6 +924,8 @@ def main(argv=None) -> int:
                     help="run fewer prompts if the warm-up says all would take longer")
     ap.add_argument("--matmul-n", type=int, default=8192)
     ap.add_argument("--with-1b", action="store_true", help="also decode on a ~1B shape")
+    ap.add_argument("--profile-batch", type=int, default=64,
+                    help="profile one graph-replayed decode step at this batch (0: none)")
     ap.add_argument("--skip", type=str, default="",
                     help="comma-separated section names (or name prefixes) not to run")
     args = ap.parse_args(argv)
@@ -711,6 +934,7 @@ def main(argv=None) -> int:
     if args.smoke:
         device, dtype, shape, name = "cpu", torch.float32, TINY, "tiny Nemotron-H (smoke)"
         args.batches, args.hf_batches, args.ref_batches = "1,4", "1,2", "2"
+        args.profile_batch = 4
         args.prompt, args.warmup_steps, args.steps, args.hf_new_tokens = 16, 1, 3, 4
         args.ttft_prompt, args.ttft_cached = 96, 64
         args.prefill_prompts, args.prefill_len, args.matmul_n = 2, 48, 256
@@ -770,7 +994,10 @@ def main(argv=None) -> int:
     mm = section("matmul", lambda: matmul_rate(device, dtype, args.matmul_n))
     result["matmul"] = mm
     workdir = Path(tempfile.mkdtemp(prefix="bench_gpu_"))
-    built = section("build_model", lambda: build_models(shape, device, dtype, workdir, True))
+    with_hf = bool(args.hf_batches) and not any(
+        "decode_transformers".startswith(k) or k.startswith("decode_transformers")
+        for k in args.skip.split(",") if k)
+    built = section("build_model", lambda: build_models(shape, device, dtype, workdir, with_hf))
     if built is None:
         save()
         return 1
@@ -781,6 +1008,18 @@ def main(argv=None) -> int:
 
     result["kernels"] = section(
         "kernels", lambda: layer_kernels(model, device, [b for b in batches if b > 1] or [1]))
+
+    def attention():
+        r = attention_kernel(model, device, batches, args.prompt + args.warmup_steps + args.steps)
+        bad = [x for x in r if x.get("triton_vs_twin_rel_err", 0.0) > 2e-2]
+        if bad:  # a wrong kernel must not time the decode steps: back to the twin
+            paged_attention.TRITON_DECODE = False
+            result["attention_kernel_disabled"] = f"relative error {bad[0]}"
+        return r
+
+    result["attention_kernel"] = section("attention_kernel", attention)
+    result["attention_decode_path"] = (
+        "triton" if paged_attention.triton_enabled(torch.device(device)) else "torch twin")
 
     decode = result.setdefault(
         "decode", {"ours": [], "ours_eager": [], "reference_paths": [], "transformers": []})
@@ -796,7 +1035,8 @@ def main(argv=None) -> int:
     for b in batches:
         def ours(b=b):
             r = engine_decode(model, path, device, dtype, b, args.prompt, args.warmup_steps,
-                              args.steps, vocab, seed=b, enforce_eager=graphs_mode)
+                              args.steps, vocab, seed=b, enforce_eager=graphs_mode,
+                              profile=b == args.profile_batch)
             # The two modes alternate, so both see contexts around the middle.
             context = args.prompt + args.warmup_steps + args.steps
             r["roofline_bytes_per_step"] = decode_step_bytes(model, b, context, 4)
@@ -883,6 +1123,28 @@ def main(argv=None) -> int:
               f"{r['roofline_tokens_per_s']:>9.1f} {r['fraction_of_roofline']:>5.2f} "
               f"{100 * r['postprocess_share']:>6.1f}% "
               f"{gr.get('timed_graph_steps_replayed')} {gr.get('capture_errors') or ''}")
+    for r in result.get("attention_kernel") or []:
+        print(f"attention b{r['batch']}: twin {1e6 * r['twin_s']:.0f} us, triton "
+              f"{1e6 * r.get('triton_s', float('nan')):.0f} us "
+              f"({r.get('triton_bytes_per_s', float('nan')) / 1e12:.2f} TB/s), rel err "
+              f"{r.get('triton_vs_twin_rel_err', float('nan')):.1e}")
+    for r in decode["ours"]:
+        prof = r.get("profile")
+        if not prof:
+            continue
+        if "error" in prof:
+            print(f"profile b{r['batch']}: {prof['error']}")
+            continue
+        print(f"profile b{r['batch']} key {prof['key']}: engine step "
+              f"{1e3 * prof['engine_step_s']:.2f} ms")
+        for name in ("triton_attention", "twin_attention"):
+            m = prof.get(name, {})
+            if "replay_s" not in m:
+                print(f"  {name}: {m}")
+                continue
+            kinds = " ".join(f"{k} {1e3 * v:.2f}" for k, v in m["kernel_s_by_kind"].items())
+            print(f"  {name}: replay {1e3 * m['replay_s']:.2f} ms, kernels "
+                  f"{1e3 * m['kernel_s_total']:.2f} ms ({kinds})")
     for key in ("transformers", "reference_paths"):
         for r in decode[key]:
             print(f"{key} b{r['batch']}: {r['tokens_per_s']:.1f} tok/s")

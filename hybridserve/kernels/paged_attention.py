@@ -8,8 +8,13 @@ one batched product, causally by absolute position: query token ``t`` of row ``r
 position ``pos`` sees the row's keys at positions ``0 .. pos``; padding and other rows'
 blocks are masked out.
 
-- :func:`paged_attention_decode_reference`: float32 (float64) scores and softmax; the
-  path the attention layer takes for uniform steps on every device, and the test oracle;
+- :func:`paged_attention_decode_triton`: one Triton launch, one program per (row, KV
+  head), reading keys and values straight through the block tables with an online
+  softmax in float32. The attention layer takes it for uniform steps on CUDA (and so
+  inside the decode graphs); :func:`triton_enabled` says when;
+- :func:`paged_attention_decode_reference`: its torch twin, float32 (float64) scores and
+  softmax over the gathered, padded keys; the path uniform steps take on the CPU, and
+  the test oracle;
 - :func:`paged_attention_decode`: the same function through
   ``torch.nn.functional.scaled_dot_product_attention`` in the cache dtype. Not used by
   the layer: on the H200 the decode step with it cost about 60 ms at every batch size
@@ -24,8 +29,26 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
-__all__ = ["gather_paged_kv", "paged_attention_decode", "paged_attention_decode_reference"]
+__all__ = [
+    "TRITON_DECODE",
+    "gather_paged_kv",
+    "paged_attention_decode",
+    "paged_attention_decode_reference",
+    "paged_attention_decode_triton",
+    "triton_enabled",
+]
+
+# Uniform steps on CUDA take the Triton kernel; False sends them to the torch twin (for
+# comparisons in benchmarks).
+TRITON_DECODE = True
+
+
+def triton_enabled(device: torch.device) -> bool:
+    """Whether uniform decode / verify steps on ``device`` take the Triton kernel."""
+    return TRITON_DECODE and device.type == "cuda"
 
 
 def gather_paged_kv(
@@ -132,3 +155,171 @@ def paged_attention_decode(
         enable_gqa=heads != num_kv,
     )
     return out.transpose(1, 2).reshape(tokens, heads, dim)
+
+
+# --------------------------------------------------------------------------------------
+# Triton kernel: reads keys and values through the block tables (no gathered copy)
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _paged_attention_decode_kernel(
+    q_ptr,
+    q_tok_stride,
+    k_ptr,
+    v_ptr,
+    kv_block_stride,
+    kv_slot_stride,
+    kv_head_stride,
+    tables_ptr,
+    table_stride,
+    table_width,
+    pos_ptr,
+    out_ptr,
+    out_tok_stride,
+    scale,
+    head_dim,
+    Q: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EXACT_TF32: tl.constexpr,
+):
+    # One program per (row, KV head). Its BLOCK_M query lines are the GROUP query heads
+    # sharing that KV head times the row's Q tokens (line m: token m // GROUP, head
+    # kv * GROUP + m % GROUP; lines past GROUP * Q repeat the last token and are never
+    # stored). It walks the row's keys BLOCK_N positions at a time, looking each
+    # position's block up in the row's table, with an online softmax in float32. It
+    # reads only inputs and writes only its own query lines of ``out`` (the race rule).
+    r = tl.program_id(0)
+    kv = tl.program_id(1)
+    m = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < head_dim
+    t = tl.minimum(m // GROUP, Q - 1)
+    head = kv * GROUP + m % GROUP
+    live = m < GROUP * Q
+    tok = r * Q + t
+    q_off = tok.to(tl.int64)[:, None] * q_tok_stride + head[:, None] * head_dim + d[None, :]
+    qmask = dmask[None, :] & (m[:, None] >= 0)
+    q = tl.load(q_ptr + q_off, mask=qmask, other=0.0).to(tl.float32)
+    # Absolute position of each line's token; the row's keys are positions 0 .. ctx - 1.
+    q_pos = tl.load(pos_ptr + tok).to(tl.int32)
+    ctx = tl.load(pos_ptr + r * Q + (Q - 1)).to(tl.int32) + 1
+    ctx = tl.minimum(ctx, table_width * BLOCK_SIZE)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    n0 = tl.arange(0, BLOCK_N)
+    table = tables_ptr + r.to(tl.int64) * table_stride
+    for start in range(0, ctx, BLOCK_N):
+        n = start + n0
+        nmask = n < ctx
+        block = tl.load(table + n // BLOCK_SIZE, mask=nmask, other=0)
+        nmask = nmask & (block >= 0)
+        slot = block.to(tl.int64) * kv_block_stride + (n % BLOCK_SIZE) * kv_slot_stride
+        kv_off = slot[:, None] + kv * kv_head_stride + d[None, :]
+        kvmask = nmask[:, None] & dmask[None, :]
+        k = tl.load(k_ptr + kv_off, mask=kvmask, other=0.0)
+        if EXACT_TF32:
+            # 16-bit queries and keys fit tf32's 10-bit mantissa: the matrix units'
+            # float32 mode then multiplies exactly and sums in float32.
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="tf32")
+        else:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        s = s * scale
+        visible = (n[None, :] <= q_pos[:, None]) & nmask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        # Key 0 lies in the first tile and every line sees it, so m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + kv_off, mask=kvmask, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        m_i = m_new
+    acc = acc / l_i[:, None]
+    o_off = tok.to(tl.int64)[:, None] * out_tok_stride + head[:, None] * head_dim + d[None, :]
+    tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=live[:, None] & dmask[None, :])
+
+
+def paged_attention_decode_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    block_n: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`paged_attention_decode_reference` as one Triton launch (no gathered copy).
+
+    ``q [R * Q, H, D]`` (rows of ``Q`` tokens, token-major), ``k_cache, v_cache
+    [num_blocks, block_size, KV, D]`` (the head-dim axis contiguous), ``block_tables [R,
+    W]`` int32 or int64 (-1 padded; a row's keys must lie in its first ``W`` blocks),
+    ``positions [R * Q]`` on the cache's device. A row's context is its last position
+    plus one; nothing on the host sizes the launch beyond the tensors' shapes, so a
+    CUDA graph can replay it. Returns ``[R * Q, H, D]`` in ``q.dtype`` (written into
+    ``out`` when given: contiguous, that shape and dtype). ``block_n``: key positions per
+    tile (a power of two, at least 16).
+    """
+    rows = block_tables.shape[0]
+    tokens, heads, dim = q.shape
+    num_blocks, block_size, num_kv, kdim = k_cache.shape
+    if rows == 0 or tokens % rows or heads % num_kv or kdim != dim:
+        raise ValueError(
+            f"q {tuple(q.shape)} does not make rows of a {rows}-row table over a cache of "
+            f"{num_kv} KV heads of {kdim}"
+        )
+    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
+        raise ValueError("k_cache and v_cache must have the same shape and strides")
+    if k_cache.stride(-1) != 1:
+        raise ValueError("the caches' head-dim axis must be contiguous")
+    if q.stride(-1) != 1 or q.stride(1) != dim:
+        q = q.contiguous()
+    qlen = tokens // rows
+    group = heads // num_kv
+    positions = positions.reshape(-1)
+    if positions.shape[0] != tokens:
+        raise ValueError(f"{positions.shape[0]} positions for {tokens} query tokens")
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError("out must be a contiguous tensor of q's shape and dtype")
+    block_m = max(16, triton.next_power_of_2(group * qlen))
+    block_d = max(16, triton.next_power_of_2(dim))
+    if block_n is None:
+        block_n = 64 if block_m <= 32 else 32
+    half = (torch.bfloat16, torch.float16)
+    exact_tf32 = q.dtype in half and k_cache.dtype in half
+    _paged_attention_decode_kernel[(rows, num_kv)](
+        q,
+        q.stride(0),
+        k_cache,
+        v_cache,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables,
+        block_tables.stride(0),
+        block_tables.shape[1],
+        positions,
+        out,
+        out.stride(0),
+        float(scale),
+        dim,
+        Q=qlen,
+        GROUP=group,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        EXACT_TF32=exact_tf32,
+        num_warps=4,
+    )
+    return out

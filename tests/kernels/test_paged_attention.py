@@ -1,25 +1,42 @@
 """Batched paged attention for uniform steps against the per-row reference: NaN-poisoned
 caches (unwritten slots must never leak), variable context lengths, shared and scattered
-blocks, verify rows of several tokens, grouped-query heads."""
+blocks, verify rows of several tokens, grouped-query heads. The Triton kernel against
+its torch twin and the per-row reference, under the race checker and in every program
+order, and the attention layer with the kernel against the layer with the twin."""
+
+import os
+
+# The interpreter must be chosen before the kernels are defined.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
 
+from hybridserve.kernels import paged_attention
 from hybridserve.kernels.paged_attention import (
     paged_attention_decode,
     paged_attention_decode_reference,
+    paged_attention_decode_triton,
 )
 from hybridserve.models.batch import ForwardBatch
 from hybridserve.models.layers.attention import paged_attention_reference
 
 
-def _step(g, rows, q, heads, num_kv, dim, block_size, dtype):
-    num_blocks = 64
+def _seed() -> int:
+    return int(torch.randint(0, 2**31 - 1, ()))
+
+
+def _step(g, rows, q, heads, num_kv, dim, block_size, dtype, max_ctx=40, extra_width=0):
+    """A uniform step over a NaN-poisoned cache: ``rows`` rows of ``q`` tokens with random
+    contexts (at least ``q``, below ``max_ctx``) in scattered blocks; block tables
+    ``extra_width`` blocks wider than the longest row needs (-1 padded, as a replayed
+    graph's are)."""
+    num_blocks = 64 + rows * (-(-max_ctx // block_size))
     k_cache = torch.full((num_blocks, block_size, num_kv, dim), float("nan"), dtype=dtype)
     v_cache = torch.full_like(k_cache, float("nan"))
     perm = torch.randperm(num_blocks, generator=g).tolist()
-    ctx = [int(torch.randint(q, 40, (), generator=g)) for _ in range(rows)]
-    width = max(-(-c // block_size) for c in ctx)
+    ctx = [int(torch.randint(q, max_ctx, (), generator=g)) for _ in range(rows)]
+    width = max(-(-c // block_size) for c in ctx) + extra_width
     tables = torch.full((rows, width), -1, dtype=torch.int32)
     positions, slots = [], []
     for r, c in enumerate(ctx):
@@ -59,3 +76,144 @@ def test_batched_matches_per_row_reference(rows, q, heads, num_kv, dtype):
         queries, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.positions, 0.3
     )
     torch.testing.assert_close(fused, want, rtol=1e-4, atol=1e-4)
+
+
+def _triton(queries, k_cache, v_cache, batch, scale, block_n=None, dtype=None):
+    out = torch.full_like(queries, float("nan"))  # every element must be written
+    got = paged_attention_decode_triton(
+        queries, k_cache, v_cache, batch.block_tables, batch.positions, scale,
+        block_n=block_n, out=out,
+    )
+    assert got is out
+    assert not got.isnan().any()
+    return got
+
+
+@pytest.mark.parametrize(
+    "rows,q,heads,num_kv,dim,block_size,block_n",
+    [
+        (5, 1, 8, 2, 8, 4, 16),  # decode, 4 query heads per KV head, several key tiles
+        (3, 4, 6, 3, 16, 4, 16),  # verify rows (q = 1 + 3): causal among the new tokens
+        (4, 3, 4, 4, 12, 8, None),  # no grouping, head dim not a power of two, one tile
+        (1, 1, 2, 1, 8, 16, 16),  # one row
+    ],
+)
+def test_triton_matches_twin_and_per_row_reference_race_free(
+    rows, q, heads, num_kv, dim, block_size, block_n
+):
+    from hybridserve.testing import racecheck
+
+    g = torch.Generator().manual_seed(_seed())
+    queries, k_cache, v_cache, batch = _step(
+        g, rows, q, heads, num_kv, dim, block_size, torch.float32, max_ctx=45, extra_width=2
+    )
+    scale = dim**-0.5
+    want = paged_attention_reference(queries, k_cache, v_cache, batch, scale)
+    twin = paged_attention_decode_reference(
+        queries, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.positions, scale
+    )
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    with racecheck.record_launches() as rec:
+        got = _triton(queries, k_cache, v_cache, batch, scale, block_n)
+    assert len(rec.reports) == 1 and rec.reports[0].clean, str(rec.reports[0])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, twin, rtol=1e-5, atol=1e-5)
+    # The kernel only reads the caches.
+    assert torch.equal(k_cache.nan_to_num(7.0), k_before.nan_to_num(7.0))
+    assert torch.equal(v_cache.nan_to_num(7.0), v_before.nan_to_num(7.0))
+
+
+def test_triton_bf16_cache_against_float64_reference():
+    """bf16 queries and cache (the model's dtype on the GPU): the 16-bit score product."""
+    g = torch.Generator().manual_seed(_seed())
+    queries, k_cache, v_cache, batch = _step(g, 4, 2, 8, 2, 32, 4, torch.bfloat16)
+    want = paged_attention_reference(
+        queries.double(), k_cache.double(), v_cache.double(), batch, 0.2
+    )
+    got = _triton(queries, k_cache, v_cache, batch, 0.2, block_n=16)
+    assert got.dtype == torch.bfloat16
+    err = (got.double() - want).norm() / want.norm()
+    assert err < 1e-2, err
+
+
+def test_triton_independent_of_program_order():
+    from hybridserve.testing import racecheck
+
+    g = torch.Generator().manual_seed(_seed())
+    queries, k_cache, v_cache, batch = _step(g, 4, 2, 4, 2, 8, 4, torch.float32)
+    results = []
+    for order in ("forward", "reversed", "shuffled"):
+        with racecheck.record_launches(record=False, order=order, seed=5):
+            results.append(_triton(queries, k_cache, v_cache, batch, 0.35, block_n=16))
+    for r in results[1:]:
+        assert torch.equal(r, results[0])
+
+
+def test_triton_padding_rows_on_a_scratch_block():
+    """Rows shaped as a replayed graph pads them: positions 0 .. q - 1 on a zeroed scratch
+    block, the rest of the table -1. They attend to their own keys only; real rows are
+    unaffected by them."""
+    g = torch.Generator().manual_seed(_seed())
+    rows, q, heads, num_kv, dim, bs = 3, 2, 4, 2, 8, 4
+    queries, k_cache, v_cache, batch = _step(g, rows, q, heads, num_kv, dim, bs, torch.float32)
+    used = set(batch.block_tables[batch.block_tables >= 0].tolist())
+    scratch = next(b for b in range(k_cache.shape[0] - 1, -1, -1) if b not in used)
+    k_cache[scratch] = 0.0
+    v_cache[scratch] = 0.0
+    k_cache[scratch, :q] = torch.randn(q, num_kv, dim, generator=g)
+    v_cache[scratch, :q] = torch.randn(q, num_kv, dim, generator=g)
+    pad = 2
+    tables = torch.full((rows + pad, batch.block_tables.shape[1]), -1, dtype=torch.int32)
+    tables[:rows] = batch.block_tables
+    tables[rows:, 0] = scratch
+    positions = torch.cat([batch.positions, torch.arange(q).repeat(pad)])
+    padded_q = torch.cat([queries, torch.randn(pad * q, heads, dim, generator=g)])
+    out = torch.full_like(padded_q, float("nan"))
+    got = paged_attention_decode_triton(
+        padded_q, k_cache, v_cache, tables, positions, 0.3, block_n=16, out=out
+    )
+    assert not got.isnan().any()
+    want = paged_attention_reference(queries, k_cache, v_cache, batch, 0.3)
+    torch.testing.assert_close(got[: rows * q], want, rtol=1e-5, atol=1e-5)
+    twin = paged_attention_decode_reference(
+        padded_q, k_cache, v_cache, tables, [*batch.context_lens, *[q] * pad], positions, 0.3
+    )
+    torch.testing.assert_close(got, twin, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("q", [1, 3])
+def test_attention_layer_triton_path_matches_twin_path(tmp_path, monkeypatch, q):
+    """A whole model step (attention and Mamba layers, float32) with the attention
+    layer's uniform path on the Triton kernel equals the step on the torch twin."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    from paged_driver import PagedDriver
+
+    from hybridserve.models.loader import load_model
+    from hybridserve.testing.tiny_models import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint("nemotron_h", tmp_path / "m", seed=_seed() % 1000, layers="M*-*")
+    model = load_model(path, dtype=torch.float32)
+    g = torch.Generator().manual_seed(_seed())
+    prompts = {i: torch.randint(3, 256, (5 + 7 * i,), generator=g).tolist() for i in range(3)}
+    nxt = {i: torch.randint(3, 256, (q,), generator=g).tolist() for i in range(3)}
+    calls = []
+    real = paged_attention.paged_attention_decode_triton
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(paged_attention, "paged_attention_decode_triton", counted)
+    results = []
+    for on in (True, False):
+        monkeypatch.setattr(paged_attention, "triton_enabled", lambda device, on=on: on)
+        d = PagedDriver(model)
+        d.step([(i, p) for i, p in prompts.items()])
+        logits, _ = d.step([(i, t) for i, t in nxt.items()], {0: [0]} if q > 1 else None)
+        results.append(logits)
+    assert len(calls) == 2  # two attention layers, one uniform step, kernel on
+    assert not results[0].isnan().any()
+    torch.testing.assert_close(results[0], results[1], rtol=1e-4, atol=1e-4)

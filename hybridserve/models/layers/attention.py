@@ -6,9 +6,12 @@ written to their ``slot_mapping`` slot first, then each row attends over its fir
 keys at positions ``0 .. p``. Rows are processed one at a time; that is the CPU reference.
 
 Decode fast path: when every row runs the same few tokens (plain decode, uniform verify
-rows), all rows attend at once over their gathered blocks
-(:func:`hybridserve.kernels.paged_attention.paged_attention_decode_reference`, float32
-scores, on every device).
+rows), all rows attend at once: on CUDA through the Triton kernel that reads keys and
+values through the block tables
+(:func:`hybridserve.kernels.paged_attention.paged_attention_decode_triton`), elsewhere
+through its torch twin over the gathered blocks
+(:func:`hybridserve.kernels.paged_attention.paged_attention_decode_reference`); float32
+scores and softmax either way.
 """
 
 from __future__ import annotations
@@ -119,7 +122,15 @@ class Attention(nn.Module):
         slots = batch.slot_mapping.to(device=h.device, dtype=torch.int64)
         k_cache.view(-1, p.num_kv_heads, p.head_dim)[slots] = k.to(k_cache.dtype)
         v_cache.view(-1, p.num_kv_heads, p.head_dim)[slots] = v.to(v_cache.dtype)
-        if _uniform_rows(batch):
+        if _uniform_rows(batch) and paged_attention.triton_enabled(q.device):
+            # Device-side positions and tables only: nothing here blocks the host, and the
+            # launch depends on no host value a CUDA graph would freeze.
+            out = paged_attention.paged_attention_decode_triton(
+                q, k_cache, v_cache,
+                batch.block_tables.to(device=q.device, non_blocking=True),
+                batch.positions.to(device=q.device, non_blocking=True), p.scale,
+            )
+        elif _uniform_rows(batch):
             out = paged_attention.paged_attention_decode_reference(
                 q, k_cache, v_cache, batch.block_tables, batch.context_lens,
                 batch.positions, p.scale,
