@@ -175,6 +175,7 @@ def _paged_attention_decode_kernel(
     table_stride,
     table_width,
     pos_ptr,
+    pos_stride,
     out_ptr,
     out_tok_stride,
     scale,
@@ -206,8 +207,8 @@ def _paged_attention_decode_kernel(
     qmask = dmask[None, :] & (m[:, None] >= 0)
     q = tl.load(q_ptr + q_off, mask=qmask, other=0.0).to(tl.float32)
     # Absolute position of each line's token; the row's keys are positions 0 .. ctx - 1.
-    q_pos = tl.load(pos_ptr + tok).to(tl.int32)
-    ctx = tl.load(pos_ptr + r * Q + (Q - 1)).to(tl.int32) + 1
+    q_pos = tl.load(pos_ptr + tok * pos_stride).to(tl.int32)
+    ctx = tl.load(pos_ptr + (r * Q + (Q - 1)) * pos_stride).to(tl.int32) + 1
     ctx = tl.minimum(ctx, table_width * BLOCK_SIZE)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -260,7 +261,8 @@ def paged_attention_decode_triton(
     ``q [R * Q, H, D]`` (rows of ``Q`` tokens, token-major), ``k_cache, v_cache
     [num_blocks, block_size, KV, D]`` (the head-dim axis contiguous), ``block_tables [R,
     W]`` int32 or int64 (-1 padded; a row's keys must lie in its first ``W`` blocks),
-    ``positions [R * Q]`` on the cache's device. A row's context is its last position
+    ``positions [R * Q]`` on the cache's device (any stride: a replayed graph passes a
+    column slice of its static buffer). A row's context is its last position
     plus one; nothing on the host sizes the launch beyond the tensors' shapes, so a
     CUDA graph can replay it. Returns ``[R * Q, H, D]`` in ``q.dtype`` (written into
     ``out`` when given: contiguous, that shape and dtype). ``block_n``: key positions per
@@ -309,6 +311,7 @@ def paged_attention_decode_triton(
         block_tables.stride(0),
         block_tables.shape[1],
         positions,
+        positions.stride(0),
         out,
         out.stride(0),
         float(scale),
