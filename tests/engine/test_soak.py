@@ -49,11 +49,10 @@ def test_soak_everything_together(tiny_granite, seed):
                 if rng.random() < 0.3:
                     sampled = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=i)
                     engine.add_request(f"s{i}", p, sampled)
-        running = [r.request_id for r in engine.scheduler.running]
-        if running and rng.random() < 0.05:
-            victim = rng.choice(running)
-            engine.abort_request(engine.group_id(next(r for r in engine.scheduler.running if r.request_id == victim)))
-            aborted.add(victim)
+        if engine.scheduler.running and rng.random() < 0.05:
+            victim = rng.choice(engine.scheduler.running)
+            engine.abort_request(engine.group_id(victim))
+            aborted.add(victim.request_id)
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
