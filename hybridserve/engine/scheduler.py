@@ -169,11 +169,11 @@ class Scheduler:
 
     # ---- admission ---------------------------------------------------------------
 
-    def _lookup_prefix(self, req: Request) -> tuple[int, list[int], int]:
-        """Longest usable hit: (length h, its KV blocks, checkpoint page), and the junction."""
-        tokens = req.all_token_ids
+    def _probe(self, tokens: list[int], hashes: list[int]) -> tuple[int, list[int], int, int]:
+        """What the cache holds for ``tokens`` (whose full-block hashes are ``hashes``):
+        the longest usable hit length, its KV blocks, its checkpoint page, and the
+        length of the longest cached KV prefix (checkpoint or not)."""
         bs = self.block_size
-        hashes = block_hashes(tokens, bs, limit=len(tokens) - 1)
         hit_blocks: list[int] = []
         best_len, best_page = 0, -1
         for i, h in enumerate(hashes):
@@ -184,10 +184,60 @@ class Scheduler:
             if self.states.has(h):
                 best_len = (i + 1) * bs
                 best_page = self.states.lookup(h).page
-        junction = len(hit_blocks) * bs
+        return best_len, hit_blocks[: best_len // bs], best_page, len(hit_blocks) * bs
+
+    def _lookup_prefix(self, req: Request) -> tuple[int, list[int], int]:
+        """Longest usable hit (length h, its KV blocks, checkpoint page); records the
+        junction, where the prompt leaves the cached path, as a checkpoint position."""
+        tokens = req.all_token_ids
+        hashes = block_hashes(tokens, self.block_size, limit=len(tokens) - 1)
+        best_len, hit_blocks, best_page, junction = self._probe(tokens, hashes)
         if junction > best_len and "junction" in self.cache_config.checkpoint_policies:
             req.extra_checkpoints.add(junction)
-        return best_len, hit_blocks[: best_len // bs], best_page
+        return best_len, hit_blocks, best_page
+
+    def _wait_for_shared_prefill(self, req: Request, rows: list[ScheduledRow]) -> bool:
+        """In-flight junctions: should ``req`` wait for a prefix being prefilled now?
+
+        When ``req`` shares at least two more KV blocks of its prompt with a running
+        request that has not yet computed them than the cache can give it today, the
+        shared tokens would be computed twice. Instead, the running request is asked
+        to leave a checkpoint where the two prompts part (the junction; added to this
+        step's row when the junction falls inside it) and ``req`` waits, in arrival
+        order, until that checkpoint exists. Returns True if ``req`` should wait.
+        """
+        cc = self.cache_config
+        if (
+            not cc.enable_prefix_caching
+            or "junction" not in cc.checkpoint_policies
+            or req.num_computed_tokens
+        ):
+            return False
+        bs = self.block_size
+        mine = block_hashes(req.all_token_ids, bs, limit=req.num_tokens - 1)
+        cached, _, _, _ = self._probe(req.all_token_ids, mine)
+        for other in self.running:
+            theirs = block_hashes(other.prompt_token_ids, bs)
+            shared = 0
+            while shared < min(len(mine), len(theirs)) and mine[shared] == theirs[shared]:
+                shared += 1
+            junction = shared * bs
+            if junction < cached + 2 * bs or other.num_computed_tokens >= junction:
+                continue
+            if self._ensure_checkpoint(other, junction, rows):
+                return True
+        return False
+
+    def _ensure_checkpoint(self, req: Request, p: int, rows: list[ScheduledRow]) -> bool:
+        """Make ``req`` (still short of ``p`` computed tokens) leave a checkpoint at ``p``."""
+        row = next((r for r in rows if r.request is req), None)
+        in_row = row is not None and row.num_computed < p <= row.num_computed + row.num_tokens
+        if in_row and p not in row.state_outputs:
+            if not self.states.can_allocate(1):
+                return False
+            row.state_outputs[p] = self.states.allocate(1)[0]
+        req.extra_checkpoints.add(p)
+        return True
 
     def _try_admit(self, req: Request, budget: int) -> tuple[int, list[int]]:
         """Admit ``req`` if caches allow.
@@ -284,6 +334,8 @@ class Scheduler:
             and not preempted
         ):
             req = self.waiting[0]
+            if self._wait_for_shared_prefill(req, rows):
+                break
             q, positions = self._try_admit(req, budget)
             if q == 0:
                 break

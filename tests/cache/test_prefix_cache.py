@@ -211,3 +211,20 @@ def test_flop_aware_eviction_keeps_long_prefixes(tiny_granite):
     assert hits["flop_aware"] > hits["lru"]
     with pytest.raises(ValueError, match="eviction_policy"):
         LLM(tiny_granite, eviction_policy="random")
+
+
+def test_prompts_arriving_together_share_the_prefill(tiny_granite):
+    """In-flight junctions: a prompt sharing a prefix with one being prefilled waits
+    for the checkpoint at their junction instead of computing the prefix again."""
+    rng = random.Random(12)
+    shared = _rand(rng, 100)
+    prompts = [shared + _rand(rng, 20) for _ in range(4)]
+    llm = LLM(tiny_granite)  # default grid of 64: only the junction gives 96
+    llm.engine.check_integrity_every_step = True
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.num_cached_tokens for o in outs] == [0, 96, 96, 96]
+    ref = LLM(tiny_granite, enable_prefix_caching=False).generate(prompts, GREEDY)
+    assert _tokens(outs) == _tokens(ref)
+    # Without the junction policy the batch runs side by side and nothing hits.
+    llm = LLM(tiny_granite, checkpoint_policies=("grid", "prompt_end", "finished"))
+    assert [o.num_cached_tokens for o in llm.generate(prompts, GREEDY)] == [0, 0, 0, 0]
