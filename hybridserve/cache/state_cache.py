@@ -80,7 +80,7 @@ class StateCache:
         return sum(1 for c in self.checkpoints.values() if self.ref_count[c.page] == 1)
 
     def can_allocate(self, count: int) -> bool:
-        return count <= len(self.free) + self.num_reclaimable()
+        return count <= len(self.free) or count <= len(self.free) + self.num_reclaimable()
 
     def allocate(self, count: int) -> list[int]:
         """Take ``count`` pages (one reference each), evicting checkpoints if needed.

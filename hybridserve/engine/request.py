@@ -149,6 +149,11 @@ class Request:
     # besides the grid: the junction and the prompt end.
     extra_checkpoints: set[int] = field(default_factory=set)
     slot: int = -1
+    # Chained hashes of the full blocks of all_token_ids, extended as blocks fill
+    # (tokens are only ever appended, so computed hashes stay valid), and how many of
+    # the request's current blocks are registered in the prefix index.
+    block_hashes: list[int] = field(default_factory=list)
+    num_registered_blocks: int = 0
     draft_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     num_preemptions: int = 0

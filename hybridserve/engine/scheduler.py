@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from hybridserve.cache.block_pool import BlockPool, block_hashes, chain_hash
+from hybridserve.cache.block_pool import BlockPool, chain_hash
 from hybridserve.cache.state_cache import StateCache
 from hybridserve.config import CacheConfig, SchedulerConfig
 from hybridserve.engine.request import Request, RequestStatus
@@ -118,6 +118,7 @@ class Scheduler:
     def _release_caches(self, req: Request) -> None:
         self.blocks.release(req.block_ids)
         req.block_ids = []
+        req.num_registered_blocks = 0
         self.states.release([req.state_page, req.boundary_page])
         req.state_page = -1
         req.boundary_page = -1
@@ -190,7 +191,7 @@ class Scheduler:
         """Longest usable hit (length h, its KV blocks, checkpoint page); records the
         junction, where the prompt leaves the cached path, as a checkpoint position."""
         tokens = req.all_token_ids
-        hashes = block_hashes(tokens, self.block_size, limit=len(tokens) - 1)
+        hashes = self._hashes(req, (len(tokens) - 1) // self.block_size)
         best_len, hit_blocks, best_page, junction = self._probe(tokens, hashes)
         if junction > best_len and "junction" in self.cache_config.checkpoint_policies:
             req.extra_checkpoints.add(junction)
@@ -214,10 +215,10 @@ class Scheduler:
         ):
             return False
         bs = self.block_size
-        mine = block_hashes(req.all_token_ids, bs, limit=req.num_tokens - 1)
+        mine = self._hashes(req, (req.num_tokens - 1) // bs)
         cached, _, _, _ = self._probe(req.all_token_ids, mine)
         for other in self.running:
-            theirs = block_hashes(other.prompt_token_ids, bs)
+            theirs = self._hashes(other, other.num_prompt_tokens // bs)
             shared = 0
             while shared < min(len(mine), len(theirs)) and mine[shared] == theirs[shared]:
                 shared += 1
@@ -271,6 +272,7 @@ class Scheduler:
             return 0, []
         self.blocks.acquire(hit_blocks)
         req.block_ids = hit_blocks + self.blocks.allocate(new_blocks)
+        req.num_registered_blocks = len(hit_blocks)
         req.state_page = hit_page
         req.num_computed_tokens = h
         if caching:
@@ -432,26 +434,35 @@ class Scheduler:
         self._register_full_blocks(req)
 
     def _admit_checkpoint(self, req: Request, p: int, page: int) -> None:
-        hashes = block_hashes(req.all_token_ids, self.block_size, limit=p)
-        if len(hashes) * self.block_size != p:
-            return  # tokens of that prefix were dropped (a stop string cut them)
+        if p > req.num_tokens:
+            return  # tokens of that prefix were dropped (a stop cut the accepted drafts)
+        hashes = self._hashes(req, p // self.block_size)
         self.states.admit(hashes[-1], p, page, hashes)
 
     def _admit_boundary_checkpoint(self, req: Request) -> None:
         if req.boundary_page >= 0 and req.boundary_len <= req.num_computed_tokens:
             self._admit_checkpoint(req, req.boundary_len, req.boundary_page)
 
+    def _hashes(self, req: Request, num_blocks: int) -> list[int]:
+        """The chained hashes of ``req``'s first ``num_blocks`` full blocks (cached)."""
+        bs = self.block_size
+        hashes = req.block_hashes
+        tokens = req.all_token_ids
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(chain_hash(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs]))
+        return hashes[:num_blocks]
+
     def _register_full_blocks(self, req: Request) -> None:
         if not self.cache_config.enable_prefix_caching:
             return
         bs = self.block_size
+        full = min(req.num_computed_tokens, req.num_tokens) // bs
+        hashes = self._hashes(req, full)
         tokens = req.all_token_ids
-        full = min(req.num_computed_tokens, len(tokens)) // bs
-        parent = None
-        for i in range(full):
-            block_tokens = tokens[i * bs : (i + 1) * bs]
-            parent = chain_hash(parent, block_tokens)
-            self.blocks.register(req.block_ids[i], parent, block_tokens)
+        for i in range(req.num_registered_blocks, full):
+            self.blocks.register(req.block_ids[i], hashes[i], tokens[i * bs : (i + 1) * bs])
+        req.num_registered_blocks = max(req.num_registered_blocks, full)
 
     # ---- maintenance -------------------------------------------------------------
 
