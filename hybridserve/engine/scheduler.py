@@ -9,7 +9,9 @@ One step
    with a seed samples the same tokens again).
 2. Waiting requests are admitted in arrival order while budget, seats and caches
    allow. Admission looks up the longest cached prefix h <= len - 1 that has both its
-   KV blocks and a state checkpoint (DESIGN.md section 3) and starts there.
+   KV blocks and a state checkpoint (DESIGN.md section 3) and starts there. A request
+   whose prompt shares a longer prefix with one still being prefilled waits for the
+   checkpoint that request is asked to leave at their junction.
 
 Which state each row writes (the pages come from :class:`StateCache`)
 -------------------------------------------------------------------
