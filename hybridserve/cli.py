@@ -25,6 +25,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-interval", type=int, default=64, help="checkpoint grid in tokens")
     p.add_argument("--max-checkpoint-pages", type=int, default=None)
     p.add_argument(
+        "--eviction-policy", choices=("lru", "flop_aware"), default="lru",
+        help="which checkpoint to evict when the budget is full",
+    )
+    p.add_argument(
         "--num-speculative-tokens", type=int, default=0,
         help="n-gram (prompt lookup) speculative decoding with this many draft tokens; 0 = off",
     )
@@ -64,6 +68,7 @@ def llm_from_args(args: argparse.Namespace):
         enable_prefix_caching=not args.no_prefix_caching,
         state_interval=args.state_interval,
         max_checkpoint_pages=args.max_checkpoint_pages,
+        eviction_policy=args.eviction_policy,
         speculative_config=spec,
         enforce_eager=True if args.enforce_eager else None,
     )
