@@ -210,7 +210,7 @@ class EngineCore:
             self._postprocess_states(verify_rows)
         for row in sched.rows:
             req = row.request
-            if req.status is RequestStatus.RUNNING and req.stop_reason is not None:
+            if req.status is RequestStatus.RUNNING and req.stopped:
                 self._finish(req)
             elif req.status is RequestStatus.RUNNING and self._length_capped(req):
                 self._finish(req, length=True)
@@ -322,7 +322,10 @@ class EngineCore:
                 break
 
     def _mark_stop(self, req: Request, reason: int | str | None) -> None:
-        req.stop_reason = reason if reason is not None else "eos"
+        """Finish ``req`` after this step; ``reason`` is the stop string or token id that
+        ended it (None for EOS), reported as ``stop_reason`` as vLLM does."""
+        req.stopped = True
+        req.stop_reason = reason
 
     def _check_stop_strings(self, req: Request) -> bool:
         text = self.tokenizer.decode(req.output_token_ids, req.params.skip_special_tokens)
@@ -349,7 +352,7 @@ class EngineCore:
             return ""
         text = self.tokenizer.decode(req.output_token_ids, req.params.skip_special_tokens)
         reason = req.stop_reason
-        if isinstance(reason, str) and reason != "eos" and reason in text:
+        if isinstance(reason, str) and reason in text:
             cut = text.index(reason)
             text = text[: cut + len(reason)] if req.params.include_stop_str_in_output else text[:cut]
         return text
@@ -374,7 +377,7 @@ class EngineCore:
                     cumulative_logprob=cum,
                     logprobs=logprobs,
                     finish_reason=finish_reason,
-                    stop_reason=None if req.stop_reason == "eos" else req.stop_reason,
+                    stop_reason=req.stop_reason,
                 )
             )
         finished = all(r.status.finished for r in group.children)

@@ -160,7 +160,8 @@ class Request:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_steps: int = 0
-    stop_reason: int | str | None = None
+    stopped: bool = False  # EOS, a stop token or a stop string ended it
+    stop_reason: int | str | None = None  # the stop token or string (None for EOS)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -225,3 +225,22 @@ def test_chat_renders_the_template(tiny_granite):
     assert [o.prompt for o in out] == ["<user>hi\n<assistant>", "<user>hi\n<user>more\n<assistant>"]
     direct = llm.generate(["<user>hi\n<assistant>"], params)[0]
     assert out[0].outputs[0].token_ids == direct.outputs[0].token_ids
+
+
+def test_any_stop_string_is_reported_and_cut_as_given(tiny_granite):
+    """A stop string that happens to spell "eos" is still a stop string; EOS itself
+    reports no stop_reason."""
+    from hybridserve.engine.request import Request
+
+    llm = LLM(tiny_granite, max_num_seqs=4)
+    engine = llm.engine
+    req = Request("r", [5, 6], SamplingParams(stop=["eos"]), arrival=0)
+    for tok in llm.tokenizer.encode("ab eos xy"):
+        req.append_output(tok)
+    engine._mark_stop(req, "eos")
+    assert engine._decode(req) == "ab "
+    full = llm.generate("def f(x):", SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
+    engine.eos_token_ids = (full.outputs[0].token_ids[2],)
+    out = llm.generate("def f(x):", SamplingParams(max_tokens=24, temperature=0))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason is None
+    assert out.token_ids == full.outputs[0].token_ids[: full.outputs[0].token_ids.index(engine.eos_token_ids[0]) + 1]
