@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridserve.config import EngineConfig
+from hybridserve.detokenizer import IncrementalDetokenizer
 from hybridserve.engine.request import (
     CompletionOutput,
     Request,
@@ -327,8 +328,13 @@ class EngineCore:
         req.stopped = True
         req.stop_reason = reason
 
+    def _output_text(self, req: Request) -> str:
+        if req.detokenizer is None:
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.params.skip_special_tokens)
+        return req.detokenizer.text(req.output_token_ids)
+
     def _check_stop_strings(self, req: Request) -> bool:
-        text = self.tokenizer.decode(req.output_token_ids, req.params.skip_special_tokens)
+        text = self._output_text(req)
         for s in req.params.stop:
             if s in text:
                 self._mark_stop(req, s)
@@ -350,7 +356,7 @@ class EngineCore:
     def _decode(self, req: Request) -> str:
         if self.tokenizer is None:
             return ""
-        text = self.tokenizer.decode(req.output_token_ids, req.params.skip_special_tokens)
+        text = self._output_text(req)
         reason = req.stop_reason
         if isinstance(reason, str) and reason in text:
             cut = text.index(reason)

@@ -160,6 +160,7 @@ class Request:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_steps: int = 0
+    detokenizer: object | None = None  # the engine's IncrementalDetokenizer for the output
     stopped: bool = False  # EOS, a stop token or a stop string ended it
     stop_reason: int | str | None = None  # the stop token or string (None for EOS)
 
