@@ -55,8 +55,10 @@ def run_demo(args: argparse.Namespace) -> int:
         return 2
     print(f"model: {llm.config.model}  ({time.perf_counter() - t0:.1f} s to load)\n")
 
-    print("== 1. Code completions (greedy) ==")
-    greedy = SamplingParams(max_tokens=48, temperature=0.0, stop=["\n\n\n", "\nclass ", "\ndef "])
+    print("== 1. Code completions (greedy, repetition penalty 1.2: the model is tiny) ==")
+    greedy = SamplingParams(
+        max_tokens=48, temperature=0.0, repetition_penalty=1.2, stop=["\n\n\n", "\nclass ", "\ndef "]
+    )
     for out in llm.generate(COMPLETIONS, greedy, use_tqdm=False):
         print(f"--- {out.prompt.splitlines()[0]}")
         print(out.prompt + out.outputs[0].text)
