@@ -148,27 +148,36 @@ class ModelRunner:
             index = index.pin_memory()
         index = index.to(hidden.device, non_blocking=True)
         logits = self.model.compute_logits(hidden[index])
-        if all(sampler.samples_by_argmax(row.request.params) for row in sched.rows if row.samples):
-            # Device fast path: pick every token on the device and read back one id per
-            # gathered position (one small copy per step, no [rows, vocab] transfer).
-            choices = sampler.argmax_ids(logits).tolist()
-            results = []
-            for row, (start, k) in zip(sched.rows, spans):
-                if k == 0:
-                    results.append(RowResult([], []))
-                    continue
+        # Rows whose choice is an argmax (greedy, no penalties, no logprobs) are decided
+        # on the device and read back as one id per position; only the other rows'
+        # logits travel to the host, where the general sampler runs.
+        by_argmax = [
+            k > 0 and sampler.samples_by_argmax(row.request.params)
+            for row, (_, k) in zip(sched.rows, spans)
+        ]
+        choices = sampler.argmax_ids(logits).tolist() if any(by_argmax) else []
+        general = [
+            i for i, (row, (_, k)) in enumerate(zip(sched.rows, spans)) if k > 0 and not by_argmax[i]
+        ]
+        host_rows: dict[int, torch.Tensor] = {}
+        if general:
+            rows_index = [j for i in general for j in range(spans[i][0], spans[i][0] + spans[i][1])]
+            host = logits[torch.tensor(rows_index, device=logits.device)].float().cpu()
+            offset = 0
+            for i in general:
+                host_rows[i] = host[offset : offset + spans[i][1]]
+                offset += spans[i][1]
+        results = []
+        for i, (row, (start, k)) in enumerate(zip(sched.rows, spans)):
+            if k == 0:
+                results.append(RowResult([], []))
+            elif by_argmax[i]:
                 drafts = row.request.draft_token_ids[: row.num_drafts]
                 results.append(
                     RowResult(sampler.verify_greedy_ids(choices[start : start + k], drafts), [])
                 )
-            return results
-        logits = logits.float().cpu()
-        results = []
-        for row, (start, k) in zip(sched.rows, spans):
-            if k == 0:
-                results.append(RowResult([], []))
-                continue
-            results.append(self._sample_row(row, logits[start : start + k]))
+            else:
+                results.append(self._sample_row(row, host_rows[i]))
         return results
 
     def _sample_row(self, row, logits: torch.Tensor) -> RowResult:
