@@ -166,6 +166,8 @@ class EngineCore:
         for child in group.children:
             if not child.status.finished:
                 self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
+            if self.drafter is not None:
+                self.drafter.forget(child.request_id)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -286,7 +288,9 @@ class EngineCore:
                 self._max_tokens(req) - len(req.output_token_ids) - 1,
                 req.max_model_len - req.num_tokens - 1,
             )
-            req.draft_token_ids = self.drafter.propose(req.all_token_ids, room) if room > 0 else []
+            req.draft_token_ids = (
+                self.drafter.propose(req.all_token_ids, room, key=req.request_id) if room > 0 else []
+            )
 
     def _max_tokens(self, req: Request) -> int:
         mt = req.params.max_tokens
@@ -344,6 +348,8 @@ class EngineCore:
     def _finish(self, req: Request, length: bool = False) -> None:
         status = RequestStatus.FINISHED_LENGTH if length else RequestStatus.FINISHED_STOPPED
         self.scheduler.finish(req, status)
+        if self.drafter is not None:
+            self.drafter.forget(req.request_id)
         self.counters["requests_finished"] += 1
 
     # ---- outputs -----------------------------------------------------------------
