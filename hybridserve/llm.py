@@ -19,11 +19,27 @@ from hybridserve.config import (
 )
 from hybridserve.engine.engine_core import EngineCore
 from hybridserve.engine.request import RequestOutput, SamplingParams
+from hybridserve.models.base import CacheSpec
 from hybridserve.tokenizer import Tokenizer
 
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
 
 PromptType = str | list[int] | dict[str, Any]
+
+
+def check_cache_fits(spec: CacheSpec, cache: CacheConfig, dtype: torch.dtype, free_bytes: int) -> int:
+    """Bytes the caches of ``cache`` take; raises ValueError naming the knobs to lower
+    when that exceeds 95% of ``free_bytes`` (better than failing inside an allocation)."""
+    kv = spec.kv_block_bytes(cache.kv_block_size, dtype) * cache.num_kv_blocks
+    state = spec.state_page_bytes(dtype, cache.ssm_state_dtype) * cache.num_state_pages
+    if kv + state > 0.95 * free_bytes:
+        raise ValueError(
+            f"the caches need {(kv + state) / 2**30:.1f} GiB (KV {kv / 2**30:.1f} GiB in "
+            f"{cache.num_kv_blocks} blocks, recurrent state {state / 2**30:.1f} GiB in "
+            f"{cache.num_state_pages} pages) but {free_bytes / 2**30:.1f} GiB are free: "
+            "lower num_state_pages (or max_num_seqs), num_kv_blocks or max_model_len"
+        )
+    return kv + state
 
 
 class LLM:
@@ -108,6 +124,11 @@ class LLM:
             ssm_state_dtype=resolve_dtype(ssm_state_dtype, "ssm_state_dtype"),
             eviction_policy=eviction_policy,
         )
+        if device.startswith("cuda"):
+            check_cache_fits(
+                self.model.cache_spec, cache, torch_dtype,
+                free_bytes=torch.cuda.mem_get_info(torch.device(device))[0],
+            )
         self.config = EngineConfig(
             model=str(path), dtype=torch_dtype, device=device, seed=seed,
             cache=cache, scheduler=sched, spec=spec,

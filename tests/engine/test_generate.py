@@ -244,3 +244,17 @@ def test_any_stop_string_is_reported_and_cut_as_given(tiny_granite):
     out = llm.generate("def f(x):", SamplingParams(max_tokens=24, temperature=0))[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason is None
     assert out.token_ids == full.outputs[0].token_ids[: full.outputs[0].token_ids.index(engine.eos_token_ids[0]) + 1]
+
+
+def test_cache_sizing_is_checked_against_free_memory(tiny_granite):
+    from hybridserve.config import CacheConfig
+    from hybridserve.llm import check_cache_fits
+
+    llm = LLM(tiny_granite)
+    spec = llm.model.cache_spec
+    cache = CacheConfig(num_kv_blocks=100, num_state_pages=50)
+    need = check_cache_fits(spec, cache, torch.float32, free_bytes=1 << 40)
+    kv = spec.kv_block_bytes(16, torch.float32) * 100
+    assert need == kv + spec.state_page_bytes(torch.float32, torch.float32) * 50
+    with pytest.raises(ValueError, match="num_state_pages"):
+        check_cache_fits(spec, cache, torch.float32, free_bytes=need)
