@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from hybridserve import default_model
 from hybridserve.config import (
     CHECKPOINT_POLICIES,
     CacheConfig,
@@ -22,7 +23,7 @@ from hybridserve.engine.request import RequestOutput, SamplingParams
 from hybridserve.models.base import CacheSpec
 from hybridserve.tokenizer import Tokenizer
 
-DEFAULT_MODEL = Path(__file__).parent / "default_model"
+DEFAULT_MODEL = default_model.PATH
 
 PromptType = str | list[int] | dict[str, Any]
 
