@@ -59,9 +59,16 @@ import triton  # noqa: E402
 import hybridserve.models.loader as loader  # noqa: E402
 from hybridserve import LLM, SamplingParams  # noqa: E402
 from hybridserve.engine.engine_core import EngineCore, prefill_flops  # noqa: E402
-from hybridserve.kernels import mamba_decode, paged_attention  # noqa: E402
+from hybridserve.kernels import (  # noqa: E402
+    mamba_decode,
+    norms,
+    paged_attention,
+    paged_attention_prefill,
+    ssd_varlen,
+)
 from hybridserve.models.config import ModelConfig  # noqa: E402
 from hybridserve.models.layers import attention as attention_layer  # noqa: E402
+from hybridserve.models.layers import mamba2 as mamba_layer  # noqa: E402
 from hybridserve.models.registry import model_class  # noqa: E402
 from hybridserve.runner import sampler  # noqa: E402
 from hybridserve.runner.cuda_graph import StepShape  # noqa: E402
@@ -224,6 +231,29 @@ def reference_paths():
     finally:
         (mamba_decode.decode_plan, attention_layer._uniform_rows,
          sampler.samples_by_argmax) = saved
+
+
+@contextlib.contextmanager
+def per_row_prefill():
+    """Prefill and mixed steps on the per-row reference paths (Mamba and attention)."""
+    saved = (mamba_layer.PACKED_PREFILL, paged_attention_prefill.TRITON_PREFILL)
+    mamba_layer.PACKED_PREFILL = "off"
+    paged_attention_prefill.TRITON_PREFILL = False
+    try:
+        yield
+    finally:
+        mamba_layer.PACKED_PREFILL, paged_attention_prefill.TRITON_PREFILL = saved
+
+
+@contextlib.contextmanager
+def torch_norms():
+    """RMS norms, residual adds and the gated norm on their torch twins."""
+    saved = norms.TRITON_NORMS
+    norms.TRITON_NORMS = "never"
+    try:
+        yield
+    finally:
+        norms.TRITON_NORMS = saved
 
 
 # --------------------------------------------------------------------------------------
@@ -1059,6 +1089,30 @@ def main(argv=None) -> int:
                                   args.prefill_len, vocab, 3, rate, args.prefill_max_s)
 
     result["prefill"] = section("prefill", prefill)
+    result["prefill_paths"] = {
+        "mamba": "packed (fla-core scan)" if ssd_varlen.fla_available() and device == "cuda"
+        else "per-row",
+        "attention": "triton" if paged_attention_prefill.triton_enabled(torch.device(device))
+        else "per-row",
+    }
+
+    def prefill_per_row():
+        with per_row_prefill():
+            return prefill()
+
+    result["prefill_per_row"] = section("prefill_per_row", prefill_per_row)
+    if result["prefill"] and result["prefill_per_row"]:
+        result["prefill_packed_over_per_row"] = (
+            result["prefill"]["tokens_per_s"] / result["prefill_per_row"]["tokens_per_s"])
+
+    def decode_torch_norms():
+        b = args.profile_batch
+        with torch_norms():
+            return engine_decode(model, path, device, dtype, b, args.prompt, args.warmup_steps,
+                                 args.steps, vocab, seed=b, enforce_eager=graphs_mode)
+
+    result["decode_torch_norms"] = section(
+        f"decode_torch_norms_b{args.profile_batch}", decode_torch_norms)
     result["agreement"] = section(
         "agreement", lambda: agreement(device, "bfloat16" if device == "cuda" else "float32",
                                        workdir))
@@ -1153,6 +1207,13 @@ def main(argv=None) -> int:
         print(f"prefill {p['prompts_run']} x {p['prompt_len']}: {p['wall_s']:.2f}s, "
               f"{p['tokens_per_s']:.0f} tok/s, roofline {p['roofline_tokens_per_s']:.0f} tok/s "
               f"({100 * p['fraction_of_roofline']:.1f}%)")
+    if result.get("prefill_per_row"):
+        p = result["prefill_per_row"]
+        print(f"prefill per-row paths: {p['tokens_per_s']:.0f} tok/s "
+              f"({100 * p['fraction_of_roofline']:.1f}%)")
+    if result.get("decode_torch_norms"):
+        r = result["decode_torch_norms"]
+        print(f"decode b{r['batch']} with torch norms: {r['tokens_per_s']:.1f} tok/s")
     if result.get("ttft"):
         t = result["ttft"]
         print(f"TTFT {t['prompt_len']} tokens: cold {t['cold_s']:.3f}s, "

@@ -1,7 +1,8 @@
 """Batched paged attention for uniform decode / verify steps (every row runs ``Q`` tokens).
 
-The per-row reference (:func:`hybridserve.models.layers.attention.paged_attention_reference`)
-loops over rows. For a step whose rows all run the same small ``Q`` the rows' cached keys
+The per-row reference
+(:func:`hybridserve.kernels.paged_attention_prefill.paged_attention_reference`) loops over
+rows. For a step whose rows all run the same small ``Q`` the rows' cached keys
 and values are gathered at once through their block tables into a padded
 ``[R, L, KV, D]`` view (``L`` = the longest context of the step) and every row attends in
 one batched product, causally by absolute position: query token ``t`` of row ``r`` at

@@ -6,6 +6,12 @@ Mamba2 mixer, an attention layer, or (Nemotron-H) a plain MLP. The architectures
 only in module names (which must equal their checkpoints' weight names), their MLP
 flavour and a few multipliers; :class:`LayerNames` captures the names, the rest comes
 from :class:`~hybridserve.models.config.ModelConfig`.
+
+Every residual add is followed by a norm (the next block's, the next layer's input norm,
+or the final norm), so the stack hands each block's output on *pending* and the next
+norm adds it and normalises in one pass (:meth:`RMSNorm.add_norm
+<hybridserve.models.layers.norm.RMSNorm.add_norm>`: one fused kernel on CUDA). The sums
+and roundings are the same ones in the same order as adding first and normalising after.
 """
 
 from __future__ import annotations
@@ -68,8 +74,20 @@ class DecoderLayer(nn.Module):
             )
             self.add_module(names.mlp, build_mlp(hidden, config.mlp))
 
-    def forward(self, h: torch.Tensor, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
-        x = getattr(self, self._names.input_norm)(h)
+    def forward(
+        self,
+        h: torch.Tensor,
+        pending: torch.Tensor | None,
+        batch: ForwardBatch,
+        caches: ModelCaches,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(h, pending)`` -> ``(h', pending')``: the residual stream is ``h`` plus
+        ``pending * residual_multiplier`` (None: nothing pending) before and after."""
+        norm = getattr(self, self._names.input_norm)
+        if pending is None:
+            x = norm(h)
+        else:
+            h, x = norm.add_norm(h, pending, self.residual_multiplier)
         mixer = getattr(self, self._mixer)
         if self.kind == MAMBA:
             x = mixer(x, batch, caches.conv[self.index], caches.ssm[self.index])
@@ -77,11 +95,10 @@ class DecoderLayer(nn.Module):
             x = mixer(x, batch, caches.kv[self.index])
         else:
             x = mixer(x)
-        h = h + x * self.residual_multiplier
         if self.has_mlp:
-            x = getattr(self, self._names.mlp)(getattr(self, self._names.post_norm)(h))
-            h = h + x * self.residual_multiplier
-        return h
+            h, x = getattr(self, self._names.post_norm).add_norm(h, x, self.residual_multiplier)
+            x = getattr(self, self._names.mlp)(x)
+        return h, x
 
 
 class HybridBackbone(nn.Module):
@@ -91,6 +108,7 @@ class HybridBackbone(nn.Module):
         super().__init__()
         self._names = names
         self.embedding_multiplier = config.embedding_multiplier
+        self.residual_multiplier = config.residual_multiplier
         self.add_module(names.embed, nn.Embedding(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, names) for i in range(config.num_layers)
@@ -110,9 +128,13 @@ class HybridBackbone(nn.Module):
         h = self.embed(input_ids)
         if self.embedding_multiplier != 1.0:
             h = h * self.embedding_multiplier
+        pending = None
         for layer in self.layers:
-            h = layer(h, batch, caches)
-        return getattr(self, self._names.final_norm)(h)
+            h, pending = layer(h, pending, batch, caches)
+        norm = getattr(self, self._names.final_norm)
+        if pending is None:
+            return norm(h)
+        return norm.add_norm(h, pending, self.residual_multiplier)[1]
 
 
 class HybridForCausalLM(nn.Module):

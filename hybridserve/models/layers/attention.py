@@ -1,9 +1,16 @@
-"""Grouped-query attention over the paged KV cache (torch reference path).
+"""Grouped-query attention over the paged KV cache.
 
 Per step (see :mod:`hybridserve.models.batch`): keys and values of every packed token are
 written to their ``slot_mapping`` slot first, then each row attends over its first
 ``context_lens[i]`` cached tokens, causally: a token at absolute position ``p`` sees the
-keys at positions ``0 .. p``. Rows are processed one at a time; that is the CPU reference.
+keys at positions ``0 .. p``. The per-row torch path
+(:func:`hybridserve.kernels.paged_attention_prefill.paged_attention_reference`, processing
+rows one at a time) is the CPU reference and the oracle.
+
+Prefill and mixed steps (rows of any lengths): on CUDA every row attends in one Triton
+launch that reads keys and values through the block tables
+(:func:`hybridserve.kernels.paged_attention_prefill.paged_attention_prefill_triton`);
+elsewhere through the per-row path.
 
 Decode fast path: when every row runs the same few tokens (plain decode, uniform verify
 rows), all rows attend at once: on CUDA through the Triton kernel that reads keys and
@@ -19,50 +26,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridserve.kernels import paged_attention
+from hybridserve.kernels import paged_attention, paged_attention_prefill
 from hybridserve.kernels.mamba_decode import MAX_DECODE_TOKENS
+from hybridserve.kernels.paged_attention_prefill import paged_attention_reference
 from hybridserve.models.batch import ForwardBatch
 from hybridserve.models.config import AttentionParams
 from hybridserve.models.layers.rotary import apply_rope
-
-
-def paged_attention_reference(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    batch: ForwardBatch,
-    scale: float,
-) -> torch.Tensor:
-    """Attend ``q [T, H, D]`` over the paged cache (already holding this step's keys).
-
-    ``k_cache, v_cache``: ``[num_blocks, block_size, KV, D]``. Returns ``[T, H, D]`` in
-    ``q.dtype``; scores and softmax are computed in float32 (or float64 for float64 input).
-    """
-    num_heads = q.shape[1]
-    block_size, num_kv = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv
-    compute = torch.promote_types(q.dtype, torch.float32)
-    flat_k = k_cache.reshape(-1, num_kv, k_cache.shape[-1])
-    flat_v = v_cache.reshape(-1, num_kv, v_cache.shape[-1])
-    out = torch.empty_like(q)
-    offsets = torch.arange(block_size, device=q.device)
-    for i in range(batch.num_rows):
-        s, e = batch.query_start[i], batch.query_start[i + 1]
-        if e == s:
-            continue
-        ctx = batch.context_lens[i]
-        n_blocks = -(-ctx // block_size)
-        blocks = batch.block_tables[i, :n_blocks].to(device=q.device, dtype=torch.int64)
-        slots = (blocks[:, None] * block_size + offsets[None, :]).reshape(-1)[:ctx]
-        keys = flat_k[slots].to(compute).repeat_interleave(group, dim=1)  # [ctx, H, D]
-        values = flat_v[slots].to(compute).repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q[s:e].to(compute), keys) * scale
-        key_pos = torch.arange(ctx, device=q.device)
-        visible = key_pos[None, :] <= batch.positions[s:e, None].to(q.device)  # [q, ctx]
-        scores = scores.masked_fill(~visible[None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[s:e] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
-    return out
 
 
 def _uniform_rows(batch: ForwardBatch) -> bool:
@@ -134,6 +103,10 @@ class Attention(nn.Module):
             out = paged_attention.paged_attention_decode_reference(
                 q, k_cache, v_cache, batch.block_tables, batch.context_lens,
                 batch.positions, p.scale,
+            )
+        elif paged_attention_prefill.triton_enabled(q.device):
+            out = paged_attention_prefill.paged_attention_prefill_triton(
+                q, k_cache, v_cache, batch, p.scale
             )
         else:
             out = paged_attention_reference(q, k_cache, v_cache, batch, p.scale)

@@ -14,8 +14,15 @@ Decode fast path: when every row of the step runs the same few tokens from a sto
 state (plain decode, uniform verify rows; :func:`~hybridserve.kernels.mamba_decode.decode_plan`),
 all rows go through one batched conv update and one batched selective-state update
 that read the rows' pages and write the requested states to their output pages
-(Triton kernels on CUDA, their torch twins elsewhere). The per-row path above stays the
-reference and serves prefill and mixed steps.
+(Triton kernels on CUDA, their torch twins elsewhere).
+
+Packed prefill path: every other step (prefill, mixed) on CUDA, when fla-core is
+importable and the scan's compute dtype is float32, runs all rows at once: one
+variable-length conv launch (:mod:`hybridserve.kernels.conv_varlen`) and the segmented
+varlen scan of :func:`~hybridserve.kernels.ssd_varlen.ssd_prefill` on fla-core's chunked
+scan. :data:`PACKED_PREFILL` selects it; ``"reference"`` runs the same orchestration with
+the torch twins on any device (how the CPU tests cover it). The per-row path above stays
+the default elsewhere: it is the oracle.
 """
 
 from __future__ import annotations
@@ -23,12 +30,38 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridserve.kernels import mamba_decode
+from hybridserve.kernels import mamba_decode, ssd_varlen
 from hybridserve.kernels.conv1d import causal_conv1d_reference
+from hybridserve.kernels.conv_varlen import conv_varlen, conv_varlen_reference, conv_varlen_windows
 from hybridserve.kernels.ssd import discretize_dt, ssd_chunked_reference, ssd_step_reference
 from hybridserve.models.batch import ForwardBatch
 from hybridserve.models.config import MambaParams
 from hybridserve.models.layers.norm import GatedRMSNorm
+
+# The path of a step that is not a uniform decode step:
+# "auto": the packed path with fla-core's scan on CUDA when fla-core is importable and the
+#     scan's compute dtype is float32; the per-row reference path otherwise;
+# "reference": the packed path with the torch-twin scan, on any device and dtype (tests);
+# "off": the per-row reference path everywhere.
+PACKED_PREFILL = "auto"
+
+
+def packed_prefill_scan(device: torch.device, compute: torch.dtype) -> ssd_varlen.ScanFn | None:
+    """The scan primitive the packed prefill path uses here, or None for the per-row path."""
+    if PACKED_PREFILL == "reference":
+        return ssd_varlen.ssd_scan_varlen_reference
+    if (
+        PACKED_PREFILL == "auto"
+        and device.type == "cuda"
+        and compute == torch.float32
+        and ssd_varlen.fla_available()
+    ):
+        return ssd_varlen.ssd_scan_varlen_fla
+    if PACKED_PREFILL not in ("auto", "off"):
+        raise ValueError(
+            f"PACKED_PREFILL must be 'auto', 'reference' or 'off', got {PACKED_PREFILL!r}"
+        )
+    return None
 
 
 class Mamba2Mixer(nn.Module):
@@ -77,6 +110,13 @@ class Mamba2Mixer(nn.Module):
         if plan is not None:
             y = self._decode_rows(xbc, dt, A, plan, conv_cache, ssm_cache)
             y = self.norm(y.to(compute), z)
+            return self.out_proj(y.to(h.dtype))
+
+        scan = packed_prefill_scan(h.device, compute)
+        if scan is not None:
+            prefill = ssd_varlen.prefill_plan(batch, h.device)
+            y = self._prefill_rows(xbc, dt, A, prefill, scan, conv_cache, ssm_cache)
+            y = self.norm(y, z)
             return self.out_proj(y.to(h.dtype))
 
         initial = [
@@ -169,4 +209,63 @@ class Mamba2Mixer(nn.Module):
             plan.in_pages,
             plan.out_pages,
         )
+        return y.reshape(t, p.intermediate_size)
+
+    def _prefill_rows(
+        self,
+        xbc: torch.Tensor,
+        dt: torch.Tensor,
+        A: torch.Tensor,
+        plan: ssd_varlen.PrefillPlan,
+        scan: ssd_varlen.ScanFn,
+        conv_cache: torch.Tensor,
+        ssm_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """The packed path of any step: ``[T, intermediate]`` scan output (compute dtype)."""
+        p = self.p
+        t = xbc.shape[0]
+        compute = A.dtype
+        weight = self.conv1d.weight[:, 0, :].contiguous()
+        xbc = xbc.contiguous()
+        # Everything read from pages (conv windows that reach back before a row, initial
+        # SSM states) is gathered before any page is written.
+        windows = conv_varlen_windows(
+            xbc, conv_cache, plan.query_start, plan.in_pages, plan.out_rows, plan.out_offsets
+        )
+        initial = torch.zeros(
+            len(plan.in_pages), *ssm_cache.shape[1:], dtype=compute, device=xbc.device
+        )
+        initial.index_copy_(
+            0, plan.init_rows, ssm_cache.index_select(0, plan.init_pages).to(compute)
+        )
+        # Triton on CUDA (float32 accumulation); the torch twin elsewhere, and for float64.
+        conv = conv_varlen if xbc.is_cuda and compute == torch.float32 else conv_varlen_reference
+        xbc = conv(
+            xbc,
+            weight,
+            self.conv1d.bias,
+            conv_cache,
+            plan.query_start,
+            plan.in_pages,
+            p.activation,
+            plan.token_row,
+        )
+        gs = p.n_groups * p.d_state
+        x, B, C = xbc.split([p.intermediate_size, gs, gs], dim=-1)
+        # As per row: one-token continuation rows skip the clamp unless the model asks for it.
+        unclamped = None if p.clamp_dt_in_single_token_step else plan.single_token
+        dt = ssd_varlen.discretize_dt_varlen(dt, self.dt_bias, p.time_step_limit, unclamped)
+        y, states = ssd_varlen.ssd_prefill(
+            x.reshape(t, p.n_heads, p.head_dim),
+            dt,
+            A,
+            B.reshape(t, p.n_groups, p.d_state),
+            C.reshape(t, p.n_groups, p.d_state),
+            self.D,
+            initial,
+            plan.segments,
+            scan,
+        )
+        conv_cache[plan.out_pages] = windows.to(conv_cache.dtype)
+        ssm_cache[plan.out_pages] = states.to(ssm_cache.dtype)
         return y.reshape(t, p.intermediate_size)

@@ -1,10 +1,18 @@
-"""RMS norms of the hybrid models (plain, and grouped + gated for the Mamba2 output)."""
+"""RMS norms of the hybrid models (plain, and grouped + gated for the Mamba2 output).
+
+The arithmetic is that of the torch twins in :mod:`hybridserve.kernels.norms`; where
+:func:`~hybridserve.kernels.norms.triton_enabled` says so (CUDA tensors by default) the
+modules run the fused Triton kernels of that module instead, which compute the same
+function (see its docstring for how close). Everything else, the CPU path included,
+takes the twins unchanged.
+"""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from hybridserve.kernels import norms
 
 
 class RMSNorm(nn.Module):
@@ -13,6 +21,8 @@ class RMSNorm(nn.Module):
     ``weight_in_fp32``: multiply the weight in float32 and cast once at the end (Nemotron-H)
     instead of casting the normalised value back first (Granite, Bamba). The two agree
     in float32 and differ by rounding in bf16.
+
+    :meth:`add_norm` folds the decoder's residual add into the same pass.
     """
 
     def __init__(self, hidden_size: int, eps: float, weight_in_fp32: bool = False) -> None:
@@ -22,12 +32,23 @@ class RMSNorm(nn.Module):
         self.weight_in_fp32 = weight_in_fp32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.weight_in_fp32:
-            return (self.weight.float() * h).to(dtype)
-        return self.weight * h.to(dtype)
+        if norms.triton_enabled(x, self.weight):
+            return norms.rms_norm(x, self.weight, self.eps, self.weight_in_fp32)
+        return norms.rms_norm_reference(x, self.weight, self.eps, self.weight_in_fp32)
+
+    def add_norm(
+        self, residual: torch.Tensor, x: torch.Tensor, multiplier: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``h = residual + x * multiplier``; returns ``(h, self(h))`` (one kernel on CUDA)."""
+        if residual.dtype == x.dtype and residual.shape == x.shape and norms.triton_enabled(
+            residual, x, self.weight
+        ):
+            return norms.add_rms_norm(
+                residual, x, self.weight, self.eps, multiplier, self.weight_in_fp32
+            )
+        return norms.add_rms_norm_reference(
+            residual, x, self.weight, self.eps, multiplier, self.weight_in_fp32
+        )
 
 
 class GatedRMSNorm(nn.Module):
@@ -43,10 +64,17 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
         self.n_groups = n_groups
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """``x, gate``: ``[T, hidden]`` (any float dtype); returns ``x.dtype``."""
-        dtype = x.dtype
-        h = x.float() * F.silu(gate.float())
-        g = h.view(*h.shape[:-1], self.n_groups, -1)
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * g.view_as(h).to(dtype)
+    def forward(
+        self, x: torch.Tensor, gate: torch.Tensor, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """``x, gate``: ``[T, hidden]`` (any float dtype).
+
+        Returns ``promote(weight.dtype, x.dtype)``, or ``out_dtype`` when given (the cast
+        then happens inside the kernel's single pass instead of in a separate one).
+        """
+        kernel_out = out_dtype in (None, torch.float32, torch.bfloat16, torch.float16)
+        if kernel_out and gate.shape == x.shape and norms.triton_enabled(x, gate, self.weight):
+            return norms.gated_rms_norm(x, gate, self.weight, self.n_groups, self.eps, out_dtype)
+        return norms.gated_rms_norm_reference(
+            x, gate, self.weight, self.n_groups, self.eps, out_dtype
+        )

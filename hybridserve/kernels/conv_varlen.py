@@ -1,0 +1,286 @@
+"""Causal depthwise conv1d of the Mamba2 mixer over a packed step of variable-length rows.
+
+The prefill / mixed-step counterpart of :func:`~hybridserve.kernels.mamba_decode.conv_decode_update`.
+Row ``i`` of the step owns tokens ``query_start[i] .. query_start[i + 1]`` of the packed
+input ``xbc [T, C]`` (rows may be empty). Its conv starts from the window on page
+``in_pages[i]`` of ``conv_cache [pages, C, K - 1]`` (oldest input first, the layout of
+:mod:`hybridserve.kernels.conv1d`), or from zeros when the page is -1. Output token ``t``
+of a row is ``act(bias + sum_k weight[:, k] * xp[t + k])`` over the row's padded input
+``xp = concat(window, row inputs)``: exactly :func:`~hybridserve.kernels.conv1d.causal_conv1d_reference`
+row by row.
+
+- :func:`conv_varlen`: the Triton kernel. One program owns one (token block, channel
+  block) tile of the output, which is a separate buffer (never the input); it reads only
+  inputs (``xbc``, ``weight``, ``bias``, the initial windows and the index tensors), so
+  no program reads what another writes (DESIGN.md section 5). A token block may span
+  several rows: every token looks its row up in ``token_row``.
+- :func:`conv_varlen_reference`: its torch twin (the CPU path and the test oracle), the
+  per-row reference loop.
+- :func:`conv_varlen_windows`: the windows to store after requested ``(row, offset)``
+  positions (torch; a gather, no arithmetic): the last ``K - 1`` conv inputs up to and
+  including the row's token at ``offset``, the oldest ones taken from the row's initial
+  window when the row has fewer tokens. Bit for bit the windows the per-row reference
+  returns. It reads the initial windows, so it must run before any page is written.
+
+Index tensors (``query_start``, ``in_pages``, ``token_row``, request rows and offsets) are
+integer tensors on the device of ``xbc``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hybridserve.kernels.conv1d import causal_conv1d_reference
+
+__all__ = ["conv_varlen", "conv_varlen_reference", "conv_varlen_windows", "token_rows"]
+
+
+def _check(
+    xbc: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_cache: torch.Tensor,
+    query_start: torch.Tensor,
+    in_pages: torch.Tensor,
+    activation: str | None,
+) -> int:
+    tokens, channels = xbc.shape
+    k = weight.shape[-1]
+    if weight.shape != (channels, k) or conv_cache.shape[1:] != (channels, k - 1):
+        raise ValueError(
+            f"weight must be [C={channels}, K] and conv_cache [pages, C, K-1], got "
+            f"{tuple(weight.shape)}, {tuple(conv_cache.shape)}"
+        )
+    if bias is not None and bias.shape != (channels,):
+        raise ValueError(f"bias must be [C={channels}], got {tuple(bias.shape)}")
+    rows = in_pages.shape[0]
+    if in_pages.dim() != 1 or query_start.shape != (rows + 1,):
+        raise ValueError(
+            f"in_pages must be [B] and query_start [B + 1], got {tuple(in_pages.shape)}, "
+            f"{tuple(query_start.shape)}"
+        )
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"unsupported conv activation {activation!r}; expected 'silu' or None")
+    return rows
+
+
+def _output(xbc: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return torch.empty(xbc.shape, dtype=xbc.dtype, device=xbc.device)
+    if out.shape != xbc.shape or out.dtype != xbc.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {tuple(xbc.shape)} {xbc.dtype} tensor")
+    if out.untyped_storage().data_ptr() == xbc.untyped_storage().data_ptr():
+        raise ValueError("out must not share storage with xbc: the conv is never in place")
+    return out
+
+
+def token_rows(query_start: torch.Tensor, tokens: int) -> torch.Tensor:
+    """``[T]`` int64: the row of every packed token (empty rows own none). No host sync."""
+    return torch.searchsorted(
+        query_start[1:].to(torch.int64),
+        torch.arange(tokens, device=query_start.device),
+        right=True,
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Torch twin and the windows
+# --------------------------------------------------------------------------------------
+
+
+def conv_varlen_reference(
+    xbc: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_cache: torch.Tensor,
+    query_start: torch.Tensor,
+    in_pages: torch.Tensor,
+    activation: str | None = "silu",
+    token_row: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Torch twin of :func:`conv_varlen` (same arguments, same result): the per-row loop."""
+    rows = _check(xbc, weight, bias, conv_cache, query_start, in_pages, activation)
+    del token_row  # the loop knows every row's tokens
+    starts = query_start.tolist()
+    pages = in_pages.tolist()
+    if starts[-1] != xbc.shape[0]:
+        raise ValueError(f"query_start ends at {starts[-1]}, xbc has {xbc.shape[0]} tokens")
+    out = _output(xbc, out)
+    for i in range(rows):
+        s, e = starts[i], starts[i + 1]
+        if e == s:
+            continue
+        window = conv_cache[pages[i]] if pages[i] >= 0 else None
+        out[s:e] = causal_conv1d_reference(xbc[s:e], weight, bias, window, activation)[0]
+    return out
+
+
+def conv_varlen_windows(
+    xbc: torch.Tensor,
+    conv_cache: torch.Tensor,
+    query_start: torch.Tensor,
+    in_pages: torch.Tensor,
+    rows: torch.Tensor,
+    offsets: torch.Tensor,
+) -> torch.Tensor:
+    """The conv windows after the requested tokens: ``[R, C, K - 1]`` in ``xbc.dtype``.
+
+    ``windows[j]`` holds the last ``K - 1`` inputs of row ``rows[j]`` up to and including
+    its token at ``offsets[j]`` (``0 <= offsets[j] < q``), oldest first; entries from before
+    the row's first token come from its initial window (page ``in_pages[row]``, zeros for
+    -1), cast to ``xbc.dtype`` as the per-row reference does. A pure gather: the values
+    are bit-identical copies.
+    """
+    width = conv_cache.shape[-1]  # K - 1
+    rows = rows.to(torch.int64)
+    offsets = offsets.to(torch.int64)
+    j = torch.arange(width, device=xbc.device)
+    # Row offset of window entry j; negative offsets are the initial window's entry width + pos.
+    pos = offsets[:, None] - (width - 1) + j[None, :]  # [R, K-1]
+    from_row = pos >= 0
+    tok = query_start.to(torch.int64)[rows][:, None] + pos.clamp(min=0)
+    from_x = xbc[tok]  # [R, K-1, C]
+    page = in_pages.to(torch.int64)[rows]  # [R]
+    # Rows without a page read page 0 here and discard it: where, not a product, so a
+    # NaN in that page cannot leak into the zeros.
+    from_page = conv_cache[page.clamp(min=0)[:, None], :, (pos + width).clamp(max=width - 1)]
+    zero = torch.zeros((), dtype=xbc.dtype, device=xbc.device)
+    initial = torch.where((page >= 0)[:, None, None], from_page.to(xbc.dtype), zero)
+    return torch.where(from_row[..., None], from_x, initial).transpose(1, 2)
+
+
+# --------------------------------------------------------------------------------------
+# Triton kernel
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _conv_varlen_kernel(
+    xbc_ptr,
+    xbc_stride,
+    weight_ptr,
+    bias_ptr,
+    conv_ptr,
+    page_stride,
+    query_start_ptr,
+    token_row_ptr,
+    in_pages_ptr,
+    out_ptr,
+    tokens,
+    channels,
+    K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    # One program per (token block, channel block). Tap k of token t reads the input
+    # K - 1 - k tokens back: inside the row it is a packed input, before the row's first
+    # token it is entry (K - 1) + (offset in row) of the row's initial window.
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    tmask = tok < tokens
+    cmask = c < channels
+    mask = tmask[:, None] & cmask[None, :]
+    row = tl.load(token_row_ptr + tok, mask=tmask, other=0)
+    t = tok - tl.load(query_start_ptr + row, mask=tmask, other=0)  # offset within the row
+    page = tl.load(in_pages_ptr + row, mask=tmask, other=-1).to(tl.int64)
+    tok64 = tok.to(tl.int64)
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    for k in tl.static_range(K):
+        src = t - (K - 1 - k)
+        in_row = src >= 0
+        xv = tl.load(
+            xbc_ptr + (tok64 - (K - 1 - k))[:, None] * xbc_stride + c[None, :],
+            mask=mask & in_row[:, None],
+            other=0.0,
+        )
+        wv = tl.load(
+            conv_ptr + page[:, None] * page_stride + c[None, :] * (K - 1) + (src + K - 1)[:, None],
+            mask=mask & ((src < 0) & (page >= 0))[:, None],
+            other=0.0,
+        )
+        # The reference casts the window to the input dtype before the conv.
+        v = tl.where(in_row[:, None], xv, wv.to(xbc_ptr.dtype.element_ty)).to(tl.float32)
+        w = tl.load(weight_ptr + c * K + k, mask=cmask, other=0.0).to(tl.float32)
+        acc += v * w[None, :]
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    tl.store(
+        out_ptr + tok64[:, None] * channels + c[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
+
+
+def conv_varlen(
+    xbc: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_cache: torch.Tensor,
+    query_start: torch.Tensor,
+    in_pages: torch.Tensor,
+    activation: str | None = "silu",
+    token_row: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    block_t: int = 32,
+    block_c: int = 128,
+) -> torch.Tensor:
+    """Causal depthwise conv of every row of a packed step, each from its initial window.
+
+    Args:
+        xbc: ``[T, C]`` conv inputs, packed rows (channel axis contiguous).
+        weight: ``[C, K]`` depthwise kernel, contiguous; bias: ``[C]`` or None.
+        conv_cache: ``[pages, C, K - 1]`` windows (oldest input first), contiguous; only
+            read.
+        query_start: ``[B + 1]`` integer, row ``i`` owns tokens
+            ``query_start[i] .. query_start[i + 1]``; ``query_start[B] == T``.
+        in_pages: ``[B]`` integer page of each row's initial window, -1 for zeros.
+        activation: ``"silu"`` / ``"swish"`` or None, applied to the outputs.
+        token_row: ``[T]`` integer row of every token (:func:`token_rows`); computed
+            when None.
+        out: ``[T, C]`` buffer for the result (contiguous, not sharing storage with
+            ``xbc``); allocated when None.
+        block_t, block_c: tile of one program (powers of two).
+
+    Returns:
+        ``out [T, C]`` in ``xbc.dtype`` (accumulated in float32).
+    """
+    _check(xbc, weight, bias, conv_cache, query_start, in_pages, activation)
+    tokens, channels = xbc.shape
+    if xbc.stride(1) != 1 or not conv_cache.is_contiguous() or not weight.is_contiguous():
+        raise ValueError("xbc rows, conv_cache and weight must be contiguous")
+    out = _output(xbc, out)
+    if tokens == 0:
+        return out
+    if token_row is None:
+        token_row = token_rows(query_start, tokens)
+    block_c = min(block_c, triton.next_power_of_2(channels))
+    block_t = min(block_t, triton.next_power_of_2(tokens))
+    grid = (triton.cdiv(tokens, block_t), triton.cdiv(channels, block_c))
+    _conv_varlen_kernel[grid](
+        xbc,
+        xbc.stride(0),
+        weight,
+        bias if bias is not None else weight,
+        conv_cache,
+        conv_cache.stride(0),
+        query_start.contiguous(),
+        token_row.contiguous(),
+        in_pages.contiguous(),
+        out,
+        tokens,
+        channels,
+        K=weight.shape[-1],
+        HAS_BIAS=bias is not None,
+        SILU=activation is not None,
+        BLOCK_T=block_t,
+        BLOCK_C=block_c,
+    )
+    return out

@@ -1,0 +1,450 @@
+"""Mamba2 SSD scan over a packed step of variable-length rows, with states at any offset.
+
+The prefill / mixed-step counterpart of the per-row scan of the reference mixer. Row ``i``
+owns tokens ``query_start[i] .. query_start[i + 1]`` of the packed inputs (rows may be
+empty), starts from an initial state (its page's, or zeros) and must deliver the state
+*after* its token at every requested offset (grid points, junctions, the row end: the
+``state_out_*`` fields of :class:`~hybridserve.models.batch.ForwardBatch`). Layout as in
+:mod:`hybridserve.kernels.ssd`: ``x [T, H, P]``, ``dt [T, H]`` (discretised), ``A [H]``,
+``B, C [T, G, N]``; states ``[H, P, N]``, the layout of an ``ssm_state`` page.
+
+**The scan primitive.** Everything here is built on one pluggable function::
+
+    scan(x, dt, A, B, C, cu_seqlens, initial_states, cu_seqlens_cpu=None) -> (y, final_states)
+
+over packed sequences ``cu_seqlens [S + 1]`` (int64, on the device of ``x``; the host copy
+``cu_seqlens_cpu`` spares a device read), ``initial_states`` and ``final_states``
+``[S, H, P, N]``, ``y [T, H, P]`` without the ``D`` skip. Two implementations:
+
+- :func:`ssd_scan_varlen_reference`: the torch twin, a loop over sequences with
+  :func:`~hybridserve.kernels.ssd.ssd_chunked_reference` (the CPU path and the oracle);
+- :func:`ssd_scan_varlen_fla`: flash-linear-attention's ``chunk_simple_gla`` (fla-core,
+  an optional GPU dependency imported on first use; :func:`fla_available`). With
+  ``q = C``, ``k = B`` (groups expanded to heads), ``v = x * dt``, log decay ``g = dt * A``,
+  ``scale = 1`` and the state stored value-first (``[H, P, N]``) it computes
+  ``S_t = exp(g_t) S_{t-1} + v_t k_t^T``, ``y_t = S_t q_t``: the SSD recurrence.
+
+**States at arbitrary offsets: two scans and a chain** (:func:`ssd_prefill`). A varlen
+scan returns each sequence's *final* state only. So every row is cut into segments that
+end right after each requested offset and at the row end (:func:`plan_segments`): every
+requested state is then some segment's final state. When no row has more than one
+segment, one scan over the segments does it. Otherwise a segment's true initial state is
+the state its predecessor ends with, unknown before the scan. The recurrence is linear
+in the state with a scalar decay per head, so:
+
+1. scan once over all segments, the row's initial state for a row's first segment and
+   zeros for the others: ``F_j``, segment ``j``'s own final state;
+2. chain them per row: ``S_j = exp(sum over segment j of dt * A) * S_{j-1} + F_j``
+   (vectorised over rows, a loop over the segment index; the decay sum in float64);
+3. scan again with every segment's true initial state (``S_{j-1}``, or the row's for a
+   first segment): exact outputs, and the states at every requested offset.
+
+Why not one custom kernel that emits states at chosen offsets in a single pass (as
+:func:`~hybridserve.kernels.ssd.ssd_chunked_reference` does on the CPU)? It would do
+about half the scan work, but it would be our own chunked scan to write, tune, keep
+race-free and keep accurate on every GPU generation, where DESIGN.md section 7 prefers
+the well-kept library kernel. The two-scan design uses the library as a black box: any
+varlen scan with initial and final states plugs in, and the whole orchestration runs
+(and is tested) on the CPU with the torch twin. Its cost is a second scan only in steps
+that need states inside a row, plus a chain of ``max segments per row`` element-wise
+steps on ``[rows, H, P, N]``; cutting at offsets also restarts the library's chunking at
+segment starts, so with checkpoints on a grid as fine as its chunk the scans do little
+extra work.
+
+:func:`prefill_plan` turns a :class:`ForwardBatch` into the index tensors of the packed
+path (conv and scan), once per step and device; :func:`discretize_dt_varlen` applies the
+dt discretisation with the per-row clamp exception of single-token continuation rows.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hybridserve.kernels.conv_varlen import token_rows
+from hybridserve.kernels.ssd import discretize_dt, ssd_chunked_reference
+from hybridserve.models.batch import ForwardBatch
+
+__all__ = [
+    "PrefillPlan",
+    "ScanFn",
+    "Segments",
+    "discretize_dt_varlen",
+    "fla_available",
+    "plan_segments",
+    "prefill_plan",
+    "ssd_prefill",
+    "ssd_scan_varlen_fla",
+    "ssd_scan_varlen_reference",
+]
+
+ScanFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+# --------------------------------------------------------------------------------------
+# Scan primitives
+# --------------------------------------------------------------------------------------
+
+
+def ssd_scan_varlen_reference(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    initial_states: torch.Tensor | None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch twin of the scan primitive: a loop over sequences (see the module docstring).
+
+    Returns ``(y [T, H, P], final_states [S, H, P, N])`` in ``promote(x.dtype, float32)``;
+    an empty sequence's final state is its initial state.
+    """
+    bounds = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
+    tokens, heads, head_dim = x.shape
+    d_state = B.shape[-1]
+    if bounds[0] != 0 or bounds[-1] != tokens:
+        raise ValueError(f"cu_seqlens must run from 0 to T={tokens}, got {bounds}")
+    compute = torch.promote_types(x.dtype, torch.float32)
+    n = len(bounds) - 1
+    y = torch.empty(tokens, heads, head_dim, dtype=compute, device=x.device)
+    final = torch.zeros(n, heads, head_dim, d_state, dtype=compute, device=x.device)
+    for i in range(n):
+        s, e = bounds[i], bounds[i + 1]
+        init = None if initial_states is None else initial_states[i]
+        if e == s:
+            if init is not None:
+                final[i] = init
+            continue
+        y[s:e], states = ssd_chunked_reference(
+            x[s:e], dt[s:e], A, B[s:e], C[s:e], chunk_size, None, init, [e - s - 1]
+        )
+        final[i] = states[0]
+    return y, final
+
+
+@functools.cache
+def fla_available() -> bool:
+    """Whether fla-core's ``chunk_simple_gla`` can be imported (imported once, then cached)."""
+    try:
+        from fla.ops.simple_gla import chunk_simple_gla  # noqa: F401
+    except Exception:  # absent, or present but unusable here (no GPU Triton backend)
+        return False
+    return True
+
+
+def ssd_scan_varlen_fla(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    initial_states: torch.Tensor | None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scan primitive through fla-core's ``chunk_simple_gla`` (CUDA; float32 inputs).
+
+    ``cu_seqlens`` must be int64 on the device and every sequence non-empty. Reuse the same
+    ``cu_seqlens`` tensor across calls of a step: fla memoises its chunk indices by tensor
+    identity. Returns ``(y [T, H, P]`` in ``x.dtype``, ``final_states [S, H, P, N]`` float32).
+    """
+    from fla.ops.simple_gla import chunk_simple_gla
+
+    heads = x.shape[1]
+    groups = B.shape[1]
+    if heads % groups:
+        raise ValueError(f"{groups} groups do not divide {heads} heads")
+    rep = heads // groups
+    # fla takes one key per value head: expand the groups (copies; fla wants contiguous).
+    q = C.repeat_interleave(rep, dim=1).unsqueeze(0)  # [1, T, H, N]
+    k = B.repeat_interleave(rep, dim=1).unsqueeze(0)
+    v = (x * dt[..., None]).unsqueeze(0)  # [1, T, H, P]
+    g = (dt * A).unsqueeze(0)  # [1, T, H]
+    y, final = chunk_simple_gla(
+        q,
+        k,
+        v,
+        g=g,
+        scale=1.0,
+        initial_state=initial_states,
+        output_final_state=True,
+        state_v_first=True,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+    )
+    return y[0], final
+
+
+# --------------------------------------------------------------------------------------
+# Segments and the step plan
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Segments:
+    """How :func:`ssd_prefill` cuts a step's rows (segment ids in packed order).
+
+    Every non-empty row is cut right after each requested offset and at its end; empty
+    rows have no segment. All index tensors are int64 on the step's device.
+    """
+
+    num_segments: int
+    cu_seqlens: torch.Tensor  # [S + 1]
+    cu_seqlens_cpu: torch.Tensor  # [S + 1], host
+    first_segment: torch.Tensor  # [R]: the first segment of every non-empty row ...
+    first_row: torch.Tensor  # [R]: ... and that row
+    later_segment: torch.Tensor  # the other segments; segment j's predecessor is j - 1
+    chain_steps: tuple[torch.Tensor, ...]  # step k: the k-th segments (k >= 1) of each row
+    request_segment: torch.Tensor  # [K]: the segment that ends at each requested offset
+
+    @property
+    def single_scan(self) -> bool:
+        """No row has more than one segment: one scan gives every requested state."""
+        return not self.chain_steps
+
+
+def _to_device(lists: Sequence[Sequence[int]], device: torch.device) -> list[torch.Tensor]:
+    """Host int lists -> int64 tensors on ``device`` with one asynchronous copy."""
+    sizes = [len(v) for v in lists]
+    host = torch.tensor([i for v in lists for i in v], dtype=torch.int64)
+    if device.type == "cuda":
+        # Pinned: a copy from pageable memory would stall the host until the device drains.
+        host = host.pin_memory()
+    flat = host.to(device, non_blocking=True)
+    return list(flat.split(sizes))
+
+
+def _segment_lists(
+    query_start: Sequence[int], state_rows: Sequence[int], state_offsets: Sequence[int]
+) -> tuple[list[int], list[int], list[int], list[int], list[list[int]], list[int]]:
+    rows = len(query_start) - 1
+    ends: list[set[int]] = [set() for _ in range(rows)]
+    for r, off in zip(state_rows, state_offsets, strict=True):
+        if not 0 <= r < rows or not 0 <= off < query_start[r + 1] - query_start[r]:
+            raise ValueError(f"state request (row {r}, offset {off}) out of range")
+        ends[r].add(off)
+    cu, first_segment, first_row, later, steps = [0], [], [], [], []
+    segment_of: dict[tuple[int, int], int] = {}
+    for i in range(rows):
+        s, q = query_start[i], query_start[i + 1] - query_start[i]
+        if q == 0:
+            continue
+        for k, end in enumerate(sorted(ends[i] | {q - 1})):
+            seg = len(cu) - 1
+            cu.append(s + end + 1)
+            segment_of[(i, end)] = seg
+            if k == 0:
+                first_segment.append(seg)
+                first_row.append(i)
+            else:
+                later.append(seg)
+                if len(steps) < k:
+                    steps.append([])
+                steps[k - 1].append(seg)
+    if cu[-1] != query_start[-1]:
+        raise ValueError("query_start must start at 0 and be non-decreasing")
+    request = [segment_of[(r, off)] for r, off in zip(state_rows, state_offsets)]
+    return cu, first_segment, first_row, later, steps, request
+
+
+def plan_segments(
+    query_start: Sequence[int],
+    state_rows: Sequence[int],
+    state_offsets: Sequence[int],
+    device: torch.device | str = "cpu",
+) -> Segments:
+    """Cut the rows at the requested ``(row, offset)`` states (host lists, any order;
+    a repeated request maps to the same segment)."""
+    device = torch.device(device)
+    cu, first_segment, first_row, later, steps, request = _segment_lists(
+        query_start, state_rows, state_offsets
+    )
+    tensors = _to_device([cu, first_segment, first_row, later, request, *steps], device)
+    return Segments(
+        num_segments=len(cu) - 1,
+        cu_seqlens=tensors[0],
+        cu_seqlens_cpu=torch.tensor(cu, dtype=torch.int64),
+        first_segment=tensors[1],
+        first_row=tensors[2],
+        later_segment=tensors[3],
+        request_segment=tensors[4],
+        chain_steps=tuple(tensors[5:]),
+    )
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """The index tensors of the packed prefill path for one step (int64 on its device).
+
+    ``query_start [B + 1]``, ``token_row [T]`` and ``in_pages [B]`` feed the conv;
+    ``init_rows`` / ``init_pages`` list the non-empty rows that start from a stored state
+    and their pages; ``single_token [T]`` (bool, or None when there are none) marks the
+    tokens of one-token rows that continue from a stored state; ``out_rows``,
+    ``out_offsets`` and ``out_pages [K]`` are the state requests in the batch's order;
+    ``segments`` cuts the rows for the scan.
+    """
+
+    query_start: torch.Tensor
+    token_row: torch.Tensor
+    in_pages: torch.Tensor
+    init_rows: torch.Tensor
+    init_pages: torch.Tensor
+    single_token: torch.Tensor | None
+    out_rows: torch.Tensor
+    out_offsets: torch.Tensor
+    out_pages: torch.Tensor
+    segments: Segments
+
+
+_PLAN_ATTR = "_prefill_plan_memo"
+
+
+def prefill_plan(batch: ForwardBatch, device: torch.device) -> PrefillPlan:
+    """The :class:`PrefillPlan` of ``batch`` on ``device``, built once per step and device
+    (memoised on the batch, which a forward does not modify) and shared by every layer."""
+    memo = batch.__dict__.setdefault(_PLAN_ATTR, {})
+    key = str(device)
+    if key not in memo:
+        memo[key] = _build_plan(batch, device)
+    return memo[key]
+
+
+def _build_plan(batch: ForwardBatch, device: torch.device) -> PrefillPlan:
+    qs = list(batch.query_start)
+    rows = batch.num_rows
+    cu, first_segment, first_row, later, steps, request = _segment_lists(
+        qs, batch.state_out_row, batch.state_out_offset
+    )
+    init_rows = [i for i in range(rows) if batch.state_in_page[i] >= 0 and qs[i + 1] > qs[i]]
+    single = [qs[i] for i in init_rows if qs[i + 1] - qs[i] == 1]
+    lists = [
+        qs,
+        batch.state_in_page,
+        init_rows,
+        [batch.state_in_page[i] for i in init_rows],
+        single,
+        batch.state_out_row,
+        batch.state_out_offset,
+        batch.state_out_page,
+        cu,
+        first_segment,
+        first_row,
+        later,
+        request,
+        *steps,
+    ]
+    t = _to_device(lists, device)
+    single_token = None
+    if single:
+        single_token = torch.zeros(batch.num_tokens, dtype=torch.bool, device=device)
+        single_token[t[4]] = True
+    segments = Segments(
+        num_segments=len(cu) - 1,
+        cu_seqlens=t[8],
+        cu_seqlens_cpu=torch.tensor(cu, dtype=torch.int64),
+        first_segment=t[9],
+        first_row=t[10],
+        later_segment=t[11],
+        request_segment=t[12],
+        chain_steps=tuple(t[13:]),
+    )
+    return PrefillPlan(
+        query_start=t[0],
+        token_row=token_rows(t[0], batch.num_tokens),
+        in_pages=t[1],
+        init_rows=t[2],
+        init_pages=t[3],
+        single_token=single_token,
+        out_rows=t[5],
+        out_offsets=t[6],
+        out_pages=t[7],
+        segments=segments,
+    )
+
+
+# --------------------------------------------------------------------------------------
+# dt and the orchestration
+# --------------------------------------------------------------------------------------
+
+
+def discretize_dt_varlen(
+    dt: torch.Tensor,
+    dt_bias: torch.Tensor,
+    time_step_limit: tuple[float, float] | None,
+    unclamped: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`~hybridserve.kernels.ssd.discretize_dt` of packed tokens ``dt [T, H]``, except
+    that tokens where ``unclamped [T]`` (bool) is True skip the clamp: per row, the same
+    values the per-row path computes (the single-token step of Nemotron-H skips it)."""
+    out = discretize_dt(dt, dt_bias, time_step_limit)
+    if unclamped is None or time_step_limit is None:
+        return out
+    return torch.where(unclamped[:, None], discretize_dt(dt, dt_bias, None), out)
+
+
+def ssd_prefill(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    initial_states: torch.Tensor,
+    segments: Segments,
+    scan: ScanFn = ssd_scan_varlen_reference,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The SSD scan of every row of a packed step, with states at the requested offsets.
+
+    Args:
+        x: ``[T, H, P]``; dt: ``[T, H]`` discretised (:func:`discretize_dt_varlen`);
+        A: ``[H]``; B, C: ``[T, G, N]``; D: ``[H]`` or None.
+        initial_states: ``[B, H, P, N]``, row ``i``'s state before its first token (zeros
+            for a row that starts a sequence); only read.
+        segments: :func:`plan_segments` of the step's rows and requests.
+        scan: the scan primitive (module docstring).
+
+    Returns:
+        ``(y [T, H, P]`` with the D skip, ``states [K, H, P, N])`` in
+        ``promote(x.dtype, float32)``: ``states[j]`` is the state after the token of the
+        ``j``-th request.
+    """
+    compute = torch.promote_types(x.dtype, torch.float32)
+    tokens, heads, head_dim = x.shape
+    d_state = B.shape[-1]
+    x, dt, A, B, C = (t.to(compute) for t in (x, dt, A, B, C))
+    if segments.num_segments == 0:
+        y = x.new_zeros(tokens, heads, head_dim)
+        return y, x.new_empty(segments.request_segment.shape[0], heads, head_dim, d_state)
+    init = x.new_zeros(segments.num_segments, heads, head_dim, d_state)
+    init.index_copy_(
+        0, segments.first_segment, initial_states.index_select(0, segments.first_row).to(compute)
+    )
+    cu, cu_cpu = segments.cu_seqlens, segments.cu_seqlens_cpu
+    y, final = scan(x, dt, A, B, C, cu, init, cu_seqlens_cpu=cu_cpu)
+    if not segments.single_scan:
+        # Each segment's decay over its own tokens. A float64 running sum: differences of
+        # it stay exact to ~1e-16 of the row's total even for long rows.
+        total = F.pad((dt * A).to(torch.float64).cumsum(0), (0, 0, 1, 0))  # [T + 1, H]
+        decay = torch.exp(total[cu[1:]] - total[cu[:-1]]).to(compute)  # [S, H]
+        # ``final`` becomes the true state after each segment, one segment index at a time.
+        for cur in segments.chain_steps:
+            true = torch.addcmul(
+                final.index_select(0, cur),
+                final.index_select(0, cur - 1),
+                decay.index_select(0, cur)[:, :, None, None],
+            )
+            final.index_copy_(0, cur, true)
+        later = segments.later_segment
+        init.index_copy_(0, later, final.index_select(0, later - 1))
+        y, final = scan(x, dt, A, B, C, cu, init, cu_seqlens_cpu=cu_cpu)
+    y = y.to(compute)
+    if D is not None:
+        y = y + x * D.to(compute)[:, None]
+    return y, final.to(compute).index_select(0, segments.request_segment)

@@ -1,0 +1,220 @@
+"""Variable-length causal conv over packed rows: the Triton kernel against its twin and the
+per-row reference, NaN-poisoned outputs and unread pages, the race checker and three
+program orders; the state windows bit for bit against the per-row reference.
+
+GPU tests (``-m gpu``) compile the kernel: run them with ``TRITON_INTERPRET=0``.
+"""
+
+import os
+
+# The interpreter must be chosen before the kernels are defined.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from hybridserve.kernels.conv1d import causal_conv1d_reference
+from hybridserve.kernels.conv_varlen import (
+    conv_varlen,
+    conv_varlen_reference,
+    conv_varlen_windows,
+    token_rows,
+)
+
+INTERPRETED = os.environ["TRITON_INTERPRET"] == "1"
+
+if INTERPRETED:
+    from hybridserve.testing import racecheck
+
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1")
+
+
+def _seed() -> int:
+    return int(torch.randint(0, 2**31 - 1, ()))
+
+
+def _step(g, lens, channels, k, dtype, num_pages=None, cache_dtype=None, with_pages=0.6):
+    """A packed step: random inputs, rows of ``lens`` tokens, scattered initial pages (some
+    rows start from zeros) and every page no row reads poisoned with NaN, page 0 included."""
+    rows = len(lens)
+    num_pages = num_pages or 3 * rows + 2
+    qs = [0]
+    for q in lens:
+        qs.append(qs[-1] + q)
+    xbc = torch.randn(qs[-1], channels, generator=g, dtype=dtype)
+    weight = torch.randn(channels, k, generator=g, dtype=dtype)
+    bias = torch.randn(channels, generator=g, dtype=dtype)
+    # NaN guard pages either side: a read through page -1 (or past the end) shows up.
+    guarded = torch.full((num_pages + 2, channels, k - 1), float("nan"), dtype=cache_dtype or dtype)
+    cache = guarded[1:-1]
+    cache.copy_(torch.randn(cache.shape, generator=g, dtype=cache.dtype))
+    # Page 0 is never an input: rows without a page must not read it (it is NaN).
+    perm = (torch.randperm(num_pages - 1, generator=g) + 1)[:rows]
+    has = torch.rand(rows, generator=g) < with_pages
+    filled = [r for r, q in enumerate(lens) if q > 0]
+    if with_pages < 1 and len(filled) > 1:  # both kinds of row, whatever the draw
+        has[filled[0]], has[filled[-1]] = False, True
+    in_pages = torch.where(has, perm, torch.full_like(perm, -1))
+    unread = torch.ones(num_pages, dtype=torch.bool)
+    unread[in_pages[in_pages >= 0]] = False
+    cache[unread] = float("nan")
+    return xbc, weight, bias, cache, torch.tensor(qs), in_pages
+
+
+def _requests(lens):
+    """Every (row, offset) of the step, in a shuffled order."""
+    req = [(r, o) for r, q in enumerate(lens) for o in range(q)]
+    perm = torch.randperm(len(req)).tolist()
+    return [req[i] for i in perm]
+
+
+LENS = [
+    [0, 1, 2, 5, 3, 0, 9],  # empty rows, rows shorter than K - 1
+    [13],
+    [1, 1, 1, 1],
+    [7, 0, 0, 4, 21, 2],
+]
+
+
+@pytest.mark.parametrize("lens", LENS)
+@pytest.mark.parametrize("k", [2, 4])
+def test_twin_matches_per_row_reference_and_windows_bit_for_bit(lens, k):
+    g = torch.Generator().manual_seed(_seed())
+    xbc, weight, bias, cache, qs, in_pages = _step(g, lens, 6, k, torch.float64)
+    before = cache.clone()
+    out = conv_varlen_reference(xbc, weight, bias, cache, qs, in_pages, "silu")
+    req = _requests(lens)
+    rows = torch.tensor([r for r, _ in req], dtype=torch.int64)
+    offs = torch.tensor([o for _, o in req], dtype=torch.int64)
+    windows = conv_varlen_windows(xbc, cache, qs, in_pages, rows, offs)
+    assert windows.shape == (len(req), 6, k - 1)
+    for r, q in enumerate(lens):
+        s, e = int(qs[r]), int(qs[r + 1])
+        if q == 0:
+            continue
+        page = int(in_pages[r])
+        mine = [j for j, (rr, _) in enumerate(req) if rr == r]
+        o_ref, w_ref = causal_conv1d_reference(
+            xbc[s:e], weight, bias, before[page] if page >= 0 else None, "silu",
+            [req[j][1] for j in mine],
+        )
+        torch.testing.assert_close(out[s:e], o_ref, rtol=0, atol=0)
+        for n, j in enumerate(mine):
+            assert torch.equal(windows[j], w_ref[n]), (r, req[j])
+    assert not windows.isnan().any()
+    assert torch.equal(cache.nan_to_num(7.0), before.nan_to_num(7.0))  # read only
+
+
+def test_windows_cast_initial_entries_like_the_reference():
+    """bf16 inputs over a float32 window page: the initial entries go through bf16, as the
+    per-row reference's concatenation does."""
+    g = torch.Generator().manual_seed(_seed())
+    lens = [1, 3, 6]
+    xbc, weight, bias, cache, qs, in_pages = _step(
+        g, lens, 5, 4, torch.bfloat16, cache_dtype=torch.float32, with_pages=1.0
+    )
+    req = _requests(lens)
+    rows = torch.tensor([r for r, _ in req])
+    offs = torch.tensor([o for _, o in req])
+    windows = conv_varlen_windows(xbc, cache, qs, in_pages, rows, offs)
+    assert windows.dtype == torch.bfloat16
+    for j, (r, o) in enumerate(req):
+        s, e = int(qs[r]), int(qs[r + 1])
+        _, w_ref = causal_conv1d_reference(xbc[s:e], weight, bias, cache[int(in_pages[r])],
+                                           "silu", [o])
+        assert torch.equal(windows[j], w_ref[0])
+
+
+def test_token_rows_skip_empty_rows():
+    qs = torch.tensor([0, 0, 3, 3, 4, 6, 6])
+    assert token_rows(qs, 6).tolist() == [1, 1, 1, 3, 4, 4]
+
+
+@interpreted
+@pytest.mark.parametrize(
+    "lens,channels,k,act,block_t,block_c",
+    [
+        (LENS[0], 12, 4, "silu", 4, 8),
+        (LENS[3], 9, 4, None, 8, 4),
+        (LENS[2], 20, 3, "silu", 2, 16),
+        ([3, 0, 5], 7, 2, "silu", 4, 4),
+    ],
+)
+def test_kernel_matches_twin_race_free(lens, channels, k, act, block_t, block_c):
+    g = torch.Generator().manual_seed(_seed())
+    xbc, weight, bias, cache, qs, in_pages = _step(g, lens, channels, k, torch.float32)
+    before = cache.clone()
+    want = conv_varlen_reference(xbc, weight, bias, cache, qs, in_pages, act)
+    out = torch.full_like(xbc, float("nan"))
+    with racecheck.record_launches() as rec:
+        got = conv_varlen(
+            xbc, weight, bias, cache, qs, in_pages, act, out=out, block_t=block_t, block_c=block_c
+        )
+    assert len(rec.reports) == 1 and rec.reports[0].clean, str(rec.reports[0])
+    assert got is out and not got.isnan().any()  # every output written
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(cache.nan_to_num(7.0), before.nan_to_num(7.0))
+
+
+@interpreted
+def test_kernel_without_bias_int32_indices_and_bf16():
+    # bf16 window pages: the interpreter's float32 -> bfloat16 cast truncates where the GPU
+    # rounds, so the float32-page case (a cast inside the kernel) is left to the GPU test.
+    g = torch.Generator().manual_seed(_seed())
+    lens = [4, 1, 0, 6]
+    xbc, weight, _, cache, qs, in_pages = _step(g, lens, 10, 4, torch.bfloat16)
+    want = conv_varlen_reference(xbc, weight, None, cache, qs, in_pages, "silu")
+    out = torch.full_like(xbc, float("nan"))
+    got = conv_varlen(
+        xbc, weight, None, cache, qs.to(torch.int32), in_pages.to(torch.int32), "silu",
+        token_row=token_rows(qs, xbc.shape[0]).to(torch.int32), out=out, block_t=4, block_c=8,
+    )
+    assert not got.isnan().any()
+    # Both accumulate in float32; the outputs may differ by the last bit of their rounding.
+    torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-5)
+
+
+@interpreted
+def test_kernel_independent_of_program_order():
+    g = torch.Generator().manual_seed(_seed())
+    lens = [5, 0, 1, 9, 2]
+    xbc, weight, bias, cache, qs, in_pages = _step(g, lens, 10, 4, torch.float32)
+
+    def launch(xbc, weight, bias, conv_cache, query_start, in_pages, out):
+        return conv_varlen(xbc, weight, bias, conv_cache, query_start, in_pages, "silu",
+                           out=out, block_t=4, block_c=4)
+
+    report = racecheck.run_launcher_in_orders(
+        launch,
+        lambda: dict(xbc=xbc, weight=weight, bias=bias, conv_cache=cache, query_start=qs,
+                     in_pages=in_pages, out=torch.full_like(xbc, float("nan"))),
+    )
+    assert report.consistent, str(report)
+    assert not report.outputs["forward"]["return"].isnan().any()
+
+
+def test_rejects_in_place_output():
+    g = torch.Generator().manual_seed(_seed())
+    xbc, weight, bias, cache, qs, in_pages = _step(g, [3, 2], 4, 4, torch.float32)
+    with pytest.raises(ValueError, match="never in place"):
+        conv_varlen_reference(xbc, weight, bias, cache, qs, in_pages, "silu", out=xbc)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(INTERPRETED, reason="compiles the kernel: run with TRITON_INTERPRET=0")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_kernel_matches_twin(dtype, record_property):
+    g = torch.Generator().manual_seed(_seed())
+    lens = [4096, 1, 0, 2, 777, 1500, 3]
+    # Window pages in float32 under bf16 inputs: the kernel casts them as the reference does.
+    xbc, weight, bias, cache, qs, in_pages = _step(g, lens, 2304, 4, dtype,
+                                                   cache_dtype=torch.float32, num_pages=40)
+    args = [t.cuda() for t in (xbc, weight, bias, cache, qs, in_pages)]
+    want = conv_varlen_reference(*args, "silu")
+    got = conv_varlen(*args, "silu", out=torch.full_like(args[0], float("nan")))
+    assert not got.isnan().any()
+    rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
+    record_property("conv_varlen_rel_err", rel)
+    print(f"conv_varlen {dtype}: relative error {rel:.3e}")
+    assert rel < (1e-6 if dtype == torch.float32 else 1e-2)

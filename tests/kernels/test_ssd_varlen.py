@@ -1,0 +1,470 @@
+"""Packed variable-length SSD scan with states at any offset: the orchestration on the
+torch-twin primitive against the per-row chunked reference (float64), the segment plan,
+the per-row dt clamp, and a whole model step through the packed path against the
+per-row path (outputs, pages written, other pages untouched).
+
+GPU tests (``-m gpu``) need CUDA and fla-core; they compile Triton kernels, so run them
+with ``TRITON_INTERPRET=0``.
+"""
+
+import functools
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from hybridserve.kernels import ssd_varlen
+from hybridserve.kernels.ssd import discretize_dt, ssd_chunked_reference
+from hybridserve.kernels.ssd_varlen import (
+    discretize_dt_varlen,
+    plan_segments,
+    ssd_prefill,
+    ssd_scan_varlen_reference,
+)
+
+INTERPRETED = os.environ["TRITON_INTERPRET"] == "1"
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+
+
+def _seed() -> int:
+    return int(torch.randint(0, 2**31 - 1, ()))
+
+
+def _inputs(g, lens, heads, head_dim, groups, d_state, dtype=torch.float64, device="cpu"):
+    t = sum(lens)
+    x = torch.randn(t, heads, head_dim, generator=g, dtype=dtype)
+    dt = torch.rand(t, heads, generator=g, dtype=dtype) * 0.5 + 0.05
+    A = -(torch.rand(heads, generator=g, dtype=dtype) * 2 + 0.2)
+    B = torch.randn(t, groups, d_state, generator=g, dtype=dtype)
+    C = torch.randn(t, groups, d_state, generator=g, dtype=dtype)
+    D = torch.randn(heads, generator=g, dtype=dtype)
+    init = torch.randn(len(lens), heads, head_dim, d_state, generator=g, dtype=dtype)
+    return [v.to(device) for v in (x, dt, A, B, C, D, init)]
+
+
+def _requests(g, lens, per_row):
+    """Random (row, offset) requests: up to ``per_row`` offsets per non-empty row, the row
+    end in most rows, a repeated offset now and then; shuffled."""
+    rows, offs = [], []
+    for r, q in enumerate(lens):
+        if q == 0:
+            continue
+        n = int(torch.randint(0, per_row + 1, (1,), generator=g))
+        chosen = torch.randint(0, q, (n,), generator=g).tolist()
+        if torch.rand(1, generator=g) < 0.8:
+            chosen.append(q - 1)
+        for o in chosen:
+            rows.append(r)
+            offs.append(o)
+    perm = torch.randperm(len(rows), generator=g).tolist()
+    return [rows[i] for i in perm], [offs[i] for i in perm]
+
+
+def _query_start(lens):
+    qs = [0]
+    for q in lens:
+        qs.append(qs[-1] + q)
+    return qs
+
+
+def _counting(scan):
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[5].numel() - 1)
+        return scan(*args, **kwargs)
+
+    return counted, calls
+
+
+CASES = [
+    # lens, heads, head_dim, groups, d_state, requests per row
+    ([7, 0, 1, 19, 33, 2], 4, 3, 2, 5, 3),
+    ([40], 6, 4, 3, 4, 6),
+    ([1, 1, 5, 1], 2, 5, 1, 6, 2),
+    ([12, 25, 0, 9], 4, 2, 4, 3, 4),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("chunk", [4, 16])
+def test_ssd_prefill_matches_per_row_chunked_reference_float64(case, chunk):
+    lens, heads, head_dim, groups, d_state, per_row = CASES[case]
+    g = torch.Generator().manual_seed(_seed())
+    x, dt, A, B, C, D, init = _inputs(g, lens, heads, head_dim, groups, d_state)
+    has = torch.rand(len(lens), generator=g) < 0.6
+    init[~has] = 0.0  # rows that start a sequence: zeros, as the mixer passes them
+    rows, offs = _requests(g, lens, per_row)
+    qs = _query_start(lens)
+    segments = plan_segments(qs, rows, offs)
+    scan, calls = _counting(functools.partial(ssd_scan_varlen_reference, chunk_size=chunk))
+    before = init.clone()
+    y, states = ssd_prefill(x, dt, A, B, C, D, init, segments, scan)
+    assert torch.equal(init, before)
+    multi = any(len({o for r, o in zip(rows, offs) if r == i} | {q - 1}) > 1
+                for i, q in enumerate(lens) if q)
+    assert len(calls) == (2 if multi else 1)
+    assert states.shape == (len(rows), heads, head_dim, d_state)
+    for i, q in enumerate(lens):
+        if q == 0:
+            continue
+        s, e = qs[i], qs[i + 1]
+        mine = [j for j, r in enumerate(rows) if r == i]
+        y_ref, st_ref = ssd_chunked_reference(
+            x[s:e], dt[s:e], A, B[s:e], C[s:e], 8, D, init[i] if has[i] else None,
+            [offs[j] for j in mine],
+        )
+        torch.testing.assert_close(y[s:e], y_ref, rtol=1e-10, atol=1e-10)
+        for n, j in enumerate(mine):
+            torch.testing.assert_close(states[j], st_ref[n], rtol=1e-10, atol=1e-10)
+
+
+def test_states_inside_rows_need_the_second_scan():
+    """Every offset of a row requested: segments of one token, chained across the row."""
+    g = torch.Generator().manual_seed(_seed())
+    lens = [6, 3]
+    x, dt, A, B, C, D, init = _inputs(g, lens, 2, 3, 1, 4)
+    rows = [r for r, q in enumerate(lens) for _ in range(q)]
+    offs = [o for q in lens for o in range(q)]
+    segments = plan_segments(_query_start(lens), rows, offs)
+    assert segments.num_segments == 9 and len(segments.chain_steps) == 5
+    scan, calls = _counting(ssd_scan_varlen_reference)
+    y, states = ssd_prefill(x, dt, A, B, C, D, init, segments, scan)
+    assert calls == [9, 9]
+    for i, (s, e) in enumerate([(0, 6), (6, 9)]):
+        y_ref, st_ref = ssd_chunked_reference(
+            x[s:e], dt[s:e], A, B[s:e], C[s:e], 4, D, init[i], list(range(e - s))
+        )
+        torch.testing.assert_close(y[s:e], y_ref, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(states[s:e], st_ref, rtol=1e-10, atol=1e-10)
+
+
+def test_plan_segments_layout():
+    # Rows: 4 tokens (states after 1 and 3), empty, 1 token, 5 tokens (after 0, 0, 2).
+    seg = plan_segments([0, 4, 4, 5, 10], [3, 0, 3, 2, 0, 3], [2, 1, 0, 0, 3, 0])
+    assert seg.cu_seqlens_cpu.tolist() == [0, 2, 4, 5, 6, 8, 10]
+    assert seg.cu_seqlens.tolist() == seg.cu_seqlens_cpu.tolist()
+    assert seg.first_segment.tolist() == [0, 2, 3]
+    assert seg.first_row.tolist() == [0, 2, 3]
+    assert seg.later_segment.tolist() == [1, 4, 5]
+    assert [s.tolist() for s in seg.chain_steps] == [[1, 4], [5]]
+    assert seg.request_segment.tolist() == [4, 0, 3, 2, 1, 3]
+    assert not seg.single_scan
+    one = plan_segments([0, 3, 3, 4], [0, 2], [2, 0])
+    assert one.single_scan and one.request_segment.tolist() == [0, 1]
+    with pytest.raises(ValueError, match="out of range"):
+        plan_segments([0, 3], [0], [3])
+
+
+def test_discretize_dt_varlen_skips_the_clamp_per_token():
+    g = torch.Generator().manual_seed(_seed())
+    dt = torch.randn(7, 3, generator=g)
+    bias = torch.randn(3, generator=g)
+    limit = (0.6, 0.9)
+    free = torch.tensor([False, True, False, False, True, False, False])
+    got = discretize_dt_varlen(dt, bias, limit, free)
+    for t in range(7):
+        want = discretize_dt(dt[t : t + 1], bias, None if free[t] else limit)
+        assert torch.equal(got[t : t + 1], want)
+    assert torch.equal(discretize_dt_varlen(dt, bias, limit, None), discretize_dt(dt, bias, limit))
+
+
+# --------------------------------------------------------------------------------------
+# The whole mixer: packed path (torch twins) against the per-row path
+# --------------------------------------------------------------------------------------
+
+
+def _model(tmp_path, clamp_everywhere):
+    import dataclasses
+
+    from hybridserve.models import ModelConfig, load_model
+    from hybridserve.testing.tiny_models import make_tiny_checkpoint
+
+    # A large time_step_min makes Nemotron-H's dt clamp bite on most tokens.
+    path = make_tiny_checkpoint("nemotron_h", tmp_path / "m", seed=_seed() % 1000,
+                                layers="M*-M", time_step_min=0.6, time_step_max=1.0)
+    config = ModelConfig.from_pretrained(path)
+    mamba = dataclasses.replace(config.mamba, clamp_dt_in_single_token_step=clamp_everywhere)
+    return load_model(path, config=config.with_overrides(mamba=mamba), dtype=torch.float64)
+
+
+def _run_steps(model, steps):
+    """Run ``steps`` (rows and extra state offsets) on a fresh driver; per step the logits,
+    the pages the step wrote, and both caches of every Mamba layer before and after."""
+    from paged_driver import PagedDriver
+
+    d = PagedDriver(model)
+    out = []
+    for rows, extra in steps:
+        before = {l: (d.caches.conv[l].clone(), d.caches.ssm[l].clone())
+                  for l in model.cache_spec.mamba_layers}
+        logits, pages = d.step(rows, extra)
+        after = {l: (d.caches.conv[l].clone(), d.caches.ssm[l].clone())
+                 for l in model.cache_spec.mamba_layers}
+        written = sorted(p for offs in pages.values() for p in offs.values())
+        out.append((logits, written, before, after))
+    return out
+
+
+@pytest.mark.parametrize("clamp_everywhere", [False, True])
+def test_mixer_packed_path_matches_per_row_path(tmp_path, monkeypatch, clamp_everywhere):
+    from hybridserve.models.layers import mamba2
+
+    torch.set_num_threads(1)
+    model = _model(tmp_path, clamp_everywhere)
+    g = torch.Generator().manual_seed(_seed())
+
+    def toks(n):
+        return torch.randint(3, 256, (n,), generator=g).tolist()
+
+    steps = [
+        # Prefill: four new sequences, states inside rows (grid points) and at row ends.
+        ([(0, toks(11)), (1, toks(2)), (2, toks(17)), (3, toks(1))], {0: [3, 7], 2: [0, 15]}),
+        # Mixed: single-token continuations, a multi-token continuation with inner states,
+        # a new sequence of one token (no stored state) and a new prefill.
+        (
+            [(0, toks(1)), (1, toks(6)), (2, toks(1)), (4, toks(1)), (5, toks(9))],
+            {1: [0, 2], 5: [4]},
+        ),
+        # All rows one token, one of them new: not a decode step, so the packed path.
+        ([(0, toks(1)), (3, toks(1)), (6, toks(1))], None),
+        # Verify-like rows of different lengths.
+        ([(1, toks(3)), (2, toks(2)), (5, toks(4))], {1: [0, 1], 2: [0], 5: [1, 2]}),
+    ]
+    results = {}
+    for mode in ("reference", "off"):
+        monkeypatch.setattr(mamba2, "PACKED_PREFILL", mode)
+        results[mode] = _run_steps(model, steps)
+    for (pl, pw, pb, pa), (rl, rw, _, ra) in zip(results["reference"], results["off"]):
+        assert not pl.isnan().any()
+        torch.testing.assert_close(pl, rl, rtol=1e-10, atol=1e-10)
+        assert pw == rw
+        for layer in pa:
+            for kind in (0, 1):  # conv windows, SSM states
+                p_after, r_after = pa[layer][kind], ra[layer][kind]
+                # Written pages agree (windows are copies: bit for bit) ...
+                if kind == 0:
+                    assert torch.equal(p_after[pw], r_after[rw])
+                else:
+                    torch.testing.assert_close(p_after[pw], r_after[rw], rtol=1e-10, atol=1e-10)
+                assert not p_after[pw].isnan().any()
+                # ... and no other page changed.
+                others = [p for p in range(p_after.shape[0]) if p not in pw]
+                assert torch.equal(
+                    p_after[others].nan_to_num(7.0), pb[layer][kind][others].nan_to_num(7.0)
+                )
+
+
+def test_mixer_takes_the_packed_path_when_selected(tmp_path, monkeypatch):
+    """The switch routes prefill and mixed steps through ssd_prefill; uniform decode steps
+    keep the decode fast path; "off" and (on the CPU) "auto" take the per-row path."""
+    from paged_driver import PagedDriver
+
+    from hybridserve.models.layers import mamba2
+
+    torch.set_num_threads(1)
+    model = _model(tmp_path, False)
+    layers = len(model.cache_spec.mamba_layers)
+    calls = []
+    real = ssd_varlen.ssd_prefill
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ssd_varlen, "ssd_prefill", spy)
+    monkeypatch.setattr(mamba2, "PACKED_PREFILL", "reference")
+    d = PagedDriver(model)
+    d.step([(0, [5, 6, 7]), (1, [8])])
+    assert len(calls) == layers
+    d.step([(0, [9]), (1, [10])])  # uniform decode
+    assert len(calls) == layers
+    d.step([(0, [11, 12]), (1, [13])])  # mixed
+    assert len(calls) == 2 * layers
+    for mode in ("off", "auto"):
+        monkeypatch.setattr(mamba2, "PACKED_PREFILL", mode)
+        d.step([(0, [14, 15]), (1, [16])])
+        assert len(calls) == 2 * layers
+    assert mamba2.packed_prefill_scan(torch.device("cpu"), torch.float32) is None
+
+
+# --------------------------------------------------------------------------------------
+# GPU: fla-core's scan against the twin (float64 oracle), and the mixer on the GPU
+# --------------------------------------------------------------------------------------
+
+
+def gpu_test(fn):
+    fn = pytest.mark.skipif(
+        INTERPRETED, reason="compiles Triton kernels: run with TRITON_INTERPRET=0"
+    )(fn)
+    fn = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(fn)
+    return pytest.mark.gpu(fn)
+
+
+def _need_fla():
+    if not ssd_varlen.fla_available():
+        pytest.skip("needs fla-core")
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@gpu_test
+@pytest.mark.parametrize("lens", [[1000, 1, 64, 300, 2], [4096, 4096]])
+def test_gpu_fla_scan_matches_twin(lens, record_property):
+    _need_fla()
+    g = torch.Generator().manual_seed(_seed())
+    heads, head_dim, groups, d_state = 8, 64, 2, 128
+    x, dt, A, B, C, _, init = _inputs(
+        g, lens, heads, head_dim, groups, d_state, torch.float32, "cuda"
+    )
+    init[1::2] = 0.0
+    cu_cpu = torch.tensor(_query_start(lens), dtype=torch.int64)
+    cu = cu_cpu.cuda()
+    y, final = ssd_varlen.ssd_scan_varlen_fla(x, dt, A, B, C, cu, init, cu_seqlens_cpu=cu_cpu)
+    y_ref, final_ref = ssd_scan_varlen_reference(
+        *(t.double() for t in (x, dt, A, B, C)), cu, init.double(), cu_seqlens_cpu=cu_cpu
+    )
+    assert y.shape == y_ref.shape and final.shape == final_ref.shape
+    ry, rs = _rel(y, y_ref), _rel(final, final_ref)
+    record_property("fla_scan_rel_err_y", ry)
+    record_property("fla_scan_rel_err_state", rs)
+    print(f"fla scan {lens}: relative error y {ry:.3e}, final states {rs:.3e}")
+    assert ry < 5e-3 and rs < 5e-3
+
+
+@gpu_test
+def test_gpu_ssd_prefill_fla_matches_twin(record_property):
+    _need_fla()
+    g = torch.Generator().manual_seed(_seed())
+    lens = [700, 1, 0, 130, 64, 1]
+    heads, head_dim, groups, d_state = 8, 64, 2, 128
+    x, dt, A, B, C, D, init = _inputs(
+        g, lens, heads, head_dim, groups, d_state, torch.float32, "cuda"
+    )
+    rows, offs = _requests(g, lens, 6)
+    segments = plan_segments(_query_start(lens), rows, offs, "cuda")
+    y, states = ssd_prefill(x, dt, A, B, C, D, init, segments, ssd_varlen.ssd_scan_varlen_fla)
+    y_ref, st_ref = ssd_prefill(
+        *(t.double() for t in (x, dt, A, B, C, D, init)), segments, ssd_scan_varlen_reference
+    )
+    ry, rs = _rel(y, y_ref), _rel(states, st_ref)
+    record_property("ssd_prefill_rel_err_y", ry)
+    record_property("ssd_prefill_rel_err_state", rs)
+    print(f"ssd_prefill fla {len(rows)} states: relative error y {ry:.3e}, states {rs:.3e}")
+    assert ry < 5e-3 and rs < 5e-3
+
+
+def _hand_built_batch(lens, computed, in_pages, requests, block_size, device):
+    """A ForwardBatch whose rows own consecutive KV blocks; ``requests`` are (row, offset,
+    page) triples."""
+    from hybridserve.models.batch import ForwardBatch
+
+    qs = _query_start(lens)
+    width = max(-(-(n + q) // block_size) for n, q in zip(computed, lens))
+    tables = torch.arange(len(lens) * width, dtype=torch.int32).view(len(lens), width)
+    positions, slots = [], []
+    for i, (n, q) in enumerate(zip(computed, lens)):
+        for p in range(n, n + q):
+            positions.append(p)
+            slots.append(int(tables[i, p // block_size]) * block_size + p % block_size)
+    batch = ForwardBatch(
+        query_start=qs,
+        num_computed=list(computed),
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        context_lens=[n + q for n, q in zip(computed, lens)],
+        block_tables=tables.to(device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        state_in_page=list(in_pages),
+        state_out_row=[r for r, _, _ in requests],
+        state_out_offset=[o for _, o, _ in requests],
+        state_out_page=[p for _, _, p in requests],
+    )
+    batch.validate()
+    return batch
+
+
+def _packed_vs_per_row(tmp_path, monkeypatch, packed_mode, device, dtype):
+    """One hand-built mixed step (a long prefill with grid points, one-token and
+    multi-token continuations, an empty row, a fresh short prefill) through the packed
+    path and the per-row path, on random caches. Returns both results and the batch."""
+    from hybridserve.models.layers import mamba2
+    from hybridserve.models.loader import load_model
+    from hybridserve.testing.tiny_models import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint("nemotron_h", tmp_path / "m", seed=7, layers="M*-M")
+    model = load_model(path, dtype=dtype).to(device)
+    spec = model.cache_spec
+    g = torch.Generator().manual_seed(_seed())
+    lens, computed = [150, 1, 90, 0, 33], [0, 5, 20, 3, 0]
+    batch = _hand_built_batch(
+        lens, computed, [-1, 3, 4, 5, -1],
+        [(0, 63, 8), (0, 149, 9), (1, 0, 10), (2, 10, 11), (2, 89, 12), (4, 32, 13)],
+        16, device,
+    )
+    ids = torch.randint(3, 256, (sum(lens),), generator=g).to(device)
+    ssm_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    start = spec.allocate(64, 16, 16, dtype, ssm_dtype, "cpu")
+    for t in [*start.conv.values(), *start.ssm.values()]:
+        t.copy_(torch.randn(t.shape, generator=g))
+    for k, v in start.kv.values():
+        k.copy_(torch.randn(k.shape, generator=g))
+        v.copy_(torch.randn(v.shape, generator=g))
+    results = {}
+    for mode in (packed_mode, "off"):
+        monkeypatch.setattr(mamba2, "PACKED_PREFILL", mode)
+        caches = spec.allocate(64, 16, 16, dtype, ssm_dtype, device)
+        for src, dst in ((start.conv, caches.conv), (start.ssm, caches.ssm)):
+            for layer in src:
+                dst[layer].copy_(src[layer])
+        for layer, (k, v) in start.kv.items():
+            caches.kv[layer][0].copy_(k)
+            caches.kv[layer][1].copy_(v)
+        with torch.no_grad():
+            hidden = model(ids, batch, caches)
+        results[mode] = (hidden, caches)
+    return results[packed_mode], results["off"], start, batch, spec
+
+
+def test_mixer_hand_built_step_with_an_empty_row(tmp_path, monkeypatch):
+    torch.set_num_threads(1)
+    (ph, pc), (rh, rc), start, batch, spec = _packed_vs_per_row(
+        tmp_path, monkeypatch, "reference", "cpu", torch.float64
+    )
+    torch.testing.assert_close(ph, rh, rtol=1e-10, atol=1e-10)
+    written = batch.state_out_page
+    others = [p for p in range(16) if p not in written]
+    for layer in spec.mamba_layers:
+        assert torch.equal(pc.conv[layer], rc.conv[layer])
+        torch.testing.assert_close(pc.ssm[layer], rc.ssm[layer], rtol=1e-10, atol=1e-10)
+        assert torch.equal(pc.ssm[layer][others], start.ssm[layer][others])
+        assert torch.equal(pc.conv[layer][others], start.conv[layer][others])
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_mixer_packed_path_matches_per_row_path(tmp_path, monkeypatch, dtype,
+                                                    record_property):
+    _need_fla()
+    (ph, pc), (rh, rc), start, batch, spec = _packed_vs_per_row(
+        tmp_path, monkeypatch, "auto", "cuda", dtype
+    )
+    rel = _rel(ph, rh)
+    record_property("mixer_packed_rel_err_hidden", rel)
+    print(f"mixer packed vs per-row on the GPU, {dtype}: hidden relative error {rel:.3e}")
+    assert rel < (1e-2 if dtype == torch.float32 else 5e-2)
+    written = batch.state_out_page
+    others = [p for p in range(16) if p not in written]
+    for layer in spec.mamba_layers:
+        assert torch.equal(pc.conv[layer], rc.conv[layer])  # copies; untouched pages too
+        assert torch.equal(pc.ssm[layer][others].cpu(), start.ssm[layer][others])
+        rs = _rel(pc.ssm[layer][written], rc.ssm[layer][written])
+        record_property(f"mixer_packed_rel_err_states_layer{layer}", rs)
+        print(f"  layer {layer}: written SSM states relative error {rs:.3e}")
+        assert rs < 1e-2
