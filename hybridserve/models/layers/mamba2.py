@@ -109,15 +109,14 @@ class Mamba2Mixer(nn.Module):
         plan = mamba_decode.decode_plan(batch, h.device)
         if plan is not None:
             y = self._decode_rows(xbc, dt, A, plan, conv_cache, ssm_cache)
-            y = self.norm(y.to(compute), z)
-            return self.out_proj(y.to(h.dtype))
+            # The cast to the weights' dtype happens inside the norm's single pass.
+            return self.out_proj(self.norm(y.to(compute), z, out_dtype=h.dtype))
 
         scan = packed_prefill_scan(h.device, compute)
         if scan is not None:
             prefill = ssd_varlen.prefill_plan(batch, h.device)
             y = self._prefill_rows(xbc, dt, A, prefill, scan, conv_cache, ssm_cache)
-            y = self.norm(y, z)
-            return self.out_proj(y.to(h.dtype))
+            return self.out_proj(self.norm(y, z, out_dtype=h.dtype))
 
         initial = [
             (conv_cache[page], ssm_cache[page]) if page >= 0 else (None, None)
@@ -161,8 +160,7 @@ class Mamba2Mixer(nn.Module):
         for page, window, state in writes:
             conv_cache[page] = window.to(conv_cache.dtype)
             ssm_cache[page] = state.to(ssm_cache.dtype)
-        y = self.norm(y, z)
-        return self.out_proj(y.to(h.dtype))
+        return self.out_proj(self.norm(y, z, out_dtype=h.dtype))
 
     def _decode_rows(
         self,
