@@ -462,7 +462,14 @@ def test_gpu_mixer_packed_path_matches_per_row_path(tmp_path, monkeypatch, dtype
     written = batch.state_out_page
     others = [p for p in range(16) if p not in written]
     for layer in spec.mamba_layers:
-        assert torch.equal(pc.conv[layer], rc.conv[layer])  # copies; untouched pages too
+        if layer == spec.mamba_layers[0]:
+            # Windows are copies of the layer's inputs, which are the same in both paths
+            # only for the first Mamba layer: later layers see the earlier scans' float32
+            # rounding differences (tf32 products in fla-core's scan).
+            assert torch.equal(pc.conv[layer], rc.conv[layer])
+        else:
+            assert _rel(pc.conv[layer][written], rc.conv[layer][written]) < 1e-2
+            assert torch.equal(pc.conv[layer][others].cpu(), start.conv[layer][others])
         assert torch.equal(pc.ssm[layer][others].cpu(), start.ssm[layer][others])
         rs = _rel(pc.ssm[layer][written], rc.ssm[layer][written])
         record_property(f"mixer_packed_rel_err_states_layer{layer}", rs)
