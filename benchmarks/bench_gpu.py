@@ -987,7 +987,7 @@ def main(argv=None) -> int:
             or platform.machine(),
             "torch": torch.__version__, "triton": triton.__version__,
             "python": platform.python_version(), "commit": git_commit(),
-            "smoke": args.smoke,
+            "fla_core": ssd_varlen.fla_version(), "smoke": args.smoke,
         },
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "model": {"name": name, "shape": shape, "dtype": str(dtype), "random_weights": True},

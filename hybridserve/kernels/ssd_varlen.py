@@ -139,6 +139,20 @@ def fla_available() -> bool:
     return True
 
 
+def fla_version() -> str | None:
+    """fla-core's version when its scan is usable here (recorded by benchmarks), else None."""
+    if not fla_available():
+        return None
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fla-core")
+    except PackageNotFoundError:  # importable from a path without package metadata
+        import fla
+
+        return getattr(fla, "__version__", "unknown")
+
+
 def ssd_scan_varlen_fla(
     x: torch.Tensor,
     dt: torch.Tensor,
