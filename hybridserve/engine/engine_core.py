@@ -244,30 +244,36 @@ class EngineCore:
             )
             accepted.append(len(res.new_tokens))
 
-        def ints(values: list) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
-
-        idx = ints(slots)
+        # Every host-side input of the launch travels in one int32 transfer (pinned on
+        # CUDA, so it does not block the host); the tensors below are views of it.
+        b = len(rows)
+        flat = slots + computed + state_in + accepted + [p for row in pages for p in row]
+        packed = torch.tensor(flat, dtype=torch.int32)
+        if device.type == "cuda":
+            packed = packed.pin_memory()
+        packed = packed.to(device, non_blocking=True)
+        idx, computed_d, state_in_d, accepted_d = packed[: 4 * b].view(4, b)
+        out_pages = packed[4 * b :].view(b, max_q)
+        idx_long = idx.long()
         # Prefill rows advance the host's counts only; refresh the decision tables of
-        # this step's slots (one small copy each) before the launch reads them.
-        runner.slot_num_computed[idx.long()] = ints(computed)
-        runner.slot_state_page[idx.long()] = ints(state_in)
-        out_pages = ints(pages)
+        # this step's slots before the launch reads them.
+        runner.slot_num_computed[idx_long] = computed_d
+        runner.slot_state_page[idx_long] = state_in_d
         decide = state_postprocess if device.type == "cuda" else state_postprocess_reference
         result = decide(
             idx_mapping=idx,
             num_computed=runner.slot_num_computed,
-            num_accepted=ints(accepted),
+            num_accepted=accepted_d,
             out_pages=out_pages,
             state_page=runner.slot_state_page,
             # The request holds a reference on whatever page it read, a checkpoint too.
-            release_prev=runner.slot_state_page[idx.long()] >= 0,
+            release_prev=state_in_d >= 0,
             state_interval=self.scheduler.verify_interval(),
         )
         # One device-to-host read per step, for the host's page bookkeeping.
         k = result.ckpt_page.shape[1]
         host = torch.cat(
-            [result.new_state_page[idx.long()][:, None], result.ckpt_page, result.ckpt_len,
+            [result.new_state_page[idx_long][:, None], result.ckpt_page, result.ckpt_len,
              result.release_pages], dim=1,
         ).tolist()
         for (row, _), a, h in zip(rows, accepted, host):
