@@ -68,9 +68,9 @@ class EngineCore:
         eos_token_ids: tuple[int, ...],
         enforce_eager: bool | None = None,
     ) -> None:
-        """``enforce_eager``: True runs every step eagerly; False replays uniform greedy
-        decode steps from CUDA graphs (on a CPU: the same static-buffer step, eagerly);
-        None (the default) means False on CUDA and True elsewhere."""
+        """``enforce_eager``: True runs every step eagerly; False replays greedy decode
+        and verify steps from CUDA graphs (on a CPU: the same static-buffer step,
+        eagerly); None (the default) means False on CUDA and True elsewhere."""
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size

@@ -1,12 +1,13 @@
-"""CUDA-graph replay of uniform greedy decode steps.
+"""CUDA-graph replay of greedy decode and verify steps.
 
 A decode step of the fast path launches about a thousand small kernels; at batch 16-64
 on an H200 their launch costs dominate the step. This module captures the whole step
 (the model forward, the logits and the greedy argmax) once per shape and replays it.
 
-Which steps (:meth:`DecodeGraphs.plan`): every row runs the same ``q`` tokens
-(``q = 1``: plain decode; ``q = 1 + d``: speculative verify rows that all carry ``d``
-drafts), continues from a stored state page, writes its ``q`` states to pages that are
+Which steps (:meth:`DecodeGraphs.plan`): decode and verify rows (``1 + d`` tokens for a
+row carrying ``d`` drafts; the step runs the longest row's count ``q`` and pads the
+shorter rows, see :meth:`DecodeGraphs.fill`), every row continuing from a stored state
+page, writes its ``q`` states to pages that are
 not input pages, samples by plain argmax (greedy, no penalties, no logprobs), and the
 step has at most the largest batch bucket of rows. Anything else (prefill, mixed
 steps, sampling with temperature, too many rows, a context longer than the block
@@ -112,7 +113,7 @@ class _Static:
 
 
 class DecodeGraphs:
-    """Captures and replays uniform greedy decode steps (see the module docstring)."""
+    """Captures and replays greedy decode and verify steps (see the module docstring)."""
 
     def __init__(
         self,
@@ -169,7 +170,9 @@ class DecodeGraphs:
         batch = batch_bucket(len(rows), self.buckets)
         if batch is None:
             return None
-        q = rows[0].num_tokens
+        # Rows may carry different draft counts: the step runs the longest row's token
+        # count q, and shorter rows are padded (see fill()).
+        q = max(row.num_tokens for row in rows)
         if not 1 <= q <= self.max_q:
             return None
         bs = self.block_size
@@ -178,21 +181,22 @@ class DecodeGraphs:
         out_pages = set()
         for row in rows:
             n = row.num_computed
+            rq = row.num_tokens
             if (
-                row.num_tokens != q
-                or row.num_drafts != q - 1
+                rq < 1
+                or row.num_drafts != rq - 1
                 or not row.samples
                 or row.state_in_page < 0
-                or len(row.state_outputs) != q
+                or len(row.state_outputs) != rq
                 or not sampler.samples_by_argmax(row.request.params)
             ):
                 return None
-            outs = [row.state_outputs.get(n + 1 + t, -1) for t in range(q)]
+            outs = [row.state_outputs.get(n + 1 + t, -1) for t in range(rq)]
             if min(outs) < 0:
                 return None
             in_pages.add(row.state_in_page)
             out_pages.update(outs)
-            need = -(-(n + q) // bs)
+            need = -(-(n + rq) // bs)
             if need > len(row.request.block_ids):
                 return None
             blocks = max(blocks, need)
@@ -204,7 +208,8 @@ class DecodeGraphs:
 
     def run(self, sched: SchedulerOutput) -> list[int] | None:
         """Run ``sched`` from a graph if it qualifies: the argmax token after every
-        position (``rows * q`` ids, row-major), or None (then nothing ran)."""
+        position of every row (each row's own ``num_tokens`` ids, rows in order; padded
+        positions dropped), or None (then nothing ran)."""
         shape = self.plan(sched)
         if shape is None:
             self.counters["eager_steps"] += 1
@@ -229,7 +234,11 @@ class DecodeGraphs:
         else:
             out = self._forward(st, shape)
         self.counters["graph_steps"] += 1
-        return out[: shape.rows * shape.q].tolist()
+        ids = out[: shape.rows * shape.q].tolist()
+        q = shape.q
+        if all(row.num_tokens == q for row in sched.rows):
+            return ids
+        return [t for i, row in enumerate(sched.rows) for t in ids[i * q : i * q + row.num_tokens]]
 
     def fill(self, st: _Static, sched: SchedulerOutput, shape: StepShape) -> None:
         """Write the step's rows (then padding rows up to the bucket) into the static
@@ -237,20 +246,32 @@ class DecodeGraphs:
         q, bs, h = shape.q, self.block_size, st.host
         tab = st.tables
         width = shape.width
+        scratch = self.scratch_block * bs
         for i, row in enumerate(sched.rows):
             req = row.request
             n = row.num_computed
             d = row.num_drafts
+            rq = row.num_tokens
             blocks = req.block_ids
             line = h[i]
-            line[0 : q - d] = req.all_token_ids[n : n + q - d]
+            line[0 : rq - d] = req.all_token_ids[n : n + rq - d]
             if d:
-                line[q - d : q] = req.draft_token_ids[:d]
-            for t in range(q):
+                line[rq - d : rq] = req.draft_token_ids[:d]
+            for t in range(rq):
                 pos = n + t
                 line[q + t] = pos
                 line[2 * q + t] = blocks[pos // bs] * bs + pos % bs
                 line[3 * q + 1 + t] = row.state_outputs[pos + 1]
+            # Padding positions of a row shorter than q: they come after the row's real
+            # tokens, so neither the recurrence nor the causal attention of a real token
+            # sees them. They repeat the last real token and position (so every key they
+            # look up through the block table exists), write their keys to the scratch
+            # block and no state (-1), and their argmax is dropped.
+            for t in range(rq, q):
+                line[t] = line[rq - 1]
+                line[q + t] = n + rq - 1
+                line[2 * q + t] = scratch + t % bs
+                line[3 * q + 1 + t] = -1
             line[3 * q] = row.state_in_page
             k = min(len(blocks), width)
             line[tab : tab + k] = blocks[:k]

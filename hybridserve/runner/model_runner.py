@@ -5,8 +5,14 @@ It owns the cache tensors and the persistent per-slot metadata (``slot_num_compu
 through ``idx_mapping``). It never decides what to run; the scheduler does.
 
 With decode graphs enabled (:meth:`ModelRunner.enable_decode_graphs`, the engine's
-default on CUDA), a uniform greedy decode step replays a captured CUDA graph
+default on CUDA), a greedy decode or verify step replays a captured CUDA graph
 (:mod:`hybridserve.runner.cuda_graph`); every other step runs eagerly as below.
+
+Sampling (:mod:`hybridserve.runner.sampler`) stays on the logits' device: a step whose
+sampling rows are all plain greedy reads back one argmax id per position; any other
+step samples all its rows at once through the batched sampler, after one upload of the
+step's per-position parameters, and reads back one int64 tensor (the chosen tokens and
+the logprobs payload). The host then walks each row's drafts.
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ class ModelRunner:
     def enable_decode_graphs(
         self, max_blocks: int, scratch_block: int, scratch_page: int, capture: bool | None = None
     ) -> DecodeGraphs:
-        """Replay uniform greedy decode steps from CUDA graphs.
+        """Replay greedy decode and verify steps from CUDA graphs.
 
         ``max_blocks``: the widest block table a graph takes (a sequence of
         ``max_model_len`` tokens). ``scratch_block`` / ``scratch_page``: a KV block and
@@ -114,17 +120,14 @@ class ModelRunner:
         if self.graphs is not None:
             choices = self.graphs.run(sched)
             if choices is not None:
-                q = sched.rows[0].num_tokens
-                return [
-                    RowResult(
-                        sampler.verify_greedy_ids(
-                            choices[i * q : (i + 1) * q],
-                            row.request.draft_token_ids[: row.num_drafts],
-                        ),
-                        [],
-                    )
-                    for i, row in enumerate(sched.rows)
-                ]
+                # Each row's own num_tokens choices, rows in order (rows may differ).
+                results, start = [], 0
+                for row in sched.rows:
+                    end = start + row.num_tokens
+                    drafts = row.request.draft_token_ids[: row.num_drafts]
+                    results.append(RowResult(sampler.verify_choices(choices[start:end], drafts), []))
+                    start = end
+                return results
         input_ids, batch = self.build_batch(sched)
         hidden = self.model.forward(input_ids, batch, self.caches)
         # Gather the positions whose logits are needed: every token of a verify row,
@@ -148,50 +151,48 @@ class ModelRunner:
             index = index.pin_memory()
         index = index.to(hidden.device, non_blocking=True)
         logits = self.model.compute_logits(hidden[index])
-        # Rows whose choice is an argmax (greedy, no penalties, no logprobs) are decided
-        # on the device and read back as one id per position; only the other rows'
-        # logits travel to the host, where the general sampler runs.
-        by_argmax = [
-            k > 0 and sampler.samples_by_argmax(row.request.params)
-            for row, (_, k) in zip(sched.rows, spans)
-        ]
-        choices = sampler.argmax_ids(logits).tolist() if any(by_argmax) else []
-        general = [
-            i for i, (row, (_, k)) in enumerate(zip(sched.rows, spans)) if k > 0 and not by_argmax[i]
-        ]
-        host_rows: dict[int, torch.Tensor] = {}
-        if general:
-            rows_index = [j for i in general for j in range(spans[i][0], spans[i][0] + spans[i][1])]
-            host = logits[torch.tensor(rows_index, device=logits.device)].float().cpu()
-            offset = 0
-            for i in general:
-                host_rows[i] = host[offset : offset + spans[i][1]]
-                offset += spans[i][1]
+        sampling = [i for i, (_, k) in enumerate(spans) if k > 0]
+        if all(sampler.samples_by_argmax(sched.rows[i].request.params) for i in sampling):
+            # Only plain greedy rows: the choice is the argmax of the raw logits, one id
+            # per position read back, no parameters to send.
+            choices = sampler.argmax_ids(logits).tolist()
+            lps: dict[int, dict[int, Logprob]] = {}
+        else:
+            choices, lps = self._sample(sched, sampling, logits)
         results = []
-        for i, (row, (start, k)) in enumerate(zip(sched.rows, spans)):
+        for row, (start, k) in zip(sched.rows, spans):
             if k == 0:
                 results.append(RowResult([], []))
-            elif by_argmax[i]:
-                drafts = row.request.draft_token_ids[: row.num_drafts]
-                results.append(
-                    RowResult(sampler.verify_greedy_ids(choices[start : start + k], drafts), [])
-                )
-            else:
-                results.append(self._sample_row(row, host_rows[i]))
+                continue
+            drafts = row.request.draft_token_ids[: row.num_drafts]
+            tokens = sampler.verify_choices(choices[start : start + k], drafts)
+            logprobs = [lps[start + j] for j in range(len(tokens))] if start in lps else []
+            results.append(RowResult(tokens, logprobs))
         return results
 
-    def _sample_row(self, row, logits: torch.Tensor) -> RowResult:
-        req = row.request
-        params = req.params
-        drafts = req.draft_token_ids[: row.num_drafts]
-        out_so_far = list(req.output_token_ids)
-        logps = []
-        for j in range(len(drafts) + 1):
-            logps.append(sampler.process_logits(logits[j], params, req.prompt_token_ids, out_so_far + drafts[:j]))
-        tokens = sampler.verify_drafts(
-            torch.stack(logps), drafts, params, req.sample_seed, len(req.output_token_ids)
-        )
-        lps = []
-        if params.logprobs is not None:
-            lps = [sampler.token_logprobs(logits[j], t, params.logprobs) for j, t in enumerate(tokens)]
-        return RowResult(tokens, lps)
+    def _sample(
+        self, sched: SchedulerOutput, sampling: list[int], logits: torch.Tensor
+    ) -> tuple[list[int], dict[int, dict[int, Logprob]]]:
+        """Every sampling row of the step through the batched sampler: parameters up in
+        one transfer, the chosen tokens (and the logprobs payload) back in one."""
+        rows = []
+        for i in sampling:
+            row = sched.rows[i]
+            req = row.request
+            rows.append(
+                sampler.SampleRow(
+                    params=req.params,
+                    sample_seed=req.sample_seed,
+                    first_index=len(req.output_token_ids),
+                    prompt_ids=req.prompt_token_ids,
+                    output_ids=req.output_token_ids,
+                    drafts=req.draft_token_ids[: row.num_drafts],
+                )
+            )
+        plan = sampler.plan_step(rows, logits.shape[-1])
+        packed = plan.packed
+        if logits.is_cuda:
+            packed = packed.pin_memory()
+        packed = packed.to(logits.device, non_blocking=True)
+        values = sampler.sample_step(logits, plan, packed).tolist()  # the step's one read-back
+        return sampler.read_step(values, plan)

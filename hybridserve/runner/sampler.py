@@ -1,8 +1,42 @@
-"""Token sampling, speculative verification and logprobs (torch; the CPU reference path).
+"""Token sampling, speculative verification and logprobs, batched in torch ops.
 
-Reproducibility: the random draws for a request's k-th generated token come from a
-generator seeded by ``(sample_seed, k)``, so a seeded request samples the same tokens
-whatever the batch around it, after preemption and recompute, and in any step layout.
+One step, one draw, one read-back. :func:`plan_step` builds on the host, once per
+step, the per-position parameters of every sampling position (temperature, top-k,
+top-p, min-p, the request's ``sample_seed``, the generated-token index of the
+position, the penalties and the tokens they apply to, which positions want logprobs)
+as one float64 buffer, sent to the device in one transfer. :func:`sample_step` then
+processes and draws every position of the step at once on the logits' device and
+returns one int64 tensor: the target's token after each position, followed by the
+logprobs payload of the positions whose request asks for logprobs. The host reads it
+back once and :func:`read_step` decodes it. The same code runs on CPU and CUDA.
+
+Processing: the definitions of :func:`process_logits` (the per-row reference), row by
+row with each row's own values: repetition penalty over the prompt and output tokens,
+presence / frequency penalties over the output tokens, then temperature, top-k, top-p
+(the smallest prefix of the sorted distribution whose mass reaches ``top_p``, always
+keeping the top token) and min-p. Greedy positions (temperature 0) take the argmax of
+the log-softmax of the penalised logits, so ties resolve as in :func:`argmax_ids`.
+
+Randomness is counter based (:func:`uniforms`): every ``(sample_seed, index, token)``
+has its own uniform ``u`` in (0, 1), an integer hash of the three, and a sampled
+position draws ``argmax_t logp(t) - log(-log u(t))`` (the Gumbel-max trick, i.e. the
+exponential race), an exact sample from ``exp(logp)``. A draw depends on nothing but
+the request's seed, the index of the token being generated and the processed
+distribution: not on the batch around the request, its row in the batch, preemption
+and recompute, the step layout, or which path computed the distribution's
+adjustments. So a seeded request samples the same tokens whatever the batch around it,
+after preemption and recompute, and in any step layout; asking for logprobs never
+changes its tokens.
+
+Speculative verification of point-mass drafts (an n-gram proposer's) is coupled to that
+draw: the target's token at draft position j is drawn as above, and the draft ``x`` is
+accepted iff it is that token. Acceptance has probability ``p_j(x)`` (the most any
+verification of a point-mass draft can accept), and a rejected position emits the
+drawn token, which given "not x" is distributed as ``p_j`` with ``x`` removed and
+renormalised: the residual ``max(p - q, 0)`` for ``q`` a point mass. Every emitted
+token is therefore distributed exactly as the target's sampling; beyond that, a seeded
+request emits the same tokens with or without speculation. The host's walk over a
+row's positions is :func:`verify_choices`, for greedy and sampled rows alike.
 
 Logprobs are the model's raw distribution (log-softmax of the logits before
 penalties, temperature and truncation), as vLLM reports them by default.
@@ -10,17 +44,91 @@ penalties, temperature and truncation), as vLLM reports them by default.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hybridserve.engine.request import Logprob, SamplingParams
 
+# --- the counter-based RNG ---------------------------------------------------------
+#
+# All arithmetic is on int64 tensors holding values in [0, 2^31): an odd multiplier
+# below 2^30 keeps every product under 2^61, so nothing overflows int64 and the same
+# integer ops give the same bits on every device. ``_mix`` is a bijection of
+# [0, 2^31) (xor with a right shift of itself is invertible, and so is multiplication
+# by an odd number modulo 2^31) built like MurmurHash3's finalizer: the multiplies
+# carry low bits upwards, the shifts fold high bits back down.
+#
+# A position's seed words and index are absorbed into three round keys (a chain of
+# ``_mix(h ^ word)``), and a token's value is three keyed rounds ``h = _mix(h ^ key)``
+# starting from the token id. Each round is a bijection of the token id for fixed keys,
+# so the tokens of one position never share a value; two positions whose first keys
+# happen to be close still part at the next key. Nothing in it depends on any other
+# position, which is what makes draws batch invariant.
 
-def _generator(sample_seed: int, index: int) -> torch.Generator:
-    g = torch.Generator()
-    g.manual_seed((sample_seed * 1_000_003 + index * 7919) & 0x7FFF_FFFF_FFFF_FFFF)
-    return g
+_MASK31 = (1 << 31) - 1
+_MUL_A = 0x2C1B3C6D
+_MUL_B = 0x297A2D39
+_KEY_SALTS = (0x3C6EF372, 0x1B873593, 0x68E31DA4)
+
+
+def _mix(h: torch.Tensor) -> torch.Tensor:
+    h = h ^ (h >> 16)
+    h = (h * _MUL_A) & _MASK31
+    h = h ^ (h >> 15)
+    h = (h * _MUL_B) & _MASK31
+    return h ^ (h >> 16)
+
+
+def seed_words(sample_seed: int | None) -> tuple[int, int]:
+    """The two 31-bit words a seed enters the hash as (seeds equal modulo 2^62 share a
+    stream; the engine draws its own seeds below 2^62)."""
+    s = (sample_seed or 0) % (1 << 62)
+    return s & _MASK31, s >> 31
+
+
+def uniforms(seed_lo: torch.Tensor, seed_hi: torch.Tensor, index: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``u[i, t]`` in (0, 1), float64: the uniform of token ``t`` at the position with
+    seed words ``(seed_lo[i], seed_hi[i])`` and generated-token index ``index[i]``
+    (int64 tensors ``[N]``, words from :func:`seed_words`). Odd multiples of 2^-32, so
+    neither 0 nor 1."""
+    k1 = _mix(_mix(_mix(seed_lo ^ _KEY_SALTS[0]) ^ seed_hi) ^ (index & _MASK31))
+    k2 = _mix(k1 ^ _KEY_SALTS[1])
+    k3 = _mix(k2 ^ _KEY_SALTS[2])
+    h = torch.arange(vocab, dtype=torch.int64, device=seed_lo.device)[None, :]
+    for key in (k1, k2, k3):
+        h = _mix(h ^ key[:, None])
+    return (h.double() * 2 + 1) * 2.0**-32
+
+
+def draw(
+    logp: torch.Tensor,
+    greedy: torch.Tensor,
+    seed_lo: torch.Tensor,
+    seed_hi: torch.Tensor,
+    index: torch.Tensor,
+    any_sampled: bool = True,
+) -> torch.Tensor:
+    """One token per row of processed log-probabilities ``logp [N, vocab]`` -> ``[N]``.
+
+    Rows where ``greedy`` is True take the argmax; the others an exact sample by the
+    Gumbel-max trick over :func:`uniforms`. ``any_sampled=False`` (the caller knows no
+    row samples) skips the noise.
+    """
+    choice = torch.argmax(logp, dim=-1)
+    if not any_sampled:
+        return choice
+    u = uniforms(seed_lo, seed_hi, index, logp.shape[-1])
+    # -log(u) is an Exp(1) variate; argmax of logp - log(E) = argmin of E / p: the token
+    # whose exponential clock rings first, with rate p. float64 so u's 31 bits survive.
+    keys = logp.double() - torch.log(-torch.log(u))
+    return torch.where(greedy, choice, torch.argmax(keys, dim=-1))
+
+
+# --- per-row reference definitions --------------------------------------------------
 
 
 def process_logits(
@@ -30,7 +138,7 @@ def process_logits(
 
     Returns float32 log-probabilities of the distribution to sample from (``-inf`` for
     excluded tokens). For greedy requests only the penalties apply and the result's
-    argmax is the choice.
+    argmax is the choice. The definition that :func:`sample_step` batches.
     """
     x = logits.float().clone()
     if params.repetition_penalty != 1.0:
@@ -67,7 +175,7 @@ def samples_by_argmax(params: SamplingParams) -> bool:
 
     Greedy with no penalty and no logprobs: :func:`process_logits` is then a
     log-softmax (order preserving) and nothing else of the row's logits is needed, so
-    the runner can pick the token on the device and read back one id per position.
+    a step made only of such rows needs nothing but :func:`argmax_ids`.
     """
     return (
         params.greedy
@@ -88,11 +196,11 @@ def argmax_ids(logits: torch.Tensor) -> torch.Tensor:
     return torch.argmax(torch.log_softmax(logits.float(), dim=-1), dim=-1)
 
 
-def verify_greedy_ids(choices: Sequence[int], drafts: Sequence[int]) -> list[int]:
-    """:func:`verify_drafts` for a greedy request, given the argmax after every position.
-
-    ``choices[j]`` is the argmax after draft position j (``len(drafts) + 1`` entries).
-    """
+def verify_choices(choices: Sequence[int], drafts: Sequence[int]) -> list[int]:
+    """Walk a row's positions: ``choices[j]`` is the target's token after draft position
+    j (``len(drafts) + 1`` entries, from :func:`draw`). Returns the drafts accepted (each
+    equal to the choice at its position) and then the first choice that differs from
+    its draft, or the last choice when every draft is accepted."""
     out: list[int] = []
     for j, x in enumerate(drafts):
         if choices[j] != x:
@@ -103,60 +211,53 @@ def verify_greedy_ids(choices: Sequence[int], drafts: Sequence[int]) -> list[int
     return out
 
 
-def sample_token(logp: torch.Tensor, params: SamplingParams, sample_seed: int, index: int) -> int:
+# The greedy name of the same walk (a greedy row's choices are argmaxes).
+verify_greedy_ids = verify_choices
+
+
+def sample_token(logp: torch.Tensor, params: SamplingParams, sample_seed: int | None, index: int) -> int:
     """Draw one token from processed log-probabilities (argmax when greedy)."""
-    if params.greedy:
-        return int(torch.argmax(logp))
-    probs = logp.exp()
-    return int(torch.multinomial(probs, 1, generator=_generator(sample_seed, index)))
+    return verify_drafts(logp[None], [], params, sample_seed, index)[0]
 
 
 def verify_drafts(
     logps: torch.Tensor,
     drafts: Sequence[int],
     params: SamplingParams,
-    sample_seed: int,
+    sample_seed: int | None,
     first_index: int,
 ) -> list[int]:
     """Speculative verification of point-mass drafts (an n-gram proposer's).
 
     ``logps[j]`` is the processed distribution for the token after draft position j
-    (row 0 follows the last accepted token), ``len(logps) == len(drafts) + 1``.
-    Returns the accepted drafts followed by one token from the target model, so
-    1 <= len(result) <= len(drafts) + 1.
+    (row 0 follows the last accepted token), ``len(logps) == len(drafts) + 1``; position
+    j generates token ``first_index + j`` of the request. Returns the accepted drafts
+    followed by one token from the target model, so 1 <= len(result) <= len(drafts) + 1.
 
-    Greedy: accept while the draft equals the argmax. Sampling: accept draft x with
-    probability p(x); on rejection draw from p with x removed and renormalised (the
-    residual max(p - q, 0) for q a point mass). This leaves every emitted token
-    distributed exactly as the target model's sampling would make it.
+    Greedy: accept while the draft equals the argmax. Sampling: the target's token at
+    each position is drawn with the request's counter-based noise and the draft is
+    accepted iff it equals it, i.e. with probability p(x); a rejection emits the drawn
+    token, distributed as p with x removed and renormalised (see the module
+    docstring). Every emitted token is distributed exactly as the target's sampling,
+    and this is the draw :func:`sample_step` makes on the device.
     """
-    out: list[int] = []
-    for j, x in enumerate(drafts):
-        logp = logps[j]
-        idx = first_index + j
-        if params.greedy:
-            choice = int(torch.argmax(logp))
-            if choice != x:
-                out.append(choice)
-                return out
-            out.append(x)
-            continue
-        g = _generator(sample_seed, idx)
-        u = float(torch.rand((), generator=g))
-        px = float(logp[x].exp())
-        if u < px:
-            out.append(x)
-            continue
-        residual = logp.exp().clone()
-        residual[x] = 0.0
-        out.append(int(torch.multinomial(residual / residual.sum(), 1, generator=g)))
-        return out
-    out.append(sample_token(logps[len(drafts)], params, sample_seed, first_index + len(drafts)))
-    return out
+    n = len(drafts) + 1
+    lo, hi = seed_words(sample_seed)
+    full = torch.full((n,), 1, dtype=torch.int64)
+    choices = draw(
+        logps[:n].float(),
+        torch.full((n,), params.greedy),
+        full * lo,
+        full * hi,
+        torch.arange(first_index, first_index + n, dtype=torch.int64),
+        any_sampled=not params.greedy,
+    )
+    return verify_choices(choices.tolist(), drafts)
 
 
 def token_logprobs(raw_logits: torch.Tensor, token: int, k: int) -> dict[int, Logprob]:
-    """The ``k`` most likely tokens and ``token`` itself, with 1-based ranks."""
+    """The ``k`` most likely tokens and ``token`` itself, with 1-based ranks (the per-row
+    reference of the payload :func:`sample_step` computes)."""
     logp = torch.log_softmax(raw_logits.float(), dim=-1)
     out: dict[int, Logprob] = {}
     if k > 0:
@@ -168,3 +269,220 @@ def token_logprobs(raw_logits: torch.Tensor, token: int, k: int) -> dict[int, Lo
         rank = int((logp > logp[token]).sum()) + 1
         out[token] = Logprob(logprob=v, rank=rank)
     return out
+
+
+# --- one step, batched --------------------------------------------------------------
+
+
+@dataclass
+class SampleRow:
+    """One sampling row of a step: ``len(drafts) + 1`` positions, the j-th generating
+    token ``first_index + j`` of the request, after ``output_ids + drafts[:j]``."""
+
+    params: SamplingParams
+    sample_seed: int | None
+    first_index: int
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+    drafts: Sequence[int]
+
+
+# Columns of the per-position parameter block of the packed buffer.
+_COLS = ("temperature", "top_k", "top_p", "min_p", "seed_lo", "seed_hi", "index",
+         "repetition", "presence", "frequency")
+_C = {name: i for i, name in enumerate(_COLS)}
+
+
+@dataclass
+class StepPlan:
+    """The host's description of one step's sampling (:func:`plan_step`).
+
+    ``packed``: one float64 host buffer (every value in it is an integer below 2^53 or
+    a float64 parameter, so nothing rounds): ``[num_positions, len(_COLS)]`` parameters,
+    then ``num_penalties`` triples ``(position, token, count in the output)`` naming the
+    tokens a penalty touches, then the logprob positions. The flags are known on the
+    host and spare the device work no position needs.
+    """
+
+    packed: torch.Tensor
+    num_positions: int
+    num_penalties: int
+    logprob_positions: list[int]
+    logprob_k: list[int]  # per logprob position: the request's ``logprobs``
+    max_logprobs: int  # top tokens computed per logprob position (<= vocab)
+    max_top_k: int  # the largest active top-k (0: none)
+    any_sampled: bool
+    any_top_p: bool
+    any_min_p: bool
+
+    @property
+    def payload_width(self) -> int:
+        """int64 entries per logprob position: top values, top ids, the token's logprob
+        and its rank."""
+        return 2 * self.max_logprobs + 2
+
+
+def plan_step(rows: Sequence[SampleRow], vocab_size: int) -> StepPlan:
+    """Build the per-position parameters of a step's sampling rows (in position order:
+    the rows' positions are consecutive rows of the logits that :func:`sample_step`
+    gets)."""
+    params_rows: list[list[float]] = []
+    penalties: list[tuple[int, int, int]] = []
+    lp_pos: list[int] = []
+    lp_k: list[int] = []
+    max_top_k = 0
+    any_sampled = any_top_p = any_min_p = False
+    for row in rows:
+        p = row.params
+        lo, hi = seed_words(row.sample_seed)
+        greedy = p.greedy
+        # Greedy positions are unaffected by truncation (process_logits returns first).
+        top_k = p.top_k if not greedy and 0 < p.top_k < vocab_size else 0
+        top_p = 1.0 if greedy else p.top_p
+        min_p = 0.0 if greedy else p.min_p
+        any_sampled |= not greedy
+        any_top_p |= top_p < 1.0
+        any_min_p |= min_p > 0.0
+        max_top_k = max(max_top_k, top_k)
+        repetition = p.repetition_penalty != 1.0
+        counted = bool(p.presence_penalty or p.frequency_penalty)
+        prompt_set = set(row.prompt_ids) if repetition else set()
+        counts = Counter(row.output_ids)
+        for j in range(len(row.drafts) + 1):
+            pos = len(params_rows)
+            if j:
+                counts[row.drafts[j - 1]] += 1
+            params_rows.append([
+                p.temperature, top_k, top_p, min_p, lo, hi, row.first_index + j,
+                p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
+            ])
+            if repetition or (counted and counts):
+                touched = (prompt_set | counts.keys()) if repetition else counts.keys()
+                penalties += [(pos, t, counts.get(t, 0)) for t in sorted(touched)]
+            if p.logprobs is not None:
+                lp_pos.append(pos)
+                lp_k.append(p.logprobs)
+    flat = [v for r in params_rows for v in r]
+    flat += [v for e in penalties for v in e]
+    flat += lp_pos
+    return StepPlan(
+        packed=torch.tensor(flat, dtype=torch.float64),
+        num_positions=len(params_rows),
+        num_penalties=len(penalties),
+        logprob_positions=lp_pos,
+        logprob_k=lp_k,
+        max_logprobs=min(max(lp_k, default=0), vocab_size),
+        max_top_k=max_top_k,
+        any_sampled=any_sampled,
+        any_top_p=any_top_p,
+        any_min_p=any_min_p,
+    )
+
+
+def _columns(plan: StepPlan, packed: torch.Tensor) -> torch.Tensor:
+    n = plan.num_positions
+    return packed[: n * len(_COLS)].view(n, len(_COLS))
+
+
+def process_step(logits: torch.Tensor, plan: StepPlan, packed: torch.Tensor) -> torch.Tensor:
+    """:func:`process_logits` for every position of a step at once: ``logits
+    [num_positions, vocab]`` raw, ``packed`` the plan's buffer on the logits' device.
+    Returns the float32 log-probabilities to draw from."""
+    n, ncol = plan.num_positions, len(_COLS)
+    cols = _columns(plan, packed)
+    temperature = cols[:, _C["temperature"]].float()
+    greedy = temperature == 0
+    x = logits.float()
+    if plan.num_penalties:
+        ent = packed[n * ncol : n * ncol + 3 * plan.num_penalties].view(-1, 3).long()
+        pos, tok, count = ent[:, 0], ent[:, 1], ent[:, 2]
+        vals = x[pos, tok]
+        rep = cols[:, _C["repetition"]].float()[pos]
+        vals = torch.where(rep != 1.0, torch.where(vals > 0, vals / rep, vals * rep), vals)
+        presence = cols[:, _C["presence"]].float()[pos]
+        frequency = cols[:, _C["frequency"]].float()[pos]
+        counted = (count > 0) & ((presence != 0) | (frequency != 0))
+        vals = torch.where(counted, vals - (frequency * count.float() + presence), vals)
+        # Out of place: ``logits.float()`` may be ``logits`` itself.
+        x = x.index_put((pos, tok), vals)
+    if plan.any_sampled:
+        x = x / torch.where(greedy, 1.0, temperature)[:, None]
+    if plan.max_top_k:
+        top_k = cols[:, _C["top_k"]].long()
+        kth = torch.topk(x, plan.max_top_k, dim=-1).values.gather(1, (top_k - 1).clamp(min=0)[:, None])
+        x = x.masked_fill((top_k > 0)[:, None] & (x < kth), float("-inf"))
+    logp = torch.log_softmax(x, dim=-1)
+    if plan.any_top_p:
+        top_p = cols[:, _C["top_p"]].float()
+        sorted_lp, order = torch.sort(logp, dim=-1, descending=True)
+        sorted_p = sorted_lp.exp()
+        # Keep the smallest prefix whose mass reaches top_p (always the top token).
+        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= top_p[:, None]
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        cut = torch.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
+        logp = torch.where((top_p < 1.0)[:, None], cut, logp)
+    if plan.any_min_p:
+        min_p = cols[:, _C["min_p"]].float()
+        probs = logp.exp()
+        drop = probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        cut = torch.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
+        logp = torch.where((min_p > 0.0)[:, None], cut, logp)
+    return logp
+
+
+def sample_step(logits: torch.Tensor, plan: StepPlan, packed: torch.Tensor) -> torch.Tensor:
+    """Sample every position of a step: ``logits [num_positions, vocab]`` (raw),
+    ``packed`` the plan's buffer on the logits' device. Returns int64 on that device:
+    the chosen token per position, then ``payload_width`` entries per logprob position
+    (float32 values travel as their bit patterns). Reads nothing back to the host."""
+    n, ncol = plan.num_positions, len(_COLS)
+    cols = _columns(plan, packed)
+    choices = draw(
+        process_step(logits, plan, packed),
+        cols[:, _C["temperature"]] == 0,
+        cols[:, _C["seed_lo"]].long(),
+        cols[:, _C["seed_hi"]].long(),
+        cols[:, _C["index"]].long(),
+        any_sampled=plan.any_sampled,
+    )
+    if not plan.logprob_positions:
+        return choices
+    start = n * ncol + 3 * plan.num_penalties
+    lp_index = packed[start : start + len(plan.logprob_positions)].long()
+    raw = torch.log_softmax(logits[lp_index].float(), dim=-1)
+    # With drafts coupled to the draw, the token emitted at a position (when the row
+    # gets that far) is the choice there, accepted draft or not.
+    token_lp = raw.gather(1, choices[lp_index][:, None])
+    rank = (raw > token_lp).sum(dim=-1, keepdim=True) + 1
+    parts = []
+    if plan.max_logprobs:
+        top = torch.topk(raw, plan.max_logprobs, dim=-1)
+        parts += [top.values.contiguous().view(torch.int32).long(), top.indices]
+    parts += [token_lp.contiguous().view(torch.int32).long(), rank]
+    return torch.cat([choices, torch.cat(parts, dim=1).reshape(-1)])
+
+
+def read_step(values: Sequence[int], plan: StepPlan) -> tuple[list[int], dict[int, dict[int, Logprob]]]:
+    """Decode :func:`sample_step`'s output, read back as a list: the choice per
+    position, and per logprob position its ``{token: Logprob}`` (the ``k`` most likely
+    tokens and the chosen one, as :func:`token_logprobs` gives them)."""
+    n = plan.num_positions
+    choices = [int(v) for v in values[:n]]
+    logprobs: dict[int, dict[int, Logprob]] = {}
+    if not plan.logprob_positions:
+        return choices, logprobs
+    width, m = plan.payload_width, plan.max_logprobs
+    payload = np.asarray(values[n:], dtype=np.int64).reshape(-1, width)
+    bits = payload.astype(np.int32)  # the low 32 bits: float32 patterns where they are floats
+    for row, (pos, k) in enumerate(zip(plan.logprob_positions, plan.logprob_k)):
+        top_values = bits[row, :m].view(np.float32).tolist()
+        top_ids = payload[row, m : 2 * m].tolist()
+        out: dict[int, Logprob] = {}
+        for rank, (v, i) in enumerate(zip(top_values[:k], top_ids[:k]), start=1):
+            out[i] = Logprob(logprob=v, rank=rank)
+        token = choices[pos]
+        if token not in out:
+            v = bits[row, 2 * m : 2 * m + 1].view(np.float32).tolist()[0]
+            out[token] = Logprob(logprob=v, rank=int(payload[row, 2 * m + 1]))
+        logprobs[pos] = out
+    return choices, logprobs

@@ -171,7 +171,12 @@ def test_plan_buckets_and_fallbacks(tiny_nemotron):
 
     assert falls_back([])
     assert falls_back([_Row.make(page=p) for p in range(9)])  # more rows than any bucket
-    assert falls_back([_Row.make(), _Row.make(q=2, page=4)])  # mixed q
+    # Rows with different draft counts run as one step of the longest row's count.
+    mixed = [_Row.make(), _Row.make(q=3, page=4, outs=[20, 21, 22])]
+    assert graphs.plan(SchedulerOutput(mixed, [])) == StepShape(2, 2, 3, 2)
+    odd = _Row.make(q=3, page=4, outs=[20, 21, 22])
+    odd.num_drafts = 1  # a row's token count must be its drafts plus one
+    assert falls_back([_Row.make(), odd])
     assert falls_back([_Row.make(q=17)])  # a prefill chunk
     assert falls_back([_Row.make(samples=False)])
     assert falls_back([_Row.make(page=-1)])  # no stored state
@@ -210,10 +215,33 @@ def test_fill_writes_rows_then_padding(tiny_nemotron):
     assert m[3, 9:13].tolist() == [30, -1, -1, -1]
 
 
-@pytest.mark.parametrize("q", [1, 3])
+def test_fill_pads_rows_shorter_than_the_step(tiny_nemotron):
+    graphs = _graphs(tiny_nemotron)
+    rows = [_Row.make(n=17, q=1, page=3, outs=[8], blocks=(5, 6, 7)),
+            _Row.make(n=4, q=3, page=4, outs=[10, 11, 12], blocks=(2,), drafts=[78, 79])]
+    sched = SchedulerOutput(rows, [])
+    shape = graphs.plan(sched)
+    assert shape == StepShape(2, 2, 3, 2)
+    st = _Static(3, graphs.max_batch, graphs.max_blocks, 30, 40, 16, torch.device("cpu"))
+    graphs.fill(st, sched, shape)
+    m = st.meta
+    # Row 0 runs one real token; its two padding positions repeat the token and the
+    # position, write their keys to the scratch block (30) and no state.
+    assert m[0, :13].tolist() == [
+        27, 27, 27,  # ids
+        17, 17, 17,  # positions
+        6 * 16 + 1, 30 * 16 + 1, 30 * 16 + 2,  # KV slots
+        3, 8, -1, -1,  # input page, output pages
+    ]
+    assert m[1, :13].tolist() == [14, 78, 79, 4, 5, 6, 2 * 16 + 4, 2 * 16 + 5, 2 * 16 + 6,
+                                  4, 10, 11, 12]
+
+
+@pytest.mark.parametrize("q", [1, 3, "mixed"])
 def test_static_step_matches_the_eager_step(tiny_granite, q):
     """One step of random rows over random caches: the static-buffer step (graph path)
-    gives the eager fast path's tokens and writes the same cache entries."""
+    gives the eager path's tokens and writes the same cache entries ("mixed": rows of
+    1 to 4 tokens in one step, padded to the longest)."""
     g = torch.Generator().manual_seed(_seed())
     runner = LLM(tiny_granite, max_num_seqs=8).engine.runner
     caches = runner.caches
@@ -226,11 +254,12 @@ def test_static_step_matches_the_eager_step(tiny_granite, q):
     pages = torch.randperm(100, generator=g).tolist()
     blocks = torch.randperm(200, generator=g).tolist()
     rows = []
-    for i in range(5):  # five rows: three padding rows in the bucket of 8
+    lengths = [1, 4, 2, 1, 3] if q == "mixed" else [q] * 5
+    for i, rq in enumerate(lengths):  # five rows: three padding rows in the bucket of 8
         n = int(torch.randint(1, 60, (), generator=g))
-        drafts = torch.randint(3, 256, (q - 1,), generator=g).tolist()
-        rows.append(_Row.make(n=n, q=q, page=pages[i], blocks=blocks[4 * i : 4 * i + 4],
-                              drafts=drafts, outs=pages[10 + q * i : 10 + q * (i + 1)]))
+        drafts = torch.randint(3, 256, (rq - 1,), generator=g).tolist()
+        rows.append(_Row.make(n=n, q=rq, page=pages[i], blocks=blocks[4 * i : 4 * i + 4],
+                              drafts=drafts, outs=pages[10 + 4 * i : 10 + 4 * i + rq]))
     sched = SchedulerOutput(rows, [])
 
     def snapshot():
