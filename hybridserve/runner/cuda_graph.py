@@ -1,19 +1,24 @@
-"""CUDA-graph replay of greedy decode and verify steps.
+"""CUDA-graph replay of decode and verify steps.
 
 A decode step of the fast path launches about a thousand small kernels; at batch 16-64
 on an H200 their launch costs dominate the step. This module captures the whole step
-(the model forward, the logits and the greedy argmax) once per shape and replays it.
+(the model forward, the logits and the draw) once per shape and replays it.
 
 Which steps (:meth:`DecodeGraphs.plan`): decode and verify rows (``1 + d`` tokens for a
 row carrying ``d`` drafts; the step runs the longest row's count ``q`` and pads the
 shorter rows, see :meth:`DecodeGraphs.fill`), every row continuing from a stored state
-page, writes its ``q`` states to pages that are
-not input pages, samples by plain argmax (greedy, no penalties, no logprobs), and the
-step has at most the largest batch bucket of rows. Anything else (prefill, mixed
-steps, sampling with temperature, too many rows, a context longer than the block
-tables' width) returns None and the runner runs the step eagerly.
+page and writing its states to pages that are not input pages, no row asking for
+penalties or logprobs (their inputs and outputs change size from step to step), and at
+most the largest batch bucket of rows. Greedy rows take the argmax; sampled rows
+(temperature, top-k, top-p, min-p, seeds) draw inside the graph with the batched
+sampler's counter-based stream, so a replayed step draws exactly the tokens an eager
+step would. Anything else (prefill, steps mixing prefill and decode, penalties,
+logprobs, too many rows, a context longer than the block tables' width) returns None
+and the runner runs the step eagerly.
 
-Shapes: a graph is keyed by ``(B, q, W)``: ``B`` the batch bucket (the smallest of
+Shapes: a graph is keyed by ``(B, q, W)`` and, for steps that sample, the draw's needs
+(:class:`Sampling`: top-k rounded up to a power of two, whether top-p / min-p apply):
+``B`` the batch bucket (the smallest of
 :data:`BATCH_BUCKETS` holding the step's rows), ``W`` the block-table width bucket
 (:func:`blocks_bucket` of the longest row's block count). The attention of a replayed
 step reads ``W * kv_block_size`` key positions per row (masked by position), so ``W``
@@ -22,8 +27,10 @@ lazily, on the first step of each key, into one shared memory pool.
 
 Static inputs: per ``q``, one int64 device buffer ``meta [B_max, cols]`` holds, per
 row, the token ids, positions, KV slots, the input state page, the ``q`` output pages
-and the block table (layout in :class:`_Static`). The host fills a pinned twin and
-copies it with one asynchronous transfer per step; the graph reads its slices. Rows
+and the block table (layout in :class:`_Static`), and one float64 buffer the draw
+parameters of every position (:data:`~hybridserve.runner.sampler.PARAM_COLUMNS`). The
+host fills pinned twins and copies them with asynchronous transfers (the parameters
+only in steps that sample); the graph reads their slices. Rows
 past the step's own (padding up to the bucket) read a scratch state page and write no
 state (output pages -1, which the decode kernels skip), and write their keys and
 values to a scratch KV block that no request owns; their block table names only that
@@ -48,7 +55,15 @@ from hybridserve.kernels import mamba_decode
 from hybridserve.models.batch import ForwardBatch, ModelCaches
 from hybridserve.runner import sampler
 
-__all__ = ["BATCH_BUCKETS", "DecodeGraphs", "StepShape", "batch_bucket", "blocks_bucket"]
+__all__ = [
+    "BATCH_BUCKETS",
+    "GREEDY",
+    "DecodeGraphs",
+    "Sampling",
+    "StepShape",
+    "batch_bucket",
+    "blocks_bucket",
+]
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -74,14 +89,37 @@ def blocks_bucket(blocks: int, max_blocks: int) -> int:
 
 
 @dataclass(frozen=True)
+class Sampling:
+    """What a step's draw must do (part of the graph key): whether any row samples,
+    the top-k width the step's largest top-k rounds up to (a power of two; 0: none),
+    whether any row truncates by top-p or min-p. Greedy steps are ``Sampling()``."""
+
+    any_sampled: bool = False
+    top_k: int = 0
+    any_top_p: bool = False
+    any_min_p: bool = False
+
+
+GREEDY = Sampling()
+
+
+@dataclass(frozen=True)
 class StepShape:
     """The graph key of a step: ``rows`` real rows padded to ``batch``, ``q`` tokens a
-    row, block tables ``width`` blocks wide."""
+    row, block tables ``width`` blocks wide, and its draw (:class:`Sampling`)."""
 
     rows: int
     batch: int
     q: int
     width: int
+    sampling: Sampling = GREEDY
+
+    @property
+    def key(self) -> tuple:
+        """Greedy steps keep the plain ``(batch, q, width)`` key."""
+        if self.sampling == GREEDY:
+            return (self.batch, self.q, self.width)
+        return (self.batch, self.q, self.width, self.sampling)
 
 
 class _Static:
@@ -101,6 +139,13 @@ class _Static:
         host = torch.zeros(max_batch, cols, dtype=torch.int64)
         self.staging = host.pin_memory() if device.type == "cuda" else host
         self.host = self.staging.numpy()
+        # Per position, the sampler's parameter columns (sampler.PARAM_COLUMNS); a
+        # padding row or position draws greedily (temperature 0) and is dropped.
+        ncol = len(sampler.PARAM_COLUMNS)
+        self.params = torch.zeros(max_batch * q * ncol, dtype=torch.float64, device=device)
+        params_host = torch.zeros(max_batch * q * ncol, dtype=torch.float64)
+        self.params_staging = params_host.pin_memory() if device.type == "cuda" else params_host
+        self.params_host = self.params_staging.numpy().reshape(max_batch, q, ncol)
         # A padding row: token 0 at positions 0 .. q - 1 of the scratch block, reading the
         # scratch page and writing no state.
         pad = np.full(cols, -1, dtype=np.int64)
@@ -113,7 +158,7 @@ class _Static:
 
 
 class DecodeGraphs:
-    """Captures and replays greedy decode and verify steps (see the module docstring)."""
+    """Captures and replays decode and verify steps (see the module docstring)."""
 
     def __init__(
         self,
@@ -143,7 +188,7 @@ class DecodeGraphs:
         self.scratch_page = scratch_page
         self.max_q = min(mamba_decode.MAX_DECODE_TOKENS, block_size)
         self._static: dict[int, _Static] = {}
-        self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
         self._pool = None
         # False after a capture failed: every later step runs eagerly.
         self.enabled = True
@@ -188,7 +233,7 @@ class DecodeGraphs:
                 or not row.samples
                 or row.state_in_page < 0
                 or len(row.state_outputs) != rq
-                or not sampler.samples_by_argmax(row.request.params)
+                or not sampler.graph_samplable(row.request.params)
             ):
                 return None
             outs = [row.state_outputs.get(n + 1 + t, -1) for t in range(rq)]
@@ -202,12 +247,22 @@ class DecodeGraphs:
             blocks = max(blocks, need)
         if blocks > self.max_blocks or in_pages & out_pages:
             return None
-        return StepShape(len(rows), batch, q, blocks_bucket(blocks, self.max_blocks))
+        sampling = GREEDY
+        if not all(sampler.samples_by_argmax(row.request.params) for row in rows):
+            vocab = self.model.config.vocab_size
+            k = max((sampler.active_top_k(row.request.params, vocab) for row in rows), default=0)
+            sampling = Sampling(
+                any_sampled=any(not row.request.params.greedy for row in rows),
+                top_k=min(1 << (k - 1).bit_length(), vocab) if k else 0,
+                any_top_p=any(sampler.active_top_p(row.request.params) < 1.0 for row in rows),
+                any_min_p=any(sampler.active_min_p(row.request.params) > 0.0 for row in rows),
+            )
+        return StepShape(len(rows), batch, q, blocks_bucket(blocks, self.max_blocks), sampling)
 
     # ---- one step ------------------------------------------------------------------
 
     def run(self, sched: SchedulerOutput) -> list[int] | None:
-        """Run ``sched`` from a graph if it qualifies: the argmax token after every
+        """Run ``sched`` from a graph if it qualifies: the chosen token after every
         position of every row (each row's own ``num_tokens`` ids, rows in order; padded
         positions dropped), or None (then nothing ran)."""
         shape = self.plan(sched)
@@ -221,7 +276,7 @@ class DecodeGraphs:
                 self.scratch_page, self.block_size, self.device,
             )
         self.fill(st, sched, shape)
-        key = (shape.batch, shape.q, shape.width)
+        key = shape.key
         entry = self._graphs.get(key)
         if entry is None:
             entry = self._capture(st, shape)
@@ -278,11 +333,24 @@ class DecodeGraphs:
             line[tab + k : tab + width] = -1
         h[shape.rows : shape.batch] = st.pad
         st.meta[: shape.batch].copy_(st.staging[: shape.batch], non_blocking=True)
+        if shape.sampling != GREEDY:
+            # Every position's draw parameters; rows shorter than q and padding rows
+            # draw greedily (their choices are dropped).
+            ph = st.params_host
+            ph[: shape.batch] = 0.0
+            for i, row in enumerate(sched.rows):
+                req = row.request
+                ph[i, : row.num_tokens] = sampler.position_params(
+                    req.params, req.sample_seed, len(req.output_token_ids), row.num_tokens,
+                    self.model.config.vocab_size,
+                )
+            n = shape.batch * q * ph.shape[-1]
+            st.params[:n].copy_(st.params_staging[:n], non_blocking=True)
 
     # ---- the static forward --------------------------------------------------------
 
     def _forward(self, st: _Static, shape: StepShape) -> torch.Tensor:
-        """The step over the static buffer: ``[B * q]`` argmax ids (what is captured)."""
+        """The step over the static buffer: ``[B * q]`` chosen ids (what is captured)."""
         b, q, w = shape.batch, shape.q, shape.width
         m = st.meta[:b]
         batch = ForwardBatch(
@@ -304,10 +372,19 @@ class DecodeGraphs:
             batch, m[:, 3 * q].to(torch.int32), m[:, 3 * q + 1 : 4 * q + 1].to(torch.int32)
         )
         hidden = self.model.forward(m[:, 0:q].reshape(-1), batch, self.caches)
-        return sampler.argmax_ids(self.model.compute_logits(hidden))
+        logits = self.model.compute_logits(hidden)
+        sm = shape.sampling
+        if sm == GREEDY:
+            return sampler.argmax_ids(logits)
+        plan = sampler.StepPlan(
+            packed=st.params, num_positions=b * q, num_penalties=0, logprob_positions=[],
+            logprob_k=[], max_logprobs=0, max_top_k=sm.top_k, any_sampled=sm.any_sampled,
+            any_top_p=sm.any_top_p, any_min_p=sm.any_min_p,
+        )
+        return sampler.sample_step(logits, plan, st.params)
 
     def _capture(self, st: _Static, shape: StepShape):
-        key = (shape.batch, shape.q, shape.width)
+        key = shape.key
         if not self.capture:
             entry = (None, None)
             self._graphs[key] = entry

@@ -288,9 +288,52 @@ class SampleRow:
 
 
 # Columns of the per-position parameter block of the packed buffer.
-_COLS = ("temperature", "top_k", "top_p", "min_p", "seed_lo", "seed_hi", "index",
-         "repetition", "presence", "frequency")
+PARAM_COLUMNS = ("temperature", "top_k", "top_p", "min_p", "seed_lo", "seed_hi", "index",
+                 "repetition", "presence", "frequency")
+_COLS = PARAM_COLUMNS
 _C = {name: i for i, name in enumerate(_COLS)}
+
+
+def active_top_k(params: SamplingParams, vocab_size: int) -> int:
+    """The top-k a position of ``params`` applies (0: none; greedy positions are not
+    truncated: :func:`process_logits` returns before truncating)."""
+    return params.top_k if not params.greedy and 0 < params.top_k < vocab_size else 0
+
+
+def active_top_p(params: SamplingParams) -> float:
+    return 1.0 if params.greedy else params.top_p
+
+
+def active_min_p(params: SamplingParams) -> float:
+    return 0.0 if params.greedy else params.min_p
+
+
+def graph_samplable(params: SamplingParams) -> bool:
+    """Whether a row of ``params`` can be drawn inside a replayed decode graph: no
+    penalties and no logprobs (their inputs and outputs vary in size from step to step).
+    """
+    return (
+        params.repetition_penalty == 1.0
+        and not params.presence_penalty
+        and not params.frequency_penalty
+        and params.logprobs is None
+    )
+
+
+def position_params(
+    params: SamplingParams, sample_seed: int | None, first_index: int, count: int, vocab_size: int
+) -> np.ndarray:
+    """``[count, len(PARAM_COLUMNS)]`` float64: the parameter columns of a row's
+    ``count`` consecutive positions, generated-token indices from ``first_index``."""
+    lo, hi = seed_words(sample_seed)
+    out = np.empty((count, len(_COLS)), dtype=np.float64)
+    out[:] = (
+        params.temperature, active_top_k(params, vocab_size), active_top_p(params),
+        active_min_p(params), lo, hi, 0, params.repetition_penalty,
+        params.presence_penalty, params.frequency_penalty,
+    )
+    out[:, _C["index"]] = np.arange(first_index, first_index + count)
+    return out
 
 
 @dataclass
@@ -336,10 +379,9 @@ def plan_step(rows: Sequence[SampleRow], vocab_size: int) -> StepPlan:
         p = row.params
         lo, hi = seed_words(row.sample_seed)
         greedy = p.greedy
-        # Greedy positions are unaffected by truncation (process_logits returns first).
-        top_k = p.top_k if not greedy and 0 < p.top_k < vocab_size else 0
-        top_p = 1.0 if greedy else p.top_p
-        min_p = 0.0 if greedy else p.min_p
+        top_k = active_top_k(p, vocab_size)
+        top_p = active_top_p(p)
+        min_p = active_min_p(p)
         any_sampled |= not greedy
         any_top_p |= top_p < 1.0
         any_min_p |= min_p > 0.0

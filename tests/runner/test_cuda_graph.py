@@ -14,6 +14,7 @@ from hybridserve.engine.request import Request
 from hybridserve.engine.scheduler import ScheduledRow, SchedulerOutput
 from hybridserve.runner.cuda_graph import (
     DecodeGraphs,
+    Sampling,
     StepShape,
     _Static,
     batch_bucket,
@@ -180,7 +181,13 @@ def test_plan_buckets_and_fallbacks(tiny_nemotron):
     assert falls_back([_Row.make(q=17)])  # a prefill chunk
     assert falls_back([_Row.make(samples=False)])
     assert falls_back([_Row.make(page=-1)])  # no stored state
-    assert falls_back([_Row.make(params=SamplingParams(temperature=0.8))])
+    # Sampled rows draw inside the graph; the draw's needs are part of the key.
+    sampled = graphs.plan(SchedulerOutput(
+        [_Row.make(params=SamplingParams(temperature=0.8, top_k=5, seed=1)),
+         _Row.make(page=4, params=SamplingParams(temperature=0.5, top_p=0.9))], []))
+    assert sampled.sampling == Sampling(any_sampled=True, top_k=8, any_top_p=True)
+    assert sampled.key == (2, 1, 2, sampled.sampling)
+    assert falls_back([_Row.make(params=SamplingParams(temperature=0.8, presence_penalty=0.5))])
     assert falls_back([_Row.make(params=SamplingParams(temperature=0.0, logprobs=1))])
     assert falls_back([_Row.make(params=SamplingParams(temperature=0.0, repetition_penalty=1.1))])
     assert falls_back([_Row.make(page=3), _Row.make(page=5, outs=[3])])  # writes a page read
@@ -235,6 +242,32 @@ def test_fill_pads_rows_shorter_than_the_step(tiny_nemotron):
     ]
     assert m[1, :13].tolist() == [14, 78, 79, 4, 5, 6, 2 * 16 + 4, 2 * 16 + 5, 2 * 16 + 6,
                                   4, 10, 11, 12]
+
+
+@pytest.mark.parametrize("fixture", ["tiny_granite", "tiny_nemotron"])
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 2}])
+def test_sampled_steps_replay_with_the_same_tokens(request, fixture, spec):
+    """Seeded sampled requests (temperature, top-k, top-p, min-p, greedy beside them):
+    the graph steps draw exactly the eager steps' tokens (one counter-based stream)."""
+    path = request.getfixturevalue(fixture)
+    g = torch.Generator().manual_seed(_seed())
+    prompts = [(torch.randint(3, 256, (5,), generator=g).tolist() * 4)[: 9 + 2 * i]
+               for i in range(5)]
+    params = [
+        SamplingParams(temperature=0.9, seed=11, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.7, top_k=20, seed=12, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=1.2, top_p=0.8, seed=13, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.8, min_p=0.05, seed=14, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+    ]
+    kw = dict(max_num_seqs=8, speculative_config=spec)
+    want = [o.outputs[0].token_ids for o in
+            LLM(path, **kw).generate(prompts, params, use_tqdm=False)]
+    llm = graph_llm(path, **kw)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    counters = llm.engine.runner.graphs.counters
+    assert counters["graph_steps"] > 0, counters
 
 
 @pytest.mark.parametrize("q", [1, 3, "mixed"])
