@@ -24,7 +24,11 @@ One run measures, on a random-weight Nemotron-H-8B-shaped model (52 layers: 24 M
     products, other) from ``torch.profiler``, with the attention on the Triton kernel
     and on its torch twin (a second graph captured for the comparison);
 plus the batched Mamba decode kernels against their torch twins on one layer, the
-paged-attention decode kernel against its twin (error, time, bandwidth), and
+paged-attention decode kernel against its twin (error, time, bandwidth), every Triton
+kernel of ``hybridserve.kernels`` and fla-core's scan behind ``ssd_prefill`` against its
+torch twin on fresh random inputs at the model's shapes (``kernel_checks``: relative
+errors against the twin and against float64, the kernel's time, pass or fail against a
+stated tolerance; the seed is recorded, ``--kernel-seed`` repeats it), and
 greedy token agreement between the GPU bf16 path and the CPU float32 path on a tiny
 model (and between decode graphs and eager steps). Writes ``--out`` (JSON) and a PNG of throughput against batch size beside it.
 
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import math
@@ -60,12 +65,15 @@ import hybridserve.models.loader as loader  # noqa: E402
 from hybridserve import LLM, SamplingParams  # noqa: E402
 from hybridserve.engine.engine_core import EngineCore, prefill_flops  # noqa: E402
 from hybridserve.kernels import (  # noqa: E402
+    conv_varlen,
     mamba_decode,
     norms,
     paged_attention,
     paged_attention_prefill,
     ssd_varlen,
+    state_postprocess,
 )
+from hybridserve.models.batch import ForwardBatch  # noqa: E402
 from hybridserve.models.config import ModelConfig  # noqa: E402
 from hybridserve.models.layers import attention as attention_layer  # noqa: E402
 from hybridserve.models.layers import mamba2 as mamba_layer  # noqa: E402
@@ -372,15 +380,26 @@ def engine_decode(model, path, device, dtype, batch, prompt_len, warmup, steps, 
     for i in range(batch):
         ids = torch.randint(3, vocab, (prompt_len,), generator=g).tolist()
         eng.add_request(f"r{i}", ids, params)
+    # The postprocess of a step: its launch (inside the runner, once the choices exist
+    # on the device) plus the host's commit of the decisions read back with them.
     post_times: list[float] = []
-    original_post = eng._postprocess_states
+    launch_s = [0.0]
+    original_launch, original_commit = runner.on_verify, eng._commit_postprocess
 
-    def timed_post(rows):
+    def timed_launch(*args):
         t = time.perf_counter()
-        original_post(rows)
-        post_times.append(time.perf_counter() - t)
+        out = original_launch(*args)
+        launch_s[0] += time.perf_counter() - t
+        return out
 
-    eng._postprocess_states = timed_post
+    def timed_commit(*args):
+        t = time.perf_counter()
+        original_commit(*args)
+        post_times.append(launch_s[0] + time.perf_counter() - t)
+        launch_s[0] = 0.0
+
+    runner.on_verify = timed_launch
+    eng._commit_postprocess = timed_commit
     times = {m: [] for m in modes}
     post = {m: [] for m in modes}
     seen = {m: 0 for m in modes}
@@ -847,6 +866,764 @@ def layer_kernels(model, device, batches):
 
 
 # --------------------------------------------------------------------------------------
+# Every Triton kernel against its torch twin on fresh random inputs
+# --------------------------------------------------------------------------------------
+
+# The step sizes of the kernel checks; the layer shapes come from the model's shape dict
+# (NEMOTRON_8B on CUDA, TINY in the smoke run). On CUDA: decode and verify steps of 64
+# rows over contexts of a few hundred to a few thousand keys, prefill rows of a few
+# hundred to a few thousand tokens, the engine's default state interval, 16-token KV
+# blocks, a state copy of 16 rows over every Mamba layer.
+CHECK_STEPS = {
+    "cuda": dict(rows=64, verify_q=4, context=(256, 4096), prefill=(256, 2048),
+                 kv_block=16, state_interval=64, copy_rows=16),
+    "smoke": dict(rows=4, verify_q=3, context=(3, 24), prefill=(6, 20),
+                  kv_block=4, state_interval=4, copy_rows=4),
+}
+# An int32 output cannot hold NaN: this value marks what the kernel has not written.
+INT_POISON = -123456
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``|got - want| / |want|`` (Frobenius norms, float64); NaN when ``got`` holds a NaN
+    (an output the kernel left unwritten)."""
+    got, want = got.double(), want.double()
+    return float((got - want).norm() / want.norm())
+
+
+def _tol(dtype: torch.dtype, float32: float, half: float) -> float:
+    return float32 if dtype == torch.float32 else half
+
+
+def _compared(got, want, tol, ref=None, tol_ref=None) -> dict:
+    """One output of a kernel: its relative error against the twin's output and, with
+    ``ref`` (the twin evaluated in float64), against that, with the twin's own error
+    against it; and the tolerances the kernel's errors are held to."""
+    out = {"rel_err_vs_twin": rel_err(got, want), "tolerance_vs_twin": tol}
+    if ref is not None:
+        out["rel_err_vs_float64"] = rel_err(got, ref)
+        out["twin_rel_err_vs_float64"] = rel_err(want, ref)
+        out["tolerance_vs_float64"] = tol_ref
+    return out
+
+
+def _generators(seed: int, device: str) -> tuple[torch.Generator, torch.Generator]:
+    """(device generator for the data, host generator for the step's layout), one seed."""
+    return torch.Generator(device=device).manual_seed(seed), torch.Generator().manual_seed(seed)
+
+
+def _randn(g, *shape, device, dtype=torch.float32, scale=1.0, shift=0.0):
+    return (torch.randn(*shape, generator=g, device=device) * scale + shift).to(dtype)
+
+
+def _mamba_shapes(shape: dict) -> dict:
+    heads, head_dim = shape["mamba_num_heads"], shape["mamba_head_dim"]
+    groups, d_state = shape["n_groups"], shape["ssm_state_size"]
+    return {"heads": heads, "head_dim": head_dim, "groups": groups, "d_state": d_state,
+            "conv_dim": heads * head_dim + 2 * groups * d_state, "d_conv": shape["conv_kernel"]}
+
+
+def _mamba_dt_A(g, tokens, heads, device):
+    """Discretised dt log-uniform in [1e-3, 1e-1] and A uniform in [-16, -1]: the ranges
+    of Mamba2's initialisation."""
+    dt = torch.empty(tokens, heads, device=device).uniform_(
+        math.log(1e-3), math.log(1e-1), generator=g).exp()
+    A = -torch.empty(heads, device=device).uniform_(1.0, 16.0, generator=g)
+    return dt, A
+
+
+def _decode_pages(h, rows, q, pages, device):
+    """Distinct input and output pages of a uniform step. In a verify step some states
+    before a row's last token are not asked for (-1): the kernel must skip them."""
+    perm = torch.randperm(pages, generator=h)
+    in_pages = perm[:rows].to(torch.int32)
+    out_pages = perm[rows: rows + rows * q].view(rows, q).to(torch.int32).clone()
+    if q > 1:
+        drop = torch.rand(rows, q, generator=h) < 0.25
+        drop[:, -1] = False
+        out_pages[drop] = -1
+    return in_pages.to(device), out_pages.to(device)
+
+
+def _pages_except(pages: int, taken: torch.Tensor) -> torch.Tensor:
+    keep = torch.ones(pages, dtype=torch.bool, device=taken.device)
+    keep[taken] = False
+    return keep.nonzero().flatten()
+
+
+def check_conv_decode(shape, step, dtype, device, seed, verify):
+    """``conv_decode_update`` against its twin on a decode (one token a row) or verify
+    step: outputs, and the windows written to the output pages (copies of inputs: exact)."""
+    g, h = _generators(seed, device)
+    q = step["verify_q"] if verify else 1
+    m = _mamba_shapes(shape)
+    rows, channels, k = step["rows"], m["conv_dim"], m["d_conv"]
+    pages = rows * (q + 1) + 2
+    xbc = _randn(g, rows * q, channels, device=device, dtype=dtype)
+    weight = _randn(g, channels, k, device=device, dtype=dtype, scale=0.5)
+    bias = _randn(g, channels, device=device, dtype=dtype, scale=0.1)
+    cache = _randn(g, pages, channels, k - 1, device=device, dtype=dtype)
+    in_pages, out_pages = _decode_pages(h, rows, q, pages, device)
+    written = out_pages[out_pages >= 0].long()
+    cache[written] = float("nan")  # every window the kernel must write starts as NaN
+    others = _pages_except(pages, written)
+    untouched = cache[others].clone()
+    twin_cache, cache64 = cache.clone(), cache.double()
+    want = mamba_decode.conv_decode_update_reference(
+        xbc, weight, bias, twin_cache, in_pages, out_pages, "silu")
+    ref = mamba_decode.conv_decode_update_reference(
+        xbc.double(), weight.double(), bias.double(), cache64, in_pages, out_pages, "silu")
+    args = (xbc, weight, bias, cache, in_pages, out_pages, "silu")
+    got = mamba_decode.conv_decode_update(*args)
+    tol = _tol(dtype, 1e-5, 1e-2)
+    return {
+        "kernel": "conv_decode_update", "twin": "conv_decode_update_reference",
+        "shapes": {"rows": rows, "q": q, "conv_dim": channels, "d_conv": k, "pages": pages,
+                   "windows_written": int(written.numel())},
+        "outputs": {"out": _compared(got, want, tol, ref, tol),
+                    "windows": _compared(cache[written], twin_cache[written], 0.0)},
+        "invariants": {"windows_written": not bool(cache[written].isnan().any()),
+                       "other_pages_unchanged": torch.equal(cache[others], untouched)},
+        "kernel_s": bench_fn(lambda: mamba_decode.conv_decode_update(*args), device, reps=3),
+    }
+
+
+def check_ssm_decode(shape, step, dtype, device, seed, verify):
+    """``ssm_decode_update`` against its twin on a decode or verify step: outputs and the
+    float32 states written to the output pages."""
+    g, h = _generators(seed, device)
+    q = step["verify_q"] if verify else 1
+    m = _mamba_shapes(shape)
+    rows, heads, head_dim, groups, d_state = (
+        step["rows"], m["heads"], m["head_dim"], m["groups"], m["d_state"])
+    pages = rows * (q + 1) + 2
+    tokens = rows * q
+    x = _randn(g, tokens, heads, head_dim, device=device, dtype=dtype)
+    dt, A = _mamba_dt_A(g, tokens, heads, device)
+    B = _randn(g, tokens, groups, d_state, device=device, dtype=dtype)
+    C = _randn(g, tokens, groups, d_state, device=device, dtype=dtype)
+    D = _randn(g, heads, device=device, shift=1.0, scale=0.3)
+    cache = _randn(g, pages, heads, head_dim, d_state, device=device)
+    in_pages, out_pages = _decode_pages(h, rows, q, pages, device)
+    written = out_pages[out_pages >= 0].long()
+    cache[written] = float("nan")  # every state the kernel must write starts as NaN
+    others = _pages_except(pages, written)
+    untouched = cache[others].clone()
+    twin_cache = cache.clone()
+    want = mamba_decode.ssm_decode_update_reference(
+        x, dt, A, B, C, D, twin_cache, in_pages, out_pages)
+    cache64 = cache.double()
+    ref = mamba_decode.ssm_decode_update_reference(
+        *(t.double() for t in (x, dt, A, B, C, D)), cache64, in_pages, out_pages)
+    args = (x, dt, A, B, C, D, cache, in_pages, out_pages)
+    got = mamba_decode.ssm_decode_update(*args)
+    out = {
+        "kernel": "ssm_decode_update", "twin": "ssm_decode_update_reference",
+        "shapes": {"rows": rows, "q": q, "heads": heads, "head_dim": head_dim,
+                   "groups": groups, "d_state": d_state, "pages": pages,
+                   "states_written": int(written.numel()), "state_dtype": "torch.float32"},
+        # Both run the recurrence in float32: only the order of the sums differs.
+        "outputs": {"y": _compared(got, want, 1e-4, ref, 1e-4),
+                    "states": _compared(cache[written], twin_cache[written], 1e-4,
+                                        cache64[written], 1e-4)},
+        "invariants": {"states_written": not bool(cache[written].isnan().any()),
+                       "other_pages_unchanged": torch.equal(cache[others], untouched)},
+        "kernel_s": bench_fn(lambda: mamba_decode.ssm_decode_update(*args), device, reps=3),
+    }
+    out["state_bytes_per_s"] = 2 * tokens * heads * head_dim * d_state * 4 / out["kernel_s"]
+    return out
+
+
+def _kv_step(g, h, specs, shape, step, dtype, device):
+    """A packed step over a fresh paged KV cache; ``specs`` lists ``(cached, new)`` tokens
+    per row. Every key and value of a row's context is random, every other slot is NaN.
+    Blocks are drawn shuffled from a pool twice the size needed; tables are two blocks
+    wider than the longest row needs, and past a row's own blocks every other entry names
+    a block no row owns (NaN), the rest are -1: a kernel that reads past a row's context
+    returns NaN. Returns ``(queries [T, H, D], k_cache, v_cache, ForwardBatch)``."""
+    bs, kv, dim = step["kv_block"], shape["num_key_value_heads"], shape["head_dim"]
+    need = [-(-(c + n) // bs) for c, n in specs]
+    width = max(need) + 2
+    num_blocks = 2 * sum(need) + width + 1
+    k_cache = torch.full((num_blocks, bs, kv, dim), float("nan"), dtype=dtype, device=device)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    pool = torch.randperm(num_blocks, generator=h)
+    tables = torch.full((len(specs), width), -1, dtype=torch.int64)
+    owned, positions, slots, query_start = [], [], [], [0]
+    used = 0
+    for r, ((c, n), nb) in enumerate(zip(specs, need)):
+        blocks = pool[used: used + nb]
+        used += nb
+        tables[r, :nb] = blocks
+        pos = torch.arange(c + n)
+        row_slots = blocks[pos // bs] * bs + pos % bs
+        owned.append(row_slots)
+        positions.append(pos[c:])
+        slots.append(row_slots[c:])
+        query_start.append(query_start[-1] + n)
+    unowned = pool[used:]
+    for r, nb in enumerate(need):
+        tables[r, nb::2] = unowned[torch.arange(nb, width, 2) % unowned.numel()]
+    owned = torch.cat(owned).to(device)
+    k_cache.view(-1, kv, dim)[owned] = _randn(g, owned.numel(), kv, dim, device=device,
+                                              dtype=dtype)
+    v_cache.view(-1, kv, dim)[owned] = _randn(g, owned.numel(), kv, dim, device=device,
+                                              dtype=dtype)
+    batch = ForwardBatch(
+        query_start=query_start,
+        num_computed=[c for c, _ in specs],
+        positions=torch.cat(positions).to(device),
+        context_lens=[c + n for c, n in specs],
+        block_tables=tables.to(torch.int32).to(device),
+        slot_mapping=torch.cat(slots).to(device),
+        state_in_page=[-1] * len(specs),
+        state_out_row=[],
+        state_out_offset=[],
+        state_out_page=[],
+    )
+    queries = _randn(g, query_start[-1], shape["num_attention_heads"], dim, device=device,
+                     dtype=dtype)
+    return queries, k_cache, v_cache, batch
+
+
+def check_attention_decode(shape, step, dtype, device, seed, verify):
+    """``paged_attention_decode_triton`` against its twin on a decode or verify step over
+    contexts of random lengths, into a NaN-poisoned output."""
+    g, h = _generators(seed, device)
+    q = step["verify_q"] if verify else 1
+    rows = step["rows"]
+    lo, hi = step["context"]
+    contexts = torch.randint(max(lo, q), hi + 1, (rows,), generator=h)
+    contexts[0] = hi
+    specs = [(int(c) - q, q) for c in contexts]
+    queries, k_cache, v_cache, batch = _kv_step(g, h, specs, shape, step, dtype, device)
+    scale = shape["head_dim"] ** -0.5
+    tables, positions, ctx = batch.block_tables, batch.positions, batch.context_lens
+    want = paged_attention.paged_attention_decode_reference(
+        queries, k_cache, v_cache, tables, ctx, positions, scale)
+    ref = paged_attention.paged_attention_decode_reference(
+        queries.double(), k_cache.double(), v_cache.double(), tables, ctx, positions, scale)
+    out = torch.full_like(queries, float("nan"))
+
+    def kern():
+        return paged_attention.paged_attention_decode_triton(
+            queries, k_cache, v_cache, tables, positions, scale, out=out)
+
+    got = kern()
+    tol = _tol(dtype, 1e-5, 1e-2)
+    res = {
+        "kernel": "paged_attention_decode_triton", "twin": "paged_attention_decode_reference",
+        "shapes": {"rows": rows, "q": q, "heads": shape["num_attention_heads"],
+                   "kv_heads": shape["num_key_value_heads"], "head_dim": shape["head_dim"],
+                   "kv_block": step["kv_block"], "contexts": [min(ctx), max(ctx)],
+                   "table_width": tables.shape[1]},
+        "outputs": {"out": _compared(got, want, tol, ref, tol)},
+        "invariants": {"outputs_written": not bool(got.isnan().any())},
+        "kernel_s": bench_fn(kern, device, reps=3),
+    }
+    kv_bytes = sum(ctx) * 2 * k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
+    res["bytes_per_s"] = (kv_bytes + 2 * queries.numel() * queries.element_size()) \
+        / res["kernel_s"]
+    return res
+
+
+def _prefill_specs(h, step):
+    """``(cached, new)`` tokens of the rows of a mixed prefill step, in random order: a
+    fresh prompt, a long chunk over a cached prefix, a short chunk over a prefix, a
+    decode row, a row without tokens and a short fresh prompt."""
+    lo, hi = step["prefill"]
+
+    def draw(a, b):
+        return int(torch.randint(a, b + 1, (), generator=h))
+
+    specs = [(0, draw(lo, hi)), (draw(1, hi), draw(lo, hi)), (draw(1, hi), draw(2, lo)),
+             (draw(1, hi), 1), (draw(1, hi), 0), (0, draw(2, lo))]
+    return [specs[i] for i in torch.randperm(len(specs), generator=h).tolist()]
+
+
+def check_attention_prefill(shape, step, dtype, device, seed):
+    """``paged_attention_prefill_triton`` (its default precision for the cache dtype)
+    against the per-row twin on a mixed step, into a NaN-poisoned output."""
+    g, h = _generators(seed, device)
+    specs = _prefill_specs(h, step)
+    queries, k_cache, v_cache, batch = _kv_step(g, h, specs, shape, step, dtype, device)
+    scale = shape["head_dim"] ** -0.5
+    ref_fn = paged_attention_prefill.paged_attention_reference
+    want = ref_fn(queries, k_cache, v_cache, batch, scale)
+    ref = ref_fn(queries.double(), k_cache.double(), v_cache.double(), batch, scale)
+    out = torch.full_like(queries, float("nan"))
+
+    def kern():
+        return paged_attention_prefill.paged_attention_prefill_triton(
+            queries, k_cache, v_cache, batch, scale, out=out)
+
+    got = kern()
+    # bf16 caches: probabilities rounded to bf16 before the value product (flash
+    # attention's choice), an error of the order of the output's own rounding.
+    tol = _tol(dtype, 1e-5, 1e-2)
+    return {
+        "kernel": "paged_attention_prefill_triton", "twin": "paged_attention_reference",
+        "shapes": {"rows": [list(s) for s in specs], "tokens": batch.num_tokens,
+                   "heads": shape["num_attention_heads"],
+                   "kv_heads": shape["num_key_value_heads"], "head_dim": shape["head_dim"],
+                   "kv_block": step["kv_block"]},
+        "outputs": {"out": _compared(got, want, tol, ref, tol)},
+        "invariants": {"outputs_written": not bool(got.isnan().any())},
+        "kernel_s": bench_fn(kern, device, reps=3),
+    }
+
+
+def check_conv_varlen(shape, step, dtype, device, seed):
+    """``conv_varlen`` against its per-row twin on a mixed step (rows with and without an
+    initial window page; every page no row reads is NaN), into a NaN-poisoned output."""
+    g, h = _generators(seed, device)
+    m = _mamba_shapes(shape)
+    channels, k = m["conv_dim"], m["d_conv"]
+    specs = _prefill_specs(h, step)
+    rows = len(specs)
+    query_start = [0]
+    for _, n in specs:
+        query_start.append(query_start[-1] + n)
+    pages = 2 * rows + 2
+    # A row continuing after cached tokens reads its window's page; a fresh prompt
+    # starts from zeros (-1).
+    perm = torch.randperm(pages, generator=h)[:rows]
+    in_pages = torch.tensor([int(p) if c > 0 else -1 for p, (c, _) in zip(perm, specs)],
+                            dtype=torch.int64, device=device)
+    cache = torch.full((pages, channels, k - 1), float("nan"), dtype=dtype, device=device)
+    read = in_pages[in_pages >= 0]
+    cache[read] = _randn(g, read.numel(), channels, k - 1, device=device, dtype=dtype)
+    xbc = _randn(g, query_start[-1], channels, device=device, dtype=dtype)
+    weight = _randn(g, channels, k, device=device, dtype=dtype, scale=0.5)
+    bias = _randn(g, channels, device=device, dtype=dtype, scale=0.1)
+    qs = torch.tensor(query_start, dtype=torch.int64, device=device)
+    want = conv_varlen.conv_varlen_reference(xbc, weight, bias, cache, qs, in_pages, "silu")
+    ref = conv_varlen.conv_varlen_reference(
+        xbc.double(), weight.double(), bias.double(), cache.double(), qs, in_pages, "silu")
+    out = torch.full_like(xbc, float("nan"))
+
+    def kern():
+        return conv_varlen.conv_varlen(xbc, weight, bias, cache, qs, in_pages, "silu", out=out)
+
+    got = kern()
+    tol = _tol(dtype, 1e-5, 1e-2)
+    return {
+        "kernel": "conv_varlen", "twin": "conv_varlen_reference",
+        "shapes": {"rows": [list(s) for s in specs], "tokens": query_start[-1],
+                   "conv_dim": channels, "d_conv": k, "pages": pages},
+        "outputs": {"out": _compared(got, want, tol, ref, tol)},
+        "invariants": {"outputs_written": not bool(got.isnan().any())},
+        "kernel_s": bench_fn(kern, device, reps=3),
+    }
+
+
+def _ssd_inputs(g, h, shape, step, device):
+    """A mixed step's scan inputs in float32 (x, B and C rounded through bf16, as the
+    mixer's projections make them), random initial states for every row."""
+    m = _mamba_shapes(shape)
+    specs = _prefill_specs(h, step)
+    tokens = sum(n for _, n in specs)
+    heads, head_dim, groups, d_state = m["heads"], m["head_dim"], m["groups"], m["d_state"]
+    bf16 = torch.bfloat16
+    x = _randn(g, tokens, heads, head_dim, device=device, dtype=bf16).float()
+    dt, A = _mamba_dt_A(g, tokens, heads, device)
+    B = _randn(g, tokens, groups, d_state, device=device, dtype=bf16).float()
+    C = _randn(g, tokens, groups, d_state, device=device, dtype=bf16).float()
+    D = _randn(g, heads, device=device, shift=1.0, scale=0.3)
+    init = _randn(g, len(specs), heads, head_dim, d_state, device=device)
+    shapes = {"rows": [list(s) for s in specs], "tokens": tokens, "heads": heads,
+              "head_dim": head_dim, "groups": groups, "d_state": d_state}
+    return specs, (x, dt, A, B, C, D, init), shapes
+
+
+def _fla_unusable(device: str) -> str | None:
+    if not ssd_varlen.fla_available():
+        return "fla-core not importable"
+    if not device.startswith("cuda"):
+        return "fla-core's scan runs on CUDA only"
+    return None
+
+
+def check_ssd_scan(shape, step, dtype, device, seed):
+    """fla-core's varlen scan (``ssd_scan_varlen_fla``) against the twin scan: outputs
+    and final states of every non-empty row, from random initial states."""
+    reason = _fla_unusable(device)
+    if reason:
+        return {"kernel": "ssd_scan_varlen_fla", "twin": "ssd_scan_varlen_reference",
+                "skipped": reason}
+    g, h = _generators(seed, device)
+    specs, (x, dt, A, B, C, _, init), shapes = _ssd_inputs(g, h, shape, step, device)
+    filled = [i for i, (_, n) in enumerate(specs) if n > 0]
+    cu_cpu = torch.tensor([0] + [n for _, n in specs if n > 0]).cumsum(0)
+    cu = cu_cpu.to(device)
+    init = init[filled].contiguous()
+    args = (x, dt, A, B, C, cu, init)
+    y, final = ssd_varlen.ssd_scan_varlen_fla(*args, cu_seqlens_cpu=cu_cpu)
+    y_twin, final_twin = ssd_varlen.ssd_scan_varlen_reference(*args, cu_seqlens_cpu=cu_cpu)
+    y64, final64 = ssd_varlen.ssd_scan_varlen_reference(
+        *(t.double() for t in (x, dt, A, B, C)), cu, init.double(), cu_seqlens_cpu=cu_cpu)
+    # fla-core multiplies in tf32.
+    return {
+        "kernel": "ssd_scan_varlen_fla", "twin": "ssd_scan_varlen_reference",
+        "dtype": "torch.float32", "shapes": shapes,
+        "outputs": {"y": _compared(y, y_twin, 5e-3, y64, 5e-3),
+                    "final_states": _compared(final, final_twin, 5e-3, final64, 5e-3)},
+        "invariants": {},
+        "kernel_s": bench_fn(
+            lambda: ssd_varlen.ssd_scan_varlen_fla(*args, cu_seqlens_cpu=cu_cpu), device),
+    }
+
+
+def check_ssd_prefill(shape, step, dtype, device, seed):
+    """``ssd_prefill`` on fla-core's scan against ``ssd_prefill`` on the twin scan: outputs
+    and the states at every grid point and row end of a mixed step (two scans and the
+    chain between them)."""
+    reason = _fla_unusable(device)
+    if reason:
+        return {"kernel": "ssd_prefill (fla-core scan)", "twin": "ssd_prefill (twin scan)",
+                "skipped": reason}
+    g, h = _generators(seed, device)
+    specs, (x, dt, A, B, C, D, init), shapes = _ssd_inputs(g, h, shape, step, device)
+    interval = step["state_interval"]
+    query_start, rows, offsets = [0], [], []
+    for r, (c, n) in enumerate(specs):
+        query_start.append(query_start[-1] + n)
+        for off in range(n):
+            if (c + off + 1) % interval == 0 or off == n - 1:
+                rows.append(r)
+                offsets.append(off)
+    segments = ssd_varlen.plan_segments(query_start, rows, offsets, device)
+    args = (x, dt, A, B, C, D, init, segments)
+    y, states = ssd_varlen.ssd_prefill(*args, ssd_varlen.ssd_scan_varlen_fla)
+    y_twin, states_twin = ssd_varlen.ssd_prefill(*args, ssd_varlen.ssd_scan_varlen_reference)
+    y64, states64 = ssd_varlen.ssd_prefill(
+        *(t.double() for t in (x, dt, A, B, C, D, init)), segments,
+        ssd_varlen.ssd_scan_varlen_reference)
+    return {
+        "kernel": "ssd_prefill (fla-core scan)", "twin": "ssd_prefill (twin scan)",
+        "dtype": "torch.float32",
+        "shapes": {**shapes, "state_interval": interval,
+                   "states": len(rows), "segments": segments.num_segments},
+        "outputs": {"y": _compared(y, y_twin, 5e-3, y64, 5e-3),
+                    "states": _compared(states, states_twin, 5e-3, states64, 5e-3)},
+        "invariants": {},
+        "kernel_s": bench_fn(
+            lambda: ssd_varlen.ssd_prefill(*args, ssd_varlen.ssd_scan_varlen_fla), device),
+    }
+
+
+def _rms_norm64(h, weight, eps):
+    h = h.double()
+    return weight.double() * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def check_rms_norm(shape, step, dtype, device, seed):
+    """``rms_norm`` (the weight in float32, as Nemotron-H) against its twin, into a
+    NaN-poisoned output."""
+    g, _ = _generators(seed, device)
+    rows, hidden, eps = step["rows"], shape["hidden_size"], 1e-5
+    x = _randn(g, rows, hidden, device=device, dtype=dtype, scale=4.0)
+    weight = _randn(g, hidden, device=device, dtype=dtype, shift=1.0, scale=0.2)
+    out = torch.full_like(x, float("nan"))
+
+    def kern():
+        return norms.rms_norm(x, weight, eps, True, out=out)
+
+    got = kern()
+    want = norms.rms_norm_reference(x, weight, eps, True)
+    # The twins round once to the output dtype, as the kernels do.
+    tol = _tol(dtype, 1e-6, torch.finfo(dtype).eps)
+    return {
+        "kernel": "rms_norm", "twin": "rms_norm_reference",
+        "shapes": {"rows": rows, "hidden": hidden, "weight_in_fp32": True},
+        "outputs": {"out": _compared(got, want, tol, _rms_norm64(x, weight, eps), tol)},
+        "invariants": {"outputs_written": not bool(got.isnan().any())},
+        "kernel_s": bench_fn(kern, device, reps=3),
+    }
+
+
+def check_add_rms_norm(shape, step, dtype, device, seed):
+    """``add_rms_norm`` against its twin: the new residual (bit-identical by contract) and
+    its norm, into NaN-poisoned outputs."""
+    g, _ = _generators(seed, device)
+    rows, hidden, eps = step["rows"], shape["hidden_size"], 1e-5
+    residual = _randn(g, rows, hidden, device=device, dtype=dtype, scale=4.0)
+    x = _randn(g, rows, hidden, device=device, dtype=dtype)
+    weight = _randn(g, hidden, device=device, dtype=dtype, shift=1.0, scale=0.2)
+    residual_out = torch.full_like(x, float("nan"))
+    out = torch.full_like(x, float("nan"))
+
+    def kern():
+        return norms.add_rms_norm(residual, x, weight, eps, 1.0, True,
+                                  residual_out=residual_out, out=out)
+
+    h_got, y_got = kern()
+    h_want, y_want = norms.add_rms_norm_reference(residual, x, weight, eps, 1.0, True)
+    tol = _tol(dtype, 1e-6, torch.finfo(dtype).eps)
+    return {
+        "kernel": "add_rms_norm", "twin": "add_rms_norm_reference",
+        "shapes": {"rows": rows, "hidden": hidden, "weight_in_fp32": True},
+        "outputs": {"residual": _compared(h_got, h_want, 0.0),
+                    "out": _compared(y_got, y_want, tol, _rms_norm64(h_want, weight, eps),
+                                     tol)},
+        "invariants": {"outputs_written": not bool(h_got.isnan().any() | y_got.isnan().any())},
+        "kernel_s": bench_fn(kern, device, reps=3),
+    }
+
+
+def check_gated_rms_norm(shape, step, dtype, device, seed):
+    """``gated_rms_norm`` as the mixer calls it (float32 scan output, the gate a strided
+    slice of the input projection, grouped, cast to the model dtype) against its twin,
+    into a NaN-poisoned output."""
+    g, _ = _generators(seed, device)
+    m = _mamba_shapes(shape)
+    rows, channels, groups, eps = step["rows"], m["heads"] * m["head_dim"], m["groups"], 1e-5
+    y = _randn(g, rows, channels, device=device)
+    zxbcdt = _randn(g, rows, channels + m["conv_dim"] + m["heads"], device=device, dtype=dtype)
+    z = zxbcdt[:, :channels]
+    weight = _randn(g, channels, device=device, dtype=dtype, shift=1.0, scale=0.2)
+    out = torch.full((rows, channels), float("nan"), dtype=dtype, device=device)
+
+    def kern():
+        return norms.gated_rms_norm(y, z, weight, groups, eps, dtype, out=out)
+
+    got = kern()
+    want = norms.gated_rms_norm_reference(y, z, weight, groups, eps, dtype)
+    z64 = z.double()
+    gated = (y.double() * z64 * torch.sigmoid(z64)).view(rows, groups, -1)
+    ref = weight.double() * (gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + eps)
+                             ).view(rows, channels)
+    tol = _tol(dtype, 1e-6, torch.finfo(dtype).eps)
+    return {
+        "kernel": "gated_rms_norm", "twin": "gated_rms_norm_reference",
+        "shapes": {"rows": rows, "channels": channels, "groups": groups,
+                   "x_dtype": "torch.float32", "out_dtype": str(dtype)},
+        "outputs": {"out": _compared(got, want, tol, ref, tol)},
+        "invariants": {"outputs_written": not bool(got.isnan().any())},
+        "kernel_s": bench_fn(kern, device, reps=3),
+    }
+
+
+def check_state_postprocess(shape, step, dtype, device, seed):
+    """``state_postprocess`` against its twin on a verify step (rows of 1 to ``verify_q``
+    tokens over non-contiguous slots, about half of them crossing a grid point), into
+    outputs poisoned with ``INT_POISON``. Integer outputs: the relative error is the
+    fraction of entries that differ."""
+    _, h = _generators(seed, device)
+    rows, q_max, interval = step["rows"], step["verify_q"], step["state_interval"]
+    num_slots = 4 * rows + 3
+    slots = torch.randperm(num_slots, generator=h)[:rows]
+    num_computed = torch.randint(1, 64 * interval, (num_slots,), generator=h)
+    q = torch.randint(1, q_max + 1, (rows,), generator=h)
+    near = torch.rand(rows, generator=h) < 0.5
+    grid = torch.randint(1, 64, (rows,), generator=h) * interval
+    back = torch.randint(0, q_max, (rows,), generator=h)
+    num_computed[slots[near]] = (grid - 1 - back)[near].clamp(min=0)
+    accepted = (torch.rand(rows, generator=h) * q).long() + 1
+    pages = torch.randperm(rows * q_max + num_slots + 8, generator=h)
+    cols = torch.arange(q_max)[None, :]
+    out_pages = torch.where(cols < q[:, None], pages[: rows * q_max].view(rows, q_max), -1)
+    state_page = pages[rows * q_max: rows * q_max + num_slots].clone()
+    state_page[torch.rand(num_slots, generator=h) < 0.1] = -1
+    step_args = dict(
+        idx_mapping=slots.to(torch.int32).to(device),
+        num_computed=num_computed.to(torch.int32).to(device),
+        num_accepted=accepted.to(torch.int32).to(device),
+        out_pages=out_pages.to(torch.int32).to(device),
+        state_page=state_page.to(torch.int32).to(device),
+        release_prev=(torch.rand(rows, generator=h) < 0.7).to(device),
+        state_interval=interval,
+    )
+    want = state_postprocess.state_postprocess_reference(**step_args)
+    out = state_postprocess.PostprocessResult(
+        *(torch.full_like(getattr(want, f.name), INT_POISON)
+          for f in dataclasses.fields(state_postprocess.PostprocessResult)))
+
+    def kern():
+        return state_postprocess.state_postprocess(**step_args, out=out)
+
+    got = kern()
+    in_batch = torch.zeros(num_slots, dtype=torch.bool, device=device)
+    in_batch[step_args["idx_mapping"].long()] = True
+    differ = total = 0
+    untouched = True
+    for f in dataclasses.fields(state_postprocess.PostprocessResult):
+        a, b = getattr(got, f.name), getattr(want, f.name)
+        if f.name in ("new_state_page", "new_num_computed"):
+            # Slots outside the batch are the caller's: the kernel must leave them alone.
+            untouched &= bool((a[~in_batch] == INT_POISON).all())
+            a, b = a[in_batch], b[in_batch]
+        differ += int((a != b).sum())
+        total += a.numel()
+    return {
+        "kernel": "state_postprocess", "twin": "state_postprocess_reference",
+        "dtype": "torch.int32",
+        "shapes": {"rows": rows, "max_q": q_max, "slots": num_slots,
+                   "state_interval": interval,
+                   "rows_crossing": int((want.ckpt_page[:, 0] >= 0).sum())},
+        "outputs": {"decisions": {"rel_err_vs_twin": differ / total,
+                                  "tolerance_vs_twin": 0.0}},
+        "invariants": {"other_slots_untouched": untouched},
+        "kernel_s": bench_fn(kern, device, reps=3),
+    }
+
+
+def check_state_copy(shape, step, dtype, device, seed):
+    """``state_copy`` against its twin over every Mamba layer (conv windows in the model
+    dtype, float32 SSM states): ``copy_rows`` page pairs, one row skipped on each side
+    (-1), every destination page NaN before the copy. Copies: exact."""
+    g, h = _generators(seed, device)
+    m = _mamba_shapes(shape)
+    layers, rows = shape["pattern"].count("M"), step["copy_rows"]
+    pages = 2 * rows + 4
+    conv = [_randn(g, pages, m["conv_dim"], m["d_conv"] - 1, device=device, dtype=dtype)
+            for _ in range(layers)]
+    ssm = [_randn(g, pages, m["heads"], m["head_dim"], m["d_state"], device=device)
+           for _ in range(layers)]
+    perm = torch.randperm(pages, generator=h).to(torch.int32)
+    src, dst = perm[:rows].clone(), perm[rows: 2 * rows].clone()
+    src[0], dst[-1] = -1, -1
+    active = (src >= 0) & (dst >= 0)
+    written = dst[active].long().to(device)
+    for t in (*conv, *ssm):
+        t[written] = float("nan")
+    src, dst = src.to(device), dst.to(device)
+    twin_conv, twin_ssm = [t.clone() for t in conv], [t.clone() for t in ssm]
+    state_postprocess.state_copy_reference(src, dst, twin_conv, twin_ssm)
+    state_postprocess.state_copy(src, dst, conv, ssm)
+    got, want = conv + ssm, twin_conv + twin_ssm
+    err = max(rel_err(a[written], b[written]) for a, b in zip(got, want))
+    plan = state_postprocess.StateCopyPlan(conv, ssm)
+    res = {
+        "kernel": "state_copy", "twin": "state_copy_reference",
+        "shapes": {"layers": layers, "rows": rows, "rows_copied": int(active.sum()),
+                   "pages": pages, "page_bytes": plan.page_bytes,
+                   "conv_dtype": str(dtype), "ssm_dtype": "torch.float32"},
+        "outputs": {"pages": {"rel_err_vs_twin": err, "tolerance_vs_twin": 0.0}},
+        "invariants": {"same_as_twin": all(torch.equal(a, b) for a, b in zip(got, want))},
+        # The launch alone: a hot path builds the page table once (StateCopyPlan).
+        "kernel_s": bench_fn(lambda: plan(src, dst), device, reps=3),
+    }
+    res["bytes_per_s"] = 2 * int(active.sum()) * plan.page_bytes / res["kernel_s"]
+    return res
+
+
+# (name, module of hybridserve.kernels, check, keyword arguments). Every module with a
+# Triton kernel has at least one check (the smoke test holds the script to it).
+KERNEL_CHECKS = [
+    ("conv_decode_update (decode)", "mamba_decode", check_conv_decode, {"verify": False}),
+    ("conv_decode_update (verify)", "mamba_decode", check_conv_decode, {"verify": True}),
+    ("ssm_decode_update (decode)", "mamba_decode", check_ssm_decode, {"verify": False}),
+    ("ssm_decode_update (verify)", "mamba_decode", check_ssm_decode, {"verify": True}),
+    ("paged_attention_decode (decode)", "paged_attention", check_attention_decode,
+     {"verify": False}),
+    ("paged_attention_decode (verify)", "paged_attention", check_attention_decode,
+     {"verify": True}),
+    ("paged_attention_prefill", "paged_attention_prefill", check_attention_prefill, {}),
+    ("conv_varlen", "conv_varlen", check_conv_varlen, {}),
+    ("ssd_scan_varlen_fla", "ssd_varlen", check_ssd_scan, {}),
+    ("ssd_prefill", "ssd_varlen", check_ssd_prefill, {}),
+    ("rms_norm", "norms", check_rms_norm, {}),
+    ("add_rms_norm", "norms", check_add_rms_norm, {}),
+    ("gated_rms_norm", "norms", check_gated_rms_norm, {}),
+    ("state_postprocess", "state_postprocess", check_state_postprocess, {}),
+    ("state_copy", "state_postprocess", check_state_copy, {}),
+]
+
+
+def _worst(values) -> float | None:
+    """The largest of ``values`` (NaN when any is NaN; None when there are none)."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    if any(math.isnan(v) for v in values):
+        return float("nan")
+    return max(values)
+
+
+def _failures(entry: dict) -> list[str]:
+    """What holds a check back from passing: an error over its tolerance (NaN fails), a
+    broken invariant."""
+    out = []
+    for name, o in entry["outputs"].items():
+        for key in ("vs_twin", "vs_float64"):
+            err, tol = o.get(f"rel_err_{key}"), o.get(f"tolerance_{key}")
+            if err is not None and tol is not None and not err <= tol:
+                out.append(f"{name}: rel_err_{key} {err:.3g} > {tol:.3g}")
+    out += [f"{k} is false" for k, v in entry["invariants"].items() if not v]
+    return out
+
+
+def kernel_checks(shape: dict, step: dict, device: str, dtype: torch.dtype, seed: int) -> dict:
+    """Every Triton kernel of ``hybridserve.kernels`` (and fla-core's scan behind
+    ``ssd_prefill``) against its torch twin on fresh random inputs drawn from ``seed``.
+
+    Per check: the shapes, the dtype, each output's relative error against the twin's,
+    against the twin evaluated in float64 where that is cheap, and the twin's own error
+    against float64; the kernel's median time (``triton.testing.do_bench`` on CUDA);
+    pass or fail against the stated tolerances and invariants (every output written:
+    outputs into caller buffers start as NaN; nothing else changed). A check that raises
+    is recorded as an error and the others run.
+    """
+    if not (device.startswith("cuda") or triton.knobs.runtime.interpret):
+        reason = "Triton kernels on the CPU need TRITON_INTERPRET=1"
+        checks = [{"name": n, "module": mod, "status": "skipped", "reason": reason}
+                  for n, mod, _, _ in KERNEL_CHECKS]
+        return {"seed": seed, "device": device, "dtype": str(dtype), "checks": checks}
+    checks = []
+    for name, module, fn, kw in KERNEL_CHECKS:
+        entry = {"name": name, "module": module, "dtype": str(dtype), "seed": seed}
+        t = time.perf_counter()
+        try:
+            entry.update(fn(shape, step, dtype, device, seed, **kw))
+            if "skipped" in entry:
+                entry["status"], entry["reason"] = "skipped", entry.pop("skipped")
+            else:
+                for key in ("rel_err_vs_twin", "rel_err_vs_float64", "twin_rel_err_vs_float64"):
+                    entry[key] = _worst(o.get(key) for o in entry["outputs"].values())
+                entry["failures"] = _failures(entry)
+                entry["status"] = "fail" if entry["failures"] else "pass"
+        except Exception as e:  # record it and check the other kernels
+            entry["status"] = "error"
+            entry["error"] = f"{type(e).__name__}: {e}"
+            entry["traceback"] = traceback.format_exc()[-2000:]
+        entry["check_s"] = time.perf_counter() - t
+        if entry["status"] in ("fail", "error"):
+            print(f"[{entry['status']}] kernel check {name}: "
+                  f"{entry.get('error') or '; '.join(entry['failures'])}", flush=True)
+        checks.append(entry)
+        free_memory(device)
+    counts = {s: sum(c["status"] == s for c in checks)
+              for s in ("pass", "fail", "error", "skipped")}
+    return {"seed": seed, "device": device, "dtype": str(dtype), "counts": counts,
+            "checks": checks}
+
+
+def print_kernel_checks(kc: dict) -> None:
+    """One line per kernel check: its largest relative errors, time and status."""
+    counts = kc.get("counts") or {}
+    print(f"kernel checks (seed {kc['seed']}, {kc['device']}, {kc['dtype']}): "
+          + ", ".join(f"{v} {k}" for k, v in counts.items()))
+    print(f"{'kernel':<32} {'vs twin':>9} {'vs f64':>9} {'twin f64':>9} {'us':>9}  status")
+
+    def num(v, fmt=".1e"):
+        return f"{v:>9{fmt}}" if v is not None else f"{'-':>9}"
+
+    for c in kc["checks"]:
+        status = c["status"]
+        if status == "skipped":
+            status = f"skipped: {c['reason']}"
+        elif status == "error":
+            status = f"error: {c['error'][:60]}"
+        elif status == "fail":
+            status = f"FAIL: {'; '.join(c['failures'])[:80]}"
+        us = 1e6 * c["kernel_s"] if "kernel_s" in c else None
+        print(f"{c['name']:<32} {num(c.get('rel_err_vs_twin'))} "
+              f"{num(c.get('rel_err_vs_float64'))} {num(c.get('twin_rel_err_vs_float64'))} "
+              f"{num(us, '.1f')}  {status}")
+
+
+# --------------------------------------------------------------------------------------
 # bf16 GPU vs float32 CPU agreement on a tiny model
 # --------------------------------------------------------------------------------------
 
@@ -966,6 +1743,8 @@ def main(argv=None) -> int:
                     help="profile one graph-replayed decode step at this batch (0: none)")
     ap.add_argument("--skip", type=str, default="",
                     help="comma-separated section names (or name prefixes) not to run")
+    ap.add_argument("--kernel-seed", type=int, default=None,
+                    help="seed of the kernel checks' inputs (default: a fresh one, recorded)")
     args = ap.parse_args(argv)
 
     start = time.perf_counter()
@@ -1058,6 +1837,11 @@ def main(argv=None) -> int:
     result["attention_kernel"] = section("attention_kernel", attention)
     result["attention_decode_path"] = (
         "triton" if paged_attention.triton_enabled(torch.device(device)) else "torch twin")
+    # Fresh inputs every run unless a seed is given (to rerun a failure).
+    kernel_seed = (args.kernel_seed if args.kernel_seed is not None
+                   else int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF)
+    result["kernel_checks"] = section("kernel_checks", lambda: kernel_checks(
+        shape, CHECK_STEPS["smoke" if args.smoke else "cuda"], device, dtype, kernel_seed))
 
     decode = result.setdefault(
         "decode", {"ours": [], "ours_eager": [], "reference_paths": [], "transformers": []})
@@ -1233,6 +2017,8 @@ def main(argv=None) -> int:
                 print(f"agreement {f['dtype']} vs cpu float32: {f['positional_agreement']:.3f}, "
                       f"first divergence {f['first_divergence']}; graphs vs eager "
                       f"{f['graphs_vs_eager']['identical_sequences']}/{a['prompts']} identical")
+    if result.get("kernel_checks"):
+        print_kernel_checks(result["kernel_checks"])
     if result["errors"]:
         print("errors in:", ", ".join(result["errors"]))
     print(f"wrote {args.out} in {time.perf_counter() - start:.0f}s")

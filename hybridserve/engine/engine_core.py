@@ -23,7 +23,7 @@ from hybridserve.engine.request import (
     RequestStatus,
     SamplingParams,
 )
-from hybridserve.engine.scheduler import ScheduledRow, Scheduler
+from hybridserve.engine.scheduler import ScheduledRow, Scheduler, SchedulerOutput
 from hybridserve.kernels.state_postprocess import state_postprocess, state_postprocess_reference
 from hybridserve.runner.model_runner import ModelRunner
 from hybridserve.spec.ngram import NgramDrafter
@@ -87,6 +87,10 @@ class EngineCore:
             config.dtype, cc.ssm_state_dtype, config.device,
         )
         self.runner = ModelRunner(model, caches, cc.kv_block_size, config.scheduler.max_num_seqs, config.device)
+        # The state postprocess launches as soon as the step's choices exist on the
+        # device, and its decisions come back in the same read as the choices.
+        self.runner.on_verify = self._launch_postprocess
+        self._postprocess_k = 0
         if not enforce_eager:
             self.runner.enable_decode_graphs(
                 max_blocks=-(-config.scheduler.max_model_len // cc.kv_block_size),
@@ -210,7 +214,7 @@ class EngineCore:
             if group is not None:
                 touched[group.request_id] = group
         if verify_rows:
-            self._postprocess_states(verify_rows)
+            self._commit_postprocess(sched, verify_rows)
         for row in sched.rows:
             req = row.request
             if req.status is RequestStatus.RUNNING and req.stopped:
@@ -221,67 +225,96 @@ class EngineCore:
             self.scheduler.check_integrity()
         return [self._make_output(g) for g in touched.values()]
 
-    def _postprocess_states(self, rows: list[tuple[ScheduledRow, object]]) -> None:
-        """Decide every verify row's surviving state page and checkpoints in one call.
+    def _launch_postprocess(
+        self, sched: SchedulerOutput, verify: list[int], accepted: torch.Tensor
+    ) -> torch.Tensor:
+        """Decide every verify row's surviving state page and checkpoints in one launch.
 
-        On CUDA this is the fused Triton kernel; elsewhere its torch twin. The per-slot
-        tables (``slot_num_computed``, ``slot_state_page``) are the kernel's read-only
-        decision inputs; its per-slot outputs land in fresh buffers that replace them
-        after the launch (DESIGN.md section 5).
+        ``verify``: indices of the step's verify rows; ``accepted``: their accepted
+        counts, on the device (the runner computes them from the choices there). On CUDA
+        this is the fused Triton kernel; elsewhere its torch twin. The per-slot tables
+        (``slot_num_computed``, ``slot_state_page``) are the kernel's read-only decision
+        inputs; its per-slot outputs land in fresh buffers that replace them after the
+        launch, ordered on the same stream (DESIGN.md section 5). Returns, as one int64
+        device tensor for the step's single read-back, per row: the accepted count, the
+        new state page, the checkpoint pages, their prefix lengths, the released pages.
         """
         runner = self.runner
         device = runner.slot_num_computed.device
-        max_q = max(r.num_tokens for r, _ in rows)
-        slots, computed, state_in, pages, accepted = [], [], [], [], []
-        for row, res in rows:
+        rows = [sched.rows[i] for i in verify]
+        max_q = max(r.num_tokens for r in rows)
+        slots, computed, state_in, pages = [], [], [], []
+        for row in rows:
             n = row.num_computed
             slots.append(row.request.slot)
             computed.append(n)
             state_in.append(row.state_in_page)
-            pages.append(
-                [row.state_outputs[n + 1 + j] for j in range(row.num_tokens)]
-                + [-1] * (max_q - row.num_tokens)
-            )
-            accepted.append(len(res.new_tokens))
-
+            pages += [row.state_outputs[n + 1 + j] for j in range(row.num_tokens)]
+            pages += [-1] * (max_q - row.num_tokens)
         # Every host-side input of the launch travels in one int32 transfer (pinned on
         # CUDA, so it does not block the host); the tensors below are views of it.
         b = len(rows)
-        flat = slots + computed + state_in + accepted + [p for row in pages for p in row]
-        packed = torch.tensor(flat, dtype=torch.int32)
+        packed = torch.tensor(slots + computed + state_in + pages, dtype=torch.int32)
         if device.type == "cuda":
             packed = packed.pin_memory()
         packed = packed.to(device, non_blocking=True)
-        idx, computed_d, state_in_d, accepted_d = packed[: 4 * b].view(4, b)
-        out_pages = packed[4 * b :].view(b, max_q)
+        idx, computed_d, state_in_d = packed[: 3 * b].view(3, b)
+        out_pages = packed[3 * b :].view(b, max_q)
         idx_long = idx.long()
         # Prefill rows advance the host's counts only; refresh the decision tables of
         # this step's slots before the launch reads them.
         runner.slot_num_computed[idx_long] = computed_d
         runner.slot_state_page[idx_long] = state_in_d
         decide = state_postprocess if device.type == "cuda" else state_postprocess_reference
+        accepted = accepted.to(device=device, dtype=torch.int32)
         result = decide(
             idx_mapping=idx,
             num_computed=runner.slot_num_computed,
-            num_accepted=accepted_d,
+            num_accepted=accepted,
             out_pages=out_pages,
             state_page=runner.slot_state_page,
             # The request holds a reference on whatever page it read, a checkpoint too.
             release_prev=state_in_d >= 0,
             state_interval=self.scheduler.verify_interval(),
         )
-        # One device-to-host read per step, for the host's page bookkeeping.
-        k = result.ckpt_page.shape[1]
-        host = torch.cat(
-            [result.new_state_page[idx_long][:, None], result.ckpt_page, result.ckpt_len,
-             result.release_pages], dim=1,
-        ).tolist()
-        for (row, _), a, h in zip(rows, accepted, host):
-            ckpts = [(p, page) for p, page in zip(h[1 + k : 1 + 2 * k], h[1 : 1 + k]) if page >= 0]
-            released = [p for p in h[1 + 2 * k :] if p >= 0]
-            self.scheduler.commit_verify_row(row, a, h[0], ckpts, released)
         runner.slot_num_computed = result.new_num_computed
         runner.slot_state_page = result.new_state_page
+        self._postprocess_k = result.ckpt_page.shape[1]
+        return torch.cat(
+            [accepted[:, None], result.new_state_page[idx_long][:, None], result.ckpt_page,
+             result.ckpt_len, result.release_pages], dim=1,
+        ).reshape(-1).long()
+
+    def _commit_postprocess(
+        self, sched: SchedulerOutput, rows: list[tuple[ScheduledRow, object]]
+    ) -> None:
+        """The host's page bookkeeping from the postprocess decisions of this step.
+
+        The decisions normally came back with the step's choices
+        (``runner.verify_readback``); a runner that produced none gets the launch here,
+        from the host's accepted counts, and one read. The accepted counts the device
+        decided with must equal the tokens the host appended: a mismatch is a bug and
+        raises before any page changes hands.
+        """
+        host = self.runner.verify_readback
+        self.runner.verify_readback = None
+        if host is None:
+            verify = [i for i, row in enumerate(sched.rows) if row.is_verify]
+            accepted = torch.tensor([len(res.new_tokens) for _, res in rows])
+            host = self._launch_postprocess(sched, verify, accepted).tolist()
+        k = self._postprocess_k
+        width = len(host) // len(rows)
+        decided = [host[i * width : (i + 1) * width] for i in range(len(rows))]
+        for (row, res), h in zip(rows, decided):
+            if h[0] != len(res.new_tokens):
+                raise RuntimeError(
+                    f"request {row.request.request_id}: the device accepted {h[0]} tokens, "
+                    f"the host {len(res.new_tokens)}"
+                )
+        for (row, _), h in zip(rows, decided):
+            ckpts = [(p, page) for p, page in zip(h[2 + k : 2 + 2 * k], h[2 : 2 + k]) if page >= 0]
+            released = [p for p in h[2 + 2 * k :] if p >= 0]
+            self.scheduler.commit_verify_row(row, h[0], h[1], ckpts, released)
 
     def _propose_drafts(self) -> None:
         d = self.config.spec.num_speculative_tokens

@@ -265,6 +265,17 @@ class DecodeGraphs:
         """Run ``sched`` from a graph if it qualifies: the chosen token after every
         position of every row (each row's own ``num_tokens`` ids, rows in order; padded
         positions dropped), or None (then nothing ran)."""
+        replayed = self.replay(sched)
+        if replayed is None:
+            return None
+        out, q = replayed
+        ids = out[: len(sched.rows) * q].tolist()
+        return [t for i, row in enumerate(sched.rows) for t in ids[i * q : i * q + row.num_tokens]]
+
+    def replay(self, sched: SchedulerOutput) -> tuple[torch.Tensor, int] | None:
+        """Run ``sched`` from a graph if it qualifies, reading nothing back: the device
+        output (row ``i``'s choices at ``[i * q, i * q + num_tokens)``) and ``q``, or
+        None (then nothing ran)."""
         shape = self.plan(sched)
         if shape is None:
             self.counters["eager_steps"] += 1
@@ -289,11 +300,7 @@ class DecodeGraphs:
         else:
             out = self._forward(st, shape)
         self.counters["graph_steps"] += 1
-        ids = out[: shape.rows * shape.q].tolist()
-        q = shape.q
-        if all(row.num_tokens == q for row in sched.rows):
-            return ids
-        return [t for i, row in enumerate(sched.rows) for t in ids[i * q : i * q + row.num_tokens]]
+        return out, shape.q
 
     def fill(self, st: _Static, sched: SchedulerOutput, shape: StepShape) -> None:
         """Write the step's rows (then padding rows up to the bucket) into the static

@@ -17,6 +17,7 @@ the logprobs payload). The host then walks each row's drafts.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +55,12 @@ class ModelRunner:
         self.slot_state_page = torch.full((max_num_seqs,), -1, dtype=torch.int32, device=self.device)
         self.max_num_seqs = max_num_seqs
         self.graphs: DecodeGraphs | None = None
+        # Set by the engine: called once the step's choices exist on the device, with the
+        # verify rows (indices into the step's rows) and their accepted counts as a
+        # device tensor; returns a device tensor to read back in the same transfer as
+        # the choices. Its host values land in ``verify_readback``.
+        self.on_verify: Callable[[SchedulerOutput, list[int], torch.Tensor], torch.Tensor] | None = None
+        self.verify_readback: list[int] | None = None
 
     def enable_decode_graphs(
         self, max_blocks: int, scratch_block: int, scratch_page: int, capture: bool | None = None
@@ -117,16 +124,19 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> list[RowResult]:
         """Run the forward of a step, then sample (and verify drafts) for every row."""
+        self.verify_readback = None
         if self.graphs is not None:
-            choices = self.graphs.run(sched)
-            if choices is not None:
-                # Each row's own num_tokens choices, rows in order (rows may differ).
-                results, start = [], 0
-                for row in sched.rows:
-                    end = start + row.num_tokens
+            replayed = self.graphs.replay(sched)
+            if replayed is not None:
+                out, q = replayed
+                # Row i's choices sit at [i * q, i * q + num_tokens) of the output.
+                starts = [i * q for i in range(len(sched.rows))]
+                values = self._read_back(sched, out[: len(sched.rows) * q], starts)
+                results = []
+                for row, start in zip(sched.rows, starts):
                     drafts = row.request.draft_token_ids[: row.num_drafts]
-                    results.append(RowResult(sampler.verify_choices(choices[start:end], drafts), []))
-                    start = end
+                    choices = values[start : start + row.num_tokens]
+                    results.append(RowResult(sampler.verify_choices(choices, drafts), []))
                 return results
         input_ids, batch = self.build_batch(sched)
         hidden = self.model.forward(input_ids, batch, self.caches)
@@ -152,13 +162,14 @@ class ModelRunner:
         index = index.to(hidden.device, non_blocking=True)
         logits = self.model.compute_logits(hidden[index])
         sampling = [i for i, (_, k) in enumerate(spans) if k > 0]
+        starts = [start for start, _ in spans]
         if all(sampler.samples_by_argmax(sched.rows[i].request.params) for i in sampling):
             # Only plain greedy rows: the choice is the argmax of the raw logits, one id
             # per position read back, no parameters to send.
-            choices = sampler.argmax_ids(logits).tolist()
+            choices = self._read_back(sched, sampler.argmax_ids(logits), starts)
             lps: dict[int, dict[int, Logprob]] = {}
         else:
-            choices, lps = self._sample(sched, sampling, logits)
+            choices, lps = self._sample(sched, sampling, logits, starts)
         results = []
         for row, (start, k) in zip(sched.rows, spans):
             if k == 0:
@@ -170,8 +181,59 @@ class ModelRunner:
             results.append(RowResult(tokens, logprobs))
         return results
 
+    def _read_back(
+        self, sched: SchedulerOutput, values: torch.Tensor, starts: Sequence[int]
+    ) -> list[int]:
+        """The step's one device-to-host read: ``values`` (int64; the choices first,
+        row ``i``'s from ``starts[i]``, then anything else the step reads), followed by
+        what :attr:`on_verify` returns for the step's verify rows, whose host values go
+        to :attr:`verify_readback`."""
+        n = values.numel()
+        tail = self._verify_tail(sched, values, starts)
+        if tail is None:
+            return values.tolist()
+        host = torch.cat([values, tail]).tolist()
+        self.verify_readback = host[n:]
+        return host[:n]
+
+    def _verify_tail(
+        self, sched: SchedulerOutput, choices: torch.Tensor, starts: Sequence[int]
+    ) -> torch.Tensor | None:
+        """Accepted counts of the verify rows computed on the device (a draft is
+        accepted while it equals the choice at its position: the greedy rule, and the
+        sampled one, since a draw is coupled to its position; see
+        :mod:`~hybridserve.runner.sampler`), handed to :attr:`on_verify`."""
+        if self.on_verify is None:
+            return None
+        verify = [i for i, row in enumerate(sched.rows) if row.is_verify]
+        if not verify:
+            return None
+        width = max(sched.rows[i].num_drafts for i in verify)
+        if width == 0:
+            accepted = torch.ones(len(verify), dtype=torch.int64, device=choices.device)
+        else:
+            # [rows, width] positions of the choices to compare and the drafts (-1 pads,
+            # which no choice equals), in one upload.
+            pos, drafts = [], []
+            for i in verify:
+                row = sched.rows[i]
+                d = row.num_drafts
+                pos += [starts[i] + j for j in range(d)] + [0] * (width - d)
+                drafts += row.request.draft_token_ids[:d] + [-1] * (width - d)
+            host = torch.tensor(pos + drafts, dtype=torch.int64)
+            if choices.is_cuda:
+                host = host.pin_memory()
+            both = host.to(choices.device, non_blocking=True).view(2, len(verify), width)
+            match = (choices[both[0]] == both[1]).long()
+            accepted = 1 + match.cumprod(dim=1).sum(dim=1)
+        return self.on_verify(sched, verify, accepted)
+
     def _sample(
-        self, sched: SchedulerOutput, sampling: list[int], logits: torch.Tensor
+        self,
+        sched: SchedulerOutput,
+        sampling: list[int],
+        logits: torch.Tensor,
+        starts: Sequence[int],
     ) -> tuple[list[int], dict[int, dict[int, Logprob]]]:
         """Every sampling row of the step through the batched sampler: parameters up in
         one transfer, the chosen tokens (and the logprobs payload) back in one."""
@@ -194,5 +256,6 @@ class ModelRunner:
         if logits.is_cuda:
             packed = packed.pin_memory()
         packed = packed.to(logits.device, non_blocking=True)
-        values = sampler.sample_step(logits, plan, packed).tolist()  # the step's one read-back
+        # The choices come first in the output, then the logprobs payload: one read.
+        values = self._read_back(sched, sampler.sample_step(logits, plan, packed), starts)
         return sampler.read_step(values, plan)

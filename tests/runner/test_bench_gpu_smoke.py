@@ -1,5 +1,8 @@
-"""The GPU benchmark's CPU smoke mode runs every section end to end and writes its JSON."""
+"""The GPU benchmark's CPU smoke mode runs every section end to end and writes its JSON;
+its kernel checks cover every module of hybridserve/kernels that defines a Triton kernel,
+and all of them pass."""
 
+import ast
 import json
 import os
 import subprocess
@@ -7,6 +10,20 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def _triton_kernel_modules() -> list[str]:
+    """Modules of hybridserve/kernels with a ``@triton.jit`` function (or ``@jit``)."""
+    modules = []
+    for path in sorted((ROOT / "hybridserve" / "kernels").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and any(
+                ast.unparse(d.func if isinstance(d, ast.Call) else d) in ("triton.jit", "jit")
+                for d in node.decorator_list
+            ):
+                modules.append(path.stem)
+                break
+    return modules
 
 
 def test_bench_gpu_smoke(tmp_path):
@@ -20,8 +37,10 @@ def test_bench_gpu_smoke(tmp_path):
     result = json.loads(out.read_text())
     assert result["errors"] == {}, result["errors"]
     assert not result["skipped"]
-    for key in ("copy_bandwidth", "matmul", "kernels", "ttft", "agreement", "ratios", "prefill"):
+    for key in ("copy_bandwidth", "matmul", "kernels", "kernel_checks", "ttft", "agreement",
+                "ratios", "prefill"):
         assert result[key], key
+    _check_kernel_checks(result["kernel_checks"], proc.stdout)
     assert [r["batch"] for r in result["decode"]["ours"]] == [1, 4]
     # The smoke run takes the decode-graph path (its static-buffer step, no capture on the
     # CPU) on alternate steps, the eager fast path on the others.
@@ -37,3 +56,25 @@ def test_bench_gpu_smoke(tmp_path):
     assert result["agreement"]["positional_agreement"] == 1.0
     for k in ("device", "torch", "triton", "commit"):
         assert result["env"][k]
+
+
+def _check_kernel_checks(kc: dict, stdout: str) -> None:
+    modules = _triton_kernel_modules()
+    assert len(modules) >= 4, "the scan found fewer Triton kernel modules than the project has"
+    checks = kc["checks"]
+    missing = sorted(set(modules) - {c["module"] for c in checks})
+    assert not missing, f"Triton kernel modules without a kernel check: {missing}"
+    assert isinstance(kc["seed"], int)
+    for c in checks:
+        if c["status"] == "skipped":
+            # Only fla-core's scan may be missing (it needs CUDA and the optional package).
+            assert c["module"] == "ssd_varlen", c
+            continue
+        assert c["status"] == "pass", (c["name"], c.get("failures"), c.get("error"),
+                                       c.get("traceback"))
+        assert c["seed"] == kc["seed"] and c["shapes"] and c["dtype"]
+        assert c["kernel_s"] > 0
+        assert c["outputs"] and all(o["rel_err_vs_twin"] <= o["tolerance_vs_twin"]
+                                    for o in c["outputs"].values())
+        assert c["name"] in stdout  # the table at the end of the console output
+    assert {c["module"] for c in checks if c["status"] == "pass"} >= set(modules)
