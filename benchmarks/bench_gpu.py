@@ -356,8 +356,11 @@ def with_engine(llm, enforce_eager, device):
 
 
 def engine_decode(model, path, device, dtype, batch, prompt_len, warmup, steps, vocab, seed,
-                  enforce_eager=None, profile=False):
+                  enforce_eager=None, profile=False, temperature=0.0):
     """Median wall time of full-batch decode steps (every request decoding).
+
+    ``temperature > 0``: every request samples (seeded, top-p 0.95), drawn by the batched
+    sampler, inside the graph when graphs are on.
 
     With decode graphs on, the steps alternate between graph replay and the eager fast
     path on the same engine and requests (``warmup`` + ``steps`` of each), so both modes
@@ -376,7 +379,8 @@ def engine_decode(model, path, device, dtype, batch, prompt_len, warmup, steps, 
     graphs = runner.graphs
     modes = ("graph", "eager") if graphs is not None else ("eager",)
     g = torch.Generator().manual_seed(seed)
-    params = SamplingParams(temperature=0.0, max_tokens=max_len - prompt_len - 1, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=max_len - prompt_len - 1,
+                            ignore_eos=True, top_p=0.95 if temperature > 0 else 1.0, seed=seed)
     for i in range(batch):
         ids = torch.randint(3, vocab, (prompt_len,), generator=g).tolist()
         eng.add_request(f"r{i}", ids, params)
@@ -1911,6 +1915,15 @@ def main(argv=None) -> int:
 
     result["decode_torch_norms"] = section(
         f"decode_torch_norms_b{args.profile_batch}", decode_torch_norms)
+
+    def decode_sampled():
+        b = args.profile_batch
+        return engine_decode(model, path, device, dtype, b, args.prompt, args.warmup_steps,
+                             args.steps, vocab, seed=b, enforce_eager=graphs_mode,
+                             temperature=0.8)
+
+    # Sampled decode (temperature 0.8, top-p 0.95), graphs and eager alternating as above.
+    result["decode_sampled"] = section(f"decode_sampled_b{args.profile_batch}", decode_sampled)
     result["agreement"] = section(
         "agreement", lambda: agreement(device, "bfloat16" if device == "cuda" else "float32",
                                        workdir))
@@ -2012,6 +2025,11 @@ def main(argv=None) -> int:
     if result.get("decode_torch_norms"):
         r = result["decode_torch_norms"]
         print(f"decode b{r['batch']} with torch norms: {r['tokens_per_s']:.1f} tok/s")
+    if result.get("decode_sampled"):
+        r = result["decode_sampled"]
+        e = r["modes"].get("eager", {})
+        print(f"decode b{r['batch']} sampled: {r['tokens_per_s']:.1f} tok/s ({r['mode']}), "
+              f"eager {e.get('tokens_per_s', float('nan')):.1f} tok/s")
     if result.get("ttft"):
         t = result["ttft"]
         print(f"TTFT {t['prompt_len']} tokens: cold {t['cold_s']:.3f}s, "

@@ -49,6 +49,11 @@ def test_bench_gpu_smoke(tmp_path):
         assert r["graphs"]["timed_graph_steps_replayed"] == r["steps_timed"]
         assert not r["graphs"]["capture_errors"]
     assert [r["batch"] for r in result["decode"]["ours_eager"]] == [1, 4]
+    # Sampled decode steps replay graphs too (the draw inside the graph).
+    sampled = result["decode_sampled"]
+    assert sampled["mode"] == "graph"
+    assert sampled["graphs"]["timed_graph_steps_replayed"] == sampled["steps_timed"]
+    assert any("any_sampled=True" in str(k) for k in sampled["graphs"]["keys"])
     assert result["prefill"]["prompts_run"] == 2
     assert result["agreement"]["graphs_vs_eager"]["positional_agreement"] == 1.0
     assert result["agreement"]["graph_counters"]["graph_steps"] > 0
