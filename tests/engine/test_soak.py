@@ -19,19 +19,16 @@ def _prompt(rng: random.Random, roots: list[list[int]]) -> list[int]:
     return root[: rng.randint(1, len(root))] + tail
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_soak_everything_together(tiny_granite, seed):
+def _soak(path, seed: int, enforce_eager: bool):
+    """One randomized run; returns (prompts, outputs by request id, aborted ids, llm)."""
     rng = random.Random(seed)
     roots = [[rng.randrange(3, 256) for _ in range(n)] for n in (70, 33, 100)]
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = [_prompt(rng, roots) for _ in range(24)]
-    plain = LLM(tiny_granite, enable_prefix_caching=False)
-    expected = {i: o.outputs[0].token_ids for i, o in enumerate(plain.generate(prompts, greedy))}
-
     llm = LLM(
-        tiny_granite, max_num_seqs=8, max_model_len=160, num_kv_blocks=20,
+        path, max_num_seqs=8, max_model_len=160, num_kv_blocks=20,
         num_state_pages=60, max_checkpoint_pages=8, state_interval=16,
-        max_num_batched_tokens=40,
+        max_num_batched_tokens=40, enforce_eager=enforce_eager,
         speculative_config={"method": "ngram", "num_speculative_tokens": 3},
     )
     engine = llm.engine
@@ -58,14 +55,11 @@ def test_soak_everything_together(tiny_granite, seed):
                 done[out.request_id] = out.outputs[0].token_ids
         step += 1
         assert step < 5000
-    checked = 0
-    for i in range(len(prompts)):
-        rid = f"g{i}"
-        if rid in aborted:
-            continue
-        assert done[rid] == expected[i], rid
-        checked += 1
-    assert checked >= len(prompts) // 2
+    return prompts, done, aborted, llm
+
+
+def _check_end_state(llm) -> None:
+    engine = llm.engine
     stats = llm.stats()
     assert stats["preemptions"] > 0 and stats["prefix_hit_tokens"] > 0
     assert stats["spec_accepted_tokens"] > 0
@@ -74,3 +68,36 @@ def test_soak_everything_together(tiny_granite, seed):
     engine.scheduler.check_integrity()
     assert engine.scheduler.states.num_free == engine.scheduler.states.num_pages
     assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_soak_everything_together(tiny_granite, seed):
+    prompts, done, aborted, llm = _soak(tiny_granite, seed, enforce_eager=True)
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = LLM(tiny_granite, enable_prefix_caching=False)
+    expected = {i: o.outputs[0].token_ids for i, o in enumerate(plain.generate(prompts, greedy))}
+    checked = 0
+    for i in range(len(prompts)):
+        rid = f"g{i}"
+        if rid in aborted:
+            continue
+        assert done[rid] == expected[i], rid
+        checked += 1
+    assert checked >= len(prompts) // 2
+    _check_end_state(llm)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_soak_with_decode_graphs_equals_eager(tiny_granite, seed):
+    """The same run through the decode-graph path (its static-buffer step: mixed draft
+    counts padded, sampled rows drawn in the step, the postprocess decided from the
+    device's accepted counts) gives every request, sampled ones included, the eager
+    run's tokens."""
+    _, eager, eager_aborted, _ = _soak(tiny_granite, seed, enforce_eager=True)
+    _, graphs, graphs_aborted, llm = _soak(tiny_granite, seed, enforce_eager=False)
+    assert graphs_aborted == eager_aborted
+    assert graphs == eager
+    assert any(rid.startswith("s") for rid in graphs)
+    counters = llm.engine.runner.graphs.counters
+    assert counters["graph_steps"] > 0, counters
+    _check_end_state(llm)
