@@ -192,6 +192,10 @@ class DecodeGraphs:
         self._pool = None
         # False after a capture failed: every later step runs eagerly.
         self.enabled = True
+        # False after the capture of a sampled step failed (its draw holds several
+        # [rows x vocab] temporaries, the largest memory of any step): later sampled
+        # steps run eagerly, greedy ones keep their graphs.
+        self.sampled_enabled = True
         self.counters = {"graph_steps": 0, "eager_steps": 0, "captures": 0}
         self.capture_errors: list[str] = []
         # The scratch page and block start as zeros: padding rows then compute on finite
@@ -249,6 +253,8 @@ class DecodeGraphs:
             return None
         sampling = GREEDY
         if not all(sampler.samples_by_argmax(row.request.params) for row in rows):
+            if not self.sampled_enabled:
+                return None
             vocab = self.model.config.vocab_size
             k = max((sampler.active_top_k(row.request.params, vocab) for row in rows), default=0)
             sampling = Sampling(
@@ -412,7 +418,10 @@ class DecodeGraphs:
                 out = self._forward(st, shape)
         except Exception as e:  # a failed capture turns graphs off; the step runs eagerly
             self.capture_errors.append(f"{key}: {type(e).__name__}: {e}")
-            self.enabled = False
+            if shape.sampling == GREEDY:
+                self.enabled = False
+            else:
+                self.sampled_enabled = False
             return None
         entry = (graph, out)
         self._graphs[key] = entry

@@ -198,6 +198,22 @@ def test_plan_buckets_and_fallbacks(tiny_nemotron):
     assert falls_back([_Row.make()])
 
 
+def test_a_failed_sampled_capture_keeps_greedy_graphs(tiny_nemotron):
+    graphs = _graphs(tiny_nemotron)
+    graphs.capture = True  # every capture fails on the CPU
+    st = _Static(1, graphs.max_batch, graphs.max_blocks, 30, 40, 16, torch.device("cpu"))
+    sampled = SchedulerOutput([_Row.make(params=SamplingParams(temperature=0.8, seed=1))], [])
+    greedy = SchedulerOutput([_Row.make()], [])
+    assert graphs._capture(st, graphs.plan(sampled)) is None
+    assert graphs.capture_errors and not graphs.sampled_enabled and graphs.enabled
+    assert graphs.plan(sampled) is None  # sampled steps now run eagerly
+    shape = graphs.plan(greedy)
+    assert shape is not None
+    # A failed greedy capture turns every graph off.
+    assert graphs._capture(st, shape) is None
+    assert not graphs.enabled and graphs.plan(greedy) is None
+
+
 def test_fill_writes_rows_then_padding(tiny_nemotron):
     graphs = _graphs(tiny_nemotron)
     rows = [_Row.make(n=17, q=2, page=3, outs=[8, 9], blocks=(5, 6, 7), drafts=[77]),
