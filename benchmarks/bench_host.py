@@ -12,7 +12,9 @@ step, so its compute counts as host time here (on CUDA it is a kernel); the brea
 reports it separately where the engine exposes it.
 
 Every request decodes greedily with ``max_tokens`` large enough that no request
-finishes during the timed steps. Results go to ``--out`` (JSON): device, versions,
+finishes during the timed steps. Each batch runs twice where the engine supports it:
+with an output per request per step (what a streaming server asks for) and with
+finished-only outputs (what the offline ``LLM.generate`` asks for). Results go to ``--out`` (JSON): device, versions,
 commit, config, and per batch the median step time, the median forward time, the host
 remainder and the breakdown by engine function (medians over the timed steps).
 
@@ -22,6 +24,7 @@ Usage: ``python benchmarks/bench_host.py [--batches 16,64,256] [--out ...]``
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import platform
 import statistics
@@ -34,6 +37,7 @@ from pathlib import Path
 import torch
 
 from hybridserve import LLM, SamplingParams
+from hybridserve.engine.engine_core import EngineCore
 from hybridserve.testing.tiny_models import make_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,7 +62,8 @@ def _commit() -> str:
         return "unknown"
 
 
-def measure(path: Path, batch: int, prompt: int, warmup: int, steps: int) -> dict:
+def measure(path: Path, batch: int, prompt: int, warmup: int, steps: int,
+            final_only: bool) -> dict:
     max_len = prompt + warmup + steps + 64
     llm = LLM(str(path), max_num_seqs=batch, max_model_len=max_len, enforce_eager=False,
               enable_prefix_caching=False, num_kv_blocks=batch * (-(-max_len // 16)) + 8,
@@ -93,7 +98,11 @@ def measure(path: Path, batch: int, prompt: int, warmup: int, steps: int) -> dic
     g = torch.Generator().manual_seed(batch)
     params = SamplingParams(temperature=0.0, max_tokens=warmup + steps + 32, ignore_eos=True)
     for i in range(batch):
-        eng.add_request(f"r{i}", torch.randint(3, 200, (prompt,), generator=g).tolist(), params)
+        ids = torch.randint(3, 200, (prompt,), generator=g).tolist()
+        if final_only:
+            eng.add_request(f"r{i}", ids, params, final_only=True)
+        else:
+            eng.add_request(f"r{i}", ids, params)
     while any(r.num_computed_tokens < prompt for r in eng.scheduler.running) or eng.scheduler.waiting:
         eng.step()
     for _ in range(warmup):
@@ -113,7 +122,8 @@ def measure(path: Path, batch: int, prompt: int, warmup: int, steps: int) -> dic
     running = len(eng.scheduler.running)
     if running != batch:
         raise RuntimeError(f"only {running} of {batch} requests running; raise the cache sizes")
-    return {"batch": batch, "median_s": med, "graph_counters": dict(graphs)}
+    return {"batch": batch, "final_only": final_only, "median_s": med,
+            "graph_counters": dict(graphs)}
 
 
 def main() -> None:
@@ -128,8 +138,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     path = make_tiny_checkpoint("nemotron_h", tempfile.mkdtemp(prefix="bench_host_"),
                                 max_position_embeddings=4096)
-    rows = [measure(path, int(b), args.prompt, args.warmup, args.steps)
-            for b in args.batches.split(",") if b]
+    # Per-step outputs (the server's mode) and, where the engine has it, finished-only
+    # outputs (the offline API's mode).
+    modes = [False]
+    if "final_only" in inspect.signature(EngineCore.add_request).parameters:
+        modes.append(True)
+    rows = [measure(path, int(b), args.prompt, args.warmup, args.steps, final_only)
+            for b in args.batches.split(",") if b for final_only in modes]
     result = {
         "env": {"device": platform.processor() or platform.machine(), "torch": torch.__version__,
                 "python": platform.python_version(), "commit": _commit(),
@@ -145,7 +160,7 @@ def main() -> None:
         m = r["median_s"]
         parts = ", ".join(f"{k} {1e3 * v:.3f}" for k, v in sorted(m.items())
                           if k not in ("step", "host", "forward"))
-        print(f"batch {r['batch']}: step {1e3 * m['step']:.2f} ms, forward "
+        print(f"batch {r['batch']}{' final-only' if r['final_only'] else ''}: step {1e3 * m['step']:.2f} ms, forward "
               f"{1e3 * m['forward']:.2f} ms, host {1e3 * m['host']:.2f} ms ({parts})")
     print(f"wrote {args.out}")
 

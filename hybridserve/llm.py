@@ -204,7 +204,8 @@ class LLM:
         for (text, ids), params in zip(encoded, params_list):
             rid = f"gen-{self._next_id}"
             self._next_id += 1
-            self.engine.add_request(rid, ids, params, prompt=text)
+            # Only finished outputs are collected: per-step outputs are not built.
+            self.engine.add_request(rid, ids, params, prompt=text, final_only=True)
             ids_order.append(rid)
         return self._run(ids_order, use_tqdm)
 

@@ -56,6 +56,9 @@ class _Group:
     children: list[Request]
     texts: list[str] = field(default_factory=list)
     reported_finished: bool = False
+    # Report only the finished output (the offline API's mode): no per-step outputs,
+    # which cost host time per request per step and copy the growing token list.
+    final_only: bool = False
 
 
 class EngineCore:
@@ -120,8 +123,13 @@ class EngineCore:
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
+        final_only: bool = False,
     ) -> None:
-        """Queue a request. Raises ValueError (changing nothing) on invalid input."""
+        """Queue a request. Raises ValueError (changing nothing) on invalid input.
+
+        ``final_only``: :meth:`step` reports the request once, when it finishes (as
+        vLLM's offline ``generate`` does), instead of after every step it advances.
+        """
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
@@ -156,7 +164,8 @@ class EngineCore:
                     parent_id=request_id if params.n > 1 else None,
                 )
             )
-        group = _Group(request_id, prompt, list(prompt_token_ids), children, [""] * params.n)
+        group = _Group(request_id, prompt, list(prompt_token_ids), children, [""] * params.n,
+                       final_only=final_only)
         self.groups[request_id] = group
         for child in children:
             self.scheduler.add(child)
@@ -223,7 +232,11 @@ class EngineCore:
                 self._finish(req, length=True)
         if self.check_integrity_every_step:
             self.scheduler.check_integrity()
-        return [self._make_output(g) for g in touched.values()]
+        return [
+            self._make_output(g)
+            for g in touched.values()
+            if not g.final_only or all(r.status.finished for r in g.children)
+        ]
 
     def _launch_postprocess(
         self, sched: SchedulerOutput, verify: list[int], accepted: torch.Tensor

@@ -258,3 +258,21 @@ def test_cache_sizing_is_checked_against_free_memory(tiny_granite):
     assert need == kv + spec.state_page_bytes(torch.float32, torch.float32) * 50
     with pytest.raises(ValueError, match="num_state_pages"):
         check_cache_fits(spec, cache, torch.float32, free_bytes=need)
+
+
+def test_final_only_requests_report_once_when_finished(tiny_granite):
+    llm = LLM(tiny_granite)
+    eng = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, n=2, seed=3)
+    eng.add_request("every", [5, 6, 7, 8], params)
+    eng.add_request("final", [5, 6, 7, 8], params, final_only=True)
+    seen: dict[str, list] = {"every": [], "final": []}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            seen[out.request_id].append(out)
+    assert len(seen["every"]) > 1 and not seen["every"][0].finished
+    assert len(seen["final"]) == 1 and seen["final"][0].finished
+    # The same finished output either way.
+    want = [(o.token_ids, o.finish_reason) for o in seen["every"][-1].outputs]
+    assert [(o.token_ids, o.finish_reason) for o in seen["final"][0].outputs] == want
+    assert not eng.groups
