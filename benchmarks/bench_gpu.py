@@ -383,7 +383,9 @@ def engine_decode(model, path, device, dtype, batch, prompt_len, warmup, steps, 
                             ignore_eos=True, top_p=0.95 if temperature > 0 else 1.0, seed=seed)
     for i in range(batch):
         ids = torch.randint(3, vocab, (prompt_len,), generator=g).tolist()
-        eng.add_request(f"r{i}", ids, params)
+        # Finished-only outputs, as the offline LLM.generate asks for (no per-step
+        # RequestOutput per request).
+        eng.add_request(f"r{i}", ids, params, final_only=True)
     # The postprocess of a step: its launch (inside the runner, once the choices exist
     # on the device) plus the host's commit of the decisions read back with them.
     post_times: list[float] = []
