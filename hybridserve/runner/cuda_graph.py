@@ -267,17 +267,6 @@ class DecodeGraphs:
 
     # ---- one step ------------------------------------------------------------------
 
-    def run(self, sched: SchedulerOutput) -> list[int] | None:
-        """Run ``sched`` from a graph if it qualifies: the chosen token after every
-        position of every row (each row's own ``num_tokens`` ids, rows in order; padded
-        positions dropped), or None (then nothing ran)."""
-        replayed = self.replay(sched)
-        if replayed is None:
-            return None
-        out, q = replayed
-        ids = out[: len(sched.rows) * q].tolist()
-        return [t for i, row in enumerate(sched.rows) for t in ids[i * q : i * q + row.num_tokens]]
-
     def replay(self, sched: SchedulerOutput) -> tuple[torch.Tensor, int] | None:
         """Run ``sched`` from a graph if it qualifies, reading nothing back: the device
         output (row ``i``'s choices at ``[i * q, i * q + num_tokens)``) and ``q``, or

@@ -211,10 +211,6 @@ def verify_choices(choices: Sequence[int], drafts: Sequence[int]) -> list[int]:
     return out
 
 
-# The greedy name of the same walk (a greedy row's choices are argmaxes).
-verify_greedy_ids = verify_choices
-
-
 def sample_token(logp: torch.Tensor, params: SamplingParams, sample_seed: int | None, index: int) -> int:
     """Draw one token from processed log-probabilities (argmax when greedy)."""
     return verify_drafts(logp[None], [], params, sample_seed, index)[0]

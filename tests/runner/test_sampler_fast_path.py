@@ -8,7 +8,7 @@ from hybridserve import LLM, SamplingParams
 from hybridserve.runner import sampler
 
 
-def test_verify_greedy_ids_matches_verify_drafts():
+def test_verify_choices_matches_verify_drafts():
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     params = SamplingParams(temperature=0.0)
     for _ in range(200):
@@ -20,7 +20,7 @@ def test_verify_greedy_ids_matches_verify_drafts():
         drafts = choices[:agree] + torch.randint(0, 11, (d - agree,), generator=g).tolist()
         logps = torch.stack([sampler.process_logits(row, params, [], []) for row in logits])
         want = sampler.verify_drafts(logps, drafts, params, 0, 0)
-        assert sampler.verify_greedy_ids(choices, drafts) == want
+        assert sampler.verify_choices(choices, drafts) == want
 
 
 def test_fast_path_only_for_plain_greedy():
