@@ -740,13 +740,62 @@ def ttft(model, path, device, dtype, prompt_len, cached_len, interval, vocab, se
         cold.append((t, hit))
         t, hit = run(prompt(prefix))  # same prefix, new tail: served from the checkpoint
         warm.append((t, hit))
+    # One more cached run (the last prefix is still cached) under the profiler: where
+    # the time of a cached-prefix first token goes.
+    cached_profile = _profile_call(lambda: run(prompt(prefix)), device)
     llm = None  # noqa: F841
     free_memory(device)
     cold_s = statistics.median(t for t, _ in cold)
     warm_s = statistics.median(t for t, _ in warm)
     return {"prompt_len": prompt_len, "cached_len": cached_len, "state_interval": interval,
             "cold_s": cold_s, "cached_s": warm_s, "speedup": cold_s / warm_s,
-            "cold_runs": cold, "cached_runs": warm}
+            "cold_runs": cold, "cached_runs": warm, "cached_profile": cached_profile}
+
+
+def _profile_call(fn, device: str) -> dict:
+    """One call of ``fn`` under ``torch.profiler``: its wall time, the device time of its
+    kernels (the CPU operators' time on the CPU), the top kernels and host operators, and
+    how many host-device synchronisations and copies it made."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU]
+    cuda = device.startswith("cuda")
+    if cuda:
+        acts.append(ProfilerActivity.CUDA)
+    sync(device)
+    with profile(activities=acts) as prof:
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        wall_s = time.perf_counter() - t
+    kernels, host = [], []
+    counts = {"synchronize": 0, "memcpy": 0, "item": 0}
+    for e in prof.key_averages():
+        key = e.key
+        low = key.lower()
+        if "synchronize" in low:
+            counts["synchronize"] += e.count
+        if "memcpy" in low:
+            counts["memcpy"] += e.count
+        if key in ("aten::item", "aten::_local_scalar_dense"):
+            counts["item"] += e.count
+        device_us = getattr(e, "self_device_time_total", None)
+        if device_us is None:
+            device_us = getattr(e, "self_cuda_time_total", 0)
+        if cuda and device_us > 0 and "CUDA" in str(getattr(e, "device_type", "")):
+            kernels.append((device_us / 1e6, e.count, key[:120]))
+        elif e.self_cpu_time_total > 0:
+            host.append((e.self_cpu_time_total / 1e6, e.count, key[:120]))
+    kernels.sort(reverse=True)
+    host.sort(reverse=True)
+    return {
+        "wall_s": wall_s,
+        "kernel_s_total": sum(k[0] for k in kernels),
+        "host_op_s_total": sum(h[0] for h in host),
+        "counts": counts,
+        "top_kernels": [{"s": t, "calls": c, "name": k} for t, c, k in kernels[:15]],
+        "top_host_ops": [{"s": t, "calls": c, "name": k} for t, c, k in host[:15]],
+    }
 
 
 # --------------------------------------------------------------------------------------
@@ -2036,6 +2085,12 @@ def main(argv=None) -> int:
         t = result["ttft"]
         print(f"TTFT {t['prompt_len']} tokens: cold {t['cold_s']:.3f}s, "
               f"{t['cached_len']} cached {t['cached_s']:.3f}s ({t['speedup']:.1f}x)")
+        cp = t.get("cached_profile")
+        if cp:
+            print(f"  profiled cached run: wall {1e3 * cp['wall_s']:.1f} ms, kernels "
+                  f"{1e3 * cp['kernel_s_total']:.1f} ms, {cp['counts']}")
+            for k in cp["top_kernels"][:5] or cp["top_host_ops"][:5]:
+                print(f"    {1e3 * k['s']:.2f} ms x{k['calls']} {k['name']}")
     if result.get("agreement"):
         a = result["agreement"]
         for f in (a, a.get("float32_on_device")):
