@@ -238,6 +238,23 @@ def test_fill_writes_rows_then_padding(tiny_nemotron):
     assert m[3, 9:13].tolist() == [30, -1, -1, -1]
 
 
+def test_fill_of_plain_decode_rows(tiny_nemotron):
+    graphs = _graphs(tiny_nemotron)
+    rows = [_Row.make(n=17, page=3, outs=[8], blocks=(5, 6, 7)),
+            _Row.make(n=4, page=4, outs=[10], blocks=(2,)),
+            _Row.make(n=40, page=9, outs=[11], blocks=(1, 2, 3, 4, 12))]
+    sched = SchedulerOutput(rows, [])
+    st = _Static(1, graphs.max_batch, graphs.max_blocks, 30, 40, 16, torch.device("cpu"))
+    st.host[:] = 999  # stale values must be overwritten where the step reads them
+    graphs.fill(st, sched, StepShape(3, 4, 1, 4))
+    m = st.meta
+    # id, position, KV slot, input page, output page, then the table (width 4).
+    assert m[0, :9].tolist() == [27, 17, 6 * 16 + 1, 3, 8, 5, 6, 7, -1]
+    assert m[1, :9].tolist() == [14, 4, 2 * 16 + 4, 4, 10, 2, -1, -1, -1]
+    assert m[2, :9].tolist() == [50, 40, 3 * 16 + 8, 9, 11, 1, 2, 3, 4]
+    assert m[3, :6].tolist() == [0, 0, 30 * 16, 40, -1, 30]  # the padding row
+
+
 def test_fill_pads_rows_shorter_than_the_step(tiny_nemotron):
     graphs = _graphs(tiny_nemotron)
     rows = [_Row.make(n=17, q=1, page=3, outs=[8], blocks=(5, 6, 7)),
