@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -54,8 +54,6 @@ class _Group:
     prompt: str | None
     prompt_token_ids: list[int]
     children: list[Request]
-    texts: list[str] = field(default_factory=list)
-    reported_finished: bool = False
     # Report only the finished output (the offline API's mode): no per-step outputs,
     # which cost host time per request per step and copy the growing token list.
     final_only: bool = False
@@ -164,8 +162,7 @@ class EngineCore:
                     parent_id=request_id if params.n > 1 else None,
                 )
             )
-        group = _Group(request_id, prompt, list(prompt_token_ids), children, [""] * params.n,
-                       final_only=final_only)
+        group = _Group(request_id, prompt, list(prompt_token_ids), children, final_only=final_only)
         self.groups[request_id] = group
         for child in children:
             self.scheduler.add(child)
