@@ -162,6 +162,25 @@ def test_conv_kernel_matches_twin_race_free(rows, q, channels, k, act):
     assert torch.equal(cache.nan_to_num(7.0), want_cache.nan_to_num(7.0))
 
 
+def test_conv_kernel_reads_rows_at_a_stride():
+    """The mixer hands the kernel a column slice of the input projection (rows at a
+    stride wider than the channels): the same result as a contiguous copy."""
+    g = torch.Generator().manual_seed(_seed())
+    rows, q, channels, k = 3, 2, 10, 4
+    xbc, weight, bias, cache, in_pages, out_pages = _conv_inputs(
+        g, rows, q, channels, k, 3 * rows * q, torch.float32
+    )
+    wide = torch.randn(rows * q, channels + 7, generator=g)
+    wide[:, 3 : 3 + channels] = xbc
+    strided = wide[:, 3 : 3 + channels]
+    assert not strided.is_contiguous()
+    want_cache = cache.clone()
+    want = conv_decode_update_reference(xbc, weight, bias, want_cache, in_pages, out_pages, "silu")
+    got = conv_decode_update(strided, weight, bias, cache, in_pages, out_pages, "silu")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(cache.nan_to_num(7.0), want_cache.nan_to_num(7.0))
+
+
 def test_kernels_independent_of_program_order():
     g = torch.Generator().manual_seed(_seed())
     x, dt, A, B, C, D, cache, in_pages, out_pages = _ssm_inputs(

@@ -103,7 +103,7 @@ class Mamba2Mixer(nn.Module):
         bias = self.conv1d.bias
         # float32 at least: the scan and its states are kept in float32 even for bf16 weights.
         compute = torch.promote_types(h.dtype, torch.float32)
-        A = -torch.exp(self.A_log.to(compute))
+        A = self._decay_rates(compute)
         gs = p.n_groups * p.d_state
 
         plan = mamba_decode.decode_plan(batch, h.device)
@@ -162,6 +162,19 @@ class Mamba2Mixer(nn.Module):
             ssm_cache[page] = state.to(ssm_cache.dtype)
         return self.out_proj(self.norm(y, z, out_dtype=h.dtype))
 
+    def _decay_rates(self, dtype: torch.dtype) -> torch.Tensor:
+        """``A = -exp(A_log)`` in ``dtype``, computed once per weights: a decode step would
+        otherwise spend a cast and two elementwise kernels per layer on it. Recomputed
+        when ``A_log`` changes (its version counter moves on every in-place write, as
+        loading weights does) or moves."""
+        key = (self.A_log._version, self.A_log.data_ptr(), self.A_log.device, dtype)
+        cached = self.__dict__.get("_A_cache")
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                cached = (key, -torch.exp(self.A_log.detach().to(dtype)))
+            self.__dict__["_A_cache"] = cached
+        return cached[1]
+
     def _decode_rows(
         self,
         xbc: torch.Tensor,
@@ -180,7 +193,9 @@ class Mamba2Mixer(nn.Module):
         conv = mamba_decode.conv_decode_update if fast else mamba_decode.conv_decode_update_reference
         ssm = mamba_decode.ssm_decode_update if fast else mamba_decode.ssm_decode_update_reference
         xbc = conv(
-            xbc.contiguous(),
+            # The kernel takes rows at any stride (a column slice of the projection, no
+            # copy); the twin views rows of tokens.
+            xbc if fast else xbc.contiguous(),
             weight.contiguous(),
             self.conv1d.bias,
             conv_cache,
