@@ -156,13 +156,18 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
+        final_only: bool = False,
     ) -> RequestStream:
         """Queue a request; returns its stream. Raises ValueError/TypeError from the
-        engine's validation (nothing queued) or :class:`EngineStopped`."""
+        engine's validation (nothing queued) or :class:`EngineStopped`.
+        ``final_only``: the stream receives only the finished output (a response that
+        is not streamed needs nothing else, and the engine then builds nothing else)."""
         stream = RequestStream(request_id, asyncio.get_running_loop())
 
         def add(engine: EngineCore) -> RequestStream:
-            engine.add_request(request_id, prompt_token_ids, params, prompt=prompt)
+            engine.add_request(
+                request_id, prompt_token_ids, params, prompt=prompt, final_only=final_only
+            )
             self._streams[request_id] = stream
             return stream
 

@@ -212,7 +212,7 @@ class OpenAIServing:
             req.stream,
             req.user,
         )
-        streams = await self._start(rid, prompts, params)
+        streams = await self._start(rid, prompts, params, final_only=not req.stream)
         headers = {"X-Request-Id": rid}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -234,13 +234,15 @@ class OpenAIServing:
         return JSONResponse(body, headers=headers)
 
     async def _start(
-        self, rid: str, prompts: list[Prompt], params: SamplingParams
+        self, rid: str, prompts: list[Prompt], params: SamplingParams, final_only: bool = False
     ) -> list[RequestStream]:
         streams: list[RequestStream] = []
         ids = [rid if len(prompts) == 1 else f"{rid}-{i}" for i in range(len(prompts))]
         try:
             for engine_id, (text, token_ids) in zip(ids, prompts):
-                streams.append(await self.engine.add_request(engine_id, token_ids, params, text))
+                streams.append(
+                    await self.engine.add_request(engine_id, token_ids, params, text, final_only)
+                )
         except BaseException as e:
             # Including the request whose add was in flight: aborting an id the engine
             # never took is a no-op, and the abort runs after the add on the worker.
