@@ -55,16 +55,13 @@ def test_default_off_on_cpu_and_capture_needs_cuda(tiny_nemotron):
         llm.engine.runner.enable_decode_graphs(8, 0, 0, capture=True)
 
 
-@pytest.mark.parametrize("fixture", ["tiny_granite", "tiny_nemotron", "tiny_bamba"])
-@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 2}])
-def test_same_tokens_as_eager(request, fixture, spec):
-    path = request.getfixturevalue(fixture)
+def _graphs_against_eager(path, params, spec) -> dict:
+    """Five prompts (the bucket of 8 has three padding rows), repetitive so n-gram drafts
+    get accepted (verify rows of several tokens): the graph path's tokens must equal the
+    eager path's. Returns the graph counters."""
     g = torch.Generator().manual_seed(_seed())
-    # Five prompts: the bucket of 8 has three padding rows. Repetitive prompts so n-gram
-    # drafts get accepted (verify rows of several tokens).
     prompts = [(torch.randint(3, 256, (5,), generator=g).tolist() * 4)[: 9 + 2 * i]
                for i in range(5)]
-    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
     kw = dict(max_num_seqs=8, speculative_config=spec)
     want = [o.outputs[0].token_ids for o in
             LLM(path, **kw).generate(prompts, params, use_tqdm=False)]
@@ -73,6 +70,14 @@ def test_same_tokens_as_eager(request, fixture, spec):
     assert got == want
     counters = llm.engine.runner.graphs.counters
     assert counters["graph_steps"] > 0, counters
+    return counters
+
+
+@pytest.mark.parametrize("fixture", ["tiny_granite", "tiny_nemotron", "tiny_bamba"])
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 2}])
+def test_same_tokens_as_eager(request, fixture, spec):
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    counters = _graphs_against_eager(request.getfixturevalue(fixture), params, spec)
     assert counters["eager_steps"] > 0, counters  # the prefill steps
 
 
@@ -282,10 +287,6 @@ def test_fill_pads_rows_shorter_than_the_step(tiny_nemotron):
 def test_sampled_steps_replay_with_the_same_tokens(request, fixture, spec):
     """Seeded sampled requests (temperature, top-k, top-p, min-p, greedy beside them):
     the graph steps draw exactly the eager steps' tokens (one counter-based stream)."""
-    path = request.getfixturevalue(fixture)
-    g = torch.Generator().manual_seed(_seed())
-    prompts = [(torch.randint(3, 256, (5,), generator=g).tolist() * 4)[: 9 + 2 * i]
-               for i in range(5)]
     params = [
         SamplingParams(temperature=0.9, seed=11, max_tokens=12, ignore_eos=True),
         SamplingParams(temperature=0.7, top_k=20, seed=12, max_tokens=12, ignore_eos=True),
@@ -293,14 +294,7 @@ def test_sampled_steps_replay_with_the_same_tokens(request, fixture, spec):
         SamplingParams(temperature=0.8, min_p=0.05, seed=14, max_tokens=12, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
     ]
-    kw = dict(max_num_seqs=8, speculative_config=spec)
-    want = [o.outputs[0].token_ids for o in
-            LLM(path, **kw).generate(prompts, params, use_tqdm=False)]
-    llm = graph_llm(path, **kw)
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert got == want
-    counters = llm.engine.runner.graphs.counters
-    assert counters["graph_steps"] > 0, counters
+    _graphs_against_eager(request.getfixturevalue(fixture), params, spec)
 
 
 @pytest.mark.parametrize("q", [1, 3, "mixed"])
