@@ -1779,6 +1779,16 @@ def plot(result: dict, png: Path) -> str:
     return str(png)
 
 
+def _portable(value) -> str:
+    """A path as the results record it: relative to the repository when inside it,
+    else its file name (results name no machine's folders)."""
+    path = Path(value)
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return path.name
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
@@ -1833,7 +1843,7 @@ def main(argv=None) -> int:
             "python": platform.python_version(), "commit": git_commit(),
             "fla_core": ssd_varlen.fla_version(), "smoke": args.smoke,
         },
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "config": {k: (_portable(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "model": {"name": name, "shape": shape, "dtype": str(dtype), "random_weights": True},
         "errors": {},
         "skipped": [],

@@ -126,6 +126,16 @@ def measure(path: Path, batch: int, prompt: int, warmup: int, steps: int,
             "graph_counters": dict(graphs)}
 
 
+def _portable(value) -> str:
+    """A path as the results record it: relative to the repository when inside it,
+    else its file name (results name no machine's folders)."""
+    path = Path(value)
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return path.name
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="16,64,256")
@@ -149,7 +159,7 @@ def main() -> None:
         "env": {"device": platform.processor() or platform.machine(), "torch": torch.__version__,
                 "python": platform.python_version(), "commit": _commit(),
                 "threads": args.threads},
-        "config": {k: str(v) for k, v in vars(args).items()},
+        "config": {k: _portable(v) if isinstance(v, Path) else str(v) for k, v in vars(args).items()},
         "model": "tiny random Nemotron-H (hybridserve.testing.tiny_models)",
         "path": "decode-graph static-buffer step, no capture (CPU)",
         "results": rows,
