@@ -47,7 +47,6 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -60,6 +59,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import triton  # noqa: E402
+from provenance import git_commit, portable_path  # noqa: E402
 
 import hybridserve.models.loader as loader  # noqa: E402
 from hybridserve import LLM, SamplingParams  # noqa: E402
@@ -1734,17 +1734,6 @@ def agreement(device, dtype, workdir: Path, prompts=8, prompt_len=24, new_tokens
 # --------------------------------------------------------------------------------------
 
 
-def git_commit() -> str:
-    env = os.environ.get("HYBRIDSERVE_COMMIT")
-    if env:
-        return env
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True,
-                                       stderr=subprocess.DEVNULL).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def plot(result: dict, png: Path) -> str:
     try:
         import matplotlib
@@ -1777,16 +1766,6 @@ def plot(result: dict, png: Path) -> str:
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     return str(png)
-
-
-def _portable(value) -> str:
-    """A path as the results record it: relative to the repository when inside it,
-    else its file name (results name no machine's folders)."""
-    path = Path(value)
-    try:
-        return str(path.resolve().relative_to(ROOT))
-    except ValueError:
-        return path.name
 
 
 def main(argv=None) -> int:
@@ -1843,7 +1822,7 @@ def main(argv=None) -> int:
             "python": platform.python_version(), "commit": git_commit(),
             "fla_core": ssd_varlen.fla_version(), "smoke": args.smoke,
         },
-        "config": {k: (_portable(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "config": {k: (portable_path(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "model": {"name": name, "shape": shape, "dtype": str(dtype), "random_weights": True},
         "errors": {},
         "skipped": [],

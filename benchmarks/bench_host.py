@@ -28,13 +28,13 @@ import inspect
 import json
 import platform
 import statistics
-import subprocess
 import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
+from provenance import git_commit, portable_path
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.engine.engine_core import EngineCore
@@ -52,14 +52,6 @@ TIMED = {
     ("", "_append_tokens"): "append_tokens",
     ("", "_make_output"): "make_output",
 }
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                              capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def measure(path: Path, batch: int, prompt: int, warmup: int, steps: int,
@@ -126,16 +118,6 @@ def measure(path: Path, batch: int, prompt: int, warmup: int, steps: int,
             "graph_counters": dict(graphs)}
 
 
-def _portable(value) -> str:
-    """A path as the results record it: relative to the repository when inside it,
-    else its file name (results name no machine's folders)."""
-    path = Path(value)
-    try:
-        return str(path.resolve().relative_to(ROOT))
-    except ValueError:
-        return path.name
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="16,64,256")
@@ -157,9 +139,9 @@ def main() -> None:
             for b in args.batches.split(",") if b for final_only in modes]
     result = {
         "env": {"device": platform.processor() or platform.machine(), "torch": torch.__version__,
-                "python": platform.python_version(), "commit": _commit(),
+                "python": platform.python_version(), "commit": git_commit(),
                 "threads": args.threads},
-        "config": {k: _portable(v) if isinstance(v, Path) else str(v) for k, v in vars(args).items()},
+        "config": {k: portable_path(v) if isinstance(v, Path) else str(v) for k, v in vars(args).items()},
         "model": "tiny random Nemotron-H (hybridserve.testing.tiny_models)",
         "path": "decode-graph static-buffer step, no capture (CPU)",
         "results": rows,
