@@ -300,18 +300,15 @@ class EngineCore:
     ) -> None:
         """The host's page bookkeeping from the postprocess decisions of this step.
 
-        The decisions normally came back with the step's choices
-        (``runner.verify_readback``); a runner that produced none gets the launch here,
-        from the host's accepted counts, and one read. The accepted counts the device
-        decided with must equal the tokens the host appended: a mismatch is a bug and
-        raises before any page changes hands.
+        The decisions came back with the step's choices (``runner.verify_readback``:
+        the runner calls :meth:`_launch_postprocess` in every step with verify rows).
+        The accepted counts the device decided with must equal the tokens the host
+        appended: a mismatch is a bug and raises before any page changes hands.
         """
         host = self.runner.verify_readback
         self.runner.verify_readback = None
         if host is None:
-            verify = [i for i, row in enumerate(sched.rows) if row.is_verify]
-            accepted = torch.tensor([len(res.new_tokens) for _, res in rows])
-            host = self._launch_postprocess(sched, verify, accepted).tolist()
+            raise RuntimeError("a step with verify rows read back no postprocess decisions")
         k = self._postprocess_k
         width = len(host) // len(rows)
         decided = [host[i * width : (i + 1) * width] for i in range(len(rows))]

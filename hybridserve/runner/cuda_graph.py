@@ -306,7 +306,7 @@ class DecodeGraphs:
         scratch = self.scratch_block * bs
         rows = sched.rows
         if q == 1:
-            # Plain decode: every column at once (the same values as the loop below).
+            # Plain decode: every column at once (the values the general loop below writes).
             n = [row.num_computed for row in rows]
             h[: len(rows), 0] = [row.request.all_token_ids[c] for row, c in zip(rows, n)]
             h[: len(rows), 1] = n
@@ -315,40 +315,38 @@ class DecodeGraphs:
             ]
             h[: len(rows), 3] = [row.state_in_page for row in rows]
             h[: len(rows), 4] = [row.state_outputs[c + 1] for row, c in zip(rows, n)]
-            h[: len(rows), tab : tab + width] = [
-                row.request.block_ids[:width] + [-1] * (width - len(row.request.block_ids[:width]))
-                for row in rows
-            ]
-            rows = []
-        for i, row in enumerate(rows):
-            req = row.request
-            n = row.num_computed
-            d = row.num_drafts
-            rq = row.num_tokens
-            blocks = req.block_ids
-            line = h[i]
-            line[0 : rq - d] = req.all_token_ids[n : n + rq - d]
-            if d:
-                line[rq - d : rq] = req.draft_token_ids[:d]
-            for t in range(rq):
-                pos = n + t
-                line[q + t] = pos
-                line[2 * q + t] = blocks[pos // bs] * bs + pos % bs
-                line[3 * q + 1 + t] = row.state_outputs[pos + 1]
-            # Padding positions of a row shorter than q: they come after the row's real
-            # tokens, so neither the recurrence nor the causal attention of a real token
-            # sees them. They repeat the last real token and position (so every key they
-            # look up through the block table exists), write their keys to the scratch
-            # block and no state (-1), and their argmax is dropped.
-            for t in range(rq, q):
-                line[t] = line[rq - 1]
-                line[q + t] = n + rq - 1
-                line[2 * q + t] = scratch + t % bs
-                line[3 * q + 1 + t] = -1
-            line[3 * q] = row.state_in_page
-            k = min(len(blocks), width)
-            line[tab : tab + k] = blocks[:k]
-            line[tab + k : tab + width] = -1
+            tables = [row.request.block_ids[:width] for row in rows]
+            h[: len(rows), tab : tab + width] = [t + [-1] * (width - len(t)) for t in tables]
+        else:
+            for i, row in enumerate(rows):
+                req = row.request
+                n = row.num_computed
+                d = row.num_drafts
+                rq = row.num_tokens
+                blocks = req.block_ids
+                line = h[i]
+                line[0 : rq - d] = req.all_token_ids[n : n + rq - d]
+                if d:
+                    line[rq - d : rq] = req.draft_token_ids[:d]
+                for t in range(rq):
+                    pos = n + t
+                    line[q + t] = pos
+                    line[2 * q + t] = blocks[pos // bs] * bs + pos % bs
+                    line[3 * q + 1 + t] = row.state_outputs[pos + 1]
+                # Padding positions of a row shorter than q: they come after the row's
+                # real tokens, so neither the recurrence nor the causal attention of a
+                # real token sees them. They repeat the last real token and position (so
+                # every key they look up through the block table exists), write their
+                # keys to the scratch block and no state (-1), and their argmax is dropped.
+                for t in range(rq, q):
+                    line[t] = line[rq - 1]
+                    line[q + t] = n + rq - 1
+                    line[2 * q + t] = scratch + t % bs
+                    line[3 * q + 1 + t] = -1
+                line[3 * q] = row.state_in_page
+                k = min(len(blocks), width)
+                line[tab : tab + k] = blocks[:k]
+                line[tab + k : tab + width] = -1
         h[shape.rows : shape.batch] = st.pad
         st.meta[: shape.batch].copy_(st.staging[: shape.batch], non_blocking=True)
         if shape.sampling != GREEDY:
