@@ -211,11 +211,6 @@ def verify_choices(choices: Sequence[int], drafts: Sequence[int]) -> list[int]:
     return out
 
 
-def sample_token(logp: torch.Tensor, params: SamplingParams, sample_seed: int | None, index: int) -> int:
-    """Draw one token from processed log-probabilities (argmax when greedy)."""
-    return verify_drafts(logp[None], [], params, sample_seed, index)[0]
-
-
 def verify_drafts(
     logps: torch.Tensor,
     drafts: Sequence[int],
