@@ -1335,11 +1335,15 @@ def check_ssd_scan(shape, step, dtype, device, seed):
     }
 
 
-def check_ssd_prefill(shape, step, dtype, device, seed):
+def check_ssd_prefill(shape, step, dtype, device, seed, chunk_states=False):
     """``ssd_prefill`` on fla-core's scan against ``ssd_prefill`` on the twin scan: outputs
-    and the states at every grid point and row end of a mixed step (two scans and the
-    chain between them)."""
+    and the states at every grid point and row end of a mixed step. Without
+    ``chunk_states`` every requested state cuts its row (two scans and the chain between
+    them); with it, as the engine plans, states on a row's chunk grid come from the scan's
+    chunk states and only the others cut."""
     reason = _fla_unusable(device)
+    if chunk_states and not reason and not ssd_varlen.fla_chunk_states_available():
+        reason = "this fla-core does not expose the forward pieces"
     if reason:
         return {"kernel": "ssd_prefill (fla-core scan)", "twin": "ssd_prefill (twin scan)",
                 "skipped": reason}
@@ -1353,7 +1357,8 @@ def check_ssd_prefill(shape, step, dtype, device, seed):
             if (c + off + 1) % interval == 0 or off == n - 1:
                 rows.append(r)
                 offsets.append(off)
-    segments = ssd_varlen.plan_segments(query_start, rows, offsets, device)
+    chunk = ssd_varlen.SCAN_CHUNK if chunk_states else None
+    segments = ssd_varlen.plan_segments(query_start, rows, offsets, device, chunk=chunk)
     args = (x, dt, A, B, C, D, init, segments)
     y, states = ssd_varlen.ssd_prefill(*args, ssd_varlen.ssd_scan_varlen_fla)
     y_twin, states_twin = ssd_varlen.ssd_prefill(*args, ssd_varlen.ssd_scan_varlen_reference)
@@ -1363,8 +1368,9 @@ def check_ssd_prefill(shape, step, dtype, device, seed):
     return {
         "kernel": "ssd_prefill (fla-core scan)", "twin": "ssd_prefill (twin scan)",
         "dtype": "torch.float32",
-        "shapes": {**shapes, "state_interval": interval,
-                   "states": len(rows), "segments": segments.num_segments},
+        "shapes": {**shapes, "state_interval": interval, "chunk_states": chunk_states,
+                   "states": len(rows), "segments": segments.num_segments,
+                   "scans": 1 if segments.single_scan else 2},
         "outputs": {"y": _compared(y, y_twin, 5e-3, y64, 5e-3),
                     "states": _compared(states, states_twin, 5e-3, states64, 5e-3)},
         "invariants": {},
@@ -1584,6 +1590,7 @@ KERNEL_CHECKS = [
     ("conv_varlen", "conv_varlen", check_conv_varlen, {}),
     ("ssd_scan_varlen_fla", "ssd_varlen", check_ssd_scan, {}),
     ("ssd_prefill", "ssd_varlen", check_ssd_prefill, {}),
+    ("ssd_prefill (chunk states)", "ssd_varlen", check_ssd_prefill, {"chunk_states": True}),
     ("rms_norm", "norms", check_rms_norm, {}),
     ("add_rms_norm", "norms", check_add_rms_norm, {}),
     ("gated_rms_norm", "norms", check_gated_rms_norm, {}),

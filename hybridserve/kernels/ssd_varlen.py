@@ -39,6 +39,14 @@ in the state with a scalar decay per head, so:
 3. scan again with every segment's true initial state (``S_{j-1}``, or the row's for a
    first segment): exact outputs, and the states at every requested offset.
 
+**States on the chunk grid: no cut.** A chunked scan computes the state at the start of
+every chunk anyway (its output pass consumes them). A primitive that can return those
+(``chunk_states=True``: the twin, and fla-core's forward pieces where this fla-core has
+them) lets :func:`plan_segments` (given ``chunk``) serve a request that lies on its
+segment's chunk grid from them, without a cut. Prefix-cache checkpoints sit on a grid of
+positions and rows mostly start on it (a fresh prompt at 0, a cached prefix at a grid
+point), so a prefill that writes a checkpoint every 64 tokens takes one scan.
+
 Why not one custom kernel that emits states at chosen offsets in a single pass (as
 :func:`~hybridserve.kernels.ssd.ssd_chunked_reference` does on the CPU)? It would do
 about half the scan work, but it would be our own chunked scan to write, tune, keep
@@ -82,7 +90,11 @@ __all__ = [
     "ssd_scan_varlen_reference",
 ]
 
-ScanFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+ScanFn = Callable[..., tuple[torch.Tensor, ...]]
+# The chunk of the scan primitives' chunk states (fla-core's default chunk): with
+# ``chunk_states=True`` a primitive also returns the state at the start of every chunk of
+# SCAN_CHUNK tokens of every sequence, so states that fall on that grid need no cut.
+SCAN_CHUNK = 64
 
 
 # --------------------------------------------------------------------------------------
@@ -100,11 +112,15 @@ def ssd_scan_varlen_reference(
     initial_states: torch.Tensor | None,
     cu_seqlens_cpu: torch.Tensor | None = None,
     chunk_size: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    chunk_states: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Torch twin of the scan primitive: a loop over sequences (see the module docstring).
 
     Returns ``(y [T, H, P], final_states [S, H, P, N])`` in ``promote(x.dtype, float32)``;
-    an empty sequence's final state is its initial state.
+    an empty sequence's final state is its initial state. With ``chunk_states`` also the
+    states at the start of every :data:`SCAN_CHUNK`-token chunk of every sequence
+    (:func:`chunk_offsets` lays them out); ``chunk_size`` is only the twin's internal
+    chunking and does not change any result.
     """
     bounds = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
     tokens, heads, head_dim = x.shape
@@ -115,6 +131,8 @@ def ssd_scan_varlen_reference(
     n = len(bounds) - 1
     y = torch.empty(tokens, heads, head_dim, dtype=compute, device=x.device)
     final = torch.zeros(n, heads, head_dim, d_state, dtype=compute, device=x.device)
+    starts = chunk_offsets(bounds)
+    chunks = torch.zeros(starts[-1], heads, head_dim, d_state, dtype=compute, device=x.device)
     for i in range(n):
         s, e = bounds[i], bounds[i + 1]
         init = None if initial_states is None else initial_states[i]
@@ -122,11 +140,29 @@ def ssd_scan_varlen_reference(
             if init is not None:
                 final[i] = init
             continue
+        # The state before chunk c is the state after token c * SCAN_CHUNK - 1.
+        inner = list(range(SCAN_CHUNK - 1, e - s - 1, SCAN_CHUNK)) if chunk_states else []
         y[s:e], states = ssd_chunked_reference(
-            x[s:e], dt[s:e], A, B[s:e], C[s:e], chunk_size, None, init, [e - s - 1]
+            x[s:e], dt[s:e], A, B[s:e], C[s:e], chunk_size, None, init, [*inner, e - s - 1]
         )
-        final[i] = states[0]
+        final[i] = states[-1]
+        if chunk_states:
+            if init is not None:
+                chunks[starts[i]] = init
+            chunks[starts[i] + 1 : starts[i + 1]] = states[:-1]
+    if chunk_states:
+        return y, final, chunks
     return y, final
+
+
+def chunk_offsets(bounds: Sequence[int]) -> list[int]:
+    """Where each sequence's chunk states start in the flat chunk-state tensor of a scan
+    over sequences ``bounds`` (host ``cu_seqlens``): sequence ``i`` has
+    ``ceil(len_i / SCAN_CHUNK)`` chunks, the last entry is the total."""
+    out = [0]
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        out.append(out[-1] + -(-(e - s) // SCAN_CHUNK))
+    return out
 
 
 @functools.cache
@@ -162,15 +198,16 @@ def ssd_scan_varlen_fla(
     cu_seqlens: torch.Tensor,
     initial_states: torch.Tensor | None,
     cu_seqlens_cpu: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    chunk_states: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """The scan primitive through fla-core's ``chunk_simple_gla`` (CUDA; float32 inputs).
 
     ``cu_seqlens`` must be int64 on the device and every sequence non-empty. Reuse the same
     ``cu_seqlens`` tensor across calls of a step: fla memoises its chunk indices by tensor
-    identity. Returns ``(y [T, H, P]`` in ``x.dtype``, ``final_states [S, H, P, N]`` float32).
+    identity. Returns ``(y [T, H, P]`` in ``x.dtype``, ``final_states [S, H, P, N]`` float32),
+    and with ``chunk_states`` (only where :func:`fla_chunk_states_available`) the states at
+    the start of every chunk as the reference twin lays them out.
     """
-    from fla.ops.simple_gla import chunk_simple_gla
-
     heads = x.shape[1]
     groups = B.shape[1]
     if heads % groups:
@@ -181,6 +218,10 @@ def ssd_scan_varlen_fla(
     k = B.repeat_interleave(rep, dim=1).unsqueeze(0)
     v = (x * dt[..., None]).unsqueeze(0)  # [1, T, H, P]
     g = (dt * A).unsqueeze(0)  # [1, T, H]
+    if chunk_states:
+        return _fla_scan_with_chunk_states(q, k, v, g, initial_states, cu_seqlens, cu_seqlens_cpu)
+    from fla.ops.simple_gla import chunk_simple_gla
+
     y, final = chunk_simple_gla(
         q,
         k,
@@ -194,6 +235,55 @@ def ssd_scan_varlen_fla(
         cu_seqlens_cpu=cu_seqlens_cpu,
     )
     return y[0], final
+
+
+@functools.cache
+def _fla_forward_parts():
+    """The pieces of fla-core's ``chunk_simple_gla`` forward, or None where this fla-core
+    does not have them under these names (checked against fla-core 0.6.0)."""
+    try:
+        from fla.ops.common.chunk_h import chunk_fwd_h
+        from fla.ops.common.chunk_o import chunk_fwd_o
+        from fla.ops.utils import chunk_local_cumsum, prepare_chunk_indices
+        from fla.ops.utils.constant import RCP_LN2
+    except ImportError:
+        return None
+    return chunk_fwd_h, chunk_fwd_o, chunk_local_cumsum, prepare_chunk_indices, RCP_LN2
+
+
+def fla_chunk_states_available() -> bool:
+    """fla-core is importable and exposes the forward pieces that return chunk states."""
+    return fla_available() and _fla_forward_parts() is not None
+
+
+def _fla_scan_with_chunk_states(q, k, v, g, initial_states, cu_seqlens, cu_seqlens_cpu):
+    """``chunk_simple_gla``'s forward (inference only), keeping the per-chunk states it
+    computes anyway: the output kernel consumes the state at the start of every chunk, so
+    states on the chunk grid cost nothing extra. The library's public function returns
+    the final states only; with these, a row needs no cut (and no second scan) for states
+    that fall on its chunk grid."""
+    chunk_fwd_h, chunk_fwd_o, local_cumsum, chunk_indices_of, rcp_ln2 = _fla_forward_parts()
+    indices = chunk_indices_of(cu_seqlens, SCAN_CHUNK, cu_seqlens_cpu=cu_seqlens_cpu)
+    # The library's kernels take the log decay's running sum per chunk in base 2.
+    g = local_cumsum(g, chunk_size=SCAN_CHUNK, scale=rcp_ln2, cu_seqlens=cu_seqlens,
+                     chunk_indices=indices)
+    h, final = chunk_fwd_h(
+        k=k, v=v, g=g, g_gamma=None, gk=None, gv=None, h0=initial_states,
+        output_final_state=True, cu_seqlens=cu_seqlens, chunk_size=SCAN_CHUNK,
+        states_in_fp32=False, state_v_first=True,
+    )
+    y = chunk_fwd_o(
+        q=q, k=k, v=v, g=g, g_gamma=None, h=h, scale=1.0, cu_seqlens=cu_seqlens,
+        chunk_size=SCAN_CHUNK, chunk_indices=indices, state_v_first=True,
+    )
+    return y[0], final, h[0]
+
+
+def chunk_states_supported(scan: ScanFn) -> bool:
+    """Whether ``scan`` can return chunk states (``chunk_states=True``)."""
+    if scan is ssd_scan_varlen_fla:
+        return fla_chunk_states_available()
+    return getattr(scan, "func", scan) is ssd_scan_varlen_reference
 
 
 # --------------------------------------------------------------------------------------
@@ -216,7 +306,15 @@ class Segments:
     first_row: torch.Tensor  # [R]: ... and that row
     later_segment: torch.Tensor  # the other segments; segment j's predecessor is j - 1
     chain_steps: tuple[torch.Tensor, ...]  # step k: the k-th segments (k >= 1) of each row
-    request_segment: torch.Tensor  # [K]: the segment that ends at each requested offset
+    request_segment: torch.Tensor  # [K]: the segment that holds each requested offset ...
+    # ... at its end, except the requests chunk_request [C], which read the scan's chunk
+    # state chunk_index [C] (a request on its segment's chunk grid; empty without a chunk)
+    chunk_request: torch.Tensor
+    chunk_index: torch.Tensor
+
+    @property
+    def reads_chunk_states(self) -> bool:
+        return self.chunk_request.numel() > 0
 
     @property
     def single_scan(self) -> bool:
@@ -236,8 +334,12 @@ def _to_device(lists: Sequence[Sequence[int]], device: torch.device) -> list[tor
 
 
 def _segment_lists(
-    query_start: Sequence[int], state_rows: Sequence[int], state_offsets: Sequence[int]
-) -> tuple[list[int], list[int], list[int], list[int], list[list[int]], list[int]]:
+    query_start: Sequence[int],
+    state_rows: Sequence[int],
+    state_offsets: Sequence[int],
+    chunk: int | None,
+) -> tuple[list[int], list[int], list[int], list[int], list[list[int]], list[int], list[int],
+           list[int]]:
     rows = len(query_start) - 1
     ends: list[set[int]] = [set() for _ in range(rows)]
     for r, off in zip(state_rows, state_offsets, strict=True):
@@ -245,15 +347,27 @@ def _segment_lists(
             raise ValueError(f"state request (row {r}, offset {off}) out of range")
         ends[r].add(off)
     cu, first_segment, first_row, later, steps = [0], [], [], [], []
-    segment_of: dict[tuple[int, int], int] = {}
+    # (row, offset) -> (segment, flat chunk index or -1 for the segment's final state)
+    source: dict[tuple[int, int], tuple[int, int]] = {}
+    chunks_before = 0  # chunk states of the segments closed so far
     for i in range(rows):
         s, q = query_start[i], query_start[i + 1] - query_start[i]
         if q == 0:
             continue
-        for k, end in enumerate(sorted(ends[i] | {q - 1})):
+        start, k, pending = 0, 0, []  # current segment's first offset, index, chunk reads
+        for end in sorted(ends[i] | {q - 1}):
+            if end < q - 1 and chunk is not None and (end + 1 - start) % chunk == 0:
+                # On the current segment's chunk grid: the state before its chunk number
+                # (end + 1 - start) / chunk, no cut.
+                pending.append((end, (end + 1 - start) // chunk))
+                continue
             seg = len(cu) - 1
             cu.append(s + end + 1)
-            segment_of[(i, end)] = seg
+            source[(i, end)] = (seg, -1)
+            for off, c in pending:
+                source[(i, off)] = (seg, chunks_before + c)
+            if chunk is not None:
+                chunks_before += -(-(end + 1 - start) // chunk)
             if k == 0:
                 first_segment.append(seg)
                 first_row.append(i)
@@ -262,10 +376,14 @@ def _segment_lists(
                 if len(steps) < k:
                     steps.append([])
                 steps[k - 1].append(seg)
+            start, k, pending = end + 1, k + 1, []
     if cu[-1] != query_start[-1]:
         raise ValueError("query_start must start at 0 and be non-decreasing")
-    request = [segment_of[(r, off)] for r, off in zip(state_rows, state_offsets)]
-    return cu, first_segment, first_row, later, steps, request
+    request = [source[(r, off)][0] for r, off in zip(state_rows, state_offsets)]
+    chunk_pos = [j for j, (r, off) in enumerate(zip(state_rows, state_offsets))
+                 if source[(r, off)][1] >= 0]
+    chunk_index = [source[(state_rows[j], state_offsets[j])][1] for j in chunk_pos]
+    return cu, first_segment, first_row, later, steps, request, chunk_pos, chunk_index
 
 
 def plan_segments(
@@ -273,14 +391,19 @@ def plan_segments(
     state_rows: Sequence[int],
     state_offsets: Sequence[int],
     device: torch.device | str = "cpu",
+    chunk: int | None = None,
 ) -> Segments:
     """Cut the rows at the requested ``(row, offset)`` states (host lists, any order;
-    a repeated request maps to the same segment)."""
+    a repeated request maps to the same place). With ``chunk`` (the scan's
+    :data:`SCAN_CHUNK`, for a scan that returns chunk states), a request on the chunk grid
+    of its segment is read from the chunk states instead of cutting the row there."""
     device = torch.device(device)
-    cu, first_segment, first_row, later, steps, request = _segment_lists(
-        query_start, state_rows, state_offsets
+    cu, first_segment, first_row, later, steps, request, chunk_pos, chunk_index = (
+        _segment_lists(query_start, state_rows, state_offsets, chunk)
     )
-    tensors = _to_device([cu, first_segment, first_row, later, request, *steps], device)
+    tensors = _to_device(
+        [cu, first_segment, first_row, later, request, chunk_pos, chunk_index, *steps], device
+    )
     return Segments(
         num_segments=len(cu) - 1,
         cu_seqlens=tensors[0],
@@ -289,7 +412,9 @@ def plan_segments(
         first_row=tensors[2],
         later_segment=tensors[3],
         request_segment=tensors[4],
-        chain_steps=tuple(tensors[5:]),
+        chunk_request=tensors[5],
+        chunk_index=tensors[6],
+        chain_steps=tuple(tensors[7:]),
     )
 
 
@@ -320,21 +445,24 @@ class PrefillPlan:
 _PLAN_ATTR = "_prefill_plan_memo"
 
 
-def prefill_plan(batch: ForwardBatch, device: torch.device) -> PrefillPlan:
-    """The :class:`PrefillPlan` of ``batch`` on ``device``, built once per step and device
-    (memoised on the batch, which a forward does not modify) and shared by every layer."""
+def prefill_plan(
+    batch: ForwardBatch, device: torch.device, chunk: int | None = None
+) -> PrefillPlan:
+    """The :class:`PrefillPlan` of ``batch`` on ``device``, built once per step, device and
+    ``chunk`` (:func:`plan_segments`; memoised on the batch, which a forward does not
+    modify) and shared by every layer."""
     memo = batch.__dict__.setdefault(_PLAN_ATTR, {})
-    key = str(device)
+    key = (str(device), chunk)
     if key not in memo:
-        memo[key] = _build_plan(batch, device)
+        memo[key] = _build_plan(batch, device, chunk)
     return memo[key]
 
 
-def _build_plan(batch: ForwardBatch, device: torch.device) -> PrefillPlan:
+def _build_plan(batch: ForwardBatch, device: torch.device, chunk: int | None) -> PrefillPlan:
     qs = list(batch.query_start)
     rows = batch.num_rows
-    cu, first_segment, first_row, later, steps, request = _segment_lists(
-        qs, batch.state_out_row, batch.state_out_offset
+    cu, first_segment, first_row, later, steps, request, chunk_pos, chunk_index = (
+        _segment_lists(qs, batch.state_out_row, batch.state_out_offset, chunk)
     )
     init_rows = [i for i in range(rows) if batch.state_in_page[i] >= 0 and qs[i + 1] > qs[i]]
     single = [qs[i] for i in init_rows if qs[i + 1] - qs[i] == 1]
@@ -352,6 +480,8 @@ def _build_plan(batch: ForwardBatch, device: torch.device) -> PrefillPlan:
         first_row,
         later,
         request,
+        chunk_pos,
+        chunk_index,
         *steps,
     ]
     t = _to_device(lists, device)
@@ -367,7 +497,9 @@ def _build_plan(batch: ForwardBatch, device: torch.device) -> PrefillPlan:
         first_row=t[10],
         later_segment=t[11],
         request_segment=t[12],
-        chain_steps=tuple(t[13:]),
+        chunk_request=t[13],
+        chunk_index=t[14],
+        chain_steps=tuple(t[15:]),
     )
     return PrefillPlan(
         query_start=t[0],
@@ -441,8 +573,14 @@ def ssd_prefill(
         0, segments.first_segment, initial_states.index_select(0, segments.first_row).to(compute)
     )
     cu, cu_cpu = segments.cu_seqlens, segments.cu_seqlens_cpu
-    y, final = scan(x, dt, A, B, C, cu, init, cu_seqlens_cpu=cu_cpu)
-    if not segments.single_scan:
+    chunked = segments.reads_chunk_states
+    if segments.single_scan:
+        y, final, *chunks = scan(x, dt, A, B, C, cu, init, cu_seqlens_cpu=cu_cpu,
+                                 chunk_states=chunked)
+    else:
+        # The first scan's chunk states are not the true ones (inner segments start from
+        # zeros): they come from the second scan.
+        y, final = scan(x, dt, A, B, C, cu, init, cu_seqlens_cpu=cu_cpu)
         # Each segment's decay over its own tokens. A float64 running sum: differences of
         # it stay exact to ~1e-16 of the row's total even for long rows.
         total = F.pad((dt * A).to(torch.float64).cumsum(0), (0, 0, 1, 0))  # [T + 1, H]
@@ -457,8 +595,14 @@ def ssd_prefill(
             final.index_copy_(0, cur, true)
         later = segments.later_segment
         init.index_copy_(0, later, final.index_select(0, later - 1))
-        y, final = scan(x, dt, A, B, C, cu, init, cu_seqlens_cpu=cu_cpu)
+        y, final, *chunks = scan(x, dt, A, B, C, cu, init, cu_seqlens_cpu=cu_cpu,
+                                 chunk_states=chunked)
     y = y.to(compute)
     if D is not None:
         y = y + x * D.to(compute)[:, None]
-    return y, final.to(compute).index_select(0, segments.request_segment)
+    states = final.to(compute).index_select(0, segments.request_segment)
+    if chunked:
+        states.index_copy_(
+            0, segments.chunk_request, chunks[0].to(compute).index_select(0, segments.chunk_index)
+        )
+    return y, states

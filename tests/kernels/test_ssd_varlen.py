@@ -144,6 +144,85 @@ def test_states_inside_rows_need_the_second_scan():
         torch.testing.assert_close(states[s:e], st_ref, rtol=1e-10, atol=1e-10)
 
 
+CHUNK = ssd_varlen.SCAN_CHUNK
+
+
+@pytest.mark.parametrize("unaligned", [False, True])
+def test_states_on_the_chunk_grid_come_from_one_scan(unaligned):
+    """Requests on a row's chunk grid are read from the scan's chunk states: no cut, one
+    scan. An off-grid request inside a row cuts it (two scans), and the grid then counts
+    from the cut; every state and output still equals the per-row reference."""
+    g = torch.Generator().manual_seed(_seed())
+    lens = [3 * CHUNK + 17, CHUNK, 0, 1, 2 * CHUNK, CHUNK + 1]
+    x, dt, A, B, C, D, init = _inputs(g, lens, 2, 3, 1, 4)
+    init[3] = 0.0
+    rows, offs = [], []
+    for r, q in enumerate(lens):
+        grid = list(range(CHUNK - 1, q, CHUNK)) + ([q - 1] if q else [])
+        rows += [r] * len(grid)
+        offs += grid
+    if unaligned:
+        # Row 0: a state after token 40 cuts the row; the grid restarts at 41.
+        rows += [0, 0, 0]
+        offs += [40, 40 + CHUNK, 40 + 2 * CHUNK]
+    perm = torch.randperm(len(rows), generator=g).tolist()
+    rows, offs = [rows[i] for i in perm], [offs[i] for i in perm]
+    qs = _query_start(lens)
+    segments = plan_segments(qs, rows, offs, chunk=CHUNK)
+    assert segments.reads_chunk_states
+    assert segments.single_scan != unaligned
+    scan, calls = _counting(functools.partial(ssd_scan_varlen_reference, chunk_size=16))
+    y, states = ssd_prefill(x, dt, A, B, C, D, init, segments, scan)
+    assert len(calls) == (2 if unaligned else 1)
+    for i, q in enumerate(lens):
+        if q == 0:
+            continue
+        s, e = qs[i], qs[i + 1]
+        mine = [j for j, r in enumerate(rows) if r == i]
+        y_ref, st_ref = ssd_chunked_reference(
+            x[s:e], dt[s:e], A, B[s:e], C[s:e], 8, D, init[i], [offs[j] for j in mine]
+        )
+        torch.testing.assert_close(y[s:e], y_ref, rtol=1e-10, atol=1e-10)
+        for n, j in enumerate(mine):
+            torch.testing.assert_close(states[j], st_ref[n], rtol=1e-10, atol=1e-10)
+
+
+def test_reference_scan_chunk_states_layout():
+    g = torch.Generator().manual_seed(_seed())
+    lens = [2 * CHUNK + 5, CHUNK, 1]
+    x, dt, A, B, C, _, init = _inputs(g, lens, 2, 3, 2, 4)
+    bounds = _query_start(lens)
+    cu = torch.tensor(bounds)
+    y, final, chunks = ssd_scan_varlen_reference(x, dt, A, B, C, cu, init, chunk_states=True)
+    assert ssd_varlen.chunk_offsets(bounds) == [0, 3, 4, 5]
+    assert chunks.shape[0] == 5
+    for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+        starts = list(range(0, e - s, CHUNK))
+        _, st = ssd_chunked_reference(
+            x[s:e], dt[s:e], A, B[s:e], C[s:e], 4, None, init[i], [c - 1 for c in starts[1:]]
+        )
+        first = ssd_varlen.chunk_offsets(bounds)[i]
+        torch.testing.assert_close(chunks[first], init[i])
+        for n in range(len(starts) - 1):
+            torch.testing.assert_close(chunks[first + 1 + n], st[n], rtol=1e-10, atol=1e-10)
+
+
+def test_plan_segments_chunk_layout():
+    # One row of 200 tokens: 63 is on the grid (chunk state 1 of segment 0), 99 is not
+    # (cut), 163 is on the grid of the segment that starts at 100 (its chunk state 1, flat
+    # index 2 + 1), 199 is the row end.
+    seg = plan_segments([0, 200], [0, 0, 0, 0], [199, 63, 163, 99], chunk=CHUNK)
+    assert seg.cu_seqlens_cpu.tolist() == [0, 100, 200]
+    assert seg.request_segment.tolist() == [1, 0, 1, 0]
+    assert seg.chunk_request.tolist() == [1, 2]
+    assert seg.chunk_index.tolist() == [1, 3]
+    assert not seg.single_scan
+    # Without a chunk every request cuts, as before.
+    plain = plan_segments([0, 200], [0, 0, 0, 0], [199, 63, 163, 99])
+    assert plain.cu_seqlens_cpu.tolist() == [0, 64, 100, 164, 200]
+    assert not plain.reads_chunk_states
+
+
 def test_plan_segments_layout():
     # Rows: 4 tokens (states after 1 and 3), empty, 1 token, 5 tokens (after 0, 0, 2).
     seg = plan_segments([0, 4, 4, 5, 10], [3, 0, 3, 2, 0, 3], [2, 1, 0, 0, 3, 0])
@@ -235,6 +314,9 @@ def test_mixer_packed_path_matches_per_row_path(tmp_path, monkeypatch, clamp_eve
         ([(0, toks(1)), (3, toks(1)), (6, toks(1))], None),
         # Verify-like rows of different lengths.
         ([(1, toks(3)), (2, toks(2)), (5, toks(4))], {1: [0, 1], 2: [0], 5: [1, 2]}),
+        # Long rows: states on the scan's chunk grid (read from its chunk states), one
+        # off the grid (a cut), row ends.
+        ([(7, toks(150)), (0, toks(130))], {7: [63, 127, 149], 0: [63, 100, 129]}),
     ]
     results = {}
     for mode in ("reference", "off"):
@@ -340,8 +422,37 @@ def test_gpu_fla_scan_matches_twin(lens, record_property):
 
 
 @gpu_test
-def test_gpu_ssd_prefill_fla_matches_twin(record_property):
+def test_gpu_fla_chunk_states_match_twin(record_property):
     _need_fla()
+    if not ssd_varlen.fla_chunk_states_available():
+        pytest.skip("this fla-core does not expose the forward pieces")
+    g = torch.Generator().manual_seed(_seed())
+    lens = [1000, 1, 64, 300, 2]
+    x, dt, A, B, C, _, init = _inputs(g, lens, 8, 64, 2, 128, torch.float32, "cuda")
+    init[1::2] = 0.0
+    cu_cpu = torch.tensor(_query_start(lens), dtype=torch.int64)
+    cu = cu_cpu.cuda()
+    y, final, chunks = ssd_varlen.ssd_scan_varlen_fla(
+        x, dt, A, B, C, cu, init, cu_seqlens_cpu=cu_cpu, chunk_states=True
+    )
+    y_ref, final_ref, chunks_ref = ssd_scan_varlen_reference(
+        *(t.double() for t in (x, dt, A, B, C)), cu, init.double(), cu_seqlens_cpu=cu_cpu,
+        chunk_states=True,
+    )
+    assert chunks.shape == chunks_ref.shape
+    errs = _rel(y, y_ref), _rel(final, final_ref), _rel(chunks, chunks_ref)
+    record_property("fla_chunk_states_rel_err", errs[2])
+    print(f"fla scan with chunk states: relative error y {errs[0]:.3e}, final {errs[1]:.3e}, "
+          f"chunk states {errs[2]:.3e}")
+    assert max(errs) < 5e-3
+
+
+@gpu_test
+@pytest.mark.parametrize("chunk", [None, ssd_varlen.SCAN_CHUNK])
+def test_gpu_ssd_prefill_fla_matches_twin(chunk, record_property):
+    _need_fla()
+    if chunk and not ssd_varlen.fla_chunk_states_available():
+        pytest.skip("this fla-core does not expose the forward pieces")
     g = torch.Generator().manual_seed(_seed())
     lens = [700, 1, 0, 130, 64, 1]
     heads, head_dim, groups, d_state = 8, 64, 2, 128
@@ -349,7 +460,12 @@ def test_gpu_ssd_prefill_fla_matches_twin(record_property):
         g, lens, heads, head_dim, groups, d_state, torch.float32, "cuda"
     )
     rows, offs = _requests(g, lens, 6)
-    segments = plan_segments(_query_start(lens), rows, offs, "cuda")
+    # The grid points of the long rows too, as a prefill with checkpoints asks for them.
+    for r, q in enumerate(lens):
+        grid = list(range(CHUNK - 1, q - 1, CHUNK))
+        rows, offs = rows + [r] * len(grid), offs + grid
+    segments = plan_segments(_query_start(lens), rows, offs, "cuda", chunk=chunk)
+    assert segments.reads_chunk_states == bool(chunk)
     y, states = ssd_prefill(x, dt, A, B, C, D, init, segments, ssd_varlen.ssd_scan_varlen_fla)
     y_ref, st_ref = ssd_prefill(
         *(t.double() for t in (x, dt, A, B, C, D, init)), segments, ssd_scan_varlen_reference
@@ -357,7 +473,8 @@ def test_gpu_ssd_prefill_fla_matches_twin(record_property):
     ry, rs = _rel(y, y_ref), _rel(states, st_ref)
     record_property("ssd_prefill_rel_err_y", ry)
     record_property("ssd_prefill_rel_err_state", rs)
-    print(f"ssd_prefill fla {len(rows)} states: relative error y {ry:.3e}, states {rs:.3e}")
+    print(f"ssd_prefill fla (chunk {chunk}) {len(rows)} states: relative error y {ry:.3e}, "
+          f"states {rs:.3e}")
     assert ry < 5e-3 and rs < 5e-3
 
 

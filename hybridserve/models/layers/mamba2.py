@@ -114,7 +114,8 @@ class Mamba2Mixer(nn.Module):
 
         scan = packed_prefill_scan(h.device, compute)
         if scan is not None:
-            prefill = ssd_varlen.prefill_plan(batch, h.device)
+            chunk = ssd_varlen.SCAN_CHUNK if ssd_varlen.chunk_states_supported(scan) else None
+            prefill = ssd_varlen.prefill_plan(batch, h.device, chunk)
             y = self._prefill_rows(xbc, dt, A, prefill, scan, conv_cache, ssm_cache)
             return self.out_proj(self.norm(y, z, out_dtype=h.dtype))
 
