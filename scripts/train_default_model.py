@@ -16,6 +16,15 @@ Unless ``--steps`` is given, the step count is planned once, at step 30, from th
 step time so that training fits ``--time-budget``; the log records it, and passing it as
 ``--steps`` replays the same schedule.
 
+``--scan`` picks how the Mamba2 layers' SSD runs in training: ``torch`` (default)
+leaves transformers' PyTorch path as it is; ``fla`` routes it through fla-core's
+``chunk_simple_gla`` (``scripts/fast_mamba_train.py``, CUDA and fla-core needed) and
+``reference`` through that module's plain torch scan (a CPU check of the patch). With
+``fla`` or ``reference`` the first training batch is scored by both paths before training
+(:func:`scan_self_check`), and the run aborts if they disagree. fla-core 0.6.0 refuses
+the backward of its gated scan under Triton 3.4 to 3.7.0 on Hopper GPUs (a known wrong
+result in those Triton releases), so ``fla`` needs Triton 3.7.1 or later there.
+
 Outputs in ``--out``: ``config.json``, ``generation_config.json``, bf16 safetensors
 shards, ``train_log.json``. ``--finalize`` then turns that folder into the shipped
 layout (one ``model.safetensors``, Granite's layer-type names).
@@ -26,8 +35,10 @@ Usage: ``python scripts/train_default_model.py --out OUT --compile [--time-budge
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -106,14 +117,21 @@ def lr_at(step: int, steps: int, warmup: int, peak: float, floor_frac: float) ->
     return peak * (floor_frac + (1 - floor_frac) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def next_token_loss(model, tokens: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy (nats) of ``tokens[:, 1:]`` given ``tokens[:, :-1]``."""
-    logits = model(input_ids=tokens[:, :-1]).logits
+def next_token_loss(model, tokens: torch.Tensor, use_cache: bool | None = None) -> torch.Tensor:
+    """Mean cross-entropy (nats) of ``tokens[:, 1:]`` given ``tokens[:, :-1]``.
+
+    ``use_cache=None`` is transformers' default (it builds a cache it never reads back);
+    the patched mixers of ``--scan fla`` need ``False``.
+    """
+    logits = model(input_ids=tokens[:, :-1], use_cache=use_cache).logits
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
 @torch.no_grad()
-def stream_loss(model, stream: torch.Tensor, ctx: int, batch: int, max_windows: int | None) -> float:
+def stream_loss(
+    model, stream: torch.Tensor, ctx: int, batch: int, max_windows: int | None,
+    use_cache: bool | None = None,
+) -> float:
     """Mean loss over non-overlapping windows (stride ``ctx``) of a held-out stream."""
     n = (stream.numel() - 1) // ctx
     if max_windows is not None:
@@ -124,9 +142,67 @@ def stream_loss(model, stream: torch.Tensor, ctx: int, batch: int, max_windows: 
     for i in range(0, n, batch):
         chunk = windows[i : i + batch]
         with torch.autocast(stream.device.type, dtype=torch.bfloat16):
-            total += next_token_loss(model, chunk).item() * chunk.shape[0]
+            total += next_token_loss(model, chunk, use_cache).item() * chunk.shape[0]
     model.train()
     return total / n
+
+
+def load_fast_mamba_train():
+    """``scripts/fast_mamba_train.py`` by path (``scripts`` is not a package)."""
+    spec = importlib.util.spec_from_file_location(
+        "fast_mamba_train", Path(__file__).resolve().parent / "fast_mamba_train.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+SELF_CHECK_LOSS_RTOL = 2e-2
+SELF_CHECK_MIN_GRAD_COSINE = 0.98
+
+
+def scan_self_check(model, tokens: torch.Tensor, fast, scan) -> dict:
+    """Patch ``model``'s Mamba mixers with ``scan`` after checking them against transformers.
+
+    Scores ``tokens`` (the first training batch) with transformers' own path and then with
+    the patched one: same weights, bf16 autocast as in training, eval mode (so dropout
+    draws nothing and the run's random stream is untouched). The losses must agree to
+    ``SELF_CHECK_LOSS_RTOL`` (relative) and the gradients of all parameters, flattened,
+    must have a cosine of at least ``SELF_CHECK_MIN_GRAD_COSINE`` (a wrong backward can
+    leave the loss right); otherwise the run stops with SystemExit. Leaves the model
+    patched, in training mode, with no gradients. Returns the measured numbers.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def loss_and_grad(use_cache):
+        with torch.autocast(tokens.device.type, dtype=torch.bfloat16):
+            loss = next_token_loss(model, tokens, use_cache)
+        loss.backward()
+        # float64: a float32 cosine over ~10M entries is off by more than the check's margin.
+        grad = torch.cat([p.grad.detach().double().flatten() for p in params])
+        model.zero_grad(set_to_none=True)
+        return loss.item(), grad
+
+    model.eval()
+    ref_loss, ref_grad = loss_and_grad(None)
+    fast.patch_mamba_mixers(model, scan)
+    loss, grad = loss_and_grad(False)
+    model.train()
+    rel = abs(loss - ref_loss) / abs(ref_loss)
+    cosine = F.cosine_similarity(grad, ref_grad, dim=0).item()
+    result = {"reference_loss": ref_loss, "loss": loss, "loss_rel_diff": rel,
+              "grad_cosine": cosine, "grad_norm_ratio": (grad.norm() / ref_grad.norm()).item()}
+    print(f"scan self-check: transformers loss {ref_loss:.5f}, patched {loss:.5f} "
+          f"(rel {rel:.2e}), gradient cosine {cosine:.5f}", flush=True)
+    if not rel <= SELF_CHECK_LOSS_RTOL or not cosine >= SELF_CHECK_MIN_GRAD_COSINE:
+        raise SystemExit(
+            f"scan self-check failed: the patched Mamba mixers disagree with transformers on "
+            f"the first batch (loss {loss:.5f} vs {ref_loss:.5f}, relative difference "
+            f"{rel:.2e} > {SELF_CHECK_LOSS_RTOL:g}, or gradient cosine {cosine:.5f} < "
+            f"{SELF_CHECK_MIN_GRAD_COSINE:g}); not training with it"
+        )
+    return result
 
 
 def plan_steps(args, step: int, train_time: float, calib_time: float, calib_steps: int) -> int:
@@ -184,6 +260,10 @@ def main() -> None:
     parser.add_argument("--dev-windows", type=int, default=None,
                         help="score only this many dev windows (default: all)")
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--scan", choices=("torch", "fla", "reference"), default="torch",
+                        help="the Mamba2 SSD in training: transformers' PyTorch path (torch), "
+                             "fla-core's chunk_simple_gla (fla; CUDA), or the patched mixer "
+                             "with a plain torch scan (reference; a CPU check of the patch)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--finalize", action="store_true",
@@ -216,16 +296,30 @@ def main() -> None:
          {"params": no_decay, "weight_decay": 0.0}],
         lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True,
     )
-    step_fn = torch.compile(next_token_loss) if args.compile else next_token_loss
-
-    gen = torch.Generator(device=device).manual_seed(args.seed)
     span = args.ctx + 1
     offsets_range = train.numel() - span
     arange = torch.arange(span, device=device)
     log: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "params": num_params,
                  "transformers": transformers.__version__, "torch": torch.__version__,
                  "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                 "steps": [], "evals": []}
+                 "scan": args.scan, "steps": [], "evals": []}
+
+    # None: transformers' default call, unchanged; the patched mixers refuse its cache.
+    use_cache = None
+    if args.scan != "torch":
+        fast = load_fast_mamba_train()
+        scan = fast.fla_scan if args.scan == "fla" else fast.reference_scan
+        # The first training batch, drawn from a generator of its own with the same seed,
+        # so the run's batches are the same as without the check.
+        first_gen = torch.Generator(device=device).manual_seed(args.seed)
+        first = train[torch.randint(0, offsets_range, (args.batch, 1), device=device,
+                                    generator=first_gen) + arange]
+        # Patches the model (before compiling) once it has passed.
+        log["scan_check"] = scan_self_check(model, first, fast, scan)
+        use_cache = False
+    step_fn = torch.compile(next_token_loss) if args.compile else next_token_loss
+
+    gen = torch.Generator(device=device).manual_seed(args.seed)
     # The warm-up ramp does not depend on the total, so planning the total at step 30
     # leaves the run identical to one started with --steps set to the planned value.
     steps = args.steps if args.steps is not None else 10**9
@@ -242,7 +336,7 @@ def main() -> None:
         starts = torch.randint(0, offsets_range, (args.batch, 1), device=device, generator=gen)
         tokens = train[starts + arange]
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = step_fn(model, tokens)
+            loss = step_fn(model, tokens, use_cache)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -263,7 +357,7 @@ def main() -> None:
         step += 1
         if step % args.eval_every == 0 or step == steps:
             t0 = time.perf_counter()
-            dev_loss = stream_loss(model, dev, args.ctx, 32, args.dev_windows)
+            dev_loss = stream_loss(model, dev, args.ctx, 32, args.dev_windows, use_cache)
             eval_time += time.perf_counter() - t0
             log["evals"].append({"step": step, "dev_loss": dev_loss,
                                  "tokens_seen": step * args.batch * args.ctx})
