@@ -74,7 +74,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridserve.kernels.conv_varlen import token_rows
-from hybridserve.kernels.ssd import discretize_dt, ssd_chunked_reference
+from hybridserve.kernels.ssd import _heads_from_groups, discretize_dt, ssd_chunked_reference
 from hybridserve.models.batch import ForwardBatch
 
 __all__ = [
@@ -308,13 +308,19 @@ class Segments:
     chain_steps: tuple[torch.Tensor, ...]  # step k: the k-th segments (k >= 1) of each row
     request_segment: torch.Tensor  # [K]: the segment that holds each requested offset ...
     # ... at its end, except the requests chunk_request [C], which read the scan's chunk
-    # state chunk_index [C] (a request on its segment's chunk grid; empty without a chunk)
+    # state chunk_index [C] (a request on its row's chunk grid), and tail_request [M],
+    # which run their tail_tokens [M, W] (where tail_valid [M, W]) on from chunk state
+    # tail_chunk [M]. All empty without a chunk.
     chunk_request: torch.Tensor
     chunk_index: torch.Tensor
+    tail_request: torch.Tensor
+    tail_chunk: torch.Tensor
+    tail_tokens: torch.Tensor
+    tail_valid: torch.Tensor
 
     @property
     def reads_chunk_states(self) -> bool:
-        return self.chunk_request.numel() > 0
+        return self.chunk_request.numel() > 0 or self.tail_request.numel() > 0
 
     @property
     def single_scan(self) -> bool:
@@ -338,8 +344,7 @@ def _segment_lists(
     state_rows: Sequence[int],
     state_offsets: Sequence[int],
     chunk: int | None,
-) -> tuple[list[int], list[int], list[int], list[int], list[list[int]], list[int], list[int],
-           list[int]]:
+) -> dict[str, list]:
     rows = len(query_start) - 1
     ends: list[set[int]] = [set() for _ in range(rows)]
     for r, off in zip(state_rows, state_offsets, strict=True):
@@ -347,27 +352,36 @@ def _segment_lists(
             raise ValueError(f"state request (row {r}, offset {off}) out of range")
         ends[r].add(off)
     cu, first_segment, first_row, later, steps = [0], [], [], [], []
-    # (row, offset) -> (segment, flat chunk index or -1 for the segment's final state)
-    source: dict[tuple[int, int], tuple[int, int]] = {}
-    chunks_before = 0  # chunk states of the segments closed so far
+    # (row, offset) -> (segment, chunk state index or -1, tail tokens or None)
+    source: dict[tuple[int, int], tuple[int, int, list[int] | None]] = {}
+    chunks_before = 0  # chunk states of the sequences before the current one
     for i in range(rows):
         s, q = query_start[i], query_start[i + 1] - query_start[i]
         if q == 0:
             continue
-        start, k, pending = 0, 0, []  # current segment's first offset, index, chunk reads
-        for end in sorted(ends[i] | {q - 1}):
-            if end < q - 1 and chunk is not None and (end + 1 - start) % chunk == 0:
-                # On the current segment's chunk grid: the state before its chunk number
-                # (end + 1 - start) / chunk, no cut.
-                pending.append((end, (end + 1 - start) // chunk))
-                continue
+        if chunk is not None:
+            # One sequence per row. The row end is its final state, a state on the
+            # chunk grid is a chunk state, any other is a tail of under ``chunk`` tokens
+            # from the chunk state before it.
+            seg = len(cu) - 1
+            cu.append(s + q)
+            first_segment.append(seg)
+            first_row.append(i)
+            for end in ends[i]:
+                c = (end + 1) // chunk
+                if end == q - 1:
+                    source[(i, end)] = (seg, -1, None)
+                elif (end + 1) % chunk == 0:
+                    source[(i, end)] = (seg, chunks_before + c, None)
+                else:
+                    tail = list(range(s + c * chunk, s + end + 1))
+                    source[(i, end)] = (seg, chunks_before + c, tail)
+            chunks_before += -(-q // chunk)
+            continue
+        for k, end in enumerate(sorted(ends[i] | {q - 1})):
             seg = len(cu) - 1
             cu.append(s + end + 1)
-            source[(i, end)] = (seg, -1)
-            for off, c in pending:
-                source[(i, off)] = (seg, chunks_before + c)
-            if chunk is not None:
-                chunks_before += -(-(end + 1 - start) // chunk)
+            source[(i, end)] = (seg, -1, None)
             if k == 0:
                 first_segment.append(seg)
                 first_row.append(i)
@@ -376,14 +390,47 @@ def _segment_lists(
                 if len(steps) < k:
                     steps.append([])
                 steps[k - 1].append(seg)
-            start, k, pending = end + 1, k + 1, []
     if cu[-1] != query_start[-1]:
         raise ValueError("query_start must start at 0 and be non-decreasing")
-    request = [source[(r, off)][0] for r, off in zip(state_rows, state_offsets)]
-    chunk_pos = [j for j, (r, off) in enumerate(zip(state_rows, state_offsets))
-                 if source[(r, off)][1] >= 0]
-    chunk_index = [source[(state_rows[j], state_offsets[j])][1] for j in chunk_pos]
-    return cu, first_segment, first_row, later, steps, request, chunk_pos, chunk_index
+    found = [source[(r, off)] for r, off in zip(state_rows, state_offsets)]
+    chunk_pos = [j for j, (_, c, tail) in enumerate(found) if c >= 0 and tail is None]
+    tail_pos = [j for j, (_, _, tail) in enumerate(found) if tail is not None]
+    width = max((len(found[j][2]) for j in tail_pos), default=0)
+    return {
+        "cu": cu, "first_segment": first_segment, "first_row": first_row, "later": later,
+        "steps": steps, "request": [seg for seg, _, _ in found],
+        "chunk_pos": chunk_pos, "chunk_index": [found[j][1] for j in chunk_pos],
+        "tail_pos": tail_pos, "tail_chunk": [found[j][1] for j in tail_pos],
+        # Tails padded with token 0 to the longest; the padding is masked out.
+        "tail_tokens": [t for j in tail_pos for t in found[j][2] + [0] * (width - len(found[j][2]))],
+        "tail_lengths": [len(found[j][2]) for j in tail_pos],
+    }
+
+
+def _segments(lists: dict[str, list], device: torch.device) -> Segments:
+    """:class:`Segments` from :func:`_segment_lists`' host lists, with one upload."""
+    keys = ["cu", "first_segment", "first_row", "later", "request", "chunk_pos", "chunk_index",
+            "tail_pos", "tail_chunk", "tail_tokens", "tail_lengths"]
+    t = dict(zip(keys, _to_device([lists[k] for k in keys], device)))
+    steps = _to_device(lists["steps"], device) if lists["steps"] else []
+    tails = len(lists["tail_pos"])
+    width = len(lists["tail_tokens"]) // tails if tails else 0
+    return Segments(
+        num_segments=len(lists["cu"]) - 1,
+        cu_seqlens=t["cu"],
+        cu_seqlens_cpu=torch.tensor(lists["cu"], dtype=torch.int64),
+        first_segment=t["first_segment"],
+        first_row=t["first_row"],
+        later_segment=t["later"],
+        request_segment=t["request"],
+        chunk_request=t["chunk_pos"],
+        chunk_index=t["chunk_index"],
+        tail_request=t["tail_pos"],
+        tail_chunk=t["tail_chunk"],
+        tail_tokens=t["tail_tokens"].view(tails, width),
+        tail_valid=(torch.arange(width, device=device)[None, :] < t["tail_lengths"][:, None]),
+        chain_steps=tuple(steps),
+    )
 
 
 def plan_segments(
@@ -393,29 +440,15 @@ def plan_segments(
     device: torch.device | str = "cpu",
     chunk: int | None = None,
 ) -> Segments:
-    """Cut the rows at the requested ``(row, offset)`` states (host lists, any order;
-    a repeated request maps to the same place). With ``chunk`` (the scan's
-    :data:`SCAN_CHUNK`, for a scan that returns chunk states), a request on the chunk grid
-    of its segment is read from the chunk states instead of cutting the row there."""
+    """Plan the scan of a step's rows for the requested ``(row, offset)`` states (host
+    lists, any order; a repeated request maps to the same place).
+
+    Without ``chunk`` every requested state cuts its row (two scans when a row has more
+    than one segment). With ``chunk`` (the scan's :data:`SCAN_CHUNK`, for a scan that
+    returns chunk states) no row is cut: a request is the row's final state, a chunk state,
+    or a *tail* of fewer than ``chunk`` tokens from the chunk state before it."""
     device = torch.device(device)
-    cu, first_segment, first_row, later, steps, request, chunk_pos, chunk_index = (
-        _segment_lists(query_start, state_rows, state_offsets, chunk)
-    )
-    tensors = _to_device(
-        [cu, first_segment, first_row, later, request, chunk_pos, chunk_index, *steps], device
-    )
-    return Segments(
-        num_segments=len(cu) - 1,
-        cu_seqlens=tensors[0],
-        cu_seqlens_cpu=torch.tensor(cu, dtype=torch.int64),
-        first_segment=tensors[1],
-        first_row=tensors[2],
-        later_segment=tensors[3],
-        request_segment=tensors[4],
-        chunk_request=tensors[5],
-        chunk_index=tensors[6],
-        chain_steps=tuple(tensors[7:]),
-    )
+    return _segments(_segment_lists(query_start, state_rows, state_offsets, chunk), device)
 
 
 @dataclass(frozen=True)
@@ -461,8 +494,8 @@ def prefill_plan(
 def _build_plan(batch: ForwardBatch, device: torch.device, chunk: int | None) -> PrefillPlan:
     qs = list(batch.query_start)
     rows = batch.num_rows
-    cu, first_segment, first_row, later, steps, request, chunk_pos, chunk_index = (
-        _segment_lists(qs, batch.state_out_row, batch.state_out_offset, chunk)
+    segments = _segments(
+        _segment_lists(qs, batch.state_out_row, batch.state_out_offset, chunk), device
     )
     init_rows = [i for i in range(rows) if batch.state_in_page[i] >= 0 and qs[i + 1] > qs[i]]
     single = [qs[i] for i in init_rows if qs[i + 1] - qs[i] == 1]
@@ -475,32 +508,12 @@ def _build_plan(batch: ForwardBatch, device: torch.device, chunk: int | None) ->
         batch.state_out_row,
         batch.state_out_offset,
         batch.state_out_page,
-        cu,
-        first_segment,
-        first_row,
-        later,
-        request,
-        chunk_pos,
-        chunk_index,
-        *steps,
     ]
     t = _to_device(lists, device)
     single_token = None
     if single:
         single_token = torch.zeros(batch.num_tokens, dtype=torch.bool, device=device)
         single_token[t[4]] = True
-    segments = Segments(
-        num_segments=len(cu) - 1,
-        cu_seqlens=t[8],
-        cu_seqlens_cpu=torch.tensor(cu, dtype=torch.int64),
-        first_segment=t[9],
-        first_row=t[10],
-        later_segment=t[11],
-        request_segment=t[12],
-        chunk_request=t[13],
-        chunk_index=t[14],
-        chain_steps=tuple(t[15:]),
-    )
     return PrefillPlan(
         query_start=t[0],
         token_row=token_rows(t[0], batch.num_tokens),
@@ -602,7 +615,24 @@ def ssd_prefill(
         y = y + x * D.to(compute)[:, None]
     states = final.to(compute).index_select(0, segments.request_segment)
     if chunked:
-        states.index_copy_(
-            0, segments.chunk_request, chunks[0].to(compute).index_select(0, segments.chunk_index)
-        )
+        chunks = chunks[0].to(compute)
+        states.index_copy_(0, segments.chunk_request, chunks.index_select(0, segments.chunk_index))
+        if segments.tail_request.numel():
+            start = chunks.index_select(0, segments.tail_chunk)
+            states.index_copy_(0, segments.tail_request, _run_tails(x, dt, A, B, start, segments))
     return y, states
+
+
+def _run_tails(x, dt, A, B, start, segments: Segments) -> torch.Tensor:
+    """The state after each tail (fewer than SCAN_CHUNK tokens) from its start state
+    ``[M, H, P, N]``: ``S = exp(sum a) S0 + sum_i exp(sum_{j > i} a_j) dt_i x_i B_i^T``
+    with ``a = dt * A``, batched over the tails (padding has ``dt = 0``: no decay, no
+    input). A few small tensor ops instead of cutting the row for a second scan."""
+    tokens, valid = segments.tail_tokens, segments.tail_valid
+    dt_t = dt[tokens] * valid[..., None]  # [M, W, H]
+    cum = (dt_t * A).cumsum(1)
+    total = cum[:, -1]  # [M, H]
+    weight = torch.exp(total[:, None] - cum) * dt_t  # decay after token i, times dt_i
+    xw = x[tokens] * weight[..., None]  # [M, W, H, P]
+    Bh = _heads_from_groups(B[tokens], x.shape[1])  # [M, W, H, N]
+    return torch.exp(total)[..., None, None] * start + torch.einsum("mwhp,mwhn->mhpn", xw, Bh)

@@ -147,33 +147,36 @@ def test_states_inside_rows_need_the_second_scan():
 CHUNK = ssd_varlen.SCAN_CHUNK
 
 
-@pytest.mark.parametrize("unaligned", [False, True])
-def test_states_on_the_chunk_grid_come_from_one_scan(unaligned):
-    """Requests on a row's chunk grid are read from the scan's chunk states: no cut, one
-    scan. An off-grid request inside a row cuts it (two scans), and the grid then counts
-    from the cut; every state and output still equals the per-row reference."""
+@pytest.mark.parametrize("off_grid", [False, True])
+def test_chunk_planned_rows_take_one_scan(off_grid):
+    """With a chunk, rows are never cut: states on a row's chunk grid are the scan's chunk
+    states, states off it are tails run on from the chunk state before them, and every
+    state and output equals the per-row reference."""
     g = torch.Generator().manual_seed(_seed())
-    lens = [3 * CHUNK + 17, CHUNK, 0, 1, 2 * CHUNK, CHUNK + 1]
-    x, dt, A, B, C, D, init = _inputs(g, lens, 2, 3, 1, 4)
+    lens = [3 * CHUNK + 17, CHUNK, 0, 1, 2 * CHUNK, CHUNK + 1, 5]
+    x, dt, A, B, C, D, init = _inputs(g, lens, 4, 3, 2, 4)
     init[3] = 0.0
     rows, offs = [], []
     for r, q in enumerate(lens):
         grid = list(range(CHUNK - 1, q, CHUNK)) + ([q - 1] if q else [])
         rows += [r] * len(grid)
         offs += grid
-    if unaligned:
-        # Row 0: a state after token 40 cuts the row; the grid restarts at 41.
-        rows += [0, 0, 0]
-        offs += [40, 40 + CHUNK, 40 + 2 * CHUNK]
+    if off_grid:
+        # Tails of every length class: right after a chunk start, mid-chunk, one short of
+        # the next chunk, inside the first chunk (from the row's initial state), repeated.
+        extra = [(0, 40), (0, CHUNK), (0, 2 * CHUNK + 62), (0, 3 * CHUNK + 3), (4, 0),
+                 (5, CHUNK - 2), (6, 2), (6, 2), (1, 10)]
+        rows += [r for r, _ in extra]
+        offs += [o for _, o in extra]
     perm = torch.randperm(len(rows), generator=g).tolist()
     rows, offs = [rows[i] for i in perm], [offs[i] for i in perm]
     qs = _query_start(lens)
     segments = plan_segments(qs, rows, offs, chunk=CHUNK)
-    assert segments.reads_chunk_states
-    assert segments.single_scan != unaligned
+    assert segments.single_scan and segments.num_segments == 6
+    assert (segments.tail_request.numel() > 0) == off_grid
     scan, calls = _counting(functools.partial(ssd_scan_varlen_reference, chunk_size=16))
     y, states = ssd_prefill(x, dt, A, B, C, D, init, segments, scan)
-    assert len(calls) == (2 if unaligned else 1)
+    assert len(calls) == 1
     for i, q in enumerate(lens):
         if q == 0:
             continue
@@ -208,15 +211,20 @@ def test_reference_scan_chunk_states_layout():
 
 
 def test_plan_segments_chunk_layout():
-    # One row of 200 tokens: 63 is on the grid (chunk state 1 of segment 0), 99 is not
-    # (cut), 163 is on the grid of the segment that starts at 100 (its chunk state 1, flat
-    # index 2 + 1), 199 is the row end.
-    seg = plan_segments([0, 200], [0, 0, 0, 0], [199, 63, 163, 99], chunk=CHUNK)
-    assert seg.cu_seqlens_cpu.tolist() == [0, 100, 200]
-    assert seg.request_segment.tolist() == [1, 0, 1, 0]
-    assert seg.chunk_request.tolist() == [1, 2]
-    assert seg.chunk_index.tolist() == [1, 3]
-    assert not seg.single_scan
+    # One row of 200 tokens: 63 is on the grid (chunk state 1), 99 is a tail of 36 tokens
+    # from chunk state 1, 163 is a tail of 36 from chunk state 2, 199 is the row end.
+    # A second row of 5 tokens: 2 is a tail of 3 from its initial state (chunk state 4,
+    # after the first row's 4).
+    seg = plan_segments([0, 200, 205], [0, 0, 0, 0, 1], [199, 63, 163, 99, 2], chunk=CHUNK)
+    assert seg.cu_seqlens_cpu.tolist() == [0, 200, 205]
+    assert seg.single_scan
+    assert seg.request_segment.tolist() == [0, 0, 0, 0, 1]
+    assert seg.chunk_request.tolist() == [1] and seg.chunk_index.tolist() == [1]
+    assert seg.tail_request.tolist() == [2, 3, 4]
+    assert seg.tail_chunk.tolist() == [2, 1, 4]
+    assert seg.tail_valid.sum(1).tolist() == [36, 36, 3]
+    assert seg.tail_tokens[0, :36].tolist() == list(range(128, 164))
+    assert seg.tail_tokens[2, :3].tolist() == [200, 201, 202]
     # Without a chunk every request cuts, as before.
     plain = plan_segments([0, 200], [0, 0, 0, 0], [199, 63, 163, 99])
     assert plain.cu_seqlens_cpu.tolist() == [0, 64, 100, 164, 200]
