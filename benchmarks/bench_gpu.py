@@ -439,7 +439,7 @@ def engine_decode(model, path, device, dtype, batch, prompt_len, warmup, steps, 
             profiled = profile_graph_step(graphs, device, statistics.median(times["graph"]))
         except Exception as e:  # keep the decode numbers
             profiled = {"error": f"{type(e).__name__}: {e}",
-                        "traceback": traceback.format_exc()[-2000:]}
+                        "traceback": _portable_traceback()}
     stats = llm.stats()
     for i in range(batch):
         eng.abort_request(f"r{i}")
@@ -1654,7 +1654,7 @@ def kernel_checks(shape: dict, step: dict, device: str, dtype: torch.dtype, seed
         except Exception as e:  # record it and check the other kernels
             entry["status"] = "error"
             entry["error"] = f"{type(e).__name__}: {e}"
-            entry["traceback"] = traceback.format_exc()[-2000:]
+            entry["traceback"] = _portable_traceback()
         entry["check_s"] = time.perf_counter() - t
         if entry["status"] in ("fail", "error"):
             print(f"[{entry['status']}] kernel check {name}: "
@@ -1741,6 +1741,12 @@ def agreement(device, dtype, workdir: Path, prompts=8, prompt_len=24, new_tokens
 # --------------------------------------------------------------------------------------
 
 
+def _portable_traceback() -> str:
+    """The current exception's traceback (its last 2,000 characters), with this
+    repository's folder left out of file names."""
+    return traceback.format_exc()[-2000:].replace(str(ROOT) + "/", "")
+
+
 def plot(result: dict, png: Path) -> str:
     try:
         import matplotlib
@@ -1772,7 +1778,7 @@ def plot(result: dict, png: Path) -> str:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
-    return str(png)
+    return portable_path(png)
 
 
 def main(argv=None) -> int:
@@ -1854,7 +1860,7 @@ def main(argv=None) -> int:
         try:
             value = fn()
         except Exception as e:  # keep every other section's numbers
-            result["errors"][key] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"
+            result["errors"][key] = f"{type(e).__name__}: {e}\n{_portable_traceback()}"
             print(f"[error] {key}: {type(e).__name__}: {e}", flush=True)
             free_memory(device)
             value = None
@@ -1868,9 +1874,10 @@ def main(argv=None) -> int:
     mm = section("matmul", lambda: matmul_rate(device, dtype, args.matmul_n))
     result["matmul"] = mm
     workdir = Path(tempfile.mkdtemp(prefix="bench_gpu_"))
-    with_hf = bool(args.hf_batches) and not any(
-        "decode_transformers".startswith(k) or k.startswith("decode_transformers")
-        for k in args.skip.split(",") if k)
+    # transformers' model is built when some transformers section will run.
+    with_hf = any(
+        not any(f"decode_transformers_b{b}".startswith(k) for k in skip)
+        for b in (int(v) for v in args.hf_batches.split(",") if v))
     built = section("build_model", lambda: build_models(shape, device, dtype, workdir, with_hf))
     if built is None:
         save()
