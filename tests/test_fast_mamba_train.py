@@ -71,34 +71,21 @@ def test_reference_scan_gradients_match_naive():
 
 
 def _tiny_model(groups: int, seed: int):
-    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+    from transformers import GraniteMoeHybridForCausalLM
 
-    config = GraniteMoeHybridConfig(
+    from hybridserve.testing.tiny_models import _hf_config
+
+    # The tiny test config (non-trivial multipliers) with the patch's cases: 1 or 2
+    # groups, a chunk that does not divide the sequence, no positional encoding.
+    config = _hf_config("granitemoehybrid", ["M", "A", "M"], dict(
         vocab_size=97,
-        hidden_size=64,
-        intermediate_size=96,
-        shared_intermediate_size=96,
-        num_hidden_layers=3,
-        layer_types=["mamba", "attention", "mamba"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        position_embedding_type="nope",
-        num_local_experts=0,
-        num_experts_per_tok=0,
-        # intermediate = expand * hidden = 128 = 8 heads x 16: the mixer takes its head
-        # count from mamba_n_heads, so they must agree.
-        mamba_n_heads=8,
-        mamba_d_head=16,
         mamba_n_groups=groups,
-        mamba_d_state=16,
-        mamba_d_conv=4,
-        mamba_expand=2,
         mamba_chunk_size=16,
-        tie_word_embeddings=True,
+        position_embedding_type="nope",
         # Ten times the default init: with 0.02 the SSD term is so small next to the D skip
         # that a 1% error in the decays moves the logits by less than 1e-6.
         initializer_range=0.2,
-    )
+    ))
     torch.manual_seed(seed)
     model = GraniteMoeHybridForCausalLM(config).float()
     # Spread the per-head SSM scalars so every head decays differently.

@@ -110,14 +110,20 @@ def test_ssd_prefill_matches_per_row_chunked_reference_float64(case, chunk):
                 for i, q in enumerate(lens) if q)
     assert len(calls) == (2 if multi else 1)
     assert states.shape == (len(rows), heads, head_dim, d_state)
-    for i, q in enumerate(lens):
-        if q == 0:
-            continue
+    inits = [init[i] if has[i] else None for i in range(len(lens))]
+    _assert_per_row(y, states, (x, dt, A, B, C, D), inits, qs, rows, offs)
+
+
+def _assert_per_row(y, states, inputs, inits, qs, rows, offs):
+    """Each row's outputs and requested states equal the per-row chunked reference."""
+    x, dt, A, B, C, D = inputs
+    for i in range(len(qs) - 1):
         s, e = qs[i], qs[i + 1]
+        if e == s:
+            continue
         mine = [j for j, r in enumerate(rows) if r == i]
         y_ref, st_ref = ssd_chunked_reference(
-            x[s:e], dt[s:e], A, B[s:e], C[s:e], 8, D, init[i] if has[i] else None,
-            [offs[j] for j in mine],
+            x[s:e], dt[s:e], A, B[s:e], C[s:e], 8, D, inits[i], [offs[j] for j in mine]
         )
         torch.testing.assert_close(y[s:e], y_ref, rtol=1e-10, atol=1e-10)
         for n, j in enumerate(mine):
@@ -177,17 +183,7 @@ def test_chunk_planned_rows_take_one_scan(off_grid):
     scan, calls = _counting(functools.partial(ssd_scan_varlen_reference, chunk_size=16))
     y, states = ssd_prefill(x, dt, A, B, C, D, init, segments, scan)
     assert len(calls) == 1
-    for i, q in enumerate(lens):
-        if q == 0:
-            continue
-        s, e = qs[i], qs[i + 1]
-        mine = [j for j, r in enumerate(rows) if r == i]
-        y_ref, st_ref = ssd_chunked_reference(
-            x[s:e], dt[s:e], A, B[s:e], C[s:e], 8, D, init[i], [offs[j] for j in mine]
-        )
-        torch.testing.assert_close(y[s:e], y_ref, rtol=1e-10, atol=1e-10)
-        for n, j in enumerate(mine):
-            torch.testing.assert_close(states[j], st_ref[n], rtol=1e-10, atol=1e-10)
+    _assert_per_row(y, states, (x, dt, A, B, C, D), list(init), qs, rows, offs)
 
 
 def test_reference_scan_chunk_states_layout():
