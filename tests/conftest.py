@@ -44,3 +44,22 @@ def tiny_nemotron(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_bamba(tmp_path_factory) -> Path:
     return make_tiny_checkpoint("bamba", tmp_path_factory.mktemp("bamba"), seed=3)
+
+
+@pytest.fixture
+def count_calls(monkeypatch):
+    """``count_calls(owner, name)`` wraps ``owner.name`` for the test and returns the list
+    it appends to on every call (its length is the call count)."""
+
+    def spy(owner, name: str) -> list:
+        calls: list = []
+        real = getattr(owner, name)
+
+        def counted(*args, **kwargs):
+            calls.append(1)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counted)
+        return calls
+
+    return spy

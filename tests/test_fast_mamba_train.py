@@ -73,11 +73,12 @@ def test_reference_scan_gradients_match_naive():
 def _tiny_model(groups: int, seed: int):
     from transformers import GraniteMoeHybridForCausalLM
 
-    from hybridserve.testing.tiny_models import _hf_config
+    from hybridserve.testing.tiny_models import tiny_config
 
     # The tiny test config (non-trivial multipliers) with the patch's cases: 1 or 2
     # groups, a chunk that does not divide the sequence, no positional encoding.
-    config = _hf_config("granitemoehybrid", ["M", "A", "M"], dict(
+    config = tiny_config(
+        "granitemoehybrid", "MAM",
         vocab_size=97,
         mamba_n_groups=groups,
         mamba_chunk_size=16,
@@ -85,7 +86,7 @@ def _tiny_model(groups: int, seed: int):
         # Ten times the default init: with 0.02 the SSD term is so small next to the D skip
         # that a 1% error in the decays moves the logits by less than 1e-6.
         initializer_range=0.2,
-    ))
+    )
     torch.manual_seed(seed)
     model = GraniteMoeHybridForCausalLM(config).float()
     # Spread the per-head SSM scalars so every head decays differently.

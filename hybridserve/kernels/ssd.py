@@ -40,7 +40,7 @@ def discretize_dt(
     return out
 
 
-def _heads_from_groups(t: torch.Tensor, num_heads: int) -> torch.Tensor:
+def heads_from_groups(t: torch.Tensor, num_heads: int) -> torch.Tensor:
     """``[..., G, N] -> [..., H, N]``: each group serves ``H // G`` consecutive heads."""
     groups = t.shape[-2]
     if num_heads % groups:
@@ -84,8 +84,8 @@ def ssd_step_reference(
     compute = torch.promote_types(x.dtype, torch.float32)
     x = x.to(compute)
     dt = dt.to(compute)
-    Bh = _heads_from_groups(B.to(compute), heads)  # [H, N]
-    Ch = _heads_from_groups(C.to(compute), heads)
+    Bh = heads_from_groups(B.to(compute), heads)  # [H, N]
+    Ch = heads_from_groups(C.to(compute), heads)
     if state is None:
         state = x.new_zeros(heads, head_dim, Bh.shape[-1])
     decay = torch.exp(dt * A.to(compute))  # [H]
@@ -184,8 +184,8 @@ def ssd_chunked_reference(
 
     xc = chunks(x)  # [c, l, H, P]
     dtc = chunks(dt)  # [c, l, H]
-    Bc = _heads_from_groups(chunks(B), heads)  # [c, l, H, N]
-    Cc = _heads_from_groups(chunks(C), heads)
+    Bc = heads_from_groups(chunks(B), heads)  # [c, l, H, N]
+    Cc = heads_from_groups(chunks(C), heads)
     xdt = xc * dtc[..., None]
     a = (dtc * A.to(compute)).permute(0, 2, 1)  # [c, H, l], log decay per token
     a_cum = a.cumsum(dim=-1)  # [c, H, l]

@@ -74,7 +74,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridserve.kernels.conv_varlen import token_rows
-from hybridserve.kernels.ssd import _heads_from_groups, discretize_dt, ssd_chunked_reference
+from hybridserve.kernels.ssd import discretize_dt, heads_from_groups, ssd_chunked_reference
 from hybridserve.models.batch import ForwardBatch
 
 __all__ = [
@@ -209,13 +209,9 @@ def ssd_scan_varlen_fla(
     the start of every chunk as the reference twin lays them out.
     """
     heads = x.shape[1]
-    groups = B.shape[1]
-    if heads % groups:
-        raise ValueError(f"{groups} groups do not divide {heads} heads")
-    rep = heads // groups
     # fla takes one key per value head: expand the groups (copies; fla wants contiguous).
-    q = C.repeat_interleave(rep, dim=1).unsqueeze(0)  # [1, T, H, N]
-    k = B.repeat_interleave(rep, dim=1).unsqueeze(0)
+    q = heads_from_groups(C, heads).unsqueeze(0)  # [1, T, H, N]
+    k = heads_from_groups(B, heads).unsqueeze(0)
     v = (x * dt[..., None]).unsqueeze(0)  # [1, T, H, P]
     g = (dt * A).unsqueeze(0)  # [1, T, H]
     if chunk_states:
@@ -591,8 +587,7 @@ def ssd_prefill(
         y, final, *chunks = scan(x, dt, A, B, C, cu, init, cu_seqlens_cpu=cu_cpu,
                                  chunk_states=chunked)
     else:
-        # The first scan's chunk states are not the true ones (inner segments start from
-        # zeros): they come from the second scan.
+        # Rows cut into segments (a plan without a chunk, so no chunk states are read).
         y, final = scan(x, dt, A, B, C, cu, init, cu_seqlens_cpu=cu_cpu)
         # Each segment's decay over its own tokens. A float64 running sum: differences of
         # it stay exact to ~1e-16 of the row's total even for long rows.
@@ -608,8 +603,7 @@ def ssd_prefill(
             final.index_copy_(0, cur, true)
         later = segments.later_segment
         init.index_copy_(0, later, final.index_select(0, later - 1))
-        y, final, *chunks = scan(x, dt, A, B, C, cu, init, cu_seqlens_cpu=cu_cpu,
-                                 chunk_states=chunked)
+        y, final = scan(x, dt, A, B, C, cu, init, cu_seqlens_cpu=cu_cpu)
     y = y.to(compute)
     if D is not None:
         y = y + x * D.to(compute)[:, None]
@@ -634,5 +628,5 @@ def _run_tails(x, dt, A, B, start, segments: Segments) -> torch.Tensor:
     total = cum[:, -1]  # [M, H]
     weight = torch.exp(total[:, None] - cum) * dt_t  # decay after token i, times dt_i
     xw = x[tokens] * weight[..., None]  # [M, W, H, P]
-    Bh = _heads_from_groups(B[tokens], x.shape[1])  # [M, W, H, N]
+    Bh = heads_from_groups(B[tokens], x.shape[1])  # [M, W, H, N]
     return torch.exp(total)[..., None, None] * start + torch.einsum("mwhp,mwhn->mhpn", xw, Bh)

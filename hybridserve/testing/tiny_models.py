@@ -174,6 +174,14 @@ def _randomize(model: torch.nn.Module, hidden: int, seed: int) -> None:
         p.copy_(value)
 
 
+def tiny_config(arch: str, layers: str | None = None, **overrides: Any) -> Any:
+    """The ``transformers`` config of :func:`make_tiny_checkpoint` (same arguments, no
+    weights, nothing written), for tests that build the Hugging Face model themselves."""
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown tiny architecture {arch!r}; expected one of {ARCHITECTURES}")
+    return _hf_config(arch, _layer_codes(arch, layers or DEFAULT_LAYERS[arch]), overrides)
+
+
 def make_tiny_checkpoint(
     arch: str,
     path: str | os.PathLike[str],
@@ -195,10 +203,7 @@ def make_tiny_checkpoint(
 
     Takes well under a second once ``transformers`` is imported.
     """
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"unknown tiny architecture {arch!r}; expected one of {ARCHITECTURES}")
-    codes = _layer_codes(arch, layers or DEFAULT_LAYERS[arch])
-    config = _hf_config(arch, codes, overrides)
+    config = tiny_config(arch, layers, **overrides)
     model = _model_class(arch)(config)
     _randomize(model, config.hidden_size, seed)
     out = Path(path)

@@ -160,7 +160,7 @@ def test_triton_reads_strided_positions_and_tables(q):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_decode_graph_step_with_triton_attention_matches_eager(tiny_nemotron, monkeypatch):
+def test_decode_graph_step_with_triton_attention_matches_eager(tiny_nemotron, monkeypatch, count_calls):
     """Generation through the decode-graph step (its static buffer, run without capture
     on the CPU) with the attention layer on the Triton kernel gives the tokens of the
     eager step on the torch twin: the kernel reads the graph's inputs as laid out."""
@@ -170,14 +170,7 @@ def test_decode_graph_step_with_triton_attention_matches_eager(tiny_nemotron, mo
     g = torch.Generator().manual_seed(_seed())
     prompts = [torch.randint(3, 256, (5 + 4 * i,), generator=g).tolist() for i in range(3)]
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-    calls = []
-    real = paged_attention.paged_attention_decode_triton
-
-    def counted(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
-
-    monkeypatch.setattr(paged_attention, "paged_attention_decode_triton", counted)
+    calls = count_calls(paged_attention, "paged_attention_decode_triton")
     results = {}
     for name, graphs, on in (("graph_triton", True, True), ("eager_twin", False, False)):
         monkeypatch.setattr(paged_attention, "triton_enabled", lambda device, on=on: on)
@@ -240,7 +233,7 @@ def test_triton_padding_rows_on_a_scratch_block():
 
 
 @pytest.mark.parametrize("q", [1, 3])
-def test_attention_layer_triton_path_matches_twin_path(tmp_path, monkeypatch, q):
+def test_attention_layer_triton_path_matches_twin_path(tmp_path, monkeypatch, q, count_calls):
     """A whole model step (attention and Mamba layers, float32) with the attention
     layer's uniform path on the Triton kernel equals the step on the torch twin."""
     import sys
@@ -257,14 +250,7 @@ def test_attention_layer_triton_path_matches_twin_path(tmp_path, monkeypatch, q)
     g = torch.Generator().manual_seed(_seed())
     prompts = {i: torch.randint(3, 256, (5 + 7 * i,), generator=g).tolist() for i in range(3)}
     nxt = {i: torch.randint(3, 256, (q,), generator=g).tolist() for i in range(3)}
-    calls = []
-    real = paged_attention.paged_attention_decode_triton
-
-    def counted(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
-
-    monkeypatch.setattr(paged_attention, "paged_attention_decode_triton", counted)
+    calls = count_calls(paged_attention, "paged_attention_decode_triton")
     results = []
     for on in (True, False):
         monkeypatch.setattr(paged_attention, "triton_enabled", lambda device, on=on: on)

@@ -280,20 +280,8 @@ def test_launcher_refuses_bad_arguments():
 # --------------------------------------------------------------------------------------
 
 
-def _count_kernel_calls(monkeypatch):
-    calls = []
-    real = paged_attention_prefill.paged_attention_prefill_triton
-
-    def counted(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
-
-    monkeypatch.setattr(paged_attention_prefill, "paged_attention_prefill_triton", counted)
-    return calls
-
-
 @interpreted
-def test_attention_layer_kernel_matches_per_row_path(monkeypatch):
+def test_attention_layer_kernel_matches_per_row_path(monkeypatch, count_calls):
     """The layer's forward (projections, partial RoPE, cache writes, attention) on a random
     mixed step: with the kernel equal to the per-row path, the same cache entries written."""
     from hybridserve.models.config import AttentionParams
@@ -310,7 +298,7 @@ def test_attention_layer_kernel_matches_per_row_path(monkeypatch):
     k_cache.view(-1, 2, 16)[batch.slot_mapping] = float("nan")
     v_cache.view(-1, 2, 16)[batch.slot_mapping] = float("nan")
     h = torch.randn(batch.num_tokens, 32, generator=g)
-    calls = _count_kernel_calls(monkeypatch)
+    calls = count_calls(paged_attention_prefill, "paged_attention_prefill_triton")
     results = []
     for on in (True, False):
         monkeypatch.setattr(paged_attention_prefill, "triton_enabled", lambda device, on=on: on)
@@ -326,7 +314,7 @@ def test_attention_layer_kernel_matches_per_row_path(monkeypatch):
 
 
 @interpreted
-def test_model_prefill_and_mixed_steps_with_kernel_match_per_row_path(tmp_path, monkeypatch):
+def test_model_prefill_and_mixed_steps_with_kernel_match_per_row_path(tmp_path, monkeypatch, count_calls):
     """A whole model (attention and Mamba layers, float32): a prefill step, then a mixed step
     (a new prompt, a continued prompt and a decode row), with the kernel and without."""
     import sys
@@ -344,7 +332,7 @@ def test_model_prefill_and_mixed_steps_with_kernel_match_per_row_path(tmp_path, 
     tok = lambda n: torch.randint(3, 256, (n,), generator=g).tolist()
     first = [(0, tok(11)), (1, tok(6))]
     second = [(2, tok(9)), (0, tok(5)), (1, tok(1))]
-    calls = _count_kernel_calls(monkeypatch)
+    calls = count_calls(paged_attention_prefill, "paged_attention_prefill_triton")
     results = []
     for on in (True, False):
         monkeypatch.setattr(paged_attention_prefill, "triton_enabled", lambda device, on=on: on)

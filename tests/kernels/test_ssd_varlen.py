@@ -346,7 +346,7 @@ def test_mixer_packed_path_matches_per_row_path(tmp_path, monkeypatch, clamp_eve
                 )
 
 
-def test_mixer_takes_the_packed_path_when_selected(tmp_path, monkeypatch):
+def test_mixer_takes_the_packed_path_when_selected(tmp_path, monkeypatch, count_calls):
     """The switch routes prefill and mixed steps through ssd_prefill; uniform decode steps
     keep the decode fast path; "off" and (on the CPU) "auto" take the per-row path."""
     from paged_driver import PagedDriver
@@ -356,14 +356,7 @@ def test_mixer_takes_the_packed_path_when_selected(tmp_path, monkeypatch):
     torch.set_num_threads(1)
     model = _model(tmp_path, False)
     layers = len(model.cache_spec.mamba_layers)
-    calls = []
-    real = ssd_varlen.ssd_prefill
-
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(ssd_varlen, "ssd_prefill", spy)
+    calls = count_calls(ssd_varlen, "ssd_prefill")
     monkeypatch.setattr(mamba2, "PACKED_PREFILL", "reference")
     d = PagedDriver(model)
     d.step([(0, [5, 6, 7]), (1, [8])])
