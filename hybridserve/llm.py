@@ -74,6 +74,7 @@ class LLM:
         eviction_policy: str = "lru",
         enforce_eager: bool | None = None,
         speculative_config: dict[str, Any] | None = None,
+        async_scheduling: bool | None = None,
     ) -> None:
         from hybridserve.models.loader import load_model
 
@@ -139,8 +140,11 @@ class LLM:
             eos = (self.tokenizer.eos_token_id,)
         # enforce_eager: None replays uniform greedy decode steps from CUDA graphs on
         # CUDA and runs eagerly elsewhere; True always runs eagerly (as vLLM's flag).
+        # async_scheduling: None pipelines plain decode steps wherever graphs run and
+        # speculative decoding is off.
         self.engine = EngineCore(
-            self.config, self.model, self.tokenizer, mcfg.vocab_size, eos, enforce_eager=enforce_eager
+            self.config, self.model, self.tokenizer, mcfg.vocab_size, eos,
+            enforce_eager=enforce_eager, async_scheduling=async_scheduling,
         )
         self._next_id = 0
 

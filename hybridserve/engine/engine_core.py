@@ -25,7 +25,7 @@ from hybridserve.engine.request import (
 )
 from hybridserve.engine.scheduler import ScheduledRow, Scheduler, SchedulerOutput
 from hybridserve.kernels.state_postprocess import state_postprocess, state_postprocess_reference
-from hybridserve.runner.model_runner import ModelRunner
+from hybridserve.runner.model_runner import ModelRunner, PendingStep
 from hybridserve.spec.ngram import NgramDrafter
 from hybridserve.tokenizer import Tokenizer
 
@@ -59,6 +59,13 @@ class _Group:
     final_only: bool = False
 
 
+def _plain_decode(sched: SchedulerOutput) -> bool:
+    """Every row decodes one token with no drafts (the steps async scheduling pipelines)."""
+    return all(
+        row.is_verify and row.num_tokens == 1 and row.num_drafts == 0 for row in sched.rows
+    )
+
+
 class EngineCore:
     def __init__(
         self,
@@ -68,10 +75,16 @@ class EngineCore:
         vocab_size: int,
         eos_token_ids: tuple[int, ...],
         enforce_eager: bool | None = None,
+        async_scheduling: bool | None = None,
     ) -> None:
         """``enforce_eager``: True runs every step eagerly; False replays greedy decode
         and verify steps from CUDA graphs (on a CPU: the same static-buffer step,
-        eagerly); None (the default) means False on CUDA and True elsewhere."""
+        eagerly); None (the default) means False on CUDA and True elsewhere.
+
+        ``async_scheduling``: schedule and launch the next plain decode step before the
+        current one's tokens are read back, so the host's work for a step overlaps the
+        device's work on the step before (:meth:`step`). Needs decode graphs and no
+        speculative decoding; None (the default) turns it on wherever both hold."""
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -91,7 +104,6 @@ class EngineCore:
         # The state postprocess launches as soon as the step's choices exist on the
         # device, and its decisions come back in the same read as the choices.
         self.runner.on_verify = self._launch_postprocess
-        self._postprocess_k = 0
         if not enforce_eager:
             self.runner.enable_decode_graphs(
                 max_blocks=-(-config.scheduler.max_model_len // cc.kv_block_size),
@@ -99,6 +111,13 @@ class EngineCore:
                 scratch_page=cc.num_state_pages,
             )
         self.drafter = NgramDrafter(config.spec) if config.spec is not None else None
+        if async_scheduling is None:
+            async_scheduling = not enforce_eager and self.drafter is None
+        if async_scheduling and (enforce_eager or self.drafter is not None):
+            raise ValueError("async_scheduling needs decode graphs and no speculative decoding")
+        self.async_scheduling = async_scheduling
+        # The step launched ahead and not yet read back, with its schedule.
+        self._inflight: tuple[SchedulerOutput, PendingStep] | None = None
         self.groups: dict[str, _Group] = {}
         self._arrival = itertools.count()
         self._seed_rng = random.Random(config.seed)
@@ -181,12 +200,23 @@ class EngineCore:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     # ---- the step ----------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns the outputs of every request that advanced or finished."""
+        """Run one step; returns the outputs of every request that advanced or finished.
+
+        With async scheduling, a plain decode step is launched, then the step after it
+        is scheduled and launched (:meth:`_launch_ahead`) before the first one's tokens
+        are read back and committed; the second stays in flight and the next call
+        starts from it. Its rows of requests that finish meanwhile (a stop token, an
+        abort) are dropped when it is read back.
+        """
+        if self._inflight is not None:
+            sched, pending = self._inflight
+            self._inflight = None
+            return self._advance(sched, pending)
         if self.drafter is not None:
             self._propose_drafts()
         sched = self.scheduler.schedule()
@@ -200,18 +230,80 @@ class EngineCore:
                 )
             return []
         self.counters["steps"] += 1
+        if self.async_scheduling and _plain_decode(sched):
+            pending = self._guarded(sched, lambda: self.runner.launch(sched))
+            if pending is not None:
+                return self._advance(sched, pending)
+        results = self._guarded(sched, lambda: self.runner.execute(sched))
+        outputs = self._process(sched, results)
+        self._check_integrity()
+        return outputs
+
+    def _guarded(self, sched: SchedulerOutput, run):
         try:
-            results = self.runner.execute(sched)
+            return run()
         except BaseException:
             # Nothing was committed: give back the pages this step was to write. The
             # requests keep their caches and are scheduled again by the next step.
             for row in sched.rows:
                 self.scheduler.states.release(list(row.state_outputs.values()))
             raise
+
+    def _advance(self, sched: SchedulerOutput, pending: PendingStep) -> list[RequestOutput]:
+        """Launch the step after ``sched`` (in flight as ``pending``) if it can go ahead,
+        then read back and commit ``sched``."""
+        self._inflight = self._launch_ahead(sched, pending)
+        results = self._guarded(sched, lambda: self.runner.collect(pending))
+        outputs = self._process(sched, results)
+        self._check_integrity()
+        return outputs
+
+    def _launch_ahead(
+        self, sched: SchedulerOutput, pending: PendingStep
+    ) -> tuple[SchedulerOutput, PendingStep] | None:
+        """Schedule and launch the plain decode step after ``sched`` before its tokens
+        are on the host, or None: when requests wait (they are admitted by an ordinary
+        step), when a row is not plain decode, or when the caches or the graphs cannot
+        take it. A request that ``sched`` surely finishes (its length cap) gets no row."""
+        if self.scheduler.waiting or not _plain_decode(sched):
+            return None
+        rows, sources = [], []
+        for i, row in enumerate(sched.rows):
+            req = row.request
+            # The request's output count and length once this row's token is in.
+            outputs = len(req.output_token_ids) + row.ahead + 1
+            if (
+                req.status is RequestStatus.RUNNING
+                and outputs < self._max_tokens(req)
+                and req.num_tokens + row.ahead + 1 < req.max_model_len
+            ):
+                rows.append(row)
+                sources.append(i)
+        if not rows:
+            return None
+        nxt = self.scheduler.schedule_ahead(rows)
+        if nxt is None:
+            return None
+        launched = self._guarded(nxt, lambda: self.runner.launch(nxt, pending, sources))
+        if launched is None:
+            for row in nxt.rows:
+                self.scheduler.drop_ahead_row(row)
+            return None
+        self.counters["steps"] += 1
+        return nxt, launched
+
+    def _process(self, sched: SchedulerOutput, results: list) -> list[RequestOutput]:
+        """Commit a step that ran: its tokens, state pages, finished requests; outputs."""
         verify_rows = [(row, res) for row, res in zip(sched.rows, results) if row.is_verify]
         touched: dict[str, _Group] = {}
+        dropped: set[int] = set()
         for row, res in zip(sched.rows, results):
             req = row.request
+            if row.ahead and req.status is not RequestStatus.RUNNING:
+                # Launched ahead for a request that has finished since: drop its result.
+                self.scheduler.drop_ahead_row(row)
+                dropped.add(id(row))
+                continue
             if res.new_tokens:
                 self._append_tokens(req, res.new_tokens, res.logprobs)
             if not row.is_verify:
@@ -220,20 +312,27 @@ class EngineCore:
             if group is not None:
                 touched[group.request_id] = group
         if verify_rows:
-            self._commit_postprocess(sched, verify_rows)
+            self._commit_postprocess(sched, verify_rows, dropped)
         for row in sched.rows:
             req = row.request
+            if id(row) in dropped:
+                continue
             if req.status is RequestStatus.RUNNING and req.stopped:
                 self._finish(req)
             elif req.status is RequestStatus.RUNNING and self._length_capped(req):
                 self._finish(req, length=True)
-        if self.check_integrity_every_step:
-            self.scheduler.check_integrity()
         return [
             self._make_output(g)
             for g in touched.values()
             if not g.final_only or all(r.status.finished for r in g.children)
         ]
+
+    def _check_integrity(self) -> None:
+        if self.check_integrity_every_step:
+            held = []
+            if self._inflight is not None:
+                held = [p for row in self._inflight[0].rows for p in row.state_outputs.values()]
+            self.scheduler.check_integrity(held)
 
     def _launch_postprocess(
         self, sched: SchedulerOutput, verify: list[int], accepted: torch.Tensor
@@ -289,36 +388,44 @@ class EngineCore:
         )
         runner.slot_num_computed = result.new_num_computed
         runner.slot_state_page = result.new_state_page
-        self._postprocess_k = result.ckpt_page.shape[1]
+        sched.postprocess_k = result.ckpt_page.shape[1]
         return torch.cat(
             [accepted[:, None], result.new_state_page[idx_long][:, None], result.ckpt_page,
              result.ckpt_len, result.release_pages], dim=1,
         ).reshape(-1).long()
 
     def _commit_postprocess(
-        self, sched: SchedulerOutput, rows: list[tuple[ScheduledRow, object]]
+        self,
+        sched: SchedulerOutput,
+        rows: list[tuple[ScheduledRow, object]],
+        dropped: set[int] = frozenset(),
     ) -> None:
         """The host's page bookkeeping from the postprocess decisions of this step.
 
         The decisions came back with the step's choices (``runner.verify_readback``:
         the runner calls :meth:`_launch_postprocess` in every step with verify rows).
         The accepted counts the device decided with must equal the tokens the host
-        appended: a mismatch is a bug and raises before any page changes hands.
+        appended: a mismatch is a bug and raises before any page changes hands. Rows in
+        ``dropped`` (ids of rows whose result was dropped) change nothing.
         """
         host = self.runner.verify_readback
         self.runner.verify_readback = None
         if host is None:
             raise RuntimeError("a step with verify rows read back no postprocess decisions")
-        k = self._postprocess_k
+        k = sched.postprocess_k
         width = len(host) // len(rows)
-        decided = [host[i * width : (i + 1) * width] for i in range(len(rows))]
-        for (row, res), h in zip(rows, decided):
+        decided = [
+            (row, res, host[i * width : (i + 1) * width])
+            for i, (row, res) in enumerate(rows)
+            if id(row) not in dropped
+        ]
+        for row, res, h in decided:
             if h[0] != len(res.new_tokens):
                 raise RuntimeError(
                     f"request {row.request.request_id}: the device accepted {h[0]} tokens, "
                     f"the host {len(res.new_tokens)}"
                 )
-        for (row, _), h in zip(rows, decided):
+        for row, _, h in decided:
             ckpts = [(p, page) for p, page in zip(h[2 + k : 2 + 2 * k], h[2 : 2 + k]) if page >= 0]
             released = [p for p in h[2 + 2 * k :] if p >= 0]
             self.scheduler.commit_verify_row(row, h[0], h[1], ckpts, released)

@@ -55,12 +55,18 @@ class ScheduledRow:
     # A decode/verify row: its surviving state depends on the acceptance count.
     is_verify: bool = False
     state_outputs: dict[int, int] = field(default_factory=dict)
+    # Scheduled one step ahead (:meth:`Scheduler.schedule_ahead`): the row's input token
+    # is the previous step's choice, still on the device, and the request's host state
+    # (tokens, output count, state page) lags the row by that one token.
+    ahead: bool = False
 
 
 @dataclass
 class SchedulerOutput:
     rows: list[ScheduledRow]
     preempted: list[Request]
+    # Checkpoint columns per row of the step's postprocess read-back (set at its launch).
+    postprocess_k: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -348,6 +354,41 @@ class Scheduler:
             rows.append(self._make_row(req, q, 0, positions, verify=False))
             budget -= q
         return SchedulerOutput(rows=rows, preempted=preempted)
+
+    def schedule_ahead(self, rows: list[ScheduledRow]) -> SchedulerOutput | None:
+        """The plain decode step after ``rows`` (plain decode rows of the step in flight,
+        one token each), scheduled before that step's tokens reach the host.
+
+        Each row continues from the page its predecessor writes (the state after its one
+        token, which a plain decode step always keeps) with one new page and, at a block
+        boundary, one new KV block. Nothing is preempted: None when the caches cannot
+        take every row (the next step is then scheduled the ordinary way, after the
+        tokens are in). A request that the step in flight finishes gets its row's
+        result dropped and its page released (:meth:`drop_ahead_row`).
+        """
+        need_blocks = sum(
+            self._blocks_needed(r.num_computed + 2) - len(r.request.block_ids) for r in rows
+        )
+        if need_blocks > self.blocks.num_free or not self.states.can_allocate(len(rows)):
+            return None
+        out = []
+        for prev in rows:
+            req = prev.request
+            n = prev.num_computed + 1
+            extra = self._blocks_needed(n + 1) - len(req.block_ids)
+            if extra > 0:
+                req.block_ids += self.blocks.allocate(extra)
+            out.append(ScheduledRow(
+                request=req, num_computed=n, num_tokens=1, num_drafts=0, samples=True,
+                state_in_page=prev.state_outputs[n], is_verify=True,
+                state_outputs={n + 1: self.states.allocate(1)[0]}, ahead=True,
+            ))
+        return SchedulerOutput(rows=out, preempted=[])
+
+    def drop_ahead_row(self, row: ScheduledRow) -> None:
+        """Release what a row scheduled ahead holds when its request finished meanwhile
+        (its KV block went with the request's blocks)."""
+        self.states.release(list(row.state_outputs.values()))
 
     def _make_row(
         self, req: Request, q: int, drafts: int, positions: list[int], verify: bool

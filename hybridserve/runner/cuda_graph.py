@@ -136,16 +136,20 @@ class _Static:
         self.tables = 4 * q + 1
         cols = self.tables + max_blocks
         self.meta = torch.zeros(max_batch, cols, dtype=torch.int64, device=device)
-        host = torch.zeros(max_batch, cols, dtype=torch.int64)
-        self.staging = host.pin_memory() if device.type == "cuda" else host
-        self.host = self.staging.numpy()
+        pin = device.type == "cuda"
+        # Two pinned host twins, filled in turn: a step scheduled ahead is filled while
+        # the copy of the step before it may still be queued, so a fill never writes
+        # the twin whose copy it has not seen finish (``copied``).
+        host = torch.zeros(2, max_batch, cols, dtype=torch.int64)
+        self.staging = host.pin_memory() if pin else host
+        self.turn = 0
+        self.copied: list[torch.cuda.Event | None] = [None, None]
         # Per position, the sampler's parameter columns (sampler.PARAM_COLUMNS); a
         # padding row or position draws greedily (temperature 0) and is dropped.
         ncol = len(sampler.PARAM_COLUMNS)
         self.params = torch.zeros(max_batch * q * ncol, dtype=torch.float64, device=device)
-        params_host = torch.zeros(max_batch * q * ncol, dtype=torch.float64)
-        self.params_staging = params_host.pin_memory() if device.type == "cuda" else params_host
-        self.params_host = self.params_staging.numpy().reshape(max_batch, q, ncol)
+        params_host = torch.zeros(2, max_batch * q * ncol, dtype=torch.float64)
+        self.params_staging = params_host.pin_memory() if pin else params_host
         # A padding row: token 0 at positions 0 .. q - 1 of the scratch block, reading the
         # scratch page and writing no state.
         pad = np.full(cols, -1, dtype=np.int64)
@@ -155,6 +159,32 @@ class _Static:
         pad[3 * q] = scratch_page
         pad[self.tables] = scratch_block
         self.pad = pad
+
+    @property
+    def host(self) -> np.ndarray:
+        """The host twin the next fill writes (a numpy view)."""
+        return self.staging[self.turn].numpy()
+
+    @property
+    def params_host(self) -> np.ndarray:
+        return self.params_staging[self.turn].numpy().reshape(self.meta.shape[0], self.q, -1)
+
+    def begin_fill(self) -> None:
+        """Wait until the copy that last read this turn's twin has run."""
+        if self.copied[self.turn] is not None:
+            self.copied[self.turn].synchronize()
+
+    def end_fill(self, batch: int, params: int) -> None:
+        """Copy the twin's first ``batch`` rows (and ``params`` parameter values) to the
+        device behind the stream's queued work, and pass the turn."""
+        t = self.turn
+        self.meta[:batch].copy_(self.staging[t, :batch], non_blocking=True)
+        if params:
+            self.params[:params].copy_(self.params_staging[t, :params], non_blocking=True)
+        if self.meta.is_cuda:
+            self.copied[t] = torch.cuda.Event()
+            self.copied[t].record()
+        self.turn = 1 - t
 
 
 class DecodeGraphs:
@@ -267,11 +297,16 @@ class DecodeGraphs:
 
     # ---- one step ------------------------------------------------------------------
 
-    def replay(self, sched: SchedulerOutput) -> tuple[torch.Tensor, int] | None:
+    def replay(
+        self, sched: SchedulerOutput, tokens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, int] | None:
         """Run ``sched`` from a graph if it qualifies, reading nothing back: the device
         output (row ``i``'s choices at ``[i * q, i * q + num_tokens)``) and ``q``, or
-        None (then nothing ran)."""
+        None (then nothing ran). ``tokens`` (device, one per row): the input tokens of a
+        step of one-token rows scheduled ahead, which the host does not have yet."""
         shape = self.plan(sched)
+        if tokens is not None and (shape is None or shape.q != 1):
+            return None
         if shape is None:
             self.counters["eager_steps"] += 1
             return None
@@ -282,6 +317,8 @@ class DecodeGraphs:
                 self.scratch_page, self.block_size, self.device,
             )
         self.fill(st, sched, shape)
+        if tokens is not None:
+            st.meta[: shape.rows, 0] = tokens
         key = shape.key
         entry = self._graphs.get(key)
         if entry is None:
@@ -300,6 +337,7 @@ class DecodeGraphs:
     def fill(self, st: _Static, sched: SchedulerOutput, shape: StepShape) -> None:
         """Write the step's rows (then padding rows up to the bucket) into the static
         buffer: the pinned host twin first, then one asynchronous copy."""
+        st.begin_fill()
         q, bs, h = shape.q, self.block_size, st.host
         tab = st.tables
         width = shape.width
@@ -308,7 +346,10 @@ class DecodeGraphs:
         if q == 1:
             # Plain decode: every column at once (the values the general loop below writes).
             n = [row.num_computed for row in rows]
-            h[: len(rows), 0] = [row.request.all_token_ids[c] for row, c in zip(rows, n)]
+            # An ahead row's token is not on the host: the replay copies it in on the device.
+            h[: len(rows), 0] = [
+                0 if row.ahead else row.request.all_token_ids[c] for row, c in zip(rows, n)
+            ]
             h[: len(rows), 1] = n
             h[: len(rows), 2] = [
                 row.request.block_ids[c // bs] * bs + c % bs for row, c in zip(rows, n)
@@ -348,7 +389,7 @@ class DecodeGraphs:
                 line[tab : tab + k] = blocks[:k]
                 line[tab + k : tab + width] = -1
         h[shape.rows : shape.batch] = st.pad
-        st.meta[: shape.batch].copy_(st.staging[: shape.batch], non_blocking=True)
+        params = 0
         if shape.sampling != GREEDY:
             # Every position's draw parameters; rows shorter than q and padding rows
             # draw greedily (their choices are dropped).
@@ -356,12 +397,13 @@ class DecodeGraphs:
             ph[: shape.batch] = 0.0
             for i, row in enumerate(sched.rows):
                 req = row.request
+                # An ahead row draws the token after the one still on the device.
                 ph[i, : row.num_tokens] = sampler.position_params(
-                    req.params, req.sample_seed, len(req.output_token_ids), row.num_tokens,
-                    self.model.config.vocab_size,
+                    req.params, req.sample_seed, len(req.output_token_ids) + row.ahead,
+                    row.num_tokens, self.model.config.vocab_size,
                 )
-            n = shape.batch * q * ph.shape[-1]
-            st.params[:n].copy_(st.params_staging[:n], non_blocking=True)
+            params = shape.batch * q * ph.shape[-1]
+        st.end_fill(shape.batch, params)
 
     # ---- the static forward --------------------------------------------------------
 

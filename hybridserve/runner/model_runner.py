@@ -38,6 +38,25 @@ class RowResult:
     logprobs: list[dict[int, Logprob]]
 
 
+@dataclass
+class PendingStep:
+    """A graph-replayed step launched and not yet read back (:meth:`ModelRunner.launch`).
+
+    ``choices``: the step's chosen ids on the device (a copy of its own, so a later
+    replay of the same graph cannot overwrite them), row ``i``'s at ``i * q``;
+    ``values``: what the step reads back (the choices, then the postprocess decisions),
+    copying into ``host`` (pinned) behind ``done`` on CUDA.
+    """
+
+    sched: SchedulerOutput
+    q: int
+    choices: torch.Tensor
+    values: torch.Tensor
+    num_choices: int
+    host: torch.Tensor | None = None
+    done: torch.cuda.Event | None = None
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -122,22 +141,70 @@ class ModelRunner:
         return torch.tensor(ids, dtype=torch.long, device=self.device), batch
 
     @torch.inference_mode()
+    def launch(
+        self,
+        sched: SchedulerOutput,
+        after: PendingStep | None = None,
+        sources: Sequence[int] = (),
+    ) -> PendingStep | None:
+        """Replay ``sched`` from a decode graph and start its read-back without waiting
+        for it; None (nothing ran) when the step does not qualify for a graph.
+
+        ``after``: the step in flight that ``sched`` was scheduled ahead of (its rows are
+        all ``ahead`` rows, row ``i`` continuing ``after``'s row ``sources[i]``): their
+        input tokens are that step's choices, copied on the device.
+        """
+        if self.graphs is None:
+            return None
+        tokens = None
+        if after is not None:
+            src = torch.tensor([j * after.q for j in sources], dtype=torch.int64)
+            if after.choices.is_cuda:
+                src = src.pin_memory()
+            tokens = after.choices.index_select(
+                0, src.to(after.choices.device, non_blocking=True)
+            )
+        replayed = self.graphs.replay(sched, tokens)
+        if replayed is None:
+            return None
+        out, q = replayed
+        choices = out[: len(sched.rows) * q].clone()
+        # Row i's choices sit at [i * q, i * q + num_tokens).
+        starts = [i * q for i in range(len(sched.rows))]
+        tail = self._verify_tail(sched, choices, starts)
+        values = choices if tail is None else torch.cat([choices, tail])
+        pending = PendingStep(sched, q, choices, values, choices.numel())
+        if values.is_cuda:
+            pending.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            pending.host.copy_(values, non_blocking=True)
+            pending.done = torch.cuda.Event()
+            pending.done.record()
+        return pending
+
+    def collect(self, pending: PendingStep) -> list[RowResult]:
+        """Wait for a launched step's read-back; its rows' results (and the postprocess
+        decisions in :attr:`verify_readback`)."""
+        if pending.done is not None:
+            pending.done.synchronize()
+            host = pending.host.tolist()
+        else:
+            host = pending.values.tolist()
+        n = pending.num_choices
+        self.verify_readback = host[n:] if len(host) > n else None
+        results = []
+        for i, row in enumerate(pending.sched.rows):
+            drafts = row.request.draft_token_ids[: row.num_drafts]
+            choices = host[i * pending.q : i * pending.q + row.num_tokens]
+            results.append(RowResult(sampler.verify_choices(choices, drafts), []))
+        return results
+
+    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> list[RowResult]:
         """Run the forward of a step, then sample (and verify drafts) for every row."""
         self.verify_readback = None
-        if self.graphs is not None:
-            replayed = self.graphs.replay(sched)
-            if replayed is not None:
-                out, q = replayed
-                # Row i's choices sit at [i * q, i * q + num_tokens) of the output.
-                starts = [i * q for i in range(len(sched.rows))]
-                values = self._read_back(sched, out[: len(sched.rows) * q], starts)
-                results = []
-                for row, start in zip(sched.rows, starts):
-                    drafts = row.request.draft_token_ids[: row.num_drafts]
-                    choices = values[start : start + row.num_tokens]
-                    results.append(RowResult(sampler.verify_choices(choices, drafts), []))
-                return results
+        pending = self.launch(sched)
+        if pending is not None:
+            return self.collect(pending)
         input_ids, batch = self.build_batch(sched)
         hidden = self.model.forward(input_ids, batch, self.caches)
         # Gather the positions whose logits are needed: every token of a verify row,

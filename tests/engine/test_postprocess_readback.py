@@ -23,9 +23,9 @@ def test_decisions_come_back_with_the_choices(tiny_nemotron):
     seen = []
     commit = eng._commit_postprocess
 
-    def spy(sched, rows):
+    def spy(sched, rows, *rest):
         seen.append(runner.verify_readback is not None)
-        commit(sched, rows)
+        commit(sched, rows, *rest)
 
     eng._commit_postprocess = spy
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

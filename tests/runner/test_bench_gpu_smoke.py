@@ -43,16 +43,20 @@ def test_bench_gpu_smoke(tmp_path):
     _check_kernel_checks(result["kernel_checks"], proc.stdout)
     assert [r["batch"] for r in result["decode"]["ours"]] == [1, 4]
     # The smoke run takes the decode-graph path (its static-buffer step, no capture on the
-    # CPU) on alternate steps, the eager fast path on the others.
+    # CPU) on alternate steps, the eager fast path on the others; then pipelined graph
+    # steps (async scheduling, the engine's default with graphs), each launching one.
     for r in result["decode"]["ours"]:
-        assert r["mode"] == "graph" and set(r["modes"]) == {"graph", "eager"}
-        assert r["graphs"]["timed_graph_steps_replayed"] == r["steps_timed"]
+        assert r["mode"] == "graph_async"
+        assert set(r["modes"]) == {"graph", "eager", "graph_async"}
+        assert r["graphs"]["timed_graph_steps_replayed"] == r["modes"]["graph"]["steps_timed"]
+        assert r["graph_steps_launched"] == r["steps_timed"]
         assert not r["graphs"]["capture_errors"]
     assert [r["batch"] for r in result["decode"]["ours_eager"]] == [1, 4]
     # Sampled decode steps replay graphs too (the draw inside the graph).
     sampled = result["decode_sampled"]
-    assert sampled["mode"] == "graph"
-    assert sampled["graphs"]["timed_graph_steps_replayed"] == sampled["steps_timed"]
+    assert sampled["mode"] == "graph_async"
+    assert sampled["graphs"]["timed_graph_steps_replayed"] == sampled["modes"]["graph"]["steps_timed"]
+    assert sampled["graph_steps_launched"] == sampled["steps_timed"]
     assert any("any_sampled=True" in str(k) for k in sampled["graphs"]["keys"])
     assert result["prefill"]["prompts_run"] == 2
     assert result["agreement"]["graphs_vs_eager"]["positional_agreement"] == 1.0

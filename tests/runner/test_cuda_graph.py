@@ -26,14 +26,15 @@ def _seed() -> int:
     return int(torch.randint(0, 2**31 - 1, ()))
 
 
-def graph_llm(path, **kw) -> LLM:
-    """An LLM whose engine takes the decode-graph path (without capture on the CPU)."""
+def graph_llm(path, async_scheduling=False, **kw) -> LLM:
+    """An LLM whose engine takes the decode-graph path (without capture on the CPU);
+    every step read back before the next unless ``async_scheduling``."""
     llm = LLM(path, **kw)
     eng = llm.engine
     llm.engine = None
     llm.engine = EngineCore(
         llm.config, llm.model, llm.tokenizer, eng.vocab_size, eng.eos_token_ids,
-        enforce_eager=False,
+        enforce_eager=False, async_scheduling=async_scheduling,
     )
     return llm
 
