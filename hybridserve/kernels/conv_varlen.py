@@ -28,13 +28,18 @@ integer tensors on the device of ``xbc``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from hybridserve.kernels.conv1d import causal_conv1d_reference
 
-__all__ = ["conv_varlen", "conv_varlen_reference", "conv_varlen_windows", "token_rows"]
+__all__ = [
+    "WindowIndex", "conv_varlen", "conv_varlen_reference", "conv_varlen_windows", "token_rows",
+    "window_index",
+]
 
 
 def _check(
@@ -118,6 +123,43 @@ def conv_varlen_reference(
     return out
 
 
+@dataclass(frozen=True)
+class WindowIndex:
+    """Where every entry of the requested conv windows comes from (:func:`window_index`):
+    the same for every Mamba layer of a step, so it is built once per step."""
+
+    token: torch.Tensor  # [R, K-1] packed token of each entry (clamped into the row)
+    from_row: torch.Tensor  # [R, K-1, 1] bool: the entry is a packed input ...
+    page: torch.Tensor  # [R, 1] ... else entry ``entry`` of the row's initial window on
+    entry: torch.Tensor  # [R, K-1] ... page ``page`` (page 0 stands in for none) ...
+    has_page: torch.Tensor  # [R, 1, 1] bool ... or zero where the row has no page
+
+
+def window_index(
+    query_start: torch.Tensor,
+    in_pages: torch.Tensor,
+    rows: torch.Tensor,
+    offsets: torch.Tensor,
+    width: int,
+) -> WindowIndex:
+    """The :class:`WindowIndex` of the windows after tokens ``offsets`` of rows ``rows``
+    for a conv of ``width + 1`` taps (index tensors on the rows' device)."""
+    rows = rows.to(torch.int64)
+    j = torch.arange(width, device=rows.device)
+    # Row offset of window entry j; negative offsets are the initial window's entry width + pos.
+    pos = offsets.to(torch.int64)[:, None] - (width - 1) + j[None, :]  # [R, K-1]
+    page = in_pages.to(torch.int64)[rows]  # [R]
+    return WindowIndex(
+        token=query_start.to(torch.int64)[rows][:, None] + pos.clamp(min=0),
+        from_row=(pos >= 0)[..., None],
+        # Rows without a page read page 0 and discard it: where, not a product, so a NaN
+        # in that page cannot leak into the zeros.
+        page=page.clamp(min=0)[:, None],
+        entry=(pos + width).clamp(max=width - 1),
+        has_page=(page >= 0)[:, None, None],
+    )
+
+
 def conv_varlen_windows(
     xbc: torch.Tensor,
     conv_cache: torch.Tensor,
@@ -125,6 +167,7 @@ def conv_varlen_windows(
     in_pages: torch.Tensor,
     rows: torch.Tensor,
     offsets: torch.Tensor,
+    index: WindowIndex | None = None,
 ) -> torch.Tensor:
     """The conv windows after the requested tokens: ``[R, C, K - 1]`` in ``xbc.dtype``.
 
@@ -132,24 +175,16 @@ def conv_varlen_windows(
     its token at ``offsets[j]`` (``0 <= offsets[j] < q``), oldest first; entries from before
     the row's first token come from its initial window (page ``in_pages[row]``, zeros for
     -1), cast to ``xbc.dtype`` as the per-row reference does. A pure gather: the values
-    are bit-identical copies.
+    are bit-identical copies. ``index``: :func:`window_index` of the same arguments, when
+    the caller keeps it for every layer of the step.
     """
-    width = conv_cache.shape[-1]  # K - 1
-    rows = rows.to(torch.int64)
-    offsets = offsets.to(torch.int64)
-    j = torch.arange(width, device=xbc.device)
-    # Row offset of window entry j; negative offsets are the initial window's entry width + pos.
-    pos = offsets[:, None] - (width - 1) + j[None, :]  # [R, K-1]
-    from_row = pos >= 0
-    tok = query_start.to(torch.int64)[rows][:, None] + pos.clamp(min=0)
-    from_x = xbc[tok]  # [R, K-1, C]
-    page = in_pages.to(torch.int64)[rows]  # [R]
-    # Rows without a page read page 0 here and discard it: where, not a product, so a
-    # NaN in that page cannot leak into the zeros.
-    from_page = conv_cache[page.clamp(min=0)[:, None], :, (pos + width).clamp(max=width - 1)]
+    if index is None:
+        index = window_index(query_start, in_pages, rows, offsets, conv_cache.shape[-1])
+    from_x = xbc[index.token]  # [R, K-1, C]
+    from_page = conv_cache[index.page, :, index.entry].to(xbc.dtype)
     zero = torch.zeros((), dtype=xbc.dtype, device=xbc.device)
-    initial = torch.where((page >= 0)[:, None, None], from_page.to(xbc.dtype), zero)
-    return torch.where(from_row[..., None], from_x, initial).transpose(1, 2)
+    initial = torch.where(index.has_page, from_page, zero)
+    return torch.where(index.from_row, from_x, initial).transpose(1, 2)
 
 
 # --------------------------------------------------------------------------------------

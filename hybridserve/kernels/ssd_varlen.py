@@ -68,12 +68,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from hybridserve.kernels.conv_varlen import token_rows
+from hybridserve.kernels.conv_varlen import WindowIndex, token_rows, window_index
 from hybridserve.kernels.ssd import discretize_dt, heads_from_groups, ssd_chunked_reference
 from hybridserve.models.batch import ForwardBatch
 
@@ -469,6 +469,16 @@ class PrefillPlan:
     out_offsets: torch.Tensor
     out_pages: torch.Tensor
     segments: Segments
+    _windows: dict[int, WindowIndex] = field(default_factory=dict, repr=False)
+
+    def window_index(self, width: int) -> WindowIndex:
+        """Where the requested conv windows of ``width`` entries come from (built on the
+        first layer that asks, shared by the rest of the step)."""
+        if width not in self._windows:
+            self._windows[width] = window_index(
+                self.query_start, self.in_pages, self.out_rows, self.out_offsets, width
+            )
+        return self._windows[width]
 
 
 _PLAN_ATTR = "_prefill_plan_memo"

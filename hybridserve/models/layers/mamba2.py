@@ -244,7 +244,8 @@ class Mamba2Mixer(nn.Module):
         # Everything read from pages (conv windows that reach back before a row, initial
         # SSM states) is gathered before any page is written.
         windows = conv_varlen_windows(
-            xbc, conv_cache, plan.query_start, plan.in_pages, plan.out_rows, plan.out_offsets
+            xbc, conv_cache, plan.query_start, plan.in_pages, plan.out_rows, plan.out_offsets,
+            plan.window_index(conv_cache.shape[-1]),
         )
         initial = torch.zeros(
             len(plan.in_pages), *ssm_cache.shape[1:], dtype=compute, device=xbc.device
