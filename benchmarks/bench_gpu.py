@@ -70,6 +70,7 @@ from hybridserve.kernels import (  # noqa: E402
     norms,
     paged_attention,
     paged_attention_prefill,
+    ssd_tails,
     ssd_varlen,
     state_postprocess,
 )
@@ -1411,6 +1412,47 @@ def check_ssd_prefill(shape, step, dtype, device, seed, chunk_states=False):
     }
 
 
+def check_ssd_tails(shape, step, dtype, device, seed):
+    """``ssd_tail_states`` against its torch twin: the states a few tokens past chunk
+    states (the off-grid checkpoints of a packed prefill), tails of 1 to 63 tokens."""
+    g, h = _generators(seed, device)
+    m = _mamba_shapes(shape)
+    heads, head_dim, groups, d_state = m["heads"], m["head_dim"], m["groups"], m["d_state"]
+    lengths = torch.randint(1, 64, (step["rows"] // 4,), generator=h).tolist()
+    tokens_n = sum(lengths)
+    bf16 = torch.bfloat16
+    x = _randn(g, tokens_n, heads, head_dim, device=device, dtype=bf16).float()
+    B = _randn(g, tokens_n, groups, d_state, device=device, dtype=bf16).float()
+    dt, A = _mamba_dt_A(g, tokens_n, heads, device)
+    start = _randn(g, len(lengths), heads, head_dim, d_state, device=device)
+    width = max(lengths)
+    perm = torch.randperm(tokens_n, generator=h)
+    tokens = torch.zeros(len(lengths), width, dtype=torch.int64)
+    used = 0
+    for i, n in enumerate(lengths):
+        tokens[i, :n] = perm[used : used + n]
+        used += n
+    tokens = tokens.to(device)
+    lens = torch.tensor(lengths, dtype=torch.int64, device=device)
+    args = (x, dt, A, B, start, tokens, lens)
+    want = ssd_tails.ssd_tail_states_reference(*args)
+    ref = ssd_tails.ssd_tail_states_reference(*(t.double() for t in args[:5]), tokens, lens)
+
+    def kern():
+        return ssd_tails.ssd_tail_states(*args)
+
+    got = kern()
+    return {
+        "kernel": "ssd_tail_states", "twin": "ssd_tail_states_reference",
+        "dtype": "torch.float32",
+        "shapes": {"tails": len(lengths), "lengths": lengths, "heads": heads,
+                   "head_dim": head_dim, "groups": groups, "d_state": d_state},
+        "outputs": {"states": _compared(got, want, 1e-4, ref, 1e-4)},
+        "invariants": {"outputs_written": not bool(got.isnan().any())},
+        "kernel_s": kernel_time(kern, device),
+    }
+
+
 def _rms_norm64(h, weight, eps):
     h = h.double()
     return weight.double() * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -1623,6 +1665,7 @@ KERNEL_CHECKS = [
     ("ssd_scan_varlen_fla", "ssd_varlen", check_ssd_scan, {}),
     ("ssd_prefill", "ssd_varlen", check_ssd_prefill, {}),
     ("ssd_prefill (chunk states)", "ssd_varlen", check_ssd_prefill, {"chunk_states": True}),
+    ("ssd_tail_states", "ssd_tails", check_ssd_tails, {}),
     ("rms_norm", "norms", check_rms_norm, {}),
     ("add_rms_norm", "norms", check_add_rms_norm, {}),
     ("gated_rms_norm", "norms", check_gated_rms_norm, {}),

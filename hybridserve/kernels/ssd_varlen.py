@@ -75,6 +75,7 @@ import torch.nn.functional as F
 
 from hybridserve.kernels.conv_varlen import WindowIndex, token_rows, window_index
 from hybridserve.kernels.ssd import discretize_dt, heads_from_groups, ssd_chunked_reference
+from hybridserve.kernels.ssd_tails import ssd_tail_states, ssd_tail_states_reference
 from hybridserve.models.batch import ForwardBatch
 
 __all__ = [
@@ -305,14 +306,15 @@ class Segments:
     request_segment: torch.Tensor  # [K]: the segment that holds each requested offset ...
     # ... at its end, except the requests chunk_request [C], which read the scan's chunk
     # state chunk_index [C] (a request on its row's chunk grid), and tail_request [M],
-    # which run their tail_tokens [M, W] (where tail_valid [M, W]) on from chunk state
-    # tail_chunk [M]. All empty without a chunk.
+    # which run the first tail_lengths [M] of their tail_tokens [M, W] on from chunk
+    # state tail_chunk [M] (:mod:`~hybridserve.kernels.ssd_tails`). All empty without a
+    # chunk.
     chunk_request: torch.Tensor
     chunk_index: torch.Tensor
     tail_request: torch.Tensor
     tail_chunk: torch.Tensor
     tail_tokens: torch.Tensor
-    tail_valid: torch.Tensor
+    tail_lengths: torch.Tensor
 
     @property
     def reads_chunk_states(self) -> bool:
@@ -424,7 +426,7 @@ def _segments(lists: dict[str, list], device: torch.device) -> Segments:
         tail_request=t["tail_pos"],
         tail_chunk=t["tail_chunk"],
         tail_tokens=t["tail_tokens"].view(tails, width),
-        tail_valid=(torch.arange(width, device=device)[None, :] < t["tail_lengths"][:, None]),
+        tail_lengths=t["tail_lengths"],
         chain_steps=tuple(steps),
     )
 
@@ -623,20 +625,11 @@ def ssd_prefill(
         states.index_copy_(0, segments.chunk_request, chunks.index_select(0, segments.chunk_index))
         if segments.tail_request.numel():
             start = chunks.index_select(0, segments.tail_chunk)
-            states.index_copy_(0, segments.tail_request, _run_tails(x, dt, A, B, start, segments))
+            # Triton on CUDA (float32); the torch twin elsewhere, and for float64.
+            run = (ssd_tail_states if x.is_cuda and compute == torch.float32
+                   else ssd_tail_states_reference)
+            states.index_copy_(0, segments.tail_request, run(
+                x, dt, A, B, start, segments.tail_tokens, segments.tail_lengths
+            ).to(compute))
     return y, states
 
-
-def _run_tails(x, dt, A, B, start, segments: Segments) -> torch.Tensor:
-    """The state after each tail (fewer than SCAN_CHUNK tokens) from its start state
-    ``[M, H, P, N]``: ``S = exp(sum a) S0 + sum_i exp(sum_{j > i} a_j) dt_i x_i B_i^T``
-    with ``a = dt * A``, batched over the tails (padding has ``dt = 0``: no decay, no
-    input). A few small tensor ops instead of cutting the row for a second scan."""
-    tokens, valid = segments.tail_tokens, segments.tail_valid
-    dt_t = dt[tokens] * valid[..., None]  # [M, W, H]
-    cum = (dt_t * A).cumsum(1)
-    total = cum[:, -1]  # [M, H]
-    weight = torch.exp(total[:, None] - cum) * dt_t  # decay after token i, times dt_i
-    xw = x[tokens] * weight[..., None]  # [M, W, H, P]
-    Bh = heads_from_groups(B[tokens], x.shape[1])  # [M, W, H, N]
-    return torch.exp(total)[..., None, None] * start + torch.einsum("mwhp,mwhn->mhpn", xw, Bh)

@@ -218,7 +218,7 @@ def test_plan_segments_chunk_layout():
     assert seg.chunk_request.tolist() == [1] and seg.chunk_index.tolist() == [1]
     assert seg.tail_request.tolist() == [2, 3, 4]
     assert seg.tail_chunk.tolist() == [2, 1, 4]
-    assert seg.tail_valid.sum(1).tolist() == [36, 36, 3]
+    assert seg.tail_lengths.tolist() == [36, 36, 3]
     assert seg.tail_tokens[0, :36].tolist() == list(range(128, 164))
     assert seg.tail_tokens[2, :3].tolist() == [200, 201, 202]
     # Without a chunk every request cuts, as before.
