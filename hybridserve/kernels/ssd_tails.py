@@ -74,7 +74,7 @@ def _ssd_tail_kernel(
     heads,
     head_dim,
     d_state,
-    group_heads,
+    heads_per_group,
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -87,7 +87,7 @@ def _ssd_tail_kernel(
     pmask = p < head_dim
     nmask = n < d_state
     mask = pmask[:, None] & nmask[None, :]
-    g = h // group_heads
+    g = h // heads_per_group
     a_rate = tl.load(A_ptr + h).to(tl.float32)
     block = (m.to(tl.int64) * heads + h) * head_dim * d_state + p[:, None] * d_state + n[None, :]
     s = tl.load(start_ptr + block, mask=mask, other=0.0).to(tl.float32)
