@@ -102,12 +102,18 @@ def test_padding_rows_write_only_the_scratch_block(tiny_granite):
     original = runner.execute
 
     def spy(sched):
+        pages = {p for row in sched.rows for p in row.state_outputs.values()}
+        # The step's output pages are fresh: poison them, so a write shows even where it
+        # stores the bits the page held (a repeated token gives the first layer's conv
+        # window the same contents on every step).
+        for name in ("conv", "ssm"):
+            for t in getattr(caches, name).values():
+                t[sorted(pages)] = float("nan")
         before = {
             "kv": {k: (a.clone(), b.clone()) for k, (a, b) in caches.kv.items()},
             "conv": {k: v.clone() for k, v in caches.conv.items()},
             "ssm": {k: v.clone() for k, v in caches.ssm.items()},
         }
-        pages = {p for row in sched.rows for p in row.state_outputs.values()}
         slots = {
             row.request.block_ids[pos // bs] * bs + pos % bs
             for row in sched.rows
@@ -129,6 +135,7 @@ def test_padding_rows_write_only_the_scratch_block(tiny_granite):
                 old = before[name][layer]
                 changed = (_bits(now) != _bits(old)).reshape(now.shape[0], -1).any(-1)
                 assert set(changed.nonzero().flatten().tolist()) == pages
+                assert not now[sorted(pages)].isnan().any()
                 # The scratch page is read, never written: still zeros.
                 assert not now[graphs.scratch_page].any()
         checked.append(len(sched.rows))
