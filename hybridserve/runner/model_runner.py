@@ -6,7 +6,10 @@ through ``idx_mapping``). It never decides what to run; the scheduler does.
 
 With decode graphs enabled (:meth:`ModelRunner.enable_decode_graphs`, the engine's
 default on CUDA), a greedy decode or verify step replays a captured CUDA graph
-(:mod:`hybridserve.runner.cuda_graph`); every other step runs eagerly as below.
+(:mod:`hybridserve.runner.cuda_graph`); every other step runs eagerly as below. A
+replayed step can also be split in two (:meth:`ModelRunner.launch`, then
+:meth:`ModelRunner.collect`): the engine's async scheduling launches the next step in
+between, its input tokens taken from this one's choices on the device.
 
 Sampling (:mod:`hybridserve.runner.sampler`) stays on the logits' device: a step whose
 sampling rows are all plain greedy reads back one argmax id per position; any other
