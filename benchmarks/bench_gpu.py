@@ -67,6 +67,7 @@ from hybridserve.engine.engine_core import EngineCore, prefill_flops  # noqa: E4
 from hybridserve.kernels import (  # noqa: E402
     conv_varlen,
     mamba_decode,
+    mamba_short,
     norms,
     paged_attention,
     paged_attention_prefill,
@@ -735,9 +736,14 @@ def hf_decode(hf, device, batch, prompt_len, new_tokens, vocab, seed):
 # --------------------------------------------------------------------------------------
 
 
-def ttft(model, path, device, dtype, prompt_len, cached_len, interval, vocab, seed):
-    max_len = prompt_len + 16
-    pages = cached_len // interval + 16
+def ttft(model, path, device, dtype, prompt_len, cached_len, interval, vocab, seed,
+         tails=(64, 128, 256, 512)):
+    """First token of a ``prompt_len`` prompt, cold and with ``cached_len`` tokens cached,
+    then, over the same cached prefix, tails of ``tails`` new tokens through the short-row
+    path and through the chunked scan (``mamba2.SHORT_ROWS`` "auto" / "off"), each warmed
+    once first."""
+    max_len = max(prompt_len, cached_len + max(tails, default=0)) + 16
+    pages = cached_len // interval + 16 + 4 * len(tails)
     llm = make_llm(
         model, path, device, dtype, 2, max_len,
         enable_prefix_caching=True, state_interval=interval,
@@ -746,10 +752,9 @@ def ttft(model, path, device, dtype, prompt_len, cached_len, interval, vocab, se
         num_kv_blocks=4 * (-(-max_len // 16)) + 8,
     )
     g = torch.Generator().manual_seed(seed)
-    tail = prompt_len - cached_len
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
-    def prompt(prefix):
+    def prompt(prefix, tail=prompt_len - cached_len):
         return prefix + torch.randint(3, vocab, (tail,), generator=g).tolist()
 
     def run(ids):
@@ -776,13 +781,26 @@ def ttft(model, path, device, dtype, prompt_len, cached_len, interval, vocab, se
     # One more cached run (the last prefix is still cached) under the profiler: where
     # the time of a cached-prefix first token goes.
     cached_profile = _profile_call(lambda: run(prompt(prefix)), device)
+    by_tail = []
+    for mode in ("auto", "off"):
+        old_mode, mamba_layer.SHORT_ROWS = mamba_layer.SHORT_ROWS, mode
+        try:
+            for tail in tails:
+                run(prompt(prefix, tail))  # warm-up: first use of this shape and path
+                runs = [run(prompt(prefix, tail)) for _ in range(3)]
+                by_tail.append({"short_rows": mode, "tail": tail, "runs": runs,
+                                "s": statistics.median(t for t, _ in runs)})
+        finally:
+            mamba_layer.SHORT_ROWS = old_mode
     llm = None  # noqa: F841
     free_memory(device)
     cold_s = statistics.median(t for t, _ in cold)
     warm_s = statistics.median(t for t, _ in warm)
     return {"prompt_len": prompt_len, "cached_len": cached_len, "state_interval": interval,
+            "max_short_tokens": mamba_short.MAX_SHORT_TOKENS,
             "cold_s": cold_s, "cached_s": warm_s, "speedup": cold_s / warm_s,
-            "cold_runs": cold, "cached_runs": warm, "cached_profile": cached_profile}
+            "cold_runs": cold, "cached_runs": warm, "cached_profile": cached_profile,
+            "cached_by_tail": by_tail}
 
 
 def _profile_call(fn, device: str) -> dict:
@@ -1311,6 +1329,108 @@ def check_conv_varlen(shape, step, dtype, device, seed):
     }
 
 
+def check_conv_varlen_windows(shape, step, dtype, device, seed):
+    """``conv_varlen`` with ``out_pages``: the short-row step's conv, which also writes the
+    window after every token that has a page. Rows of a cached prompt's tail, decode rows
+    and a short fresh prompt; windows must equal the twin's bit for bit."""
+    g, h = _generators(seed, device)
+    m = _mamba_shapes(shape)
+    channels, k = m["conv_dim"], m["d_conv"]
+    lens = [128, 1, 1, 37, 0, 5]
+    qs = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=device)
+    tokens = int(qs[-1])
+    pages = len(lens) + tokens + 2
+    perm = torch.randperm(pages, generator=h).tolist()
+    in_pages = torch.tensor([perm.pop() if i % 3 else -1 for i in range(len(lens))],
+                            device=device)
+    # About a third of the tokens request their window, every row's last token does.
+    want_page = (torch.rand(tokens, generator=h) < 0.3).tolist()
+    for e in qs[1:].tolist():
+        if e:
+            want_page[e - 1] = True
+    out_pages = torch.tensor([perm.pop() if w else -1 for w in want_page], device=device)
+    cache = torch.full((pages, channels, k - 1), float("nan"), dtype=dtype, device=device)
+    read = in_pages[in_pages >= 0]
+    cache[read] = _randn(g, read.numel(), channels, k - 1, device=device, dtype=dtype)
+    xbc = _randn(g, tokens, channels, device=device, dtype=dtype)
+    weight = _randn(g, channels, k, device=device, dtype=dtype, scale=0.5)
+    bias = _randn(g, channels, device=device, dtype=dtype, scale=0.1)
+    twin_cache = cache.clone()
+    want = conv_varlen.conv_varlen_reference(xbc, weight, bias, twin_cache, qs, in_pages,
+                                             "silu", out_pages=out_pages)
+    written = out_pages[out_pages >= 0]
+    others = _pages_except(pages, written)
+
+    def kern():
+        return conv_varlen.conv_varlen(xbc, weight, bias, cache, qs, in_pages, "silu",
+                                       out_pages=out_pages)
+
+    got = kern()
+    tol = _tol(dtype, 1e-5, 1e-2)
+    return {
+        "kernel": "conv_varlen (windows)", "twin": "conv_varlen_reference",
+        "shapes": {"rows": lens, "conv_dim": channels, "d_conv": k,
+                   "windows_written": int(written.numel())},
+        "outputs": {"out": _compared(got, want, tol)},
+        "invariants": {"windows_bit_identical": torch.equal(cache[written], twin_cache[written]),
+                       "other_pages_unchanged": torch.equal(cache[others].nan_to_num(7.0),
+                                                            twin_cache[others].nan_to_num(7.0))},
+        "kernel_s": kernel_time(kern, device),
+    }
+
+
+def check_ssm_short(shape, step, dtype, device, seed):
+    """``ssm_short_update`` against its twin on a step of short rows (a cached prompt's
+    128-token tail, decode rows, fresh short prompts): outputs and float32 states."""
+    g, h = _generators(seed, device)
+    m = _mamba_shapes(shape)
+    heads, head_dim, groups, d_state = m["heads"], m["head_dim"], m["groups"], m["d_state"]
+    lens = [128, 1, 1, 37, 0, 5]
+    qs = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    tokens = int(qs[-1])
+    pages = len(lens) + tokens + 2
+    perm = torch.randperm(pages, generator=h).tolist()
+    in_pages = torch.tensor([perm.pop() if i % 3 else -1 for i in range(len(lens))],
+                            dtype=torch.int32)
+    want_page = (torch.rand(tokens, generator=h) < 0.3).tolist()
+    for e in qs[1:].tolist():
+        if e:
+            want_page[e - 1] = True
+    out_pages = torch.tensor([perm.pop() if w else -1 for w in want_page], dtype=torch.int32)
+    qs, in_pages, out_pages = qs.to(device), in_pages.to(device), out_pages.to(device)
+    x = _randn(g, tokens, heads, head_dim, device=device, dtype=dtype)
+    dt, A = _mamba_dt_A(g, tokens, heads, device)
+    B = _randn(g, tokens, groups, d_state, device=device, dtype=dtype)
+    C = _randn(g, tokens, groups, d_state, device=device, dtype=dtype)
+    D = _randn(g, heads, device=device, shift=1.0, scale=0.3)
+    cache = torch.full((pages, heads, head_dim, d_state), float("nan"), device=device)
+    read = in_pages[in_pages >= 0].long()
+    cache[read] = _randn(g, read.numel(), heads, head_dim, d_state, device=device)
+    written = out_pages[out_pages >= 0].long()
+    others = _pages_except(pages, written)
+    twin_cache = cache.clone()
+    want = mamba_short.ssm_short_update_reference(
+        x, dt, A, B, C, D, twin_cache, qs, in_pages, out_pages)
+    cache64 = cache.double()
+    ref = mamba_short.ssm_short_update_reference(
+        *(t.double() for t in (x, dt, A, B, C, D)), cache64, qs, in_pages, out_pages)
+    args = (x, dt, A, B, C, D, cache, qs, in_pages, out_pages)
+    got = mamba_short.ssm_short_update(*args)
+    return {
+        "kernel": "ssm_short_update", "twin": "ssm_short_update_reference",
+        "shapes": {"rows": lens, "heads": heads, "head_dim": head_dim, "groups": groups,
+                   "d_state": d_state, "states_written": int(written.numel()),
+                   "state_dtype": "torch.float32"},
+        "outputs": {"y": _compared(got, want, 1e-4, ref, 1e-4),
+                    "states": _compared(cache[written], twin_cache[written], 1e-4,
+                                        cache64[written], 1e-4)},
+        "invariants": {"states_written": not bool(cache[written].isnan().any()),
+                       "other_pages_unchanged": torch.equal(cache[others].nan_to_num(7.0),
+                                                            twin_cache[others].nan_to_num(7.0))},
+        "kernel_s": kernel_time(lambda: mamba_short.ssm_short_update(*args), device),
+    }
+
+
 def _ssd_inputs(g, h, shape, step, device):
     """A mixed step's scan inputs in float32 (x, B and C rounded through bf16, as the
     mixer's projections make them), random initial states for every row."""
@@ -1662,6 +1782,8 @@ KERNEL_CHECKS = [
      {"verify": True}),
     ("paged_attention_prefill", "paged_attention_prefill", check_attention_prefill, {}),
     ("conv_varlen", "conv_varlen", check_conv_varlen, {}),
+    ("conv_varlen (windows)", "conv_varlen", check_conv_varlen_windows, {}),
+    ("ssm_short_update", "mamba_short", check_ssm_short, {}),
     ("ssd_scan_varlen_fla", "ssd_varlen", check_ssd_scan, {}),
     ("ssd_prefill", "ssd_varlen", check_ssd_prefill, {}),
     ("ssd_prefill (chunk states)", "ssd_varlen", check_ssd_prefill, {"chunk_states": True}),
@@ -2080,8 +2202,10 @@ def main(argv=None) -> int:
     hf = None  # noqa: F841
     free_memory(device)
 
+    tails = (16,) if args.smoke else (64, 128, 256, 512)
     result["ttft"] = section("ttft", lambda: ttft(model, path, device, dtype, args.ttft_prompt,
-                                                  args.ttft_cached, 64, vocab, seed=7))
+                                                  args.ttft_cached, 64, vocab, seed=7,
+                                                  tails=tails))
     model = None  # noqa: F841
     free_memory(device)
     if args.with_1b and not args.smoke:
@@ -2165,6 +2289,9 @@ def main(argv=None) -> int:
         t = result["ttft"]
         print(f"TTFT {t['prompt_len']} tokens: cold {t['cold_s']:.3f}s, "
               f"{t['cached_len']} cached {t['cached_s']:.3f}s ({t['speedup']:.1f}x)")
+        for row in t.get("cached_by_tail", []):
+            print(f"  cached + {row['tail']} new tokens, SHORT_ROWS={row['short_rows']}: "
+                  f"{1e3 * row['s']:.1f} ms")
         cp = t.get("cached_profile")
         if cp:
             print(f"  profiled cached run: wall {1e3 * cp['wall_s']:.1f} ms, kernels "

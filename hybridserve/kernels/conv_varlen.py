@@ -13,7 +13,9 @@ row by row.
   block) tile of the output, which is a separate buffer (never the input); it reads only
   inputs (``xbc``, ``weight``, ``bias``, the initial windows and the index tensors), so
   no program reads what another writes (DESIGN.md section 5). A token block may span
-  several rows: every token looks its row up in ``token_row``.
+  several rows: every token looks its row up in ``token_row``. Given ``out_pages`` it
+  also writes the window after each token that has an output page, the program's own
+  (token, channel) entries of pages that no row reads.
 - :func:`conv_varlen_reference`: its torch twin (the CPU path and the test oracle), the
   per-row reference loop.
 - :func:`conv_varlen_windows`: the windows to store after requested ``(row, offset)``
@@ -50,8 +52,11 @@ def _check(
     query_start: torch.Tensor,
     in_pages: torch.Tensor,
     activation: str | None,
+    out_pages: torch.Tensor | None = None,
 ) -> int:
     tokens, channels = xbc.shape
+    if out_pages is not None and out_pages.shape != (tokens,):
+        raise ValueError(f"out_pages must be [T={tokens}], got {tuple(out_pages.shape)}")
     k = weight.shape[-1]
     if weight.shape != (channels, k) or conv_cache.shape[1:] != (channels, k - 1):
         raise ValueError(
@@ -105,21 +110,31 @@ def conv_varlen_reference(
     activation: str | None = "silu",
     token_row: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    out_pages: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Torch twin of :func:`conv_varlen` (same arguments, same result): the per-row loop."""
-    rows = _check(xbc, weight, bias, conv_cache, query_start, in_pages, activation)
+    """Torch twin of :func:`conv_varlen` (same arguments, same result): the per-row loop.
+    Every initial window is read before any page is written."""
+    rows = _check(xbc, weight, bias, conv_cache, query_start, in_pages, activation, out_pages)
     del token_row  # the loop knows every row's tokens
     starts = query_start.tolist()
     pages = in_pages.tolist()
+    outs = out_pages.tolist() if out_pages is not None else [-1] * xbc.shape[0]
     if starts[-1] != xbc.shape[0]:
         raise ValueError(f"query_start ends at {starts[-1]}, xbc has {xbc.shape[0]} tokens")
     out = _output(xbc, out)
+    writes = []
     for i in range(rows):
         s, e = starts[i], starts[i + 1]
         if e == s:
             continue
         window = conv_cache[pages[i]] if pages[i] >= 0 else None
-        out[s:e] = causal_conv1d_reference(xbc[s:e], weight, bias, window, activation)[0]
+        offsets = [t - s for t in range(s, e) if outs[t] >= 0]
+        out[s:e], windows = causal_conv1d_reference(
+            xbc[s:e], weight, bias, window, activation, offsets
+        )
+        writes += [(outs[s + off], w) for off, w in zip(offsets, windows)]
+    for page, window in writes:
+        conv_cache[page] = window.to(conv_cache.dtype)
     return out
 
 
@@ -203,12 +218,14 @@ def _conv_varlen_kernel(
     query_start_ptr,
     token_row_ptr,
     in_pages_ptr,
+    out_pages_ptr,
     out_ptr,
     tokens,
     channels,
     K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
+    WRITE_WINDOWS: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
@@ -251,6 +268,31 @@ def _conv_varlen_kernel(
         acc.to(out_ptr.dtype.element_ty),
         mask=mask,
     )
+    if WRITE_WINDOWS:
+        # Entry i of the window after token t is the input K - 2 - i tokens back, from the
+        # row or from its initial window, as the taps above; cast as the reference casts.
+        out_page = tl.load(out_pages_ptr + tok, mask=tmask, other=-1).to(tl.int64)
+        wmask = mask & (out_page >= 0)[:, None]
+        for i in tl.static_range(K - 1):
+            src = t - (K - 2 - i)
+            in_row = src >= 0
+            xv = tl.load(
+                xbc_ptr + (tok64 - (K - 2 - i))[:, None] * xbc_stride + c[None, :],
+                mask=wmask & in_row[:, None],
+                other=0.0,
+            )
+            wv = tl.load(
+                conv_ptr + page[:, None] * page_stride + c[None, :] * (K - 1)
+                + (src + K - 1)[:, None],
+                mask=wmask & ((src < 0) & (page >= 0))[:, None],
+                other=0.0,
+            )
+            v = tl.where(in_row[:, None], xv, wv.to(xbc_ptr.dtype.element_ty))
+            tl.store(
+                conv_ptr + out_page[:, None] * page_stride + c[None, :] * (K - 1) + i,
+                v.to(conv_ptr.dtype.element_ty),
+                mask=wmask,
+            )
 
 
 def conv_varlen(
@@ -263,6 +305,7 @@ def conv_varlen(
     activation: str | None = "silu",
     token_row: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    out_pages: torch.Tensor | None = None,
     *,
     block_t: int = 32,
     block_c: int = 128,
@@ -273,7 +316,7 @@ def conv_varlen(
         xbc: ``[T, C]`` conv inputs, packed rows (channel axis contiguous).
         weight: ``[C, K]`` depthwise kernel, contiguous; bias: ``[C]`` or None.
         conv_cache: ``[pages, C, K - 1]`` windows (oldest input first), contiguous; only
-            read.
+            read, except the pages ``out_pages`` names.
         query_start: ``[B + 1]`` integer, row ``i`` owns tokens
             ``query_start[i] .. query_start[i + 1]``; ``query_start[B] == T``.
         in_pages: ``[B]`` integer page of each row's initial window, -1 for zeros.
@@ -282,12 +325,16 @@ def conv_varlen(
             when None.
         out: ``[T, C]`` buffer for the result (contiguous, not sharing storage with
             ``xbc``); allocated when None.
+        out_pages: ``[T]`` integer or None; the window after token ``t`` (its last
+            ``K - 1`` inputs, as :func:`conv_varlen_windows` builds it) is written to page
+            ``out_pages[t]`` when that is ``>= 0``. Must not repeat a page or name an
+            input page (then no program reads what another writes).
         block_t, block_c: tile of one program (powers of two).
 
     Returns:
         ``out [T, C]`` in ``xbc.dtype`` (accumulated in float32).
     """
-    _check(xbc, weight, bias, conv_cache, query_start, in_pages, activation)
+    _check(xbc, weight, bias, conv_cache, query_start, in_pages, activation, out_pages)
     tokens, channels = xbc.shape
     if xbc.stride(1) != 1 or not conv_cache.is_contiguous() or not weight.is_contiguous():
         raise ValueError("xbc rows, conv_cache and weight must be contiguous")
@@ -309,12 +356,14 @@ def conv_varlen(
         query_start.contiguous(),
         token_row.contiguous(),
         in_pages.contiguous(),
+        out_pages.contiguous() if out_pages is not None else in_pages,
         out,
         tokens,
         channels,
         K=weight.shape[-1],
         HAS_BIAS=bias is not None,
         SILU=activation is not None,
+        WRITE_WINDOWS=out_pages is not None,
         BLOCK_T=block_t,
         BLOCK_C=block_c,
     )

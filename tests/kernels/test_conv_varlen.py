@@ -125,6 +125,46 @@ def test_windows_cast_initial_entries_like_the_reference():
         assert torch.equal(windows[j], w_ref[0])
 
 
+def _out_pages(g, lens, cache, in_pages):
+    """A page for about half the tokens (distinct, never an input page), -1 for the rest."""
+    free = [p for p in range(cache.shape[0]) if p not in set(in_pages.tolist())]
+    free = [free[i] for i in torch.randperm(len(free), generator=g).tolist()]
+    return torch.tensor([free.pop() if free and bool(torch.rand((), generator=g) < 0.5) else -1
+                         for _ in range(sum(lens))])
+
+
+@pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=interpreted)])
+@pytest.mark.parametrize("lens,k", [(LENS[0], 4), (LENS[3], 3), ([2, 0, 1], 4)])
+def test_out_pages_get_the_windows_bit_for_bit(kernel, lens, k):
+    """With ``out_pages`` the conv also writes the window after each token that has a
+    page: the windows :func:`conv_varlen_windows` gathers, in the page dtype; nothing else
+    changes, and the kernel stays race-free."""
+    g = torch.Generator().manual_seed(_seed())
+    xbc, weight, bias, cache, qs, in_pages = _step(
+        g, lens, 9, k, torch.float32, num_pages=3 * sum(lens) + 4
+    )
+    out_pages = _out_pages(g, lens, cache, in_pages)
+    before = cache.clone()
+    want = conv_varlen_reference(xbc, weight, bias, before.clone(), qs, in_pages, "silu")
+    if kernel:
+        with racecheck.record_launches() as rec:
+            got = conv_varlen(xbc, weight, bias, cache, qs.to(torch.int32), in_pages, "silu",
+                              out_pages=out_pages.to(torch.int32), block_t=4, block_c=8)
+        assert len(rec.reports) == 1 and rec.reports[0].clean, str(rec.reports[0])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        got = conv_varlen_reference(xbc, weight, bias, cache, qs, in_pages, "silu",
+                                    out_pages=out_pages)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    tokens = (out_pages >= 0).nonzero()[:, 0]
+    rows = token_rows(qs, xbc.shape[0])[tokens]
+    windows = conv_varlen_windows(xbc, before, qs, in_pages, rows, tokens - qs[rows])
+    assert torch.equal(cache[out_pages[tokens]], windows)
+    unwritten = torch.ones(cache.shape[0], dtype=torch.bool)
+    unwritten[out_pages[tokens]] = False
+    assert torch.equal(cache[unwritten].nan_to_num(7.0), before[unwritten].nan_to_num(7.0))
+
+
 def test_token_rows_skip_empty_rows():
     qs = torch.tensor([0, 0, 3, 3, 4, 6, 6])
     assert token_rows(qs, 6).tolist() == [1, 1, 1, 3, 4, 4]

@@ -16,6 +16,13 @@ all rows go through one batched conv update and one batched selective-state upda
 that read the rows' pages and write the requested states to their output pages
 (Triton kernels on CUDA, their torch twins elsewhere).
 
+Short-row path: a step that is not uniform but whose rows are all short (at most
+:data:`~hybridserve.kernels.mamba_short.MAX_SHORT_TOKENS`: the tail of a prompt after a
+cached prefix, decode rows beside a short chunk) runs the decode path's recurrence over
+rows of any length (:mod:`hybridserve.kernels.mamba_short`): one conv launch that also
+writes the requested windows, one scan launch that writes the requested states, no host
+read. :data:`SHORT_ROWS` selects it.
+
 Packed prefill path: every other step (prefill, mixed) on CUDA, when fla-core is
 importable and the scan's compute dtype is float32, runs all rows at once: one
 variable-length conv launch (:mod:`hybridserve.kernels.conv_varlen`) and the segmented
@@ -30,7 +37,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridserve.kernels import mamba_decode, ssd_varlen
+from hybridserve.kernels import mamba_decode, mamba_short, ssd_varlen
 from hybridserve.kernels.conv1d import causal_conv1d_reference
 from hybridserve.kernels.conv_varlen import conv_varlen, conv_varlen_reference, conv_varlen_windows
 from hybridserve.kernels.ssd import discretize_dt, ssd_chunked_reference, ssd_step_reference
@@ -44,6 +51,24 @@ from hybridserve.models.layers.norm import GatedRMSNorm
 # "reference": the packed path with the torch-twin scan, on any device and dtype (tests);
 # "off": the per-row reference path everywhere.
 PACKED_PREFILL = "auto"
+
+
+# The path of a step that is not a uniform decode step but has only short rows:
+# "auto": the short-row kernels on CUDA when the scan's compute dtype is float32;
+# "reference": their torch twins on any device and dtype (tests);
+# "off": never (such steps take the packed or the per-row path).
+SHORT_ROWS = "auto"
+
+
+def short_rows_enabled(device: torch.device, compute: torch.dtype) -> bool:
+    """Whether steps of short rows take the short-row path here (see :data:`SHORT_ROWS`)."""
+    if SHORT_ROWS == "reference":
+        return True
+    if SHORT_ROWS == "auto":
+        return device.type == "cuda" and compute == torch.float32
+    if SHORT_ROWS != "off":
+        raise ValueError(f"SHORT_ROWS must be 'auto', 'reference' or 'off', got {SHORT_ROWS!r}")
+    return False
 
 
 def packed_prefill_scan(device: torch.device, compute: torch.dtype) -> ssd_varlen.ScanFn | None:
@@ -111,6 +136,12 @@ class Mamba2Mixer(nn.Module):
             y = self._decode_rows(xbc, dt, A, plan, conv_cache, ssm_cache)
             # The cast to the weights' dtype happens inside the norm's single pass.
             return self.out_proj(self.norm(y.to(compute), z, out_dtype=h.dtype))
+
+        short = mamba_short.short_plan(batch, h.device) if short_rows_enabled(
+            h.device, compute) else None
+        if short is not None:
+            y = self._short_rows(xbc, dt, A, short, conv_cache, ssm_cache)
+            return self.out_proj(self.norm(y, z, out_dtype=h.dtype))
 
         scan = packed_prefill_scan(h.device, compute)
         if scan is not None:
@@ -224,6 +255,55 @@ class Mamba2Mixer(nn.Module):
             plan.out_pages,
         )
         return y.reshape(t, p.intermediate_size)
+
+    def _short_rows(
+        self,
+        xbc: torch.Tensor,
+        dt: torch.Tensor,
+        A: torch.Tensor,
+        plan: mamba_short.ShortPlan,
+        conv_cache: torch.Tensor,
+        ssm_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """The short-row path of a step: ``[T, intermediate]`` scan output (compute dtype).
+        Both launches read the rows' input pages and write only output pages, which no row
+        reads (DESIGN.md section 4), so they need no gather beforehand."""
+        p = self.p
+        t = xbc.shape[0]
+        # The Triton kernels under "auto" (CUDA, float32); the torch twins for "reference".
+        fast = SHORT_ROWS == "auto"
+        conv = conv_varlen if fast else conv_varlen_reference
+        ssm = mamba_short.ssm_short_update if fast else mamba_short.ssm_short_update_reference
+        xbc = conv(
+            # The kernel takes rows at any stride (a column slice of the projection).
+            xbc if fast else xbc.contiguous(),
+            self.conv1d.weight[:, 0, :].contiguous(),
+            self.conv1d.bias,
+            conv_cache,
+            plan.query_start,
+            plan.in_pages,
+            p.activation,
+            plan.token_row,
+            out_pages=plan.out_pages,
+        )
+        gs = p.n_groups * p.d_state
+        x, B, C = xbc.split([p.intermediate_size, gs, gs], dim=-1)
+        # As per row: one-token continuation rows skip the clamp unless the model asks for it.
+        unclamped = None if p.clamp_dt_in_single_token_step else plan.unclamped
+        dt = ssd_varlen.discretize_dt_varlen(dt, self.dt_bias, p.time_step_limit, unclamped)
+        y = ssm(
+            x.view(t, p.n_heads, p.head_dim),
+            dt.contiguous(),
+            A,
+            B.view(t, p.n_groups, p.d_state),
+            C.view(t, p.n_groups, p.d_state),
+            self.D,
+            ssm_cache,
+            plan.query_start,
+            plan.in_pages,
+            plan.out_pages,
+        )
+        return y.reshape(t, p.intermediate_size).to(A.dtype)
 
     def _prefill_rows(
         self,

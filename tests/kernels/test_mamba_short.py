@@ -1,0 +1,264 @@
+"""Short rows of a packed step: the recurrence kernel against its twin and the per-token
+float64 reference, NaN-poisoned pages, the race checker and three program orders; the
+plan; and the mixer's short-row path against its per-row path on whole model steps.
+
+GPU tests (``-m gpu``) compile the kernel: run them with ``TRITON_INTERPRET=0``.
+"""
+
+import os
+
+# The interpreter must be chosen before the kernels are defined.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridserve.kernels import mamba_short
+from hybridserve.kernels.mamba_short import (
+    short_plan,
+    ssm_short_update,
+    ssm_short_update_reference,
+)
+from hybridserve.kernels.ssd import ssd_recurrent_reference
+from hybridserve.models.batch import ForwardBatch
+
+INTERPRETED = os.environ["TRITON_INTERPRET"] == "1"
+
+if INTERPRETED:
+    from hybridserve.testing import racecheck
+
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1")
+
+
+def _seed() -> int:
+    return int(torch.randint(0, 2**31 - 1, ()))
+
+
+def _step(g, lens, heads, head_dim, groups, d_state, dtype, cache_dtype=None):
+    """Random inputs for rows of ``lens`` tokens: some rows start from a page, some from
+    zeros; some tokens request their state. Every page but the input pages is NaN, page 0
+    included (no input), so a read of anything else shows up."""
+    rows = len(lens)
+    qs = [0]
+    for q in lens:
+        qs.append(qs[-1] + q)
+    t = qs[-1]
+    num_pages = 1 + rows + t
+    x = torch.randn(t, heads, head_dim, generator=g, dtype=dtype)
+    dt = torch.rand(t, heads, generator=g, dtype=dtype) * 0.9 + 0.1
+    A = -(torch.rand(heads, generator=g, dtype=dtype) * 4 + 0.5)
+    B = torch.randn(t, groups, d_state, generator=g, dtype=dtype)
+    C = torch.randn(t, groups, d_state, generator=g, dtype=dtype)
+    D = torch.randn(heads, generator=g, dtype=dtype)
+    cache = torch.full((num_pages, heads, head_dim, d_state), float("nan"),
+                       dtype=cache_dtype or dtype)
+    perm = (torch.randperm(num_pages - 1, generator=g) + 1).tolist()
+    in_pages = [perm.pop() if bool(torch.rand((), generator=g) < 0.7) else -1 for _ in lens]
+    if rows > 1:  # both kinds of row, whatever the draw
+        in_pages[0] = -1
+        in_pages[-1] = in_pages[-1] if in_pages[-1] >= 0 else perm.pop()
+    for p in in_pages:
+        if p >= 0:
+            cache[p] = torch.randn(cache.shape[1:], generator=g).to(cache.dtype)
+    out_pages = [perm.pop() if bool(torch.rand((), generator=g) < 0.4) else -1 for _ in range(t)]
+    for r in range(rows):  # every non-empty row writes its last state, as the engine does
+        if lens[r] and out_pages[qs[r + 1] - 1] < 0:
+            out_pages[qs[r + 1] - 1] = perm.pop()
+    as_int = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    return x, dt, A, B, C, D, cache, as_int(qs), as_int(in_pages), as_int(out_pages)
+
+
+LENS = [[5, 0, 1, 9, 2], [17], [1, 1, 1], [0, 3, 0, 12]]
+
+
+@pytest.mark.parametrize("lens", LENS)
+def test_twin_matches_per_token_reference_float64(lens):
+    g = torch.Generator().manual_seed(_seed())
+    x, dt, A, B, C, D, cache, qs, in_pages, out_pages = _step(g, lens, 6, 4, 3, 8, torch.float64)
+    before = cache.clone()
+    y = ssm_short_update_reference(x, dt, A, B, C, D, cache, qs, in_pages, out_pages)
+    for r in range(len(lens)):
+        s, e = int(qs[r]), int(qs[r + 1])
+        if s == e:
+            continue
+        page = int(in_pages[r])
+        y_ref, states = ssd_recurrent_reference(
+            x[s:e], dt[s:e], A, B[s:e], C[s:e], D, before[page] if page >= 0 else None
+        )
+        torch.testing.assert_close(y[s:e], y_ref, rtol=1e-12, atol=1e-12)
+        for t in range(s, e):
+            if out_pages[t] >= 0:
+                torch.testing.assert_close(cache[int(out_pages[t])], states[t - s],
+                                           rtol=1e-12, atol=1e-12)
+    written = set(out_pages[out_pages >= 0].tolist())
+    untouched = [p for p in range(cache.shape[0]) if p not in written]
+    assert torch.equal(cache[untouched].nan_to_num(7.0), before[untouched].nan_to_num(7.0))
+
+
+@interpreted
+@pytest.mark.parametrize(
+    "lens,heads,head_dim,groups,d_state",
+    [(LENS[0], 4, 8, 2, 16), (LENS[1], 2, 12, 1, 8), (LENS[3], 6, 5, 3, 12), (LENS[2], 4, 4, 4, 4)],
+)
+def test_kernel_matches_twin_race_free(lens, heads, head_dim, groups, d_state):
+    g = torch.Generator().manual_seed(_seed())
+    x, dt, A, B, C, D, cache, qs, in_pages, out_pages = _step(
+        g, lens, heads, head_dim, groups, d_state, torch.float32
+    )
+    want_cache = cache.clone()
+    want = ssm_short_update_reference(x, dt, A, B, C, D, want_cache, qs, in_pages, out_pages)
+    with racecheck.record_launches() as rec:
+        got = ssm_short_update(x, dt, A, B, C, D, cache, qs, in_pages, out_pages)
+    assert len(rec.reports) == 1 and rec.reports[0].clean, str(rec.reports[0])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # Written pages equal the twin's; every other page keeps its (NaN or random) contents.
+    torch.testing.assert_close(cache, want_cache, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert not cache[out_pages[out_pages >= 0].long()].isnan().any()
+
+
+@interpreted
+def test_kernel_bf16_state_pages_and_no_d():
+    g = torch.Generator().manual_seed(_seed())
+    x, dt, A, B, C, _, cache, qs, in_pages, out_pages = _step(
+        g, [3, 4], 4, 8, 2, 8, torch.float32, cache_dtype=torch.bfloat16
+    )
+    want_cache = cache.clone()
+    want = ssm_short_update_reference(x, dt, A, B, C, None, want_cache, qs, in_pages, out_pages)
+    got = ssm_short_update(x, dt, A, B, C, None, cache, qs, in_pages, out_pages)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cache.float(), want_cache.float(), rtol=1e-2, atol=1e-2,
+                               equal_nan=True)
+
+
+@interpreted
+def test_kernel_independent_of_program_order():
+    g = torch.Generator().manual_seed(_seed())
+    x, dt, A, B, C, D, cache, qs, in_pages, out_pages = _step(
+        g, [4, 0, 2, 6], 4, 8, 2, 8, torch.float32
+    )
+
+    def launch(x, dt, A, B, C, D, ssm_cache, query_start, in_pages, out_pages):
+        return ssm_short_update(x, dt, A, B, C, D, ssm_cache, query_start, in_pages, out_pages)
+
+    report = racecheck.run_launcher_in_orders(
+        launch,
+        lambda: dict(x=x, dt=dt, A=A, B=B, C=C, D=D, ssm_cache=cache.clone(), query_start=qs,
+                     in_pages=in_pages, out_pages=out_pages),
+    )
+    assert report.consistent, str(report)
+
+
+def _batch(lens, in_pages, outs):
+    qs = [0]
+    for q in lens:
+        qs.append(qs[-1] + q)
+    rows = [r for r, o in enumerate(outs) for _ in o]
+    offs = [off for o in outs for off, _ in o]
+    pages = [page for o in outs for _, page in o]
+    t = qs[-1]
+    return ForwardBatch(
+        query_start=qs, num_computed=[5] * len(lens), positions=torch.arange(t),
+        context_lens=[5 + q for q in lens],
+        block_tables=torch.zeros(len(lens), 4, dtype=torch.int32),
+        slot_mapping=torch.arange(t), state_in_page=in_pages, state_out_row=rows,
+        state_out_offset=offs, state_out_page=pages,
+    )
+
+
+def test_plan_lays_out_pages_per_token_and_qualifies_short_steps(monkeypatch):
+    cpu = torch.device("cpu")
+    plan = short_plan(_batch([3, 1, 2], [4, 5, -1], [[(0, 7), (2, 8)], [(0, 9)], [(1, 10)]]), cpu)
+    assert plan is not None and plan.num_rows == 3
+    assert plan.query_start.tolist() == [0, 3, 4, 6]
+    assert plan.in_pages.tolist() == [4, 5, -1]
+    assert plan.out_pages.tolist() == [7, -1, 8, 9, -1, 10]
+    assert plan.token_row.tolist() == [0, 0, 0, 1, 2, 2]
+    # Only the one-token row that continues from a page skips the dt clamp.
+    assert plan.unclamped.tolist() == [False, False, False, True, False, False]
+    assert short_plan(_batch([2, 2], [-1, 3], [[(1, 7)], [(1, 8)]]), cpu).unclamped is None
+    monkeypatch.setattr(mamba_short, "MAX_SHORT_TOKENS", 4)
+    assert short_plan(_batch([4, 1], [1, 2], [[(3, 7)], [(0, 8)]]), cpu) is not None
+    assert short_plan(_batch([5, 1], [1, 2], [[(4, 7)], [(0, 8)]]), cpu) is None
+    with pytest.raises(ValueError, match="distinct and not read"):
+        short_plan(_batch([2, 1], [1, 2], [[(1, 2)], [(0, 8)]]), cpu)  # writes a read page
+    with pytest.raises(ValueError, match="distinct and not read"):
+        short_plan(_batch([2, 1], [1, 2], [[(1, 8)], [(0, 8)]]), cpu)  # one page twice
+
+
+@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=interpreted)])
+def test_mixer_short_rows_match_per_row_path(tmp_path, monkeypatch, kernels):
+    """Whole model steps of short rows (fresh prompts, continuations of several tokens and
+    of one token, rows with extra state requests) through the short-row path equal the
+    per-row path: logits and every written state page. The twins in float64 (tight), the
+    Triton kernels under the interpreter in float32."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    from paged_driver import PagedDriver
+
+    from hybridserve.models.layers import mamba2
+    from hybridserve.models.loader import load_model
+    from hybridserve.testing.tiny_models import make_tiny_checkpoint
+
+    torch.set_num_threads(1)
+    seed = _seed()
+    path = make_tiny_checkpoint("nemotron_h", tmp_path / "m", seed=seed % 1000, layers="M*-M")
+    dtype = torch.float32 if kernels else torch.float64
+    model = load_model(path, dtype=dtype)
+    g = torch.Generator().manual_seed(seed)
+    prompts = {i: torch.randint(3, 256, (3 + 4 * i,), generator=g).tolist() for i in range(3)}
+    more = {0: torch.randint(3, 256, (6,), generator=g).tolist(),
+            1: torch.randint(3, 256, (1,), generator=g).tolist(),
+            2: torch.randint(3, 256, (9,), generator=g).tolist()}
+    results = []
+    for mode in ("auto" if kernels else "reference", "off"):
+        monkeypatch.setattr(mamba2, "SHORT_ROWS", mode)
+        # "auto" means CUDA; here the interpreter runs the same kernels on the CPU.
+        monkeypatch.setattr(mamba2, "short_rows_enabled", lambda device, compute, m=mode: m != "off")
+        monkeypatch.setattr(mamba2, "PACKED_PREFILL", "off")
+        d = PagedDriver(model)
+        first, pages1 = d.step([(i, p) for i, p in prompts.items()], {2: [0, 4]})
+        second, pages2 = d.step([(i, t) for i, t in more.items()], {0: [2], 2: [0, 5]})
+        states = {
+            (step, sid, off, layer): (d.conv_state(layer, page), d.ssm_state(layer, page))
+            for step, pages in ((1, pages1), (2, pages2))
+            for sid, offs in pages.items()
+            for off, page in offs.items()
+            for layer in model.cache_spec.mamba_layers
+        }
+        results.append((torch.cat([first, second]), states))
+    (fl, fs), (sl, ss) = results
+    assert not fl.isnan().any()
+    tol = 1e-4 if kernels else 1e-10
+    torch.testing.assert_close(fl, sl, rtol=tol, atol=tol)
+    assert fs.keys() == ss.keys()
+    first_layer = model.cache_spec.mamba_layers[0]
+    for key in fs:
+        # Windows are copies of the layer's inputs: bit for bit where those inputs are (the
+        # first Mamba layer); later layers' inputs carry the paths' rounding differences.
+        if key[3] == first_layer:
+            assert torch.equal(fs[key][0], ss[key][0]), key
+        torch.testing.assert_close(fs[key][0], ss[key][0], rtol=tol, atol=tol)
+        torch.testing.assert_close(fs[key][1], ss[key][1], rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(INTERPRETED, reason="compiles the kernel: run with TRITON_INTERPRET=0")
+def test_gpu_kernel_matches_twin(record_property):
+    """8B shapes: a 128-token row from a page (the tail after a cached prefix) beside decode
+    rows and a fresh short prompt."""
+    g = torch.Generator().manual_seed(_seed())
+    args = _step(g, [128, 1, 1, 37], 128, 64, 8, 128, torch.float32)
+    args = [a.cuda() for a in args]
+    want_cache = args[6].clone()
+    want = ssm_short_update_reference(*args[:6], want_cache, *args[7:])
+    got = ssm_short_update(*args)
+    rel = ((got - want).norm() / want.norm()).item()
+    written = args[9][args[9] >= 0].long()
+    rel_state = ((args[6][written] - want_cache[written]).norm()
+                 / want_cache[written].norm()).item()
+    record_property("ssm_short_rel_err", rel)
+    print(f"ssm_short: relative error {rel:.3e}, states {rel_state:.3e}")
+    assert rel < 1e-5 and rel_state < 1e-5
