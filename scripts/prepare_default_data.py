@@ -26,7 +26,10 @@ Outputs:
   and the sha256 of the concatenated contents;
 - ``.data/{train,dev,val}.bin``: uint16 token ids, each file followed by
   ``<|endoftext|>`` and the whole stream starting with one, so every file is predicted
-  after an end-of-text token.
+  after an end-of-text token;
+- ``.data/train_functions.bin``: the train split's functions as documents of their own
+  (:func:`function_documents`), in the same format; ``--functions-only`` writes just
+  this file with the shipped tokenizer.
 
 Usage: ``python scripts/prepare_default_data.py [--vocab-size 4096]``
 """
@@ -146,6 +149,34 @@ def tokenizer_config() -> dict:
     }
 
 
+def function_documents(files: list[tuple[str, str]], seed: int = 0) -> list[str]:
+    """Every function and method of ``files`` (nested ones too) as a document of its own:
+    from its ``def`` line to its last line, decorators left out, its indentation removed
+    (a line of a multi-line string indented less than the ``def`` is kept as it is), and
+    only if the result parses. Shuffled with ``seed``, so a training window mixes files.
+
+    Why: a file of the standard library rarely starts with a bare ``def``, but a
+    completion request usually does (a header, then the body, then the end). These
+    documents show the model whole functions after an end-of-text token and the end of
+    text after them. Made from the train split only."""
+    docs = []
+    for _, text in files:
+        lines = text.split("\n")
+        for node in ast.walk(ast.parse(text)):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            cut = node.col_offset
+            body = lines[node.lineno - 1 : node.end_lineno]
+            doc = "\n".join(line[cut:] if not line[:cut].strip() else line for line in body) + "\n"
+            try:
+                ast.parse(doc)
+            except SyntaxError:
+                continue
+            docs.append(doc)
+    order = np.random.default_rng(seed).permutation(len(docs))
+    return [docs[i] for i in order]
+
+
 def encode_stream(tok: Tokenizer, texts: list[str]) -> np.ndarray:
     """``EOS f1 EOS f2 EOS ... fN EOS`` as uint16 ids."""
     eos = tok.token_to_id(EOS)
@@ -161,6 +192,8 @@ def encode_stream(tok: Tokenizer, texts: list[str]) -> np.ndarray:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab-size", type=int, default=4096)
+    parser.add_argument("--functions-only", action="store_true",
+                        help="only (re)write .data/train_functions.bin with the shipped tokenizer")
     args = parser.parse_args()
 
     root = stdlib_root()
@@ -168,6 +201,10 @@ def main() -> None:
     splits: dict[str, list[tuple[str, str]]] = {"train": [], "dev": [], "val": []}
     for rel, text in files:
         splits[split_of(rel)].append((rel, text))
+    if args.functions_only:
+        write_function_documents(Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json")),
+                                 splits["train"])
+        return
 
     tok = train_tokenizer([t for _, t in splits["train"]], args.vocab_size)
     for _, text in splits["val"][:20]:
@@ -189,6 +226,8 @@ def main() -> None:
         }
         print(f"{name}: {stats[name]['files']} files, {stats[name]['bytes']} bytes, "
               f"{stats[name]['tokens']} tokens")
+
+    stats["train_functions"] = write_function_documents(tok, splits["train"])
 
     manifest = {
         "source": "Python standard library (.py files of sysconfig stdlib path, recursive)",
@@ -217,6 +256,20 @@ def main() -> None:
                                                     "pad_id": tok.token_to_id(PAD),
                                                     "splits": stats}, indent=1) + "\n")
     print(f"files {len(files)} excluded {excluded} sha256 {manifest['sha256_concatenated']}")
+
+
+def write_function_documents(tok: Tokenizer, train: list[tuple[str, str]]) -> dict:
+    """``.data/train_functions.bin``: :func:`function_documents` of the train split, in the
+    stream format; returns its statistics."""
+    docs = function_documents(train)
+    arr = encode_stream(tok, docs)
+    DATA_DIR.mkdir(exist_ok=True)
+    arr.tofile(DATA_DIR / "train_functions.bin")
+    stats = {"documents": len(docs), "bytes": sum(len(d.encode("utf-8")) for d in docs),
+             "tokens": int(arr.size)}
+    print(f"train functions: {stats['documents']} documents, {stats['bytes']} bytes, "
+          f"{stats['tokens']} tokens")
+    return stats
 
 
 if __name__ == "__main__":

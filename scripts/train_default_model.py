@@ -256,6 +256,9 @@ def main() -> None:
     parser.add_argument("--weight-decay", type=float, default=0.1)
     parser.add_argument("--dropout", type=float, default=0.0,
                         help="dropout on mixer and MLP outputs (see add_dropout)")
+    parser.add_argument("--function-docs", action="store_true",
+                        help="also train on .data/train_functions.bin (the train split's "
+                             "functions as documents of their own)")
     parser.add_argument("--eval-every", type=int, default=200)
     parser.add_argument("--dev-windows", type=int, default=None,
                         help="score only this many dev windows (default: all)")
@@ -278,6 +281,9 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     meta = json.loads((args.data / "meta.json").read_text())
     train = load_stream(args.data / "train.bin", device)
+    if args.function_docs:
+        # The train split's functions as documents of their own, after its files.
+        train = torch.cat([train, load_stream(args.data / "train_functions.bin", device)])
     dev = load_stream(args.data / "dev.bin", device)
 
     config = build_config(meta["vocab_size"], meta["eos_id"], meta["pad_id"], args.ctx)
