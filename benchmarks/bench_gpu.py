@@ -781,9 +781,15 @@ def ttft(model, path, device, dtype, prompt_len, cached_len, interval, vocab, se
     # One more cached run (the last prefix is still cached) under the profiler: where
     # the time of a cached-prefix first token goes.
     cached_profile = _profile_call(lambda: run(prompt(prefix)), device)
+    # And once more with CUDA's sync debug mode: which lines still make the host wait.
+    cached_syncs = _sync_sites(lambda: run(prompt(prefix)), device)
     by_tail = []
-    for mode in ("auto", "off"):
-        old_mode, mamba_layer.SHORT_ROWS = mamba_layer.SHORT_ROWS, mode
+    # "short": every tail on the short-row path (its length limit lifted for the sweep);
+    # "off": every tail on the chunked scan.
+    for mode in ("short", "off"):
+        saved = mamba_layer.SHORT_ROWS, mamba_short.MAX_SHORT_TOKENS
+        mamba_layer.SHORT_ROWS = "auto" if mode == "short" else "off"
+        mamba_short.MAX_SHORT_TOKENS = max(saved[1], *tails)
         try:
             for tail in tails:
                 run(prompt(prefix, tail))  # warm-up: first use of this shape and path
@@ -791,7 +797,7 @@ def ttft(model, path, device, dtype, prompt_len, cached_len, interval, vocab, se
                 by_tail.append({"short_rows": mode, "tail": tail, "runs": runs,
                                 "s": statistics.median(t for t, _ in runs)})
         finally:
-            mamba_layer.SHORT_ROWS = old_mode
+            mamba_layer.SHORT_ROWS, mamba_short.MAX_SHORT_TOKENS = saved
     llm = None  # noqa: F841
     free_memory(device)
     cold_s = statistics.median(t for t, _ in cold)
@@ -800,7 +806,40 @@ def ttft(model, path, device, dtype, prompt_len, cached_len, interval, vocab, se
             "max_short_tokens": mamba_short.MAX_SHORT_TOKENS,
             "cold_s": cold_s, "cached_s": warm_s, "speedup": cold_s / warm_s,
             "cold_runs": cold, "cached_runs": warm, "cached_profile": cached_profile,
-            "cached_by_tail": by_tail}
+            "cached_syncs": cached_syncs, "cached_by_tail": by_tail}
+
+
+def _sync_sites(fn, device: str) -> list[dict]:
+    """Run ``fn`` under CUDA's sync debug mode: every operation that makes the host wait
+    for the device warns from the Python line that called it. Returns those lines (the
+    last frame inside this repository) with counts, most frequent first; empty off CUDA."""
+    if not device.startswith("cuda"):
+        return []
+    import traceback as tb
+    import warnings
+
+    sites: dict[tuple[str, str], int] = {}
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in tb.extract_stack()[:-1]
+                  if portable_path(f.filename) != Path(f.filename).name]
+        where = (f"{portable_path(frames[-1].filename)}:{frames[-1].lineno}"
+                 if frames else f"{Path(filename).name}:{lineno}")
+        key = (where, str(message).splitlines()[0][:120])
+        sites[key] = sites.get(key, 0) + 1
+
+    saved = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            warnings.showwarning = saved
+    return [{"site": w, "message": m, "count": c}
+            for (w, m), c in sorted(sites.items(), key=lambda kv: -kv[1])]
 
 
 def _profile_call(fn, device: str) -> dict:
@@ -2289,6 +2328,8 @@ def main(argv=None) -> int:
         t = result["ttft"]
         print(f"TTFT {t['prompt_len']} tokens: cold {t['cold_s']:.3f}s, "
               f"{t['cached_len']} cached {t['cached_s']:.3f}s ({t['speedup']:.1f}x)")
+        for row in t.get("cached_syncs", [])[:12]:
+            print(f"  sync x{row['count']} at {row['site']}: {row['message']}")
         for row in t.get("cached_by_tail", []):
             print(f"  cached + {row['tail']} new tokens, SHORT_ROWS={row['short_rows']}: "
                   f"{1e3 * row['s']:.1f} ms")
