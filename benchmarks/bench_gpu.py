@@ -2032,6 +2032,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ref-batches", type=str, default="1,16")
     ap.add_argument("--ttft-prompt", type=int, default=8192)
     ap.add_argument("--ttft-cached", type=int, default=8064)
+    ap.add_argument("--ttft-tails", type=str, default="64,128,256,512,1024",
+                    help="new-token counts after the cached prefix, each timed on the "
+                         "short-row path and on the chunked scan")
     ap.add_argument("--prefill-prompts", type=int, default=8)
     ap.add_argument("--prefill-len", type=int, default=4096)
     ap.add_argument("--prefill-max-s", type=float, default=60.0,
@@ -2241,7 +2244,7 @@ def main(argv=None) -> int:
     hf = None  # noqa: F841
     free_memory(device)
 
-    tails = (16,) if args.smoke else (64, 128, 256, 512)
+    tails = (16,) if args.smoke else tuple(int(x) for x in args.ttft_tails.split(",") if x)
     result["ttft"] = section("ttft", lambda: ttft(model, path, device, dtype, args.ttft_prompt,
                                                   args.ttft_cached, 64, vocab, seed=7,
                                                   tails=tails))
