@@ -50,10 +50,11 @@ __all__ = [
 ]
 
 # The longest row the token-by-token path takes. A row of L tokens is L dependent steps
-# of about a microsecond each on the GPU; the chunked scan's fixed cost per layer is a
-# few hundred microseconds of host work, so short rows win by far below this length
-# (benchmarks/bench_gpu.py, section "short_rows", measures both).
-MAX_SHORT_TOKENS = 256
+# of about a microsecond each on the GPU, against the chunked scan's fixed cost of about
+# 2 ms of host work per Mamba layer. Measured on an H200 at 8B shapes (the first token
+# after 8,064 cached tokens, benchmarks/results/gpu_ttft_1ab47c5.json): 28 ms against
+# 50 ms for a 512-token tail, 53 against 56 ms at 1,024 tokens, where the two meet.
+MAX_SHORT_TOKENS = 512
 
 
 @dataclass(frozen=True)

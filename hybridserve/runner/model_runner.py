@@ -129,19 +129,28 @@ class ModelRunner:
                 out_row.append(i)
                 out_off.append(p - 1 - n)
                 out_page.append(page)
+        # Ids, positions and slots travel in one transfer, the block table in another;
+        # both from pinned memory on CUDA, so the host does not wait for the device (a
+        # copy from pageable memory synchronises).
+        n = len(ids)
+        flat = torch.tensor(ids + positions + slots, dtype=torch.long)
+        if self.device.type == "cuda":
+            flat, tables = flat.pin_memory(), tables.pin_memory()
+        flat = flat.to(self.device, non_blocking=True)
+        input_ids, positions_d, slots_d = flat.split([n, n, n])
         batch = ForwardBatch(
             query_start=query_start,
             num_computed=num_computed,
-            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
+            positions=positions_d,
             context_lens=context_lens,
-            block_tables=tables.to(self.device),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            block_tables=tables.to(self.device, non_blocking=True),
+            slot_mapping=slots_d,
             state_in_page=state_in,
             state_out_row=out_row,
             state_out_offset=out_off,
             state_out_page=out_page,
         )
-        return torch.tensor(ids, dtype=torch.long, device=self.device), batch
+        return input_ids, batch
 
     @torch.inference_mode()
     def launch(
