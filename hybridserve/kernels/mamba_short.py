@@ -80,12 +80,12 @@ _PLAN_ATTR = "_short_plan_memo"
 
 
 def short_plan(batch: ForwardBatch, device: torch.device) -> ShortPlan | None:
-    """The :class:`ShortPlan` of ``batch``, or None when a row is longer than
-    :data:`MAX_SHORT_TOKENS` (or the step has no token). Built once per batch and device
-    (memoised on the batch, which a forward does not modify) and shared by every layer.
-
-    Raises ValueError when an output page repeats or is an input page of the step (the
-    engine never plans that; DESIGN.md section 4)."""
+    """The :class:`ShortPlan` of ``batch``, or None when the step needs another path: a row
+    longer than :data:`MAX_SHORT_TOKENS`, no token at all, or an output page that repeats
+    or is an input page of the step (the engine never plans that, DESIGN.md section 4;
+    the per-row path, which gathers every input first, still computes such a step). Built
+    once per batch and device (memoised on the batch, which a forward does not modify)
+    and shared by every layer."""
     memo = batch.__dict__.setdefault(_PLAN_ATTR, {})
     key = str(device)
     if key not in memo:
@@ -100,7 +100,7 @@ def _build_plan(batch: ForwardBatch, device: torch.device) -> ShortPlan | None:
         return None
     pages = batch.state_out_page
     if len(set(pages)) != len(pages) or set(pages) & set(batch.state_in_page):
-        raise ValueError("a step's state output pages must be distinct and not read by any row")
+        return None
     out = [-1] * tokens
     for r, off, page in zip(batch.state_out_row, batch.state_out_offset, pages):
         if not 0 <= off < qs[r + 1] - qs[r]:
