@@ -40,11 +40,13 @@ __all__ = [
     "MAX_DECODE_TOKENS",
     "DecodePlan",
     "attach_decode_plan",
+    "check_ssm_operands",
     "conv_decode_update",
     "conv_decode_update_reference",
     "decode_plan",
     "ssm_decode_update",
     "ssm_decode_update_reference",
+    "ssm_token_step",
 ]
 
 # Rows longer than this are prefill chunks: the chunked scan serves them better.
@@ -158,6 +160,35 @@ def _check_pages(in_pages: torch.Tensor, out_pages: torch.Tensor, tokens: int) -
     if rows * q != tokens:
         raise ValueError(f"{tokens} packed tokens do not make {rows} rows of {q}")
     return rows, q
+
+
+def check_ssm_operands(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    ssm_cache: torch.Tensor,
+    kernel: bool = False,
+) -> tuple[int, int]:
+    """``(groups, d_state)`` of the recurrence's operands ``x [T, H, P]``, ``dt [T, H]``,
+    ``B, C [T, G, N]`` and ``ssm_cache [pages, H, P, N]``; raises ValueError on a shape
+    that does not fit, and (``kernel``) on a layout the Triton kernels cannot read."""
+    tokens, heads, head_dim = x.shape
+    groups, d_state = B.shape[-2:]
+    if heads % groups or B.shape != (tokens, groups, d_state) or C.shape != B.shape:
+        raise ValueError(f"B and C must be [T={tokens}, G, N] with G dividing H={heads}")
+    if dt.shape != (tokens, heads) or ssm_cache.shape[1:] != (heads, head_dim, d_state):
+        raise ValueError(
+            f"dt must be [T, H] and ssm_cache [pages, H={heads}, P={head_dim}, N={d_state}], "
+            f"got {tuple(dt.shape)}, {tuple(ssm_cache.shape)}"
+        )
+    if kernel:
+        for name, t in (("x", x), ("B", B), ("C", C)):
+            if t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]:
+                raise ValueError(f"{name}'s last two axes must be contiguous")
+        if dt.stride(1) != 1 or not ssm_cache.is_contiguous():
+            raise ValueError("dt's head axis and ssm_cache must be contiguous")
+    return groups, d_state
 
 
 def conv_decode_update_reference(
@@ -356,6 +387,59 @@ def conv_decode_update(
 
 
 @triton.jit
+def ssm_token_step(
+    state,
+    tok,
+    h,
+    g,
+    p,
+    n,
+    pmask,
+    nmask,
+    smask,
+    offs,
+    a,
+    d_skip,
+    x_ptr,
+    x_stride,
+    dt_ptr,
+    dt_stride,
+    B_ptr,
+    B_stride,
+    C_ptr,
+    C_stride,
+    ssm_ptr,
+    page_stride,
+    out_pages_ptr,
+    y_ptr,
+    heads,
+    head_dim,
+    d_state,
+):
+    """One token of the recurrence for a program's (head ``h``, head-dim rows ``p``) slice:
+    updates ``state`` (returned), stores ``y`` of packed token ``tok`` and, when
+    ``out_pages[tok] >= 0``, the new state to that page. Shared by the decode kernel and
+    :mod:`~hybridserve.kernels.mamba_short` (inlined into each)."""
+    x = tl.load(x_ptr + tok * x_stride + h * head_dim + p, mask=pmask, other=0.0).to(tl.float32)
+    dt = tl.load(dt_ptr + tok * dt_stride + h).to(tl.float32)
+    b = tl.load(B_ptr + tok * B_stride + g * d_state + n, mask=nmask, other=0.0).to(tl.float32)
+    c = tl.load(C_ptr + tok * C_stride + g * d_state + n, mask=nmask, other=0.0).to(tl.float32)
+    decay = tl.exp(dt * a)
+    state = state * decay + (dt * b)[None, :] * x[:, None]
+    y = tl.sum(state * c[None, :], axis=1) + d_skip * x
+    tl.store(y_ptr + tok * heads * head_dim + h * head_dim + p, y, mask=pmask)
+    out_page = tl.load(out_pages_ptr + tok)
+    # Broadcast the page before comparing: a scalar comparison in a mask is rejected by
+    # the CPU interpreter.
+    tl.store(
+        ssm_ptr + out_page.to(tl.int64) * page_stride + offs,
+        state.to(ssm_ptr.dtype.element_ty),
+        mask=smask & ((offs * 0 + out_page) >= 0),
+    )
+    return state
+
+
+@triton.jit
 def _ssm_decode_kernel(
     x_ptr,
     x_stride,
@@ -399,20 +483,11 @@ def _ssm_decode_kernel(
     if HAS_D:
         d_skip = tl.load(D_ptr + h).to(tl.float32)
     for t in tl.static_range(Q):
-        tok = r * Q + t
-        x = tl.load(x_ptr + tok * x_stride + h * head_dim + p, mask=pmask, other=0.0).to(tl.float32)
-        dt = tl.load(dt_ptr + tok * dt_stride + h).to(tl.float32)
-        b = tl.load(B_ptr + tok * B_stride + g * d_state + n, mask=nmask, other=0.0).to(tl.float32)
-        c = tl.load(C_ptr + tok * C_stride + g * d_state + n, mask=nmask, other=0.0).to(tl.float32)
-        decay = tl.exp(dt * a)
-        state = state * decay + (dt * b)[None, :] * x[:, None]
-        y = tl.sum(state * c[None, :], axis=1) + d_skip * x
-        tl.store(y_ptr + tok * heads * head_dim + h * head_dim + p, y, mask=pmask)
-        out_page = tl.load(out_pages_ptr + r * Q + t)
-        tl.store(
-            ssm_ptr + out_page.to(tl.int64) * page_stride + offs,
-            state.to(ssm_ptr.dtype.element_ty),
-            mask=smask & ((offs * 0 + out_page) >= 0),
+        # out_pages is [R, Q], row-major: row r's entry t is that of packed token r * Q + t.
+        state = ssm_token_step(
+            state, r * Q + t, h, g, p, n, pmask, nmask, smask, offs, a, d_skip,
+            x_ptr, x_stride, dt_ptr, dt_stride, B_ptr, B_stride, C_ptr, C_stride,
+            ssm_ptr, page_stride, out_pages_ptr, y_ptr, heads, head_dim, d_state,
         )
 
 
@@ -446,19 +521,7 @@ def ssm_decode_update(
     """
     tokens, heads, head_dim = x.shape
     rows, q = _check_pages(in_pages, out_pages, tokens)
-    groups, d_state = B.shape[-2:]
-    if heads % groups or B.shape != (tokens, groups, d_state) or C.shape != B.shape:
-        raise ValueError(f"B and C must be [T={tokens}, G, N] with G dividing H={heads}")
-    if dt.shape != (tokens, heads) or ssm_cache.shape[1:] != (heads, head_dim, d_state):
-        raise ValueError(
-            f"dt must be [T, H] and ssm_cache [pages, H={heads}, P={head_dim}, N={d_state}], "
-            f"got {tuple(dt.shape)}, {tuple(ssm_cache.shape)}"
-        )
-    for name, t in (("x", x), ("B", B), ("C", C)):
-        if t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]:
-            raise ValueError(f"{name}'s last two axes must be contiguous")
-    if dt.stride(1) != 1 or not ssm_cache.is_contiguous():
-        raise ValueError("dt's head axis and ssm_cache must be contiguous")
+    groups, d_state = check_ssm_operands(x, dt, B, C, ssm_cache, kernel=True)
     y = torch.empty(tokens, heads, head_dim, dtype=torch.float32, device=x.device)
     if rows == 0:
         return y

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from hybridserve.kernels.conv_varlen import token_rows
+from hybridserve.kernels.mamba_decode import check_ssm_operands, ssm_token_step
 from hybridserve.kernels.ssd import ssd_step_reference
 from hybridserve.models.batch import ForwardBatch
 
@@ -126,16 +127,10 @@ def _build_plan(batch: ForwardBatch, device: torch.device) -> ShortPlan | None:
     )
 
 
-def _check(x, dt, B, C, ssm_cache, query_start, in_pages, out_pages) -> tuple[int, int]:
-    tokens, heads, head_dim = x.shape
-    groups, d_state = B.shape[-2:]
-    if heads % groups or B.shape != (tokens, groups, d_state) or C.shape != B.shape:
-        raise ValueError(f"B and C must be [T={tokens}, G, N] with G dividing H={heads}")
-    if dt.shape != (tokens, heads) or ssm_cache.shape[1:] != (heads, head_dim, d_state):
-        raise ValueError(
-            f"dt must be [T, H] and ssm_cache [pages, H={heads}, P={head_dim}, N={d_state}], "
-            f"got {tuple(dt.shape)}, {tuple(ssm_cache.shape)}"
-        )
+def _check(x, dt, B, C, ssm_cache, query_start, in_pages, out_pages, kernel=False):
+    """``(rows, groups)``; raises ValueError on operands that do not fit."""
+    tokens = x.shape[0]
+    groups, _ = check_ssm_operands(x, dt, B, C, ssm_cache, kernel)
     rows = in_pages.shape[0]
     if query_start.shape != (rows + 1,) or out_pages.shape != (tokens,):
         raise ValueError(
@@ -228,20 +223,10 @@ def _ssm_short_kernel(
     if HAS_D:
         d_skip = tl.load(D_ptr + h).to(tl.float32)
     for i in range(0, end - start):
-        tok = start.to(tl.int64) + i
-        x = tl.load(x_ptr + tok * x_stride + h * head_dim + p, mask=pmask, other=0.0).to(tl.float32)
-        dt = tl.load(dt_ptr + tok * dt_stride + h).to(tl.float32)
-        b = tl.load(B_ptr + tok * B_stride + g * d_state + n, mask=nmask, other=0.0).to(tl.float32)
-        c = tl.load(C_ptr + tok * C_stride + g * d_state + n, mask=nmask, other=0.0).to(tl.float32)
-        state = state * tl.exp(dt * a) + (dt * b)[None, :] * x[:, None]
-        y = tl.sum(state * c[None, :], axis=1) + d_skip * x
-        tl.store(y_ptr + tok * heads * head_dim + h * head_dim + p, y, mask=pmask)
-        out_page = tl.load(out_pages_ptr + tok)
-        # Broadcast the page before comparing: the CPU interpreter rejects a scalar mask.
-        tl.store(
-            ssm_ptr + out_page.to(tl.int64) * page_stride + offs,
-            state.to(ssm_ptr.dtype.element_ty),
-            mask=smask & ((offs * 0 + out_page) >= 0),
+        state = ssm_token_step(
+            state, start.to(tl.int64) + i, h, g, p, n, pmask, nmask, smask, offs, a, d_skip,
+            x_ptr, x_stride, dt_ptr, dt_stride, B_ptr, B_stride, C_ptr, C_stride,
+            ssm_ptr, page_stride, out_pages_ptr, y_ptr, heads, head_dim, d_state,
         )
 
 
@@ -278,13 +263,8 @@ def ssm_short_update(
         ``y [T, H, P]`` float32 (the D skip included, before the gated norm).
     """
     tokens, heads, head_dim = x.shape
-    rows, groups = _check(x, dt, B, C, ssm_cache, query_start, in_pages, out_pages)
+    rows, groups = _check(x, dt, B, C, ssm_cache, query_start, in_pages, out_pages, kernel=True)
     d_state = B.shape[-1]
-    for name, t in (("x", x), ("B", B), ("C", C)):
-        if t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]:
-            raise ValueError(f"{name}'s last two axes must be contiguous")
-    if dt.stride(1) != 1 or not ssm_cache.is_contiguous():
-        raise ValueError("dt's head axis and ssm_cache must be contiguous")
     y = torch.empty(tokens, heads, head_dim, dtype=torch.float32, device=x.device)
     if rows == 0 or tokens == 0:
         return y
