@@ -132,12 +132,12 @@ class ModelRunner:
         # Ids, positions and slots travel in one transfer, the block table in another;
         # both from pinned memory on CUDA, so the host does not wait for the device (a
         # copy from pageable memory synchronises).
-        n = len(ids)
+        tokens = len(ids)
         flat = torch.tensor(ids + positions + slots, dtype=torch.long)
         if self.device.type == "cuda":
             flat, tables = flat.pin_memory(), tables.pin_memory()
         flat = flat.to(self.device, non_blocking=True)
-        input_ids, positions_d, slots_d = flat.split([n, n, n])
+        input_ids, positions_d, slots_d = flat.split([tokens, tokens, tokens])
         batch = ForwardBatch(
             query_start=query_start,
             num_computed=num_computed,
