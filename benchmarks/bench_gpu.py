@@ -2250,9 +2250,16 @@ def main(argv=None) -> int:
                                                   tails=tails))
     model = None  # noqa: F841
     free_memory(device)
+    built_1b = None
     if args.with_1b and not args.smoke:
-        def one_b():
-            m, _, c, pth = build_models(NEMOTRON_1B, device, dtype, workdir / "1b", False)
+        built_1b = section("build_1b", lambda: build_models(
+            NEMOTRON_1B, device, dtype, workdir / "1b", False))
+    if built_1b is not None:
+        # The second configuration: decode, prefill and the cached first token, each a
+        # section of its own so that one failing keeps the others.
+        m, _, c, pth = built_1b
+
+        def decode_1b():
             rows = []
             for b in (1, 64):
                 r = engine_decode(m, pth, device, dtype, b, args.prompt, args.warmup_steps,
@@ -2261,8 +2268,21 @@ def main(argv=None) -> int:
                     m, b, args.prompt + args.steps, 4) / bandwidth)
                 r["fraction_of_roofline"] = r["tokens_per_s"] / r["roofline_tokens_per_s"]
                 rows.append(r)
-            return {"shape": NEMOTRON_1B, "bytes": model_bytes(m), "decode": rows}
-        result["model_1b"] = section("decode_1b", one_b)
+            return rows
+
+        rate = mm["flops_per_s"] if mm else float("nan")
+        result["model_1b"] = {
+            "shape": NEMOTRON_1B, "bytes": model_bytes(m),
+            "decode": section("decode_1b", decode_1b),
+            "prefill": section("prefill_1b", lambda: prefill_throughput(
+                m, pth, device, dtype, args.prefill_prompts, args.prefill_len, c.vocab_size,
+                3, rate, args.prefill_max_s)),
+            "ttft": section("ttft_1b", lambda: ttft(
+                m, pth, device, dtype, args.ttft_prompt, args.ttft_cached, 64, c.vocab_size,
+                seed=7, tails=(128,))),
+        }
+        m = built_1b = None  # noqa: F841
+        free_memory(device)
     result["plot"] = plot(result, args.out.with_suffix(".png"))
     save()
 
