@@ -9,28 +9,27 @@ of a row is ``act(bias + sum_k weight[:, k] * xp[t + k])`` over the row's padded
 ``xp = concat(window, row inputs)``: exactly :func:`~hybridserve.kernels.conv1d.causal_conv1d_reference`
 row by row.
 
+Given ``out_pages [T]``, the conv also stores the window after every token that has an
+output page: the last ``K - 1`` conv inputs up to and including that token, oldest first,
+the oldest ones from the row's initial window (cast to the input dtype, as the per-row
+reference concatenates them) when the row has fewer tokens; copies, bit for bit the
+windows the per-row reference returns. Output pages never repeat and are never input
+pages (DESIGN.md section 4), so the launch that reads the initial windows may write them.
+
 - :func:`conv_varlen`: the Triton kernel. One program owns one (token block, channel
-  block) tile of the output, which is a separate buffer (never the input); it reads only
-  inputs (``xbc``, ``weight``, ``bias``, the initial windows and the index tensors), so
-  no program reads what another writes (DESIGN.md section 5). A token block may span
-  several rows: every token looks its row up in ``token_row``. Given ``out_pages`` it
-  also writes the window after each token that has an output page, the program's own
-  (token, channel) entries of pages that no row reads.
+  block) tile of the output, which is a separate buffer (never the input), and the same
+  (token, channel) entries of its tokens' output pages. It reads only inputs (``xbc``,
+  ``weight``, ``bias``, the initial windows and the index tensors), so no program reads
+  what another writes (DESIGN.md section 5). A token block may span several rows: every
+  token looks its row up in ``token_row``.
 - :func:`conv_varlen_reference`: its torch twin (the CPU path and the test oracle), the
   per-row reference loop.
-- :func:`conv_varlen_windows`: the windows to store after requested ``(row, offset)``
-  positions (torch; a gather, no arithmetic): the last ``K - 1`` conv inputs up to and
-  including the row's token at ``offset``, the oldest ones taken from the row's initial
-  window when the row has fewer tokens. Bit for bit the windows the per-row reference
-  returns. It reads the initial windows, so it must run before any page is written.
 
-Index tensors (``query_start``, ``in_pages``, ``token_row``, request rows and offsets) are
-integer tensors on the device of ``xbc``.
+Index tensors (``query_start``, ``in_pages``, ``token_row``, ``out_pages``) are integer
+tensors on the device of ``xbc``.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -38,10 +37,7 @@ import triton.language as tl
 
 from hybridserve.kernels.conv1d import causal_conv1d_reference
 
-__all__ = [
-    "WindowIndex", "conv_varlen", "conv_varlen_reference", "conv_varlen_windows", "token_rows",
-    "window_index",
-]
+__all__ = ["conv_varlen", "conv_varlen_reference", "token_rows"]
 
 
 def _check(
@@ -136,70 +132,6 @@ def conv_varlen_reference(
     for page, window in writes:
         conv_cache[page] = window.to(conv_cache.dtype)
     return out
-
-
-@dataclass(frozen=True)
-class WindowIndex:
-    """Where every entry of the requested conv windows comes from (:func:`window_index`):
-    the same for every Mamba layer of a step, so it is built once per step."""
-
-    token: torch.Tensor  # [R, K-1] packed token of each entry (clamped into the row)
-    from_row: torch.Tensor  # [R, K-1, 1] bool: the entry is a packed input ...
-    page: torch.Tensor  # [R, 1] ... else entry ``entry`` of the row's initial window on
-    entry: torch.Tensor  # [R, K-1] ... page ``page`` (page 0 stands in for none) ...
-    has_page: torch.Tensor  # [R, 1, 1] bool ... or zero where the row has no page
-
-
-def window_index(
-    query_start: torch.Tensor,
-    in_pages: torch.Tensor,
-    rows: torch.Tensor,
-    offsets: torch.Tensor,
-    width: int,
-) -> WindowIndex:
-    """The :class:`WindowIndex` of the windows after tokens ``offsets`` of rows ``rows``
-    for a conv of ``width + 1`` taps (index tensors on the rows' device)."""
-    rows = rows.to(torch.int64)
-    j = torch.arange(width, device=rows.device)
-    # Row offset of window entry j; negative offsets are the initial window's entry width + pos.
-    pos = offsets.to(torch.int64)[:, None] - (width - 1) + j[None, :]  # [R, K-1]
-    page = in_pages.to(torch.int64)[rows]  # [R]
-    return WindowIndex(
-        token=query_start.to(torch.int64)[rows][:, None] + pos.clamp(min=0),
-        from_row=(pos >= 0)[..., None],
-        # Rows without a page read page 0 and discard it: where, not a product, so a NaN
-        # in that page cannot leak into the zeros.
-        page=page.clamp(min=0)[:, None],
-        entry=(pos + width).clamp(max=width - 1),
-        has_page=(page >= 0)[:, None, None],
-    )
-
-
-def conv_varlen_windows(
-    xbc: torch.Tensor,
-    conv_cache: torch.Tensor,
-    query_start: torch.Tensor,
-    in_pages: torch.Tensor,
-    rows: torch.Tensor,
-    offsets: torch.Tensor,
-    index: WindowIndex | None = None,
-) -> torch.Tensor:
-    """The conv windows after the requested tokens: ``[R, C, K - 1]`` in ``xbc.dtype``.
-
-    ``windows[j]`` holds the last ``K - 1`` inputs of row ``rows[j]`` up to and including
-    its token at ``offsets[j]`` (``0 <= offsets[j] < q``), oldest first; entries from before
-    the row's first token come from its initial window (page ``in_pages[row]``, zeros for
-    -1), cast to ``xbc.dtype`` as the per-row reference does. A pure gather: the values
-    are bit-identical copies. ``index``: :func:`window_index` of the same arguments, when
-    the caller keeps it for every layer of the step.
-    """
-    if index is None:
-        index = window_index(query_start, in_pages, rows, offsets, conv_cache.shape[-1])
-    from_x = xbc[index.token]  # [R, K-1, C]
-    from_page = conv_cache[index.page, :, index.entry].to(xbc.dtype)
-    zero = torch.zeros((), dtype=xbc.dtype, device=xbc.device)
-    initial = torch.where(index.has_page, from_page, zero)
-    return torch.where(index.from_row, from_x, initial).transpose(1, 2)
 
 
 # --------------------------------------------------------------------------------------
@@ -325,10 +257,10 @@ def conv_varlen(
             when None.
         out: ``[T, C]`` buffer for the result (contiguous, not sharing storage with
             ``xbc``); allocated when None.
-        out_pages: ``[T]`` integer or None; the window after token ``t`` (its last
-            ``K - 1`` inputs, as :func:`conv_varlen_windows` builds it) is written to page
-            ``out_pages[t]`` when that is ``>= 0``. Must not repeat a page or name an
-            input page (then no program reads what another writes).
+        out_pages: ``[T]`` integer or None; the window after token ``t`` (module
+            docstring) is written to page ``out_pages[t]`` when that is ``>= 0``. Must not
+            repeat a page or name an input page (then no program reads what another
+            writes).
         block_t, block_c: tile of one program (powers of two).
 
     Returns:

@@ -124,7 +124,7 @@ def _build_plan(batch: ForwardBatch, device: torch.device) -> DecodePlan | None:
         return None
     if any(page < 0 for page in batch.state_in_page):
         return None
-    if set(batch.state_out_page) & set(batch.state_in_page):
+    if not batch.writes_only_unread_pages():
         return None
     out = [[-1] * q for _ in range(rows)]
     for r, off, page in zip(batch.state_out_row, batch.state_out_offset, batch.state_out_page):

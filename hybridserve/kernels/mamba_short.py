@@ -99,14 +99,9 @@ def _build_plan(batch: ForwardBatch, device: torch.device) -> ShortPlan | None:
     rows, tokens = batch.num_rows, batch.num_tokens
     if tokens == 0 or max(qs[i + 1] - qs[i] for i in range(rows)) > MAX_SHORT_TOKENS:
         return None
-    pages = batch.state_out_page
-    if len(set(pages)) != len(pages) or set(pages) & set(batch.state_in_page):
+    if not batch.writes_only_unread_pages():
         return None
-    out = [-1] * tokens
-    for r, off, page in zip(batch.state_out_row, batch.state_out_offset, pages):
-        if not 0 <= off < qs[r + 1] - qs[r]:
-            raise ValueError(f"state request (row {r}, offset {off}) out of range")
-        out[qs[r] + off] = page
+    out = batch.token_out_pages()
     unclamped = [0] * tokens
     for i in range(rows):
         if qs[i + 1] - qs[i] == 1 and batch.state_in_page[i] >= 0:

@@ -68,12 +68,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from hybridserve.kernels.conv_varlen import WindowIndex, token_rows, window_index
+from hybridserve.kernels.conv_varlen import token_rows
 from hybridserve.kernels.ssd import discretize_dt, heads_from_groups, ssd_chunked_reference
 from hybridserve.kernels.ssd_tails import ssd_tail_states, ssd_tail_states_reference
 from hybridserve.models.batch import ForwardBatch
@@ -453,12 +453,12 @@ def plan_segments(
 class PrefillPlan:
     """The index tensors of the packed prefill path for one step (int64 on its device).
 
-    ``query_start [B + 1]``, ``token_row [T]`` and ``in_pages [B]`` feed the conv;
+    ``query_start [B + 1]``, ``token_row [T]``, ``in_pages [B]`` and ``token_out_pages
+    [T]`` (the page of the window after each token, -1 for none) feed the conv;
     ``init_rows`` / ``init_pages`` list the non-empty rows that start from a stored state
     and their pages; ``single_token [T]`` (bool, or None when there are none) marks the
-    tokens of one-token rows that continue from a stored state; ``out_rows``,
-    ``out_offsets`` and ``out_pages [K]`` are the state requests in the batch's order;
-    ``segments`` cuts the rows for the scan.
+    tokens of one-token rows that continue from a stored state; ``out_pages [K]`` are the
+    state requests' pages in the batch's order; ``segments`` cuts the rows for the scan.
     """
 
     query_start: torch.Tensor
@@ -467,20 +467,9 @@ class PrefillPlan:
     init_rows: torch.Tensor
     init_pages: torch.Tensor
     single_token: torch.Tensor | None
-    out_rows: torch.Tensor
-    out_offsets: torch.Tensor
+    token_out_pages: torch.Tensor
     out_pages: torch.Tensor
     segments: Segments
-    _windows: dict[int, WindowIndex] = field(default_factory=dict, repr=False)
-
-    def window_index(self, width: int) -> WindowIndex:
-        """Where the requested conv windows of ``width`` entries come from (built on the
-        first layer that asks, shared by the rest of the step)."""
-        if width not in self._windows:
-            self._windows[width] = window_index(
-                self.query_start, self.in_pages, self.out_rows, self.out_offsets, width
-            )
-        return self._windows[width]
 
 
 _PLAN_ATTR = "_prefill_plan_memo"
@@ -488,10 +477,12 @@ _PLAN_ATTR = "_prefill_plan_memo"
 
 def prefill_plan(
     batch: ForwardBatch, device: torch.device, chunk: int | None = None
-) -> PrefillPlan:
+) -> PrefillPlan | None:
     """The :class:`PrefillPlan` of ``batch`` on ``device``, built once per step, device and
     ``chunk`` (:func:`plan_segments`; memoised on the batch, which a forward does not
-    modify) and shared by every layer."""
+    modify) and shared by every layer. None when an output page repeats or is an input
+    page (the engine never plans that, DESIGN.md section 4): the conv writes its windows
+    while it reads the input pages, so such a step needs the per-row path."""
     memo = batch.__dict__.setdefault(_PLAN_ATTR, {})
     key = (str(device), chunk)
     if key not in memo:
@@ -499,7 +490,11 @@ def prefill_plan(
     return memo[key]
 
 
-def _build_plan(batch: ForwardBatch, device: torch.device, chunk: int | None) -> PrefillPlan:
+def _build_plan(
+    batch: ForwardBatch, device: torch.device, chunk: int | None
+) -> PrefillPlan | None:
+    if not batch.writes_only_unread_pages():
+        return None
     qs = list(batch.query_start)
     rows = batch.num_rows
     segments = _segments(
@@ -513,8 +508,7 @@ def _build_plan(batch: ForwardBatch, device: torch.device, chunk: int | None) ->
         init_rows,
         [batch.state_in_page[i] for i in init_rows],
         single,
-        batch.state_out_row,
-        batch.state_out_offset,
+        batch.token_out_pages(),
         batch.state_out_page,
     ]
     t = _to_device(lists, device)
@@ -529,9 +523,8 @@ def _build_plan(batch: ForwardBatch, device: torch.device, chunk: int | None) ->
         init_rows=t[2],
         init_pages=t[3],
         single_token=single_token,
-        out_rows=t[5],
-        out_offsets=t[6],
-        out_pages=t[7],
+        token_out_pages=t[5],
+        out_pages=t[6],
         segments=segments,
     )
 

@@ -76,6 +76,21 @@ class ForwardBatch:
         out.sort()
         return out
 
+    def writes_only_unread_pages(self) -> bool:
+        """No state output page repeats or is any row's input page (DESIGN.md section 4):
+        what lets a launch read input pages while it writes output pages."""
+        pages = self.state_out_page
+        return len(set(pages)) == len(pages) and not set(pages) & set(self.state_in_page)
+
+    def token_out_pages(self) -> list[int]:
+        """``[T]``: the page the state after each packed token goes to, -1 for none."""
+        out = [-1] * self.num_tokens
+        for r, off, page in zip(self.state_out_row, self.state_out_offset, self.state_out_page):
+            if not 0 <= off < self.query_len(r):
+                raise ValueError(f"state request (row {r}, offset {off}) out of range")
+            out[self.query_start[r] + off] = page
+        return out
+
     def validate(self) -> None:
         """Check internal consistency; raises ValueError naming the field."""
         b = self.num_rows

@@ -1,6 +1,7 @@
 """Variable-length causal conv over packed rows: the Triton kernel against its twin and the
 per-row reference, NaN-poisoned outputs and unread pages, the race checker and three
-program orders; the state windows bit for bit against the per-row reference.
+program orders; the windows written to output pages bit for bit against the per-row
+reference.
 
 GPU tests (``-m gpu``) compile the kernel: run them with ``TRITON_INTERPRET=0``.
 """
@@ -14,12 +15,7 @@ import pytest
 import torch
 
 from hybridserve.kernels.conv1d import causal_conv1d_reference
-from hybridserve.kernels.conv_varlen import (
-    conv_varlen,
-    conv_varlen_reference,
-    conv_varlen_windows,
-    token_rows,
-)
+from hybridserve.kernels.conv_varlen import conv_varlen, conv_varlen_reference, token_rows
 
 INTERPRETED = os.environ["TRITON_INTERPRET"] == "1"
 
@@ -61,13 +57,6 @@ def _step(g, lens, channels, k, dtype, num_pages=None, cache_dtype=None, with_pa
     return xbc, weight, bias, cache, torch.tensor(qs), in_pages
 
 
-def _requests(lens):
-    """Every (row, offset) of the step, in a shuffled order."""
-    req = [(r, o) for r, q in enumerate(lens) for o in range(q)]
-    perm = torch.randperm(len(req)).tolist()
-    return [req[i] for i in perm]
-
-
 LENS = [
     [0, 1, 2, 5, 3, 0, 9],  # empty rows, rows shorter than K - 1
     [13],
@@ -76,68 +65,40 @@ LENS = [
 ]
 
 
-@pytest.mark.parametrize("lens", LENS)
-@pytest.mark.parametrize("k", [2, 4])
-def test_twin_matches_per_row_reference_and_windows_bit_for_bit(lens, k):
-    g = torch.Generator().manual_seed(_seed())
-    xbc, weight, bias, cache, qs, in_pages = _step(g, lens, 6, k, torch.float64)
-    before = cache.clone()
-    out = conv_varlen_reference(xbc, weight, bias, cache, qs, in_pages, "silu")
-    req = _requests(lens)
-    rows = torch.tensor([r for r, _ in req], dtype=torch.int64)
-    offs = torch.tensor([o for _, o in req], dtype=torch.int64)
-    windows = conv_varlen_windows(xbc, cache, qs, in_pages, rows, offs)
-    assert windows.shape == (len(req), 6, k - 1)
-    for r, q in enumerate(lens):
-        s, e = int(qs[r]), int(qs[r + 1])
-        if q == 0:
-            continue
-        page = int(in_pages[r])
-        mine = [j for j, (rr, _) in enumerate(req) if rr == r]
-        o_ref, w_ref = causal_conv1d_reference(
-            xbc[s:e], weight, bias, before[page] if page >= 0 else None, "silu",
-            [req[j][1] for j in mine],
-        )
-        torch.testing.assert_close(out[s:e], o_ref, rtol=0, atol=0)
-        for n, j in enumerate(mine):
-            assert torch.equal(windows[j], w_ref[n]), (r, req[j])
-    assert not windows.isnan().any()
-    assert torch.equal(cache.nan_to_num(7.0), before.nan_to_num(7.0))  # read only
-
-
-def test_windows_cast_initial_entries_like_the_reference():
-    """bf16 inputs over a float32 window page: the initial entries go through bf16, as the
-    per-row reference's concatenation does."""
-    g = torch.Generator().manual_seed(_seed())
-    lens = [1, 3, 6]
-    xbc, weight, bias, cache, qs, in_pages = _step(
-        g, lens, 5, 4, torch.bfloat16, cache_dtype=torch.float32, with_pages=1.0
-    )
-    req = _requests(lens)
-    rows = torch.tensor([r for r, _ in req])
-    offs = torch.tensor([o for _, o in req])
-    windows = conv_varlen_windows(xbc, cache, qs, in_pages, rows, offs)
-    assert windows.dtype == torch.bfloat16
-    for j, (r, o) in enumerate(req):
-        s, e = int(qs[r]), int(qs[r + 1])
-        _, w_ref = causal_conv1d_reference(xbc[s:e], weight, bias, cache[int(in_pages[r])],
-                                           "silu", [o])
-        assert torch.equal(windows[j], w_ref[0])
-
-
-def _out_pages(g, lens, cache, in_pages):
-    """A page for about half the tokens (distinct, never an input page), -1 for the rest."""
+def _out_pages(g, lens, cache, in_pages, share=0.5):
+    """A page for every row's last token (as the engine asks) and about ``share`` of the
+    other tokens, distinct and never an input page; -1 for the rest."""
     free = [p for p in range(cache.shape[0]) if p not in set(in_pages.tolist())]
     free = [free[i] for i in torch.randperm(len(free), generator=g).tolist()]
-    return torch.tensor([free.pop() if free and bool(torch.rand((), generator=g) < 0.5) else -1
-                         for _ in range(sum(lens))])
+    last = set(torch.tensor(lens).cumsum(0)[torch.tensor(lens) > 0].sub(1).tolist())
+    return torch.tensor([
+        free.pop() if t in last or bool(torch.rand((), generator=g) < share) else -1
+        for t in range(sum(lens))
+    ])
+
+
+def _per_row(xbc, weight, bias, before, qs, in_pages, out_pages, act="silu"):
+    """The per-row reference: outputs, and ``{page: window}`` for every requested token."""
+    out, windows = [], {}
+    for r in range(len(in_pages)):
+        s, e = int(qs[r]), int(qs[r + 1])
+        if s == e:
+            continue
+        page = int(in_pages[r])
+        offsets = [t - s for t in range(s, e) if out_pages[t] >= 0]
+        o, w = causal_conv1d_reference(
+            xbc[s:e], weight, bias, before[page] if page >= 0 else None, act, offsets
+        )
+        out.append(o)
+        windows.update({int(out_pages[s + off]): w_j for off, w_j in zip(offsets, w)})
+    return torch.cat(out), windows
 
 
 @pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=interpreted)])
-@pytest.mark.parametrize("lens,k", [(LENS[0], 4), (LENS[3], 3), ([2, 0, 1], 4)])
+@pytest.mark.parametrize("lens,k", [(LENS[0], 4), (LENS[3], 3), ([2, 0, 1], 4), (LENS[1], 2)])
 def test_out_pages_get_the_windows_bit_for_bit(kernel, lens, k):
     """With ``out_pages`` the conv also writes the window after each token that has a
-    page: the windows :func:`conv_varlen_windows` gathers, in the page dtype; nothing else
+    page: bit for bit the per-row reference's windows, in the page dtype; no other page
     changes, and the kernel stays race-free."""
     g = torch.Generator().manual_seed(_seed())
     xbc, weight, bias, cache, qs, in_pages = _step(
@@ -145,7 +106,7 @@ def test_out_pages_get_the_windows_bit_for_bit(kernel, lens, k):
     )
     out_pages = _out_pages(g, lens, cache, in_pages)
     before = cache.clone()
-    want = conv_varlen_reference(xbc, weight, bias, before.clone(), qs, in_pages, "silu")
+    want, windows = _per_row(xbc, weight, bias, before, qs, in_pages, out_pages)
     if kernel:
         with racecheck.record_launches() as rec:
             got = conv_varlen(xbc, weight, bias, cache, qs.to(torch.int32), in_pages, "silu",
@@ -156,13 +117,34 @@ def test_out_pages_get_the_windows_bit_for_bit(kernel, lens, k):
         got = conv_varlen_reference(xbc, weight, bias, cache, qs, in_pages, "silu",
                                     out_pages=out_pages)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
-    tokens = (out_pages >= 0).nonzero()[:, 0]
-    rows = token_rows(qs, xbc.shape[0])[tokens]
-    windows = conv_varlen_windows(xbc, before, qs, in_pages, rows, tokens - qs[rows])
-    assert torch.equal(cache[out_pages[tokens]], windows)
+    assert windows
+    for page, window in windows.items():
+        assert torch.equal(cache[page], window), page
     unwritten = torch.ones(cache.shape[0], dtype=torch.bool)
-    unwritten[out_pages[tokens]] = False
+    unwritten[list(windows)] = False
     assert torch.equal(cache[unwritten].nan_to_num(7.0), before[unwritten].nan_to_num(7.0))
+
+
+@interpreted
+def test_kernel_windows_take_initial_entries_through_the_input_dtype():
+    """bf16 inputs over float32 window pages: a window's entries from before the row go
+    through bf16, as the per-row reference's concatenation does (page values exact in bf16,
+    so the interpreter's truncating cast and the GPU's rounding one agree)."""
+    g = torch.Generator().manual_seed(_seed())
+    lens = [1, 2, 6]
+    xbc, weight, bias, cache, qs, in_pages = _step(
+        g, lens, 5, 4, torch.bfloat16, num_pages=3 * sum(lens) + 4,
+        cache_dtype=torch.float32, with_pages=1.0,
+    )
+    cache.copy_(cache.to(torch.bfloat16).to(torch.float32))
+    out_pages = _out_pages(g, lens, cache, in_pages, share=1.0)
+    before = cache.clone()
+    _, windows = _per_row(xbc, weight, bias, before, qs, in_pages, out_pages)
+    conv_varlen(xbc, weight, bias, cache, qs, in_pages, "silu", out_pages=out_pages,
+                block_t=4, block_c=8)
+    for page, window in windows.items():
+        assert window.dtype == torch.bfloat16
+        assert torch.equal(cache[page], window.to(torch.float32)), page
 
 
 def test_token_rows_skip_empty_rows():

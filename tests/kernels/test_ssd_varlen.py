@@ -504,6 +504,25 @@ def _hand_built_batch(lens, computed, in_pages, requests, block_size, device):
     return batch
 
 
+def test_prefill_plan_lays_out_window_pages_and_refuses_steps_that_break_the_page_rule():
+    """The conv writes its windows while it reads the input pages, so the plan lists the
+    window page of every token and is None (the per-row path) when an output page repeats
+    or is an input page."""
+    cpu = torch.device("cpu")
+    good = _hand_built_batch([3, 0, 2], [0, 4, 5], [-1, 1, 2],
+                             [(0, 0, 7), (0, 2, 8), (2, 1, 9)], 4, cpu)
+    plan = ssd_varlen.prefill_plan(good, cpu)
+    assert plan.token_out_pages.tolist() == [7, -1, 8, -1, 9]
+    assert plan.out_pages.tolist() == [7, 8, 9]
+    # Row 0 writes the page row 1 reads; then one page written twice (which validate()
+    # refuses, so the batch is changed after it).
+    reads = _hand_built_batch([3, 2], [0, 5], [-1, 2], [(0, 2, 2), (1, 1, 9)], 4, cpu)
+    twice = _hand_built_batch([3, 2], [0, 5], [-1, 2], [(0, 2, 8), (1, 1, 9)], 4, cpu)
+    twice.state_out_page = [9, 9]
+    assert ssd_varlen.prefill_plan(reads, cpu) is None
+    assert ssd_varlen.prefill_plan(twice, cpu) is None
+
+
 def _packed_vs_per_row(tmp_path, monkeypatch, packed_mode, device, dtype):
     """One hand-built mixed step (a long prefill with grid points, one-token and
     multi-token continuations, an empty row, a fresh short prefill) through the packed

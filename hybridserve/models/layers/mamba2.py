@@ -25,7 +25,8 @@ read. :data:`SHORT_ROWS` selects it.
 
 Packed prefill path: every other step (prefill, mixed) on CUDA, when fla-core is
 importable and the scan's compute dtype is float32, runs all rows at once: one
-variable-length conv launch (:mod:`hybridserve.kernels.conv_varlen`) and the segmented
+variable-length conv launch that also writes the requested windows
+(:mod:`hybridserve.kernels.conv_varlen`) and the segmented
 varlen scan of :func:`~hybridserve.kernels.ssd_varlen.ssd_prefill` on fla-core's chunked
 scan. :data:`PACKED_PREFILL` selects it; ``"reference"`` runs the same orchestration with
 the torch twins on any device (how the CPU tests cover it). The per-row path above stays
@@ -39,7 +40,7 @@ from torch import nn
 
 from hybridserve.kernels import mamba_decode, mamba_short, ssd_varlen
 from hybridserve.kernels.conv1d import causal_conv1d_reference
-from hybridserve.kernels.conv_varlen import conv_varlen, conv_varlen_reference, conv_varlen_windows
+from hybridserve.kernels.conv_varlen import conv_varlen, conv_varlen_reference
 from hybridserve.kernels.ssd import discretize_dt, ssd_chunked_reference, ssd_step_reference
 from hybridserve.models.batch import ForwardBatch
 from hybridserve.models.config import MambaParams
@@ -147,8 +148,9 @@ class Mamba2Mixer(nn.Module):
         if scan is not None:
             chunk = ssd_varlen.SCAN_CHUNK if ssd_varlen.chunk_states_supported(scan) else None
             prefill = ssd_varlen.prefill_plan(batch, h.device, chunk)
-            y = self._prefill_rows(xbc, dt, A, prefill, scan, conv_cache, ssm_cache)
-            return self.out_proj(self.norm(y, z, out_dtype=h.dtype))
+            if prefill is not None:
+                y = self._prefill_rows(xbc, dt, A, prefill, scan, conv_cache, ssm_cache)
+                return self.out_proj(self.norm(y, z, out_dtype=h.dtype))
 
         initial = [
             (conv_cache[page], ssm_cache[page]) if page >= 0 else (None, None)
@@ -321,12 +323,8 @@ class Mamba2Mixer(nn.Module):
         compute = A.dtype
         weight = self.conv1d.weight[:, 0, :].contiguous()
         xbc = xbc.contiguous()
-        # Everything read from pages (conv windows that reach back before a row, initial
-        # SSM states) is gathered before any page is written.
-        windows = conv_varlen_windows(
-            xbc, conv_cache, plan.query_start, plan.in_pages, plan.out_rows, plan.out_offsets,
-            plan.window_index(conv_cache.shape[-1]),
-        )
+        # The initial SSM states are gathered before the scan's states are written. The
+        # conv writes its windows itself: no output page is an input page (the plan).
         initial = torch.zeros(
             len(plan.in_pages), *ssm_cache.shape[1:], dtype=compute, device=xbc.device
         )
@@ -344,6 +342,7 @@ class Mamba2Mixer(nn.Module):
             plan.in_pages,
             p.activation,
             plan.token_row,
+            out_pages=plan.token_out_pages,
         )
         gs = p.n_groups * p.d_state
         x, B, C = xbc.split([p.intermediate_size, gs, gs], dim=-1)
@@ -361,6 +360,5 @@ class Mamba2Mixer(nn.Module):
             plan.segments,
             scan,
         )
-        conv_cache[plan.out_pages] = windows.to(conv_cache.dtype)
         ssm_cache[plan.out_pages] = states.to(ssm_cache.dtype)
         return y.reshape(t, p.intermediate_size)
