@@ -1368,6 +1368,26 @@ def check_conv_varlen(shape, step, dtype, device, seed):
     }
 
 
+def _short_step(h, device):
+    """The rows of a step of short rows (a cached prompt's 128-token tail, decode rows, a
+    fresh short prompt, an empty row) and its pages: ``(lens, query_start, in_pages,
+    out_pages, pages)``. Rows 0 and 3 start from zeros; about a third of the tokens, and
+    every row's last one, request their state on a page of their own."""
+    lens = [128, 1, 1, 37, 0, 5]
+    qs = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    tokens = qs[-1]
+    pages = len(lens) + tokens + 2
+    perm = torch.randperm(pages, generator=h).tolist()
+    in_pages = [perm.pop() if i % 3 else -1 for i in range(len(lens))]
+    want_page = (torch.rand(tokens, generator=h) < 0.3).tolist()
+    for e in qs[1:]:
+        if e:
+            want_page[e - 1] = True
+    out_pages = [perm.pop() if w else -1 for w in want_page]
+    as_tensor = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
+    return lens, as_tensor(qs), as_tensor(in_pages), as_tensor(out_pages), pages
+
+
 def check_conv_varlen_windows(shape, step, dtype, device, seed):
     """``conv_varlen`` with ``out_pages``: the short-row step's conv, which also writes the
     window after every token that has a page. Rows of a cached prompt's tail, decode rows
@@ -1375,19 +1395,8 @@ def check_conv_varlen_windows(shape, step, dtype, device, seed):
     g, h = _generators(seed, device)
     m = _mamba_shapes(shape)
     channels, k = m["conv_dim"], m["d_conv"]
-    lens = [128, 1, 1, 37, 0, 5]
-    qs = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=device)
+    lens, qs, in_pages, out_pages, pages = _short_step(h, device)
     tokens = int(qs[-1])
-    pages = len(lens) + tokens + 2
-    perm = torch.randperm(pages, generator=h).tolist()
-    in_pages = torch.tensor([perm.pop() if i % 3 else -1 for i in range(len(lens))],
-                            device=device)
-    # About a third of the tokens request their window, every row's last token does.
-    want_page = (torch.rand(tokens, generator=h) < 0.3).tolist()
-    for e in qs[1:].tolist():
-        if e:
-            want_page[e - 1] = True
-    out_pages = torch.tensor([perm.pop() if w else -1 for w in want_page], device=device)
     cache = torch.full((pages, channels, k - 1), float("nan"), dtype=dtype, device=device)
     read = in_pages[in_pages >= 0]
     cache[read] = _randn(g, read.numel(), channels, k - 1, device=device, dtype=dtype)
@@ -1424,19 +1433,8 @@ def check_ssm_short(shape, step, dtype, device, seed):
     g, h = _generators(seed, device)
     m = _mamba_shapes(shape)
     heads, head_dim, groups, d_state = m["heads"], m["head_dim"], m["groups"], m["d_state"]
-    lens = [128, 1, 1, 37, 0, 5]
-    qs = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    lens, qs, in_pages, out_pages, pages = _short_step(h, device)
     tokens = int(qs[-1])
-    pages = len(lens) + tokens + 2
-    perm = torch.randperm(pages, generator=h).tolist()
-    in_pages = torch.tensor([perm.pop() if i % 3 else -1 for i in range(len(lens))],
-                            dtype=torch.int32)
-    want_page = (torch.rand(tokens, generator=h) < 0.3).tolist()
-    for e in qs[1:].tolist():
-        if e:
-            want_page[e - 1] = True
-    out_pages = torch.tensor([perm.pop() if w else -1 for w in want_page], dtype=torch.int32)
-    qs, in_pages, out_pages = qs.to(device), in_pages.to(device), out_pages.to(device)
     x = _randn(g, tokens, heads, head_dim, device=device, dtype=dtype)
     dt, A = _mamba_dt_A(g, tokens, heads, device)
     B = _randn(g, tokens, groups, d_state, device=device, dtype=dtype)

@@ -62,9 +62,9 @@ MAX_SHORT_TOKENS = 512
 class ShortPlan:
     """One step's index tensors for the short-row path, on the model's device.
 
-    ``query_start [R + 1]`` and ``in_pages [R]`` (int32, -1 = zero state); ``out_pages
-    [T]`` (int32): the state after packed token ``t`` goes to page ``out_pages[t]`` when
-    it is ``>= 0``; ``token_row [T]`` (int64) for the conv; ``unclamped [T]`` (bool, or
+    ``query_start [R + 1]`` and ``in_pages [R]`` (int32, -1 = zero state); ``token_out_pages
+    [T]`` (int32): the state after packed token ``t`` goes to page ``token_out_pages[t]``
+    when it is ``>= 0``; ``token_row [T]`` (int64) for the conv; ``unclamped [T]`` (bool, or
     None when there are none) marks the tokens of one-token rows that continue from a
     stored state (the dt clamp exception of :class:`~hybridserve.models.config.MambaParams`).
     """
@@ -72,7 +72,7 @@ class ShortPlan:
     num_rows: int
     query_start: torch.Tensor
     in_pages: torch.Tensor
-    out_pages: torch.Tensor
+    token_out_pages: torch.Tensor
     token_row: torch.Tensor
     unclamped: torch.Tensor | None
 
@@ -116,7 +116,7 @@ def _build_plan(batch: ForwardBatch, device: torch.device) -> ShortPlan | None:
         num_rows=rows,
         query_start=query_start,
         in_pages=in_pages,
-        out_pages=out_pages,
+        token_out_pages=out_pages,
         token_row=token_rows(query_start, tokens),
         unclamped=flags != 0 if any(unclamped) else None,
     )

@@ -456,7 +456,7 @@ class PrefillPlan:
     ``query_start [B + 1]``, ``token_row [T]``, ``in_pages [B]`` and ``token_out_pages
     [T]`` (the page of the window after each token, -1 for none) feed the conv;
     ``init_rows`` / ``init_pages`` list the non-empty rows that start from a stored state
-    and their pages; ``single_token [T]`` (bool, or None when there are none) marks the
+    and their pages; ``unclamped [T]`` (bool, or None when there are none) marks the
     tokens of one-token rows that continue from a stored state; ``out_pages [K]`` are the
     state requests' pages in the batch's order; ``segments`` cuts the rows for the scan.
     """
@@ -466,7 +466,7 @@ class PrefillPlan:
     in_pages: torch.Tensor
     init_rows: torch.Tensor
     init_pages: torch.Tensor
-    single_token: torch.Tensor | None
+    unclamped: torch.Tensor | None
     token_out_pages: torch.Tensor
     out_pages: torch.Tensor
     segments: Segments
@@ -512,17 +512,17 @@ def _build_plan(
         batch.state_out_page,
     ]
     t = _to_device(lists, device)
-    single_token = None
+    unclamped = None
     if single:
-        single_token = torch.zeros(batch.num_tokens, dtype=torch.bool, device=device)
-        single_token[t[4]] = True
+        unclamped = torch.zeros(batch.num_tokens, dtype=torch.bool, device=device)
+        unclamped[t[4]] = True
     return PrefillPlan(
         query_start=t[0],
         token_row=token_rows(t[0], batch.num_tokens),
         in_pages=t[1],
         init_rows=t[2],
         init_pages=t[3],
-        single_token=single_token,
+        unclamped=unclamped,
         token_out_pages=t[5],
         out_pages=t[6],
         segments=segments,

@@ -174,7 +174,7 @@ def test_plan_lays_out_pages_per_token_and_qualifies_short_steps(monkeypatch):
     assert plan is not None and plan.num_rows == 3
     assert plan.query_start.tolist() == [0, 3, 4, 6]
     assert plan.in_pages.tolist() == [4, 5, -1]
-    assert plan.out_pages.tolist() == [7, -1, 8, 9, -1, 10]
+    assert plan.token_out_pages.tolist() == [7, -1, 8, 9, -1, 10]
     assert plan.token_row.tolist() == [0, 0, 0, 1, 2, 2]
     # Only the one-token row that continues from a page skips the dt clamp.
     assert plan.unclamped.tolist() == [False, False, False, True, False, False]

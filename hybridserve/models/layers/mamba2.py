@@ -209,6 +209,18 @@ class Mamba2Mixer(nn.Module):
             self.__dict__["_A_cache"] = cached
         return cached[1]
 
+    def _split_heads(
+        self, xbc: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The conv output ``[T, conv_dim]`` as ``x [T, H, P]``, ``B, C [T, G, N]`` (views of
+        column slices: rows keep the conv output's stride)."""
+        p = self.p
+        t = xbc.shape[0]
+        gs = p.n_groups * p.d_state
+        x, B, C = xbc.split([p.intermediate_size, gs, gs], dim=-1)
+        return (x.view(t, p.n_heads, p.head_dim), B.view(t, p.n_groups, p.d_state),
+                C.view(t, p.n_groups, p.d_state))
+
     def _decode_rows(
         self,
         xbc: torch.Tensor,
@@ -237,8 +249,7 @@ class Mamba2Mixer(nn.Module):
             plan.out_pages,
             p.activation,
         )
-        gs = p.n_groups * p.d_state
-        x, B, C = xbc.split([p.intermediate_size, gs, gs], dim=-1)
+        x, B, C = self._split_heads(xbc)
         # The reference's single-token step skips the dt clamp (see MambaParams); rows of
         # several tokens take the chunked scan there, which clamps.
         limit = p.time_step_limit
@@ -246,11 +257,11 @@ class Mamba2Mixer(nn.Module):
             limit = None
         dt = discretize_dt(dt, self.dt_bias, limit)
         y = ssm(
-            x.view(t, p.n_heads, p.head_dim),
+            x,
             dt.contiguous(),
             A,
-            B.view(t, p.n_groups, p.d_state),
-            C.view(t, p.n_groups, p.d_state),
+            B,
+            C,
             self.D,
             ssm_cache,
             plan.in_pages,
@@ -274,8 +285,35 @@ class Mamba2Mixer(nn.Module):
         t = xbc.shape[0]
         # The Triton kernels under "auto" (CUDA, float32); the torch twins for "reference".
         fast = SHORT_ROWS == "auto"
-        conv = conv_varlen if fast else conv_varlen_reference
         ssm = mamba_short.ssm_short_update if fast else mamba_short.ssm_short_update_reference
+        x, B, C, dt = self._packed_conv_dt(xbc, dt, plan, conv_cache, fast)
+        y = ssm(
+            x,
+            dt.contiguous(),
+            A,
+            B,
+            C,
+            self.D,
+            ssm_cache,
+            plan.query_start,
+            plan.in_pages,
+            plan.token_out_pages,
+        )
+        return y.reshape(t, p.intermediate_size).to(A.dtype)
+
+    def _packed_conv_dt(
+        self,
+        xbc: torch.Tensor,
+        dt: torch.Tensor,
+        plan: mamba_short.ShortPlan | ssd_varlen.PrefillPlan,
+        conv_cache: torch.Tensor,
+        fast: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The conv of a packed step (the Triton kernel when ``fast``, else its twin), which
+        also writes the window after every token with a page in ``plan.token_out_pages``,
+        and the step's dt: ``x [T, H, P]``, ``B, C [T, G, N]``, ``dt [T, H]``."""
+        p = self.p
+        conv = conv_varlen if fast else conv_varlen_reference
         xbc = conv(
             # The kernel takes rows at any stride (a column slice of the projection).
             xbc if fast else xbc.contiguous(),
@@ -286,26 +324,13 @@ class Mamba2Mixer(nn.Module):
             plan.in_pages,
             p.activation,
             plan.token_row,
-            out_pages=plan.out_pages,
+            out_pages=plan.token_out_pages,
         )
-        gs = p.n_groups * p.d_state
-        x, B, C = xbc.split([p.intermediate_size, gs, gs], dim=-1)
+        x, B, C = self._split_heads(xbc)
         # As per row: one-token continuation rows skip the clamp unless the model asks for it.
         unclamped = None if p.clamp_dt_in_single_token_step else plan.unclamped
         dt = ssd_varlen.discretize_dt_varlen(dt, self.dt_bias, p.time_step_limit, unclamped)
-        y = ssm(
-            x.view(t, p.n_heads, p.head_dim),
-            dt.contiguous(),
-            A,
-            B.view(t, p.n_groups, p.d_state),
-            C.view(t, p.n_groups, p.d_state),
-            self.D,
-            ssm_cache,
-            plan.query_start,
-            plan.in_pages,
-            plan.out_pages,
-        )
-        return y.reshape(t, p.intermediate_size).to(A.dtype)
+        return x, B, C, dt.contiguous()
 
     def _prefill_rows(
         self,
@@ -321,8 +346,6 @@ class Mamba2Mixer(nn.Module):
         p = self.p
         t = xbc.shape[0]
         compute = A.dtype
-        weight = self.conv1d.weight[:, 0, :].contiguous()
-        xbc = xbc.contiguous()
         # The initial SSM states are gathered before the scan's states are written. The
         # conv writes its windows itself: no output page is an input page (the plan).
         initial = torch.zeros(
@@ -332,29 +355,14 @@ class Mamba2Mixer(nn.Module):
             0, plan.init_rows, ssm_cache.index_select(0, plan.init_pages).to(compute)
         )
         # Triton on CUDA (float32 accumulation); the torch twin elsewhere, and for float64.
-        conv = conv_varlen if xbc.is_cuda and compute == torch.float32 else conv_varlen_reference
-        xbc = conv(
-            xbc,
-            weight,
-            self.conv1d.bias,
-            conv_cache,
-            plan.query_start,
-            plan.in_pages,
-            p.activation,
-            plan.token_row,
-            out_pages=plan.token_out_pages,
-        )
-        gs = p.n_groups * p.d_state
-        x, B, C = xbc.split([p.intermediate_size, gs, gs], dim=-1)
-        # As per row: one-token continuation rows skip the clamp unless the model asks for it.
-        unclamped = None if p.clamp_dt_in_single_token_step else plan.single_token
-        dt = ssd_varlen.discretize_dt_varlen(dt, self.dt_bias, p.time_step_limit, unclamped)
+        fast = xbc.is_cuda and compute == torch.float32
+        x, B, C, dt = self._packed_conv_dt(xbc, dt, plan, conv_cache, fast)
         y, states = ssd_varlen.ssd_prefill(
-            x.reshape(t, p.n_heads, p.head_dim),
+            x,
             dt,
             A,
-            B.reshape(t, p.n_groups, p.d_state),
-            C.reshape(t, p.n_groups, p.d_state),
+            B,
+            C,
             self.D,
             initial,
             plan.segments,
