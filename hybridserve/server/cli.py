@@ -55,7 +55,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_MAX_REQUEST_BODY_BYTES,
         metavar="BYTES",
-        help="larger request bodies get a 413 (default: %(default)s, 16 MiB)",
+        help="larger request bodies get a 413 (default: %(default)s, 8 MiB)",
     )
     p.add_argument(
         "--timeout-keep-alive",
@@ -77,8 +77,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=_HTTP.h11_max_incomplete_event_size,
         metavar="BYTES",
-        help="the largest request head (request line and headers) accepted "
-        "(default: %(default)s)",
+        help="the largest request head (request line and headers) accepted (default: %(default)s)",
     )
 
 

@@ -241,10 +241,9 @@ class OpenAIServing:
                 self._check_text(item, "prompt")
                 texts.append(item)
         tok = self.config.tokenizer
-        encoded = iter(await self._offload(lambda: [tok.encode(t) for t in texts]) if texts else [])
+        encoded = iter(await self._offload(lambda: tok.encode_batch(texts)) if texts else [])
         return [
-            (item, next(encoded)) if isinstance(item, str) else (None, list(item))
-            for item in items
+            (item, next(encoded)) if isinstance(item, str) else (None, list(item)) for item in items
         ]
 
     async def _chat_prompt(self, req: ChatCompletionRequest) -> Prompt:
@@ -288,7 +287,7 @@ class OpenAIServing:
                 max_chars=cfg.max_prompt_chars,
             )
             _check_unicode(text, "messages")  # a template can build surrogates too
-            return text, tok.encode(text, add_special_tokens=False)
+            return text, tok.encode_batch([text], add_special_tokens=False)[0]
 
         try:
             text, ids = await self._offload(render)
@@ -317,7 +316,8 @@ class OpenAIServing:
             params.max_tokens,
             params.n,
             req.stream,
-            repr(req.user),  # the client's text: quoted, so it cannot forge log lines
+            # The client's text: quoted, so it cannot forge log lines, and cut short.
+            repr(req.user if req.user is None or len(req.user) <= 64 else req.user[:64] + "..."),
         )
         streams = await self._start(rid, prompts, params, final_only=not req.stream)
         headers = {"X-Request-Id": rid}
