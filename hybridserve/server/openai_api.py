@@ -169,7 +169,7 @@ def create_app(
             ],
         }
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.get("/health")
     async def health() -> Response:
         if engine.running and engine.healthy:
             return JSONResponse({"status": "ok"})
@@ -177,6 +177,9 @@ def create_app(
             error_body("the engine is not running", "server_error", code="engine_unavailable"),
             status_code=503,
         )
+
+    # Probes that send HEAD get the same status (the HTTP layer drops the body).
+    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
 
     @app.get("/metrics")
     async def get_metrics() -> Response:
