@@ -58,9 +58,10 @@ T = TypeVar("T")
 
 MAX_CHARS_PER_TOKEN = 64
 """The early length bound: text of more than ``max_model_len * MAX_CHARS_PER_TOKEN``
-characters is refused untokenized. Real tokenizers average a few characters per token
-and their longest tokens are far shorter than this, so no prompt that fits the context
-is refused; tokenizing costs about a microsecond per character, which the bound caps."""
+characters is refused untokenized. Tokenizers average a few characters per token and
+their longest tokens are far shorter than this, so text that fits the context is not
+refused in practice; tokenizing costs about a microsecond per character, which the
+bound caps."""
 
 TOKENIZER_THREADS = 2
 """Threads that tokenize and render chat templates, off the event loop."""
