@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import logging
 import os
@@ -162,8 +163,11 @@ def serve_main(args: argparse.Namespace) -> int:
     log.info("%s", startup_line(llm, name, args.host, args.port))
     if args.api_key:
         log.info("API key required on every route but /health and /metrics")
-    make_server(
+    server = make_server(
         app, host=args.host, port=args.port, options=options, log_level=args.log_level
-    ).run()
+    )
+    # uvicorn re-raises the SIGINT it handled once it has shut down cleanly.
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
     log.info("server stopped")
     return 0
