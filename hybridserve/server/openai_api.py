@@ -12,7 +12,9 @@ read pass the limit (a chunked one).
 
 Lifetime: the engine thread starts with the application (its lifespan) and stops
 when the application shuts down, after the HTTP server has let in-flight responses
-finish; whatever is still running then is aborted and its clients get an error.
+finish (and, past its grace period, ended them with an error through
+``OpenAIServing.end_in_flight``; see :mod:`hybridserve.server.http`); whatever is
+still running then is aborted and its clients get an error.
 """
 
 from __future__ import annotations
