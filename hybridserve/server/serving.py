@@ -6,10 +6,10 @@ Contracts:
 - Validation happens before anything is queued: a request that fails it leaves the
   engine untouched and gets a 4xx naming the field. A prompt must leave room for its
   ``max_tokens`` within ``max_model_len`` (when ``max_tokens`` is given).
-- The event loop never does work that grows with the prompt: text longer than
+- One large request cannot stall the other clients: what the event loop does with a
+  request is bounded (its body is capped, see ``openai_api``; text longer than
   ``max_model_len * MAX_CHARS_PER_TOKEN`` characters is refused before it is
-  tokenized, and tokenizing and chat-template rendering run on a thread pool, so one
-  large request cannot stall the other clients.
+  tokenized), and tokenizing and chat-template rendering run on a thread pool.
 - A request of ``k`` prompts becomes ``k`` engine requests (``<id>-<i>``); each asks
   for ``n`` sequences; choice ``i * n + j`` is sequence ``j`` of prompt ``i``.
 - Whatever ends a response early (client gone, an error while formatting, server
@@ -317,8 +317,7 @@ class OpenAIServing:
             params.max_tokens,
             params.n,
             req.stream,
-            # The client's text: quoted, so it cannot forge log lines, and cut short.
-            repr(req.user if req.user is None or len(req.user) <= 64 else req.user[:64] + "..."),
+            _quote(req.user),
         )
         streams = await self._start(rid, prompts, params, final_only=not req.stream)
         headers = {"X-Request-Id": rid}
@@ -467,6 +466,14 @@ async def _engine_call(rid: str, aw: Awaitable[RequestOutput]) -> RequestOutput:
         ) from None
     except EngineStopped as e:
         raise APIError(503, str(e), code="engine_unavailable") from None
+
+
+def _quote(text: str | None, limit: int = 64) -> str:
+    """The client's text for the log: quoted, so it cannot forge log lines, and cut
+    short."""
+    if text is not None and len(text) > limit:
+        return repr(text[:limit]) + "..."
+    return repr(text)
 
 
 def _check_unicode(text: str, param: str) -> None:

@@ -84,6 +84,20 @@ def test_keep_alive_connection_gets_the_timeout_again(chat_model, server_factory
         t0 = time.monotonic()
         assert _closed_by_server(sock, t0 + READ_TIMEOUT + 10)
         assert time.monotonic() - t0 >= READ_TIMEOUT * 0.9
+    # The clock stops once the request is in: a response may take longer.
+    with httpx.Client(base_url=srv.base_url, timeout=30) as c:
+        body = {"prompt": "on and on", "max_tokens": 3500, "ignore_eos": True, "stream": True}
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            t0 = time.monotonic()
+            events = 0
+            for line in r.iter_lines():
+                events += line.startswith("data: {")
+                if time.monotonic() - t0 > 2 * READ_TIMEOUT:
+                    break
+            else:
+                raise AssertionError("the stream ended early")
+            assert events > 0
+    srv.wait_idle()
 
 
 def test_shutdown_answers_in_flight_requests(chat_model, server_factory) -> None:

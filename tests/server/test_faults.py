@@ -184,3 +184,24 @@ def test_engine_step_failure(chat_model, server_factory, stream: bool, caplog) -
         srv.engine.call_sync(lambda e: e.scheduler.check_integrity())
         metrics = c.get("/metrics").text
         assert "hybridserve_requests_failed_total 1" in metrics
+
+
+def test_unexpected_error_is_generic(server, monkeypatch, caplog) -> None:
+    """An exception no handler expected: a 500 with an error id, the text only in the log."""
+    caplog.set_level(logging.INFO, logger="hybridserve.server")
+
+    async def broken(self, req, receive):
+        raise RuntimeError("secret path /srv/models/x")
+
+    monkeypatch.setattr(serving.OpenAIServing, "completions", broken)
+    with httpx.Client(base_url=server.base_url, timeout=60) as c:
+        r = c.post("/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 500
+    err = r.json()["error"]
+    assert err["code"] == "internal_error" and "secret" not in err["message"]
+    (error_id,) = re.findall(r"err-[0-9a-f]{32}", err["message"])
+    assert any(
+        error_id in rec.getMessage() and "secret path" in str(rec.exc_info[1])
+        for rec in caplog.records
+        if rec.exc_info
+    )
