@@ -214,3 +214,18 @@ def test_prompt_plus_max_tokens_must_fit_the_context(chat_model, server_factory)
         assert err["code"] == "context_length_exceeded" and err["param"] == "max_tokens"
         assert c.post(CHAT, json={"messages": msgs}).status_code == 200
     srv.wait_idle()
+
+
+def test_encode_batch_equals_encode(plain_model) -> None:
+    """The server's tokenizing call (which releases the interpreter lock) gives the
+    same ids as the offline one, BOS rule included."""
+    from hybridserve.tokenizer import Tokenizer
+
+    tok = Tokenizer(plain_model)
+    texts = ["def f(x):\n    return x", "héllo wörld ✓", "a"]
+    for bos in (False, True):
+        tok.add_bos_token, tok.bos_token_id = bos, 1
+        for special in (True, False):
+            want = [tok.encode(t, add_special_tokens=special) for t in texts]
+            assert tok.encode_batch(texts, add_special_tokens=special) == want
+            assert (want[0][0] == 1) == (bos and special)
