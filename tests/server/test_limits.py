@@ -153,9 +153,10 @@ def test_long_text_is_refused_before_tokenizing(server) -> None:
 
 
 def test_tokenizing_runs_off_the_event_loop(server) -> None:
-    """A prompt just under the character bound is tokenized (then refused for its
-    token count) on a worker thread; the loop keeps answering meanwhile."""
-    prompt = "ab " * (4096 * MAX_CHARS_PER_TOKEN // 3 - 10)
+    """A prompt within the character bound is tokenized (then refused for its token
+    count) on a worker thread; the loop keeps answering meanwhile. (Its tokenizing
+    takes about half a second here: on the loop, every client would wait that long.)"""
+    prompt = "ab " * (4096 * MAX_CHARS_PER_TOKEN // 6)
     body = json.dumps({"prompt": prompt, "max_tokens": 1}).encode()
     r = _assert_health_stays_fast(server.base_url, lambda: _post_raw(server.base_url, C, body))
     err = _error(r, 400)
