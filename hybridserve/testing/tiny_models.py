@@ -197,7 +197,9 @@ def _model_class(arch: str) -> Any:
 
 
 @torch.no_grad()
-def _randomize(model: torch.nn.Module, hidden: int, seed: int) -> None:
+def _randomize(
+    model: torch.nn.Module, hidden: int, seed: int, zero_centred_norms: bool = False
+) -> None:
     g = torch.Generator().manual_seed(seed)
 
     def normal(shape: torch.Size, std: float, mean: float = 0.0) -> torch.Tensor:
@@ -224,6 +226,9 @@ def _randomize(model: torch.nn.Module, hidden: int, seed: int) -> None:
         elif "conv1d.weight" in name:
             value = normal(p.shape, 0.5)
         elif leaf == "bias":
+            value = normal(p.shape, 0.1)
+        elif p.dim() == 1 and zero_centred_norms and "linear_attn.norm" not in name:
+            # Zero-centred RMSNorm weights (the scale is 1 + weight), except GDN's output norm.
             value = normal(p.shape, 0.1)
         elif p.dim() == 1:  # norm weights
             value = normal(p.shape, 0.1, 1.0)
@@ -267,7 +272,7 @@ def make_tiny_checkpoint(
     """
     config = tiny_config(arch, layers, **overrides)
     model = _model_class(arch)(config)
-    _randomize(model, config.get_text_config().hidden_size, seed)
+    _randomize(model, config.get_text_config().hidden_size, seed, arch in GDN_ARCHITECTURES)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     import transformers
