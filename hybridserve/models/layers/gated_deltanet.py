@@ -22,6 +22,14 @@ rows' per-position pages and preemption compose exactly, in bfloat16 pages too.
 All initial states are gathered before any page is written, so row order cannot matter
 even for a caller that breaks the "never write a page you read" rule.
 
+Decode fast path: when every row of the step runs the same few tokens from a stored state
+(plain decode, uniform verify rows; :func:`~hybridserve.kernels.mamba_decode.decode_plan`),
+all rows go through one batched conv update (Mamba2's) and one paged delta-rule update
+(:mod:`hybridserve.kernels.gdn_decode`) that read the rows' pages and write each requested
+position's state to its own page: Triton kernels on CUDA, their torch twins elsewhere.
+Every other step takes the per-row path above, the oracle (on the GPU too, until the
+packed prefill on fla-core's chunked delta rule lands; see docs/design-notes.md).
+
 Weight names follow each architecture's checkpoints: Qwen3.5 has ``in_proj_qkv``,
 ``in_proj_z``, ``in_proj_b``, ``in_proj_a``; Qwen3-Next fuses them into ``in_proj_qkvz``
 and ``in_proj_ba``, laid out per key head (``[q_j, k_j, v_j, z_j]`` of the ``r`` value
@@ -35,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridserve.kernels import gdn_decode, mamba_decode
 from hybridserve.kernels.conv1d import causal_conv1d_reference
 from hybridserve.kernels.gdn import gated_delta_rule_reference, l2_normalize
 from hybridserve.models.batch import ForwardBatch
@@ -140,6 +149,12 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight[:, 0, :]
         # Rounding to the page dtype after every token is a no-op when it is the compute dtype.
         state_dtype = None if ssm_cache.dtype == compute else ssm_cache.dtype
+        plan = mamba_decode.decode_plan(batch, h.device)
+        if plan is not None:
+            core = self._decode_rows(qkv, beta, g, plan, conv_cache, ssm_cache, compute,
+                                     state_dtype is not None)
+            y = self.norm(core.to(h.dtype), z)
+            return self.out_proj(y.reshape(h.shape[0], p.value_dim))
         initial = [
             (conv_cache[page], ssm_cache[page]) if page >= 0 else (None, None)
             for page in batch.state_in_page
@@ -168,3 +183,33 @@ class GatedDeltaNet(nn.Module):
             ssm_cache[page] = state.to(ssm_cache.dtype)
         y = self.norm(core.to(h.dtype), z)
         return self.out_proj(y.reshape(h.shape[0], p.value_dim))
+
+    def _decode_rows(
+        self,
+        qkv: torch.Tensor,
+        beta: torch.Tensor,
+        g: torch.Tensor,
+        plan: mamba_decode.DecodePlan,
+        conv_cache: torch.Tensor,
+        ssm_cache: torch.Tensor,
+        compute: torch.dtype,
+        round_state: bool,
+    ) -> torch.Tensor:
+        """The fast path of a uniform step: ``[T, Hv, Dv]`` delta-rule output (compute
+        dtype). Both launches read the rows' input pages and write only output pages."""
+        # Triton on CUDA (float32 recurrence); the torch twins elsewhere, and for float64.
+        fast = qkv.is_cuda and compute == torch.float32
+        conv = mamba_decode.conv_decode_update if fast else mamba_decode.conv_decode_update_reference
+        rule = gdn_decode.gdn_decode_update if fast else gdn_decode.gdn_decode_update_reference
+        x = conv(
+            qkv if fast else qkv.contiguous(),
+            self.conv1d.weight[:, 0, :].contiguous(),
+            None,
+            conv_cache,
+            plan.in_pages,
+            plan.out_pages,
+            self.p.activation,
+        )
+        q, k, v = self.split_qkv(x, compute)
+        out = rule(q, k, v, g, beta, ssm_cache, plan.in_pages, plan.out_pages, round_state)
+        return out.to(compute)
