@@ -27,8 +27,13 @@ Decode fast path: when every row of the step runs the same few tokens from a sto
 all rows go through one batched conv update (Mamba2's) and one paged delta-rule update
 (:mod:`hybridserve.kernels.gdn_decode`) that read the rows' pages and write each requested
 position's state to its own page: Triton kernels on CUDA, their torch twins elsewhere.
-Every other step takes the per-row path above, the oracle (on the GPU too, until the
-packed prefill on fla-core's chunked delta rule lands; see docs/design-notes.md).
+Packed-rows path: every other step on CUDA (float32 compute) runs all rows in two launches
+per layer, the variable-length conv that writes the requested windows
+(:func:`~hybridserve.kernels.conv_varlen.conv_varlen`) and the token-by-token delta rule
+over rows of any length that writes the requested states
+(:mod:`hybridserve.kernels.gdn_varlen`). :data:`PACKED_ROWS` selects it; ``"reference"``
+runs the same orchestration with the torch twins on any device (how the CPU tests cover
+it). The per-row path above stays the default elsewhere: it is the oracle.
 
 Weight names follow each architecture's checkpoints: Qwen3.5 has ``in_proj_qkv``,
 ``in_proj_z``, ``in_proj_b``, ``in_proj_a``; Qwen3-Next fuses them into ``in_proj_qkvz``
@@ -43,11 +48,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridserve.kernels import gdn_decode, mamba_decode
+from hybridserve.kernels import gdn_decode, gdn_varlen, mamba_decode
 from hybridserve.kernels.conv1d import causal_conv1d_reference
+from hybridserve.kernels.conv_varlen import conv_varlen, conv_varlen_reference
 from hybridserve.kernels.gdn import gated_delta_rule_reference, l2_normalize
 from hybridserve.models.batch import ForwardBatch
 from hybridserve.models.config import GDNParams
+
+# The path of a step that is not a uniform decode step:
+# "auto": the packed-rows kernels (:mod:`hybridserve.kernels.gdn_varlen`) on CUDA when the
+#     compute dtype is float32; the per-row path otherwise;
+# "reference": the packed-rows orchestration with the torch twins, on any device (tests);
+# "off": the per-row path everywhere.
+PACKED_ROWS = "auto"
+
+
+def packed_rows_mode(device: torch.device, compute: torch.dtype) -> str | None:
+    """``"kernel"``, ``"twin"`` or None (the per-row path) for a step here."""
+    if PACKED_ROWS == "reference":
+        return "twin"
+    if PACKED_ROWS == "auto":
+        return "kernel" if device.type == "cuda" and compute == torch.float32 else None
+    if PACKED_ROWS != "off":
+        raise ValueError(f"PACKED_ROWS must be 'auto', 'reference' or 'off', got {PACKED_ROWS!r}")
+    return None
 
 
 class GatedHeadRMSNorm(nn.Module):
@@ -155,6 +179,13 @@ class GatedDeltaNet(nn.Module):
                                      state_dtype is not None)
             y = self.norm(core.to(h.dtype), z)
             return self.out_proj(y.reshape(h.shape[0], p.value_dim))
+        mode = packed_rows_mode(h.device, compute)
+        packed = gdn_varlen.varlen_plan(batch, h.device) if mode else None
+        if packed is not None:
+            core = self._packed_rows(qkv, beta, g, packed, conv_cache, ssm_cache, compute,
+                                     state_dtype is not None, mode == "kernel")
+            y = self.norm(core.to(h.dtype), z)
+            return self.out_proj(y.reshape(h.shape[0], p.value_dim))
         initial = [
             (conv_cache[page], ssm_cache[page]) if page >= 0 else (None, None)
             for page in batch.state_in_page
@@ -212,4 +243,37 @@ class GatedDeltaNet(nn.Module):
         )
         q, k, v = self.split_qkv(x, compute)
         out = rule(q, k, v, g, beta, ssm_cache, plan.in_pages, plan.out_pages, round_state)
+        return out.to(compute)
+
+    def _packed_rows(
+        self,
+        qkv: torch.Tensor,
+        beta: torch.Tensor,
+        g: torch.Tensor,
+        plan: gdn_varlen.VarlenPlan,
+        conv_cache: torch.Tensor,
+        ssm_cache: torch.Tensor,
+        compute: torch.dtype,
+        round_state: bool,
+        fast: bool,
+    ) -> torch.Tensor:
+        """Any step through the packed-rows kernels (their twins unless ``fast``):
+        ``[T, Hv, Dv]`` (compute dtype). The conv writes its windows itself and the
+        recurrence its states: no output page is an input page (the plan)."""
+        conv = conv_varlen if fast else conv_varlen_reference
+        rule = gdn_varlen.gdn_varlen_update if fast else gdn_varlen.gdn_varlen_update_reference
+        x = conv(
+            qkv if fast else qkv.contiguous(),
+            self.conv1d.weight[:, 0, :].contiguous(),
+            None,
+            conv_cache,
+            plan.query_start,
+            plan.in_pages,
+            self.p.activation,
+            plan.token_row,
+            out_pages=plan.token_out_pages,
+        )
+        q, k, v = self.split_qkv(x, compute)
+        out = rule(q, k, v, g, beta, ssm_cache, plan.query_start, plan.in_pages,
+                   plan.token_out_pages, round_state)
         return out.to(compute)
