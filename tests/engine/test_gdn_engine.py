@@ -213,3 +213,28 @@ def test_state_page_bytes_are_logged_and_halved_by_bfloat16(tiny_qwen, caplog):
     assert any(f"state page: {f32} bytes" in r.getMessage() for r in caplog.records)
     bf16 = spec.state_page_bytes(torch.float32, torch.bfloat16)
     assert bf16 == 3 * (128 * 3 * 4 + 4 * 16 * 16 * 2)
+
+
+def test_packed_chunked_prefill_with_caching_and_speculation(tiny_qwen, uncached, monkeypatch):
+    """Prefill steps through the chunked form (chunks of 8: states on the grid of 16 come
+    from chunk states, others from tails) give the per-row path's tokens and exact
+    checkpoints, with prefix caching and n-gram speculation on."""
+    from hybridserve.kernels import gdn_chunked
+    from hybridserve.models.layers import gated_deltanet
+
+    monkeypatch.setattr(gated_deltanet, "PACKED_ROWS", "chunked")
+    monkeypatch.setattr(gdn_chunked, "CHUNK", 8)
+    calls = []
+    real = gdn_chunked.gdn_prefill_reference
+    monkeypatch.setattr(gdn_chunked, "gdn_prefill_reference",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    llm = LLM(tiny_qwen, state_interval=16,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    llm.engine.check_integrity_every_step = True
+    prompts = _workload(0)
+    got = _tokens(llm.generate(prompts, GREEDY))
+    assert got == uncached[0]
+    assert _tokens(llm.generate(prompts, GREEDY)) == uncached[0]
+    assert calls and llm.stats()["prefix_hit_tokens"] > 0
+    seqs = [p + o for p, o in zip(prompts, got)] + prompts
+    assert assert_checkpoints_exact(llm, seqs) > 0

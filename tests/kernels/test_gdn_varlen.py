@@ -84,11 +84,12 @@ def test_kernel_bfloat16_pages_and_program_orders():
                                equal_nan=True)
 
 
-@pytest.mark.parametrize("mode", ["twin", "kernel"])
+@pytest.mark.parametrize("mode", ["twin", "kernel", "chunked"])
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
 def test_mixer_packed_rows_path_matches_per_row_path(tmp_path, monkeypatch, arch, mode):
     """A mixed step (a prefill from zeros with inner checkpoints, a prompt tail after a
-    stored state, a decode row) through the packed-rows path against the per-row path."""
+    stored state, a decode row) through the packed-rows path against the per-row path
+    (the chunked twin with its chunk length, 64, longer than every row here: its tails)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
     from paged_driver import PagedDriver
 
@@ -104,7 +105,7 @@ def test_mixer_packed_rows_path_matches_per_row_path(tmp_path, monkeypatch, arch
     real = gated_deltanet.GatedDeltaNet._packed_rows
 
     def spy(self, *args):
-        calls.append(args[-1])  # fast: the Triton kernels
+        calls.append(args[-1])  # the mode
         return real(self, *args)
 
     monkeypatch.setattr(gated_deltanet.GatedDeltaNet, "_packed_rows", spy)
@@ -121,7 +122,7 @@ def test_mixer_packed_rows_path_matches_per_row_path(tmp_path, monkeypatch, arch
                   for s, offs in pages.items() for o, p in offs.items()}
         results.append((logits, states))
     # Both steps of both GDN layers took the packed path in the first run, none in the second.
-    assert calls == [mode == "kernel"] * 4
+    assert calls == [mode] * 4
     (pl, ps), (rl, rs) = results
     assert (pl - rl).abs().max() / rl.abs().max() < 1e-5
     assert ps.keys() == rs.keys()

@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridserve.kernels import gdn_decode, gdn_varlen, mamba_decode
+from hybridserve.kernels import gdn_chunked, gdn_decode, gdn_varlen, mamba_decode
 from hybridserve.kernels.conv1d import causal_conv1d_reference
 from hybridserve.kernels.conv_varlen import conv_varlen, conv_varlen_reference
 from hybridserve.kernels.gdn import gated_delta_rule_reference, l2_normalize
@@ -59,18 +59,25 @@ from hybridserve.models.config import GDNParams
 # "auto": the packed-rows kernels (:mod:`hybridserve.kernels.gdn_varlen`) on CUDA when the
 #     compute dtype is float32; the per-row path otherwise;
 # "reference": the packed-rows orchestration with the torch twins, on any device (tests);
+# "chunked": the same with the chunked form and its chunk states
+#     (:mod:`hybridserve.kernels.gdn_chunked`, the twin of the planned fla-core prefill;
+#     bfloat16 state pages keep the token-by-token twin);
 # "off": the per-row path everywhere.
 PACKED_ROWS = "auto"
 
 
 def packed_rows_mode(device: torch.device, compute: torch.dtype) -> str | None:
-    """``"kernel"``, ``"twin"`` or None (the per-row path) for a step here."""
+    """``"kernel"``, ``"twin"``, ``"chunked"`` or None (the per-row path) for a step here."""
     if PACKED_ROWS == "reference":
         return "twin"
+    if PACKED_ROWS == "chunked":
+        return "chunked"
     if PACKED_ROWS == "auto":
         return "kernel" if device.type == "cuda" and compute == torch.float32 else None
     if PACKED_ROWS != "off":
-        raise ValueError(f"PACKED_ROWS must be 'auto', 'reference' or 'off', got {PACKED_ROWS!r}")
+        raise ValueError(
+            f"PACKED_ROWS must be 'auto', 'reference', 'chunked' or 'off', got {PACKED_ROWS!r}"
+        )
     return None
 
 
@@ -183,7 +190,7 @@ class GatedDeltaNet(nn.Module):
         packed = gdn_varlen.varlen_plan(batch, h.device) if mode else None
         if packed is not None:
             core = self._packed_rows(qkv, beta, g, packed, conv_cache, ssm_cache, compute,
-                                     state_dtype is not None, mode == "kernel")
+                                     state_dtype is not None, mode)
             y = self.norm(core.to(h.dtype), z)
             return self.out_proj(y.reshape(h.shape[0], p.value_dim))
         initial = [
@@ -255,13 +262,17 @@ class GatedDeltaNet(nn.Module):
         ssm_cache: torch.Tensor,
         compute: torch.dtype,
         round_state: bool,
-        fast: bool,
+        mode: str,
     ) -> torch.Tensor:
-        """Any step through the packed-rows kernels (their twins unless ``fast``):
-        ``[T, Hv, Dv]`` (compute dtype). The conv writes its windows itself and the
-        recurrence its states: no output page is an input page (the plan)."""
+        """Any step through the packed-rows kernels (``mode`` ``"kernel"``; the twins for
+        ``"twin"``, the chunked twin for ``"chunked"``): ``[T, Hv, Dv]`` (compute dtype).
+        The conv writes its windows itself and the recurrence its states: no output page
+        is an input page (the plan)."""
+        fast = mode == "kernel"
         conv = conv_varlen if fast else conv_varlen_reference
         rule = gdn_varlen.gdn_varlen_update if fast else gdn_varlen.gdn_varlen_update_reference
+        if mode == "chunked" and not round_state:
+            rule = gdn_chunked.gdn_prefill_reference
         x = conv(
             qkv if fast else qkv.contiguous(),
             self.conv1d.weight[:, 0, :].contiguous(),
