@@ -16,7 +16,7 @@ prefill plan). Per chunk, with ``S`` the state at its start, cumulative log deca
     S' = exp(G_C) S + (exp(G_C - G) * K)^T V'
 
 **States at offsets from the chunk states, never from cutting the row**
-(:func:`gdn_prefill_reference`): a chunked pass has the state at every chunk start of
+(:func:`gdn_prefill`): a chunked pass has the state at every chunk start of
 the row anyway. A requested state right before a chunk start (or at the row end) is one
 of them; any other is a *tail* of fewer than ``C`` tokens, run token by token from the
 chunk state before it. Prefix-cache checkpoints sit on a grid of positions and rows
@@ -24,19 +24,31 @@ mostly start on it, so with ``state_interval`` a multiple of ``C`` most requeste
 are chunk states. This is the orchestration the fla-core path will keep, with its
 forward's chunk states (``h``) in place of this twin's.
 
-Same arguments and result as :func:`~hybridserve.kernels.gdn_varlen.gdn_varlen_update`
-(float32 pages: a chunked pass cannot round the state after every token, so bfloat16
-pages keep the token-by-token path).
+The scan is pluggable (:data:`ChunkScanFn`): :func:`chunk_scan_reference` here (the CPU
+twin), fla-core's forward pieces on the GPU once wired and checked there. The tails run
+with :func:`~hybridserve.kernels.gdn_varlen.gdn_varlen_update` (or its twin) from dense
+initial states. Float32 pages only: a chunked pass cannot round the state after every
+token, so bfloat16 pages keep the token-by-token path.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
-from hybridserve.kernels.gdn import gated_delta_rule_reference
 from hybridserve.kernels.gdn_decode import _check_operands
+from hybridserve.kernels.gdn_varlen import VarlenPlan, gdn_varlen_update_reference
 
-__all__ = ["CHUNK", "chunk_gated_delta_rule_reference", "gdn_prefill_reference"]
+__all__ = [
+    "CHUNK",
+    "ChunkScanFn",
+    "chunk_gated_delta_rule_reference",
+    "chunk_scan_fla",
+    "chunk_scan_reference",
+    "fla_chunk_scan_available",
+    "gdn_prefill",
+]
 
 # fla-core's chunk length.
 CHUNK = 64
@@ -101,60 +113,194 @@ def chunk_gated_delta_rule_reference(
     return out.transpose(0, 1), states
 
 
-def gdn_prefill_reference(
+# ``scan(q, k, v, g, beta, cu_seqlens_host, initial_states, chunk) -> (o, states)`` over
+# packed non-empty sequences: ``o [T, Hv, Dv]`` and ``states [sum_i (n_i + 1), Hv, Dk, Dv]``,
+# sequence i's ``n_i = ceil(L_i / chunk)`` chunk-start states followed by its final state.
+ChunkScanFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def chunk_scan_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: Sequence[int],
+    initial_states: torch.Tensor,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scan primitive's torch twin: :func:`chunk_gated_delta_rule_reference` per
+    sequence (the CPU path of the chunked prefill and the oracle of fla-core's)."""
+    compute = torch.promote_types(v.dtype, torch.float32)
+    o = torch.empty(v.shape, dtype=compute, device=v.device)
+    states = []
+    for i in range(len(cu_seqlens) - 1):
+        s, e = cu_seqlens[i], cu_seqlens[i + 1]
+        o[s:e], st = chunk_gated_delta_rule_reference(
+            q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], initial_states[i], chunk
+        )
+        states.append(st)
+    return o, torch.cat(states)
+
+
+def gdn_prefill(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
     ssm_cache: torch.Tensor,
-    query_start: torch.Tensor,
-    in_pages: torch.Tensor,
-    token_out_pages: torch.Tensor,
-    round_state: bool = False,
-    chunk_size: int | None = None,
+    plan: VarlenPlan,
+    scan: ChunkScanFn | None = None,
+    tail_rule: Callable[..., torch.Tensor] | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
-    """Every row of a packed step through the chunked form, states at the requested
-    offsets from its chunk states and tails (module docstring). Arguments and result as
-    :func:`~hybridserve.kernels.gdn_varlen.gdn_varlen_update`; ``round_state`` must be
-    False; ``chunk_size`` defaults to :data:`CHUNK`. Every input state is read before any
-    page is written."""
-    chunk_size = CHUNK if chunk_size is None else chunk_size
-    if round_state:
-        raise ValueError(
-            "the chunked form cannot round the state after every token; bfloat16 state "
-            "pages take the token-by-token path"
-        )
+    """Every row of a packed step through a chunked scan; the states at the requested
+    offsets from its chunk states and tails (module docstring).
+
+    Args:
+        q, k, v, g, beta, ssm_cache: as :func:`~hybridserve.kernels.gdn_varlen.gdn_varlen_update`
+            (float32 state pages or wider: no per-token rounding).
+        plan: the step's :class:`~hybridserve.kernels.gdn_varlen.VarlenPlan` (its host
+            lists decide which chunk state goes to which page, without a device read).
+        scan: the chunked scan primitive (:data:`ChunkScanFn`; default the twin,
+            :func:`chunk_scan_reference`).
+        tail_rule: the token-by-token rule the tails run with (``gdn_varlen_update`` or
+            its twin, the default), starting from chunk states.
+        chunk: the scan's chunk length (default :data:`CHUNK`).
+
+    Returns:
+        ``o [T, Hv, Dv]`` in the compute dtype.
+
+    Every initial state is gathered before any page is written, and every page this
+    writes is an output page of the plan (never an input page), so the order of the
+    writes cannot matter.
+    """
     _check_operands(q, k, v, g, beta, ssm_cache)
-    starts, pages, outs = query_start.tolist(), in_pages.tolist(), token_out_pages.tolist()
-    if starts[0] != 0 or starts[-1] != q.shape[0] or len(pages) != len(starts) - 1:
-        raise ValueError(f"query_start must run from 0 to T={q.shape[0]} over {len(pages)} rows")
+    chunk = CHUNK if chunk is None else chunk
+    scan = chunk_scan_reference if scan is None else scan
+    tail_rule = gdn_varlen_update_reference if tail_rule is None else tail_rule
+    starts, outs = plan.query_start_host, plan.token_out_pages_host
     compute = torch.promote_types(v.dtype, torch.float32)
-    initial = [ssm_cache[p].to(compute) if p >= 0 else None for p in pages]
-    o = torch.empty(v.shape, dtype=compute, device=v.device)
-    writes = []
-    for r, init in enumerate(initial):
+    hv, dk, dv = ssm_cache.shape[1:]
+    rows = [r for r in range(plan.num_rows) if starts[r + 1] > starts[r]]
+    if not rows:
+        return torch.empty(v.shape, dtype=compute, device=v.device)
+    # Empty rows own no tokens: the scan sees the others only (packed the same way).
+    initial = torch.zeros(plan.num_rows, hv, dk, dv, dtype=compute, device=v.device)
+    has = plan.in_pages >= 0
+    initial[has] = ssm_cache[plan.in_pages[has].long()].to(compute)
+    cu = [0]
+    for r in rows:
+        cu.append(cu[-1] + starts[r + 1] - starts[r])
+    o, states = scan(q, k, v, g, beta, cu, initial[rows], chunk)
+    grid_idx: list[int] = []
+    grid_pages: list[int] = []
+    tails: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (state index, start) -> outs
+    base = 0
+    for r in rows:
         s, e = starts[r], starts[r + 1]
-        if e == s:
-            continue
-        o[s:e], chunk_states = chunk_gated_delta_rule_reference(
-            q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], init, chunk_size
-        )
         for t in range(s, e):
             if outs[t] < 0:
                 continue
-            done = t + 1 - s  # tokens of the row the state includes
-            if done % chunk_size == 0 or done == e - s:
-                state = chunk_states[-(-done // chunk_size)]
+            done = t + 1 - s
+            if done % chunk == 0 or done == e - s:
+                grid_idx.append(base + -(-done // chunk))
+                grid_pages.append(outs[t])
             else:
-                # A tail: fewer than chunk_size tokens after the last chunk start.
-                c0 = (done // chunk_size) * chunk_size
-                _, (state,) = gated_delta_rule_reference(
-                    q[s + c0 : t + 1], k[s + c0 : t + 1], v[s + c0 : t + 1],
-                    g[s + c0 : t + 1], beta[s + c0 : t + 1], chunk_states[c0 // chunk_size],
-                    [t - s - c0],
-                )
-            writes.append((outs[t], state))
-    for page, state in writes:
-        ssm_cache[page] = state.to(ssm_cache.dtype)
-    return o
+                c = done // chunk
+                tails.setdefault((base + c, s + c * chunk), []).append((t, outs[t]))
+        base += -(-(e - s) // chunk) + 1
+    if grid_pages:
+        idx = torch.tensor(grid_idx, device=v.device)
+        pages = torch.tensor(grid_pages, device=v.device)
+        ssm_cache[pages] = states[idx].to(ssm_cache.dtype)
+    if tails:
+        # One tail row per (row, chunk) with requested states inside it: from the chunk's
+        # start state through its last requested token, every requested state to its page.
+        tokens, tail_starts, tail_outs, init_idx = [], [0], [], []
+        for (state_index, first), wanted in tails.items():
+            last = max(t for t, _ in wanted)
+            page_of = dict(wanted)
+            tokens += range(first, last + 1)
+            tail_outs += [page_of.get(t, -1) for t in range(first, last + 1)]
+            tail_starts.append(len(tokens))
+            init_idx.append(state_index)
+        sel = torch.tensor(tokens, device=v.device)
+        tail_rule(
+            q[sel], k[sel], v[sel], g[sel], beta[sel], ssm_cache,
+            torch.tensor(tail_starts, dtype=torch.int32, device=v.device),
+            torch.full((len(init_idx),), -1, dtype=torch.int32, device=v.device),
+            torch.tensor(tail_outs, dtype=torch.int32, device=v.device),
+            False,
+            states[torch.tensor(init_idx, device=v.device)],
+        )
+    # Empty rows own no tokens, so the scan's packing of the other rows is the step's.
+    return o.to(compute)
+
+
+def _fla_forward_parts():
+    """The pieces of fla-core's ``chunk_gated_delta_rule`` forward, or None where this
+    fla-core does not have them under these names (written against fla-core's main
+    branch of late 2026; not yet run on a GPU here)."""
+    try:
+        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+        from fla.ops.common.chunk_o import chunk_fwd_o
+        from fla.ops.common.chunk_scaled_dot_kkt import chunk_scaled_dot_kkt_fwd
+        from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
+        from fla.ops.utils import chunk_local_cumsum, solve_tril
+    except Exception:  # absent, or present but unusable here (no GPU Triton backend)
+        return None
+    return (chunk_local_cumsum, chunk_scaled_dot_kkt_fwd, solve_tril, recompute_w_u_fwd,
+            chunk_gated_delta_rule_fwd_h, chunk_fwd_o)
+
+
+def fla_chunk_scan_available() -> bool:
+    """fla-core is importable and exposes the forward pieces that return chunk states."""
+    return _fla_forward_parts() is not None
+
+
+def chunk_scan_fla(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: Sequence[int],
+    initial_states: torch.Tensor,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scan primitive through fla-core's chunked gated delta rule (CUDA): its forward's
+    pieces, keeping the chunk states ``h`` its output pass consumes. q, k, v go in as
+    bfloat16 (the library's compute format), g, beta and the states in float32; key heads
+    are expanded to value heads (the library takes one key per value head)."""
+    parts = _fla_forward_parts()
+    if parts is None:
+        raise RuntimeError("fla-core's chunked gated delta rule is not available here")
+    if chunk != 64:
+        raise ValueError(f"fla-core's chunk is 64, got {chunk}")
+    cumsum, kkt, solve, w_u, fwd_h, fwd_o = parts
+    hv = v.shape[1]
+    rep = hv // k.shape[1]
+    qh, kh = (x.repeat_interleave(rep, dim=1).to(torch.bfloat16)[None] for x in (q, k))
+    vh = v.to(torch.bfloat16)[None]
+    cu = torch.tensor(cu_seqlens, dtype=torch.long, device=v.device)
+    gc = cumsum(g.float()[None], chunk_size=64, cu_seqlens=cu)
+    bt = beta.float()[None]
+    A = solve(A=kkt(k=kh, g=gc, beta=bt, cu_seqlens=cu, output_dtype=torch.float32),
+              cu_seqlens=cu, output_dtype=kh.dtype)
+    w, u = w_u(k=kh, v=vh, beta=bt, A=A, g=gc, cu_seqlens=cu)
+    h, v_new, final = fwd_h(k=kh, w=w, u=u, g=gc, initial_state=initial_states.float(),
+                            output_final_state=True, cu_seqlens=cu)
+    o = fwd_o(q=qh, k=kh, v=v_new, h=h, g=gc, scale=1.0, cu_seqlens=cu)
+    # h [1, NT, H, K, V]: the chunk-start states of every sequence in order; then the
+    # final states, in the layout of ChunkScanFn.
+    idx, offset = [], 0
+    num = len(cu_seqlens) - 1
+    total = h.shape[1]
+    for i in range(num):
+        n = -(-(cu_seqlens[i + 1] - cu_seqlens[i]) // 64)
+        idx += [*range(offset, offset + n), total + i]
+        offset += n
+    states = torch.cat([h[0].float(), final.float()])[torch.tensor(idx, device=v.device)]
+    return o[0].float(), states

@@ -48,6 +48,9 @@ class VarlenPlan:
     in_pages: torch.Tensor
     token_out_pages: torch.Tensor
     token_row: torch.Tensor
+    # The same values on the host (the chunked prefill plans its chunk states from them).
+    query_start_host: tuple[int, ...] = ()
+    token_out_pages_host: tuple[int, ...] = ()
 
 
 _PLAN_ATTR = "_gdn_varlen_plan_memo"
@@ -82,7 +85,17 @@ def _build_plan(batch: ForwardBatch, device: torch.device) -> VarlenPlan | None:
         in_pages=in_pages,
         token_out_pages=out_pages,
         token_row=token_rows(query_start, tokens),
+        query_start_host=tuple(batch.query_start),
+        token_out_pages_host=tuple(batch.token_out_pages()),
     )
+
+
+def _check_initial(initial_states, rows, ssm_cache) -> None:
+    if initial_states is not None and initial_states.shape != (rows, *ssm_cache.shape[1:]):
+        raise ValueError(
+            f"initial_states must be [R={rows}, {', '.join(map(str, ssm_cache.shape[1:]))}], "
+            f"got {tuple(initial_states.shape)}"
+        )
 
 
 def _check_pages(query_start, in_pages, token_out_pages, tokens) -> int:
@@ -106,6 +119,7 @@ def gdn_varlen_update_reference(
     in_pages: torch.Tensor,
     token_out_pages: torch.Tensor,
     round_state: bool = False,
+    initial_states: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch twin of :func:`gdn_varlen_update` (same arguments, same result): the per-row
     recurrence of :mod:`hybridserve.kernels.gdn`. Every input state is read before any
@@ -113,12 +127,16 @@ def gdn_varlen_update_reference(
     _check_operands(q, k, v, g, beta, ssm_cache)
     tokens = q.shape[0]
     rows = _check_pages(query_start, in_pages, token_out_pages, tokens)
+    _check_initial(initial_states, rows, ssm_cache)
     starts, pages, outs = query_start.tolist(), in_pages.tolist(), token_out_pages.tolist()
     if starts[0] != 0 or starts[-1] != tokens:
         raise ValueError(f"query_start must run from 0 to T={tokens}, got {starts}")
     compute = torch.promote_types(v.dtype, torch.float32)
     state_dtype = ssm_cache.dtype if round_state else None
-    initial = [ssm_cache[p].to(compute) if p >= 0 else None for p in pages]
+    if initial_states is not None:
+        initial = list(initial_states.to(compute))
+    else:
+        initial = [ssm_cache[p].to(compute) if p >= 0 else None for p in pages]
     o = torch.empty(v.shape, dtype=compute, device=v.device)
     writes = []
     for r in range(rows):
@@ -148,12 +166,14 @@ def _gdn_varlen_kernel(
     in_pages_ptr,
     out_pages_ptr,
     o_ptr,
+    init_ptr,
     key_heads,
     value_heads,
     key_dim,
     value_dim,
     heads_per_key,
     ROUND: tl.constexpr,
+    DENSE_INIT: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -169,12 +189,16 @@ def _gdn_varlen_kernel(
     end = tl.load(query_start_ptr + r + 1)
     in_page = tl.load(in_pages_ptr + r)
     offs = h * key_dim * value_dim + kk[:, None] * value_dim + vv[None, :]
-    # A row without a page starts from zeros (page 0 is never dereferenced for it).
-    state = tl.load(
-        ssm_ptr + tl.maximum(in_page, 0).to(tl.int64) * page_stride + offs,
-        mask=smask & ((offs * 0 + in_page) >= 0),
-        other=0.0,
-    ).to(tl.float32)
+    if DENSE_INIT:
+        # initial_states [R, Hv, Dk, Dv] (float32) instead of pages.
+        state = tl.load(init_ptr + r.to(tl.int64) * page_stride + offs, mask=smask, other=0.0)
+    else:
+        # A row without a page starts from zeros (page 0 is never dereferenced for it).
+        state = tl.load(
+            ssm_ptr + tl.maximum(in_page, 0).to(tl.int64) * page_stride + offs,
+            mask=smask & ((offs * 0 + in_page) >= 0),
+            other=0.0,
+        ).to(tl.float32)
     for i in range(0, end - start):
         tok = start.to(tl.int64) + i
         qk_off = tok * key_heads * key_dim + hk * key_dim + kk
@@ -212,6 +236,7 @@ def gdn_varlen_update(
     in_pages: torch.Tensor,
     token_out_pages: torch.Tensor,
     round_state: bool = False,
+    initial_states: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gated delta rule of every row of a packed step, from and to state pages.
 
@@ -226,6 +251,10 @@ def gdn_varlen_update(
         token_out_pages: ``[T]`` int32; the state after token ``t`` goes to page
             ``token_out_pages[t]`` when ``>= 0``. Must not repeat a page or name an input page.
         round_state: round the carried state to the page dtype after every token.
+        initial_states: ``[R, Hv, Dk, Dv]`` or None; when given, row ``r`` starts from
+            ``initial_states[r]`` instead of a page (``in_pages`` is then not read): the
+            tails of the chunked prefill start from chunk states
+            (:mod:`hybridserve.kernels.gdn_chunked`).
 
     Returns:
         ``o [T, Hv, Dv]`` float32.
@@ -234,6 +263,8 @@ def gdn_varlen_update(
     tokens, hk, dk = k.shape
     hv, dv = v.shape[1:]
     rows = _check_pages(query_start, in_pages, token_out_pages, tokens)
+    _check_initial(initial_states, rows, ssm_cache)
+    init = None if initial_states is None else initial_states.to(torch.float32).contiguous()
     if not ssm_cache.is_contiguous():
         raise ValueError("ssm_cache must be contiguous")
     o = torch.empty(tokens, hv, dv, dtype=torch.float32, device=v.device)
@@ -254,12 +285,14 @@ def gdn_varlen_update(
         in_pages.to(torch.int32).contiguous(),
         token_out_pages.to(torch.int32).contiguous(),
         o,
+        init if init is not None else o,
         hk,
         hv,
         dk,
         dv,
         hv // hk,
         ROUND=round_state,
+        DENSE_INIT=init is not None,
         BLOCK_K=block_k,
         BLOCK_V=block_v,
     )

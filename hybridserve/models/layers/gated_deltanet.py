@@ -60,10 +60,15 @@ from hybridserve.models.config import GDNParams
 #     compute dtype is float32; the per-row path otherwise;
 # "reference": the packed-rows orchestration with the torch twins, on any device (tests);
 # "chunked": the same with the chunked form and its chunk states
-#     (:mod:`hybridserve.kernels.gdn_chunked`, the twin of the planned fla-core prefill;
+#     (:mod:`hybridserve.kernels.gdn_chunked`, the twin of the fla-core prefill;
 #     bfloat16 state pages keep the token-by-token twin);
+# "fla": on CUDA, steps with a row longer than FLA_MIN_TOKENS take fla-core's chunked
+#     delta rule (opt-in until checked on a GPU), the others the packed-rows kernels;
 # "off": the per-row path everywhere.
 PACKED_ROWS = "auto"
+# Rows up to this many tokens are launch-bound: the token-by-token kernel serves them
+# (as Mamba2's short rows, kernels/mamba_short.py).
+FLA_MIN_TOKENS = 512
 
 
 def packed_rows_mode(device: torch.device, compute: torch.dtype) -> str | None:
@@ -72,11 +77,14 @@ def packed_rows_mode(device: torch.device, compute: torch.dtype) -> str | None:
         return "twin"
     if PACKED_ROWS == "chunked":
         return "chunked"
-    if PACKED_ROWS == "auto":
+    if PACKED_ROWS == "fla" and device.type == "cuda" and compute == torch.float32:
+        return "fla" if gdn_chunked.fla_chunk_scan_available() else "kernel"
+    if PACKED_ROWS in ("auto", "fla"):
         return "kernel" if device.type == "cuda" and compute == torch.float32 else None
     if PACKED_ROWS != "off":
         raise ValueError(
-            f"PACKED_ROWS must be 'auto', 'reference', 'chunked' or 'off', got {PACKED_ROWS!r}"
+            f"PACKED_ROWS must be 'auto', 'reference', 'chunked', 'fla' or 'off', got "
+            f"{PACKED_ROWS!r}"
         )
     return None
 
@@ -268,11 +276,9 @@ class GatedDeltaNet(nn.Module):
         ``"twin"``, the chunked twin for ``"chunked"``): ``[T, Hv, Dv]`` (compute dtype).
         The conv writes its windows itself and the recurrence its states: no output page
         is an input page (the plan)."""
-        fast = mode == "kernel"
+        fast = mode in ("kernel", "fla")
         conv = conv_varlen if fast else conv_varlen_reference
         rule = gdn_varlen.gdn_varlen_update if fast else gdn_varlen.gdn_varlen_update_reference
-        if mode == "chunked" and not round_state:
-            rule = gdn_chunked.gdn_prefill_reference
         x = conv(
             qkv if fast else qkv.contiguous(),
             self.conv1d.weight[:, 0, :].contiguous(),
@@ -285,6 +291,14 @@ class GatedDeltaNet(nn.Module):
             out_pages=plan.token_out_pages,
         )
         q, k, v = self.split_qkv(x, compute)
+        starts = plan.query_start_host
+        longest = max(b - a for a, b in zip(starts, starts[1:]))
+        if mode == "chunked" and not round_state:
+            return gdn_chunked.gdn_prefill(q, k, v, g, beta, ssm_cache, plan)
+        if mode == "fla" and not round_state and longest > FLA_MIN_TOKENS:
+            return gdn_chunked.gdn_prefill(
+                q, k, v, g, beta, ssm_cache, plan, gdn_chunked.chunk_scan_fla, rule
+            ).to(compute)
         out = rule(q, k, v, g, beta, ssm_cache, plan.query_start, plan.in_pages,
                    plan.token_out_pages, round_state)
         return out.to(compute)
