@@ -12,9 +12,10 @@ pass, at any offset: no cut, no second scan. The conv of the same step is
 :func:`~hybridserve.kernels.conv_varlen.conv_varlen`, which writes its windows itself.
 
 Cost: a row of ``L`` tokens is ``L`` dependent steps (about a microsecond each on an
-H200), so long prompts want fla-core's chunked delta rule instead (docs/design-notes.md:
-the prefill plan); this path is exact for any length and serves until then, and stays the
-right one for short rows (launch-bound), as for Mamba2 (:mod:`~hybridserve.kernels.mamba_short`).
+H200, estimated), so long prompts want the chunked delta rule
+(:mod:`hybridserve.kernels.gdn_chunked`); this path is exact for any length, and the right
+one for short rows (launch-bound), as for Mamba2 (:mod:`~hybridserve.kernels.mamba_short`).
+It also runs the chunked prefill's tails, from dense initial states (chunk states).
 
 Race rule (DESIGN.md section 5): a program touches only its own slice of its row's input
 page and output pages; output pages never repeat and are never input pages (the plan
