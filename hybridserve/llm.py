@@ -129,12 +129,12 @@ class LLM:
             ssm_state_dtype=resolve_dtype(ssm_state_dtype, "ssm_state_dtype"),
             eviction_policy=eviction_policy,
         )
-        spec_ = self.model.cache_spec
-        page_bytes = spec_.state_page_bytes(torch_dtype, cache.ssm_state_dtype)
+        cache_spec = self.model.cache_spec
+        page_bytes = cache_spec.state_page_bytes(torch_dtype, cache.ssm_state_dtype)
         log.info(
             "state page: %d bytes (%.1f MiB) for %d recurrent layers (conv windows in %s, "
             "recurrent states in %s); %d pages: %.2f GiB",
-            page_bytes, page_bytes / 2**20, len(spec_.recurrent_layers),
+            page_bytes, page_bytes / 2**20, len(cache_spec.recurrent_layers),
             str(torch_dtype).removeprefix("torch."),
             str(cache.ssm_state_dtype).removeprefix("torch."),
             cache.num_state_pages, page_bytes * cache.num_state_pages / 2**30,

@@ -738,6 +738,16 @@ def _qwen_layer_types(r: _Reader) -> tuple[str, ...]:
     return tuple(_QWEN_LAYER_NAMES[t] for t in raw)
 
 
+def _gdn_activation(r: _Reader) -> str:
+    """The GDN conv's activation: transformers applies ``hidden_act`` there."""
+    act = r.opt("hidden_act", "silu", str)
+    if act not in ("silu", "swish"):
+        raise r.error(
+            "hidden_act", f"the Gated DeltaNet conv activation must be 'silu', got {act!r}"
+        )
+    return act
+
+
 def _qwen_gdn_params(r: _Reader, fused: bool, eps: float) -> GDNParams:
     k_heads = r.opt("linear_num_key_heads", 16)
     v_heads = r.opt("linear_num_value_heads", 32)
@@ -755,7 +765,7 @@ def _qwen_gdn_params(r: _Reader, fused: bool, eps: float) -> GDNParams:
         key_head_dim=r.opt("linear_key_head_dim", 128),
         value_head_dim=r.opt("linear_value_head_dim", 128),
         d_conv=d_conv,
-        activation=_mamba_activation(r, "hidden_act", "silu"),
+        activation=_gdn_activation(r),
         norm_eps=eps,
         fused_projections=fused,
     )

@@ -77,6 +77,8 @@ def test_bad_qwen_fields_name_the_field():
         ModelConfig.from_dict(_next(layer_types=["linear_attention"] * 3 + ["sliding_attention"]))
     with pytest.raises(ConfigError, match="linear_num_value_heads"):
         ModelConfig.from_dict(_next(linear_num_value_heads=3))
+    with pytest.raises(ConfigError, match="hidden_act.*Gated DeltaNet"):
+        ModelConfig.from_dict(_next(hidden_act="gelu"))
     with pytest.raises(ConfigError, match="text_config"):
         ModelConfig.from_dict({"architectures": ["Qwen3_5ForConditionalGeneration"]})
 
