@@ -72,7 +72,7 @@ FLA_MIN_TOKENS = 512
 
 
 def packed_rows_mode(device: torch.device, compute: torch.dtype) -> str | None:
-    """``"kernel"``, ``"twin"``, ``"chunked"`` or None (the per-row path) for a step here."""
+    """``"kernel"``, ``"fla"``, ``"twin"``, ``"chunked"`` or None (the per-row path) here."""
     if PACKED_ROWS == "reference":
         return "twin"
     if PACKED_ROWS == "chunked":
