@@ -244,7 +244,7 @@ def _scan_call(s: str, i: int, final: bool) -> tuple[str | None, str, int | None
         i = end
 
 
-def _held_back(tail: str, tags: Sequence[str]) -> int:
+def held_back(tail: str, tags: Sequence[str]) -> int:
     """Length of the longest suffix of ``tail`` that is a proper prefix of a tag."""
     best = 0
     for tag in tags:
@@ -346,7 +346,7 @@ class _EnvelopeParser(ToolParser):
             if i < 0:
                 tail = text[pos:]
                 if not final:
-                    tail = tail[: len(tail) - _held_back(tail, [self.start])]
+                    tail = tail[: len(tail) - held_back(tail, [self.start])]
                 content.append(tail)
                 break
             content.append(text[pos:i])
