@@ -195,7 +195,7 @@ class EngineCore:
                     max_model_len=max_len,
                     sample_seed=seed,
                     parent_id=request_id if params.n > 1 else None,
-                    grammar=None if so is None else self._grammars.matcher(so, params.ignore_eos),
+                    grammar=None if so is None else self._grammars.matcher(so),
                 )
             )
         group = _Group(request_id, prompt, list(prompt_token_ids), children, final_only=final_only)

@@ -63,7 +63,7 @@ import numpy as np
 import torch
 
 from hybridserve.engine.request import Logprob, SamplingParams
-from hybridserve.structured.backend import GrammarMatcher, bitmask_words
+from hybridserve.structured.backend import GrammarMatcher, bitmask_words, fill_step_bitmasks
 
 # --- the counter-based RNG ---------------------------------------------------------
 #
@@ -396,7 +396,7 @@ def plan_step(rows: Sequence[SampleRow], vocab_size: int) -> StepPlan:
     max_top_k = 0
     any_sampled = any_top_p = any_min_p = False
     masked_pos: list[int] = []
-    masks: list[np.ndarray] = []
+    constrained: list[tuple[GrammarMatcher, Sequence[int]]] = []
     words = bitmask_words(vocab_size)
     for row in rows:
         if row.grammar is not None:
@@ -404,10 +404,8 @@ def plan_step(rows: Sequence[SampleRow], vocab_size: int) -> StepPlan:
                 raise ValueError(
                     f"the grammar's vocabulary ({row.grammar.vocab_size}) is not the logits' ({vocab_size})"
                 )
-            mask = np.empty((len(row.drafts) + 1, words), dtype=np.int32)
-            row.grammar.fill_bitmasks(row.drafts, mask)
             masked_pos += range(len(params_rows), len(params_rows) + len(row.drafts) + 1)
-            masks.append(mask)
+            constrained.append((row.grammar, row.drafts))
         p = row.params
         lo, hi = seed_words(row.sample_seed)
         greedy = p.greedy
@@ -440,13 +438,14 @@ def plan_step(rows: Sequence[SampleRow], vocab_size: int) -> StepPlan:
     flat += [v for e in penalties for v in e]
     flat += lp_pos
     flat += masked_pos
-    if masks:
-        # The mask words ride in the float64 buffer as raw bits, two per slot.
+    if constrained:
+        # The mask words ride in the float64 buffer as raw bits, two per slot, filled
+        # in place by the matchers.
         mask_slots = -(-len(masked_pos) * words // 2)
         buf = np.zeros(len(flat) + mask_slots, dtype=np.float64)
         buf[: len(flat)] = flat
         tail = buf[len(flat):].view(np.int32)
-        tail[: len(masked_pos) * words] = np.concatenate(masks).reshape(-1)
+        fill_step_bitmasks(constrained, tail[: len(masked_pos) * words].reshape(len(masked_pos), words))
         packed = torch.from_numpy(buf)
     else:
         packed = torch.tensor(flat, dtype=torch.float64)
@@ -462,7 +461,7 @@ def plan_step(rows: Sequence[SampleRow], vocab_size: int) -> StepPlan:
         any_top_p=any_top_p,
         any_min_p=any_min_p,
         num_masked=len(masked_pos),
-        mask_words=words if masks else 0,
+        mask_words=words if constrained else 0,
     )
 
 

@@ -22,10 +22,16 @@ Who owns what:
   filled (:meth:`GrammarMatcher.fill_bitmasks`), so the committed state never holds an
   unverified token.
 
+Bitmasks of a step are filled by :func:`fill_step_bitmasks`, one call per step for all
+constrained rows. By default on the calling thread: llguidance's thread pool
+(``GrammarBackend(mask_threads=k)``) fills the rows in parallel outside the GIL, but its
+workers spin while they wait for work, and on a host whose cores the step's own host
+work needs they made steps slower, not faster (``benchmarks/bench_structured.py``).
+
 EOS: the engine stops a sequence at an EOS id, so a mask allows EOS only where the
-grammar accepts (in byte-level vocabularies an EOS id may also be an ordinary byte,
-which the grammar would otherwise allow mid-string), unless the request ignores EOS.
-Once the grammar is complete, EOS is the only token allowed.
+grammar accepts, and once the grammar is complete EOS is the only token allowed. The
+backend's copy of the tokenizer marks every EOS id special, so that a vocabulary whose
+EOS id is also an ordinary byte (byte-level test tokenizers) never offers it mid-string.
 """
 
 from __future__ import annotations
@@ -93,12 +99,11 @@ class GrammarMatcher:
     """The grammar state of one sequence after its committed tokens (see the module
     docstring for the rules). Not thread safe; the engine's step loop owns it."""
 
-    def __init__(self, matcher: Any, vocab_size: int, eos_token_ids: Sequence[int], eos_stops: bool) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, executor: Any = None) -> None:
         self._m = matcher
         self.vocab_size = vocab_size
         self.words = bitmask_words(vocab_size)
-        self._eos = [t for t in eos_token_ids if 0 <= t < vocab_size]
-        self._eos_stops = eos_stops
+        self.executor = executor  # the backend's llguidance thread pool, or None
         self.num_accepted = 0
 
     @property
@@ -117,8 +122,8 @@ class GrammarMatcher:
         return self._m.validate_tokens(list(tokens))
 
     def accept(self, token: int) -> None:
-        """Commit one sampled token. Tokens after the grammar completed (EOS, or
-        anything under ``ignore_eos``) leave the state as it is."""
+        """Commit one sampled token. Tokens after the grammar completed (EOS, again
+        under ``ignore_eos``) leave the state as it is."""
         if self._m.is_stopped():
             return
         if not self._m.consume_token(int(token)):
@@ -139,10 +144,6 @@ class GrammarMatcher:
             for j in range(len(drafts) + 1):
                 row = out[j]
                 self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
-                if self._eos_stops and self._eos and not self._m.is_accepting():
-                    bits = row.view(np.uint32)
-                    for t in self._eos:
-                        bits[t // 32] &= np.uint32(0xFFFFFFFF ^ (1 << (t % 32)))
                 if j < len(drafts):
                     if not self._m.consume_token(int(drafts[j])):
                         raise RuntimeError(f"draft token {drafts[j]} is not a valid continuation")
@@ -159,6 +160,56 @@ class GrammarMatcher:
         return np.nonzero(bits)[0].tolist()
 
 
+def fill_step_bitmasks(rows: Sequence[tuple[Any, Sequence[int]]], out: np.ndarray) -> None:
+    """Fill the bitmasks of a step's constrained rows: ``rows`` are ``(matcher,
+    drafts)`` pairs whose ``len(drafts) + 1`` positions are consecutive rows of ``out``
+    (int32 ``[positions, words]``, C-contiguous), in order. Same result as each
+    matcher's :meth:`GrammarMatcher.fill_bitmasks`; rows of matchers with a thread pool
+    go to it in (at most) two calls, the others fill their own rows in turn."""
+    if out.dtype != np.int32 or not out.flags.c_contiguous:
+        raise ValueError("out must be a C-contiguous int32 array")
+    plain: dict[int, tuple[Any, list]] = {}
+    drafted: dict[int, tuple[Any, list]] = {}
+    at = 0
+    for grammar, drafts in rows:
+        n = len(drafts) + 1
+        if isinstance(grammar, GrammarMatcher) and grammar.executor is not None and grammar.words == out.shape[1]:
+            group = drafted if drafts else plain
+            _, entries = group.setdefault(id(grammar.executor), (grammar.executor, []))
+            entries.append((grammar._m, at, list(drafts)) if drafts else (grammar._m, at))
+        else:
+            grammar.fill_bitmasks(drafts, out[at : at + n])
+        at += n
+    if at != out.shape[0]:
+        raise ValueError(f"out has {out.shape[0]} rows for {at} positions")
+    row_bytes = out.shape[1] * 4
+    for executor, entries in plain.values():
+        executor.unsafe_compute_mask_ptr(entries, out.ctypes.data, row_bytes, at)
+    for executor, entries in drafted.values():
+        executor.unsafe_compute_mask_ptr_with_draft_token(entries, out.ctypes.data, row_bytes, at)
+
+
+def _mark_eos_special(tokenizer_json: str, eos_token_ids: Sequence[int]) -> str:
+    """``tokenizer_json`` with every EOS id an added special token."""
+    tok = json.loads(tokenizer_json)
+    added = tok.setdefault("added_tokens", [])
+    by_id = {t["id"]: t for t in added}
+    vocab = (tok.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict):
+        names = {i: t for t, i in vocab.items()}
+    elif isinstance(vocab, list):  # Unigram: [piece, score] pairs
+        names = {i: entry[0] for i, entry in enumerate(vocab)}
+    else:
+        names = {}
+    for t in eos_token_ids:
+        if t in by_id:
+            by_id[t]["special"] = True
+        elif t in names:
+            added.append({"id": t, "content": names[t], "single_word": False, "lstrip": False,
+                          "rstrip": False, "normalized": False, "special": True})
+    return json.dumps(tok)
+
+
 class GrammarBackend:
     """Compiles structured-output params for one tokenizer and vocabulary width."""
 
@@ -168,23 +219,31 @@ class GrammarBackend:
         vocab_size: int,
         eos_token_ids: Sequence[int],
         cache_size: int = 256,
+        mask_threads: int = 0,
     ) -> None:
         """``tokenizer_json``: the Hugging Face ``tokenizer.json`` text; ``vocab_size``:
         the model's logits width (at least the tokenizer's); ``eos_token_ids``: the
-        engine's stop ids (the grammar's end)."""
-        from llguidance import LLTokenizer
+        engine's stop ids (the grammar's end); ``mask_threads``: fill bitmasks on a
+        pool of that many threads (0: on the caller's thread)."""
+        from llguidance import LLExecutor, LLTokenizer
 
         if not eos_token_ids:
             raise ValueError("structured outputs need an EOS token id (the model and tokenizer name none)")
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         try:
-            self._tokenizer = LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(self.eos_token_ids))
+            self._tokenizer = LLTokenizer(
+                _mark_eos_special(tokenizer_json, self.eos_token_ids), n_vocab=vocab_size,
+                eos_token=list(self.eos_token_ids),
+            )
         except Exception as e:  # the library raises plain exceptions on bad input
             raise ValueError(f"cannot build the grammar tokenizer: {e}") from e
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self.cache_size = cache_size
         self.num_compiled = 0
+        if mask_threads < 0:
+            raise ValueError(f"mask_threads must be >= 0, got {mask_threads}")
+        self.executor = LLExecutor(num_threads=mask_threads) if mask_threads else None
 
     def compile(self, params: StructuredOutputsParams) -> Any:
         """A pristine compiled matcher for ``params`` (cached by key; callers copy it).
@@ -206,11 +265,9 @@ class GrammarBackend:
             self._cache.popitem(last=False)
         return matcher
 
-    def matcher(self, params: StructuredOutputsParams, ignore_eos: bool = False) -> GrammarMatcher:
+    def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
         """A fresh per-sequence matcher for ``params``."""
-        return GrammarMatcher(
-            self.compile(params).deep_copy(), self.vocab_size, self.eos_token_ids, eos_stops=not ignore_eos
-        )
+        return GrammarMatcher(self.compile(params).deep_copy(), self.vocab_size, self.executor)
 
     def tokenize(self, text: str) -> list[int]:
         """``text`` in the grammar tokenizer's ids (for tests)."""

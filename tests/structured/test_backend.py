@@ -122,13 +122,46 @@ def test_eos_allowed_only_where_the_grammar_accepts():
     tok.decoder = decoders.ByteLevel()
     eos = alphabet.index("#")
     b = GrammarBackend(tok.to_str(), 256, (eos,))
-    p = S(regex="a[#b]*")
-    m = b.matcher(p)
-    m.accept(b.tokenize("a")[0])
-    assert eos in m.allowed()  # accepting: EOS (or '#') may end it
-    free = b.matcher(S(regex="a[#b]*c"))
-    free.accept(b.tokenize("a")[0])
-    assert eos not in free.allowed()
-    keep = b.matcher(S(regex="a[#b]*c"), ignore_eos=True)
-    keep.accept(b.tokenize("a")[0])
-    assert eos in keep.allowed()  # EOS is just '#' when it does not stop
+    a, tok_b = b.tokenize("a")[0], b.tokenize("b")[0]
+    m = b.matcher(S(regex="a[#b]*"))
+    m.accept(a)
+    assert set(m.allowed()) == {eos, tok_b}  # accepting: EOS may end it
+    inner = b.matcher(S(regex="a[#b]*c"))
+    inner.accept(a)
+    assert eos not in inner.allowed() and tok_b in inner.allowed()
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+def test_step_fill_equals_each_matchers_own_walk(threads):
+    """The step's batched fill (in turn, or on the thread pool; rows with and without
+    drafts) writes what each matcher's own walk writes, at each row's offset."""
+    import random
+
+    backend = GrammarBackend((DEFAULT_MODEL / "tokenizer.json").read_text(), 4096, (0,), mask_threads=threads)
+
+    rng = random.Random(0)
+    words = bitmask_words(4096)
+    docs = ['{"a":12,"b":"xy"}', '{"a":-3,"b":""}', "abbc", "cd", "yes"]
+    grammars = [S(json=SCHEMA, disable_any_whitespace=True)] * 2 + [S(regex="ab+c")] + [S(regex="(ab|cd)e")] + [
+        S(choice=["yes", "no"])]
+    rows = []
+    for doc, p in zip(docs * 3, grammars * 3):
+        ids = backend.tokenize(doc)
+        m = backend.matcher(p)
+        cut = rng.randint(0, len(ids))
+        for t in ids[:cut]:
+            m.accept(t)
+        drafts = ids[cut : cut + rng.randint(0, 3)]
+        rows.append((m, drafts))
+    total = sum(len(d) + 1 for _, d in rows)
+    batched = np.zeros((total, words), dtype=np.int32)
+    from hybridserve.structured.backend import fill_step_bitmasks
+
+    fill_step_bitmasks(rows, batched)
+    at = 0
+    for m, drafts in rows:
+        own = np.zeros((len(drafts) + 1, words), dtype=np.int32)
+        m.fill_bitmasks(drafts, own)
+        assert np.array_equal(batched[at : at + len(drafts) + 1], own)
+        at += len(drafts) + 1
+    assert any(d for _, d in rows) and any(not d for _, d in rows)

@@ -179,8 +179,10 @@ def test_bad_grammar_is_refused_and_nothing_is_queued(tiny_granite):
     _check(llm, REGEX_SO, out[0].outputs[0])
 
 
-def test_embedded_model_structured_outputs():
-    llm = LLM(max_model_len=512)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_embedded_model_structured_outputs(device):
+    """The embedded model's tokenizer (BPE, EOS a special token); on CUDA this is the
+    path with decode graphs, which steps with constrained rows leave."""
     schema = {
         "type": "object",
         "properties": {"name": {"type": "string", "maxLength": 12}, "size": {"type": "integer", "maximum": 10**6}},
@@ -193,11 +195,15 @@ def test_embedded_model_structured_outputs():
         ("import os\n\ndef ", StructuredOutputsParams(regex=r"[a-z_]{1,12}\(")),
         ("x = True  # or ", StructuredOutputsParams(choice=["True", "False", "None"])),
     ]
+    free_prompts = ["def fibonacci(n):", "class Stack:\n    def __init__(self):"]
+    free = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     for spec in (None, SPEC):
-        llm = LLM(max_model_len=512, speculative_config=spec)
+        llm = LLM(max_model_len=512, speculative_config=spec, device=device)
+        alone = [o.outputs[0].token_ids for o in llm.generate(free_prompts, free, use_tqdm=False)]
         for temperature in (0.0, 0.7):
             params = [SamplingParams(max_tokens=96, temperature=temperature, seed=1, structured_outputs=so)
                       for _, so in cases]
-            outs = llm.generate([p for p, _ in cases], params, use_tqdm=False)
+            outs = llm.generate([p for p, _ in cases] + free_prompts, params + [free, free], use_tqdm=False)
             for (_, so), out in zip(cases, outs):
                 _check(llm, so, out.outputs[0])
+            assert [o.outputs[0].token_ids for o in outs[-2:]] == alone
