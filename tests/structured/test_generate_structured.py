@@ -207,3 +207,17 @@ def test_embedded_model_structured_outputs(device):
             for (_, so), out in zip(cases, outs):
                 _check(llm, so, out.outputs[0])
             assert [o.outputs[0].token_ids for o in outs[-2:]] == alone
+
+
+def test_steps_without_constrained_rows_do_no_mask_work(tiny_granite, count_calls):
+    from hybridserve.runner import sampler
+
+    plans = count_calls(sampler, "plan_step")
+    masks = count_calls(sampler, "apply_bitmasks")
+    llm = LLM(tiny_granite, max_num_seqs=4, max_model_len=512)
+    llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert not plans and not masks  # plain greedy: the argmax fast path, no parameters sent
+    llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.8, seed=1, ignore_eos=True), use_tqdm=False)
+    assert plans and not masks  # sampled, but nothing constrained
+    llm.generate(PROMPTS[:1], SamplingParams(max_tokens=8, structured_outputs=REGEX_SO), use_tqdm=False)
+    assert masks
