@@ -21,6 +21,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from hybridserve.cache.events import CacheEvent, EventSink
+
 
 def chain_hash(parent: int | None, token_ids: Sequence[int], extra_key: object = None) -> int:
     """Hash of a full block given its parent block's hash (None for the first block)."""
@@ -59,6 +61,8 @@ class BlockPool:
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
         self.on_evict: list[Callable[[int], None]] = []
+        # Publishes block_stored / block_removed (hybridserve.cache.events); None: off.
+        self.event_sink: EventSink | None = None
         self.num_evicted = 0
 
     @property
@@ -89,6 +93,8 @@ class BlockPool:
         if self.hash_to_block.get(h) == block.block_id:
             del self.hash_to_block[h]
             self.num_evicted += 1
+            if self.event_sink is not None:
+                self.event_sink(CacheEvent("block_removed", h))
             for fn in self.on_evict:
                 fn(h)
         block.block_hash = None
@@ -143,7 +149,9 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         # Keep the first block registered under a hash: it may already be shared.
-        self.hash_to_block.setdefault(block_hash, block_id)
+        stored = self.hash_to_block.setdefault(block_hash, block_id) == block_id
+        if stored and self.event_sink is not None:
+            self.event_sink(CacheEvent("block_stored", block_hash))
 
     def clear_cache(self) -> int:
         """Forget every hash of a free block. Returns how many were forgotten."""
