@@ -18,12 +18,13 @@ Kinds
 
 ``last_used`` is the state cache's LRU clock when the checkpoint was last admitted or
 touched, and ``clock`` the clock when the event was emitted: ``clock - last_used`` is
-the checkpoint's LRU age in index operations (0: just used). Block events carry
-``length`` = the prefix length the block ends at when known, else 0, and clock 0.
+the checkpoint's LRU age in index operations (0: just used). Block events carry only
+the hash (``length``, ``last_used`` and ``clock`` stay 0).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -62,14 +63,17 @@ class EventLog:
     """An event sink that buffers events until :meth:`drain` (one per engine).
 
     Attach it to both pools with :meth:`attach`; a publisher (a replica's metrics
-    endpoint, a Ray actor method) drains it and ships the batch to the router.
+    endpoint, a Ray actor method) drains it and ships the batch to the router. The
+    engine thread appends while another thread drains, hence the lock.
     """
 
     def __init__(self) -> None:
         self._events: list[CacheEvent] = []
+        self._lock = threading.Lock()
 
     def __call__(self, event: CacheEvent) -> None:
-        self._events.append(event)
+        with self._lock:
+            self._events.append(event)
 
     def attach(self, blocks, states) -> EventLog:
         """Make this log the event sink of a BlockPool and a StateCache."""
@@ -79,7 +83,8 @@ class EventLog:
 
     def drain(self) -> list[CacheEvent]:
         """The events since the last drain, oldest first."""
-        out, self._events = self._events, []
+        with self._lock:
+            out, self._events = self._events, []
         return out
 
     def __len__(self) -> int:
