@@ -25,8 +25,15 @@ from hybridserve.cache.events import CacheEvent, EventSink
 
 
 def chain_hash(parent: int | None, token_ids: Sequence[int], extra_key: object = None) -> int:
-    """Hash of a full block given its parent block's hash (None for the first block)."""
-    return hash((parent, tuple(token_ids), extra_key))
+    """Hash of a full block given its parent block's hash (None for the first block).
+
+    The same in every process, so a router elsewhere computes the same chain: built
+    only from ints (whose hashes do not depend on the process, unlike ``hash(None)``
+    and string hashes). ``extra_key`` must be an int (or a tuple of ints) for that to
+    hold. CPython's ``hash`` never returns -1, so -1 cannot be a real parent.
+    """
+    key = (-1 if parent is None else parent, tuple(token_ids))
+    return hash(key if extra_key is None else (*key, extra_key))
 
 
 def block_hashes(

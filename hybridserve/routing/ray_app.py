@@ -10,7 +10,8 @@ Layout
 - ``ingress``: the HTTP entry. It renders/tokenizes the prompt only to hash its
   blocks, asks the :class:`~hybridserve.routing.router.Router` for a replica,
   forwards the request body unchanged, applies the events that come back, and returns
-  the replica's response (status and JSON body) as is. The API is the one
+  the replica's response (status and JSON body) as is, with the replica's index in
+  the ``x-hybridserve-replica`` header. The API is the one
   ``hybridserve serve`` offers for non-streamed requests; ``stream: true`` is refused
   with a 400 naming the field (not built yet).
 - A replica that fails mid-request (its process dies): the requests it held get a
@@ -22,7 +23,10 @@ Layout
 
 Run it with ``hybridserve serve --replicas N`` or from Python (docs/scale-out.md)::
 
+    try:
     from ray import serve
+except ImportError as e:  # an optional extra
+    raise ImportError("hybridserve.routing.ray_app needs Ray Serve: pip install 'hybridserve[ray]'") from e
     from hybridserve.routing.ray_app import build_app
     serve.run(build_app("path/to/model", num_replicas=2), route_prefix="/")
 
@@ -36,7 +40,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
-from ray import serve
+
+try:
+    from ray import serve
+except ImportError as e:  # an optional extra
+    raise ImportError("hybridserve.routing.ray_app needs Ray Serve: pip install 'hybridserve[ray]'") from e
 
 from hybridserve.routing.router import Router
 
@@ -160,7 +168,7 @@ class Ingress:
         finally:
             self.router.finished(r)
         self.router.apply_events(r, events)
-        return JSONResponse(payload, status_code=status)
+        return JSONResponse(payload, status_code=status, headers={"x-hybridserve-replica": str(r)})
 
     def replica_stats(self) -> list[dict[str, Any]]:
         return [
@@ -217,6 +225,7 @@ class IngressDeployment(Ingress):
 
 def build_app(
     model: str | None = None,
+    *,
     num_replicas: int = 2,
     policy: str = "checkpoint",
     max_queue: int = 8,
@@ -231,6 +240,7 @@ def build_app(
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
     llm_kwargs["kv_block_size"] = kv_block_size
+    Router(num_replicas, kv_block_size, policy, max_queue=max_queue)  # validates the knobs
     engines = [
         serve.deployment(EngineReplica, name=f"engine-{i}", num_replicas=1,
                          ray_actor_options={"num_cpus": num_cpus_per_replica})
@@ -238,3 +248,35 @@ def build_app(
         for i in range(num_replicas)
     ]
     return IngressDeployment.bind(engines, model, kv_block_size, policy, max_queue)
+
+
+def serve_replicas_main(args) -> int:
+    """``hybridserve serve --replicas N``: start a local Ray cluster and serve until
+    interrupted. Returns the exit status; raises ValueError for options this mode does
+    not take."""
+    import time
+
+    import ray
+
+    from hybridserve.cli import llm_kwargs_from_args
+
+    for opt in ("api_key", "chat_template", "served_model_name"):
+        if getattr(args, opt, None):
+            raise ValueError(f"--{opt.replace('_', '-')} is not supported with --replicas yet")
+    kwargs = llm_kwargs_from_args(args)
+    model = kwargs.pop("model")
+    ray.init(include_dashboard=False)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    app = build_app(model, num_replicas=args.replicas, max_queue=args.router_max_queue,
+                    **kwargs)
+    serve.run(app, route_prefix="/", name="hybridserve")
+    print(f"serving {args.replicas} replicas on http://{args.host}:{args.port}", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0

@@ -21,11 +21,12 @@ Policies (``Router(policy=...)``)
 ---------------------------------
 - ``checkpoint`` (default): among replicas whose queue is at most ``max_queue``, the
   one with the deepest reusable prefix (ties: shorter queue, then lower id). When no
-  replica within the bound has a hit, the least loaded replica.
+  replica within the bound has a hit, the least loaded replica (ties rotate, so
+  that cold requests arriving one at a time spread over the replicas).
 - ``prefix``: the same, scoring the deepest run of cached KV blocks and ignoring
   checkpoints (what token-prefix routers do).
 - ``round_robin`` and ``random`` (seeded): baselines that ignore caches.
-- ``least_loaded``: the shortest queue (ties: lower id).
+- ``least_loaded``: the shortest queue (ties rotate over the replicas).
 
 The queue of a replica is the number of requests the router sent it that have not
 finished (:meth:`Router.finished`), or the count a replica reports
@@ -120,7 +121,8 @@ class Router:
         self.policy = policy
         self.max_queue = max_queue
         self.replicas = [ReplicaView() for _ in range(num_replicas)]
-        self._next = 0
+        self._next = 0  # round robin's turn
+        self._rotate = 0  # where least-loaded ties start
         self._rng = random.Random(seed)
         self.counters = {"routed": 0, "hit": 0, "no_hit": 0, "over_bound": 0, "blind": 0}
 
@@ -170,9 +172,8 @@ class Router:
             return RouteDecision(r, self.policy, 0, "blind")
         if self.policy == "random":
             return RouteDecision(self._rng.randrange(n), self.policy, 0, "blind")
-        least = min(range(n), key=lambda r: (self.replicas[r].queue, r))
         if self.policy == "least_loaded":
-            return RouteDecision(least, self.policy, 0, "blind")
+            return RouteDecision(self._least_loaded(), self.policy, 0, "blind")
         depths = self.depths(token_ids)
         within = [r for r in range(n) if self.replicas[r].queue <= self.max_queue]
         best = max(within, key=lambda r: (depths[r], -self.replicas[r].queue, -r), default=None)
@@ -181,7 +182,16 @@ class Router:
             reason = "hit" if depths[best] == deepest else "over_bound"
             return RouteDecision(best, self.policy, depths[best], reason)
         reason = "over_bound" if max(depths) > 0 else "no_hit"
+        least = self._least_loaded()
         return RouteDecision(least, self.policy, depths[least], reason)
+
+    def _least_loaded(self) -> int:
+        # Ties rotate, so that cold requests arriving one at a time spread out.
+        n = self.num_replicas
+        order = [(self._rotate + i) % n for i in range(n)]
+        best = min(order, key=lambda r: self.replicas[r].queue)
+        self._rotate = best + 1
+        return best
 
     def route(self, token_ids: Sequence[int]) -> RouteDecision:
         """:meth:`choose`, then count the request in that replica's queue."""

@@ -139,3 +139,19 @@ def test_events_mirror_a_real_scheduler():
         assert router.depths(probe) == [expected]
         seen.append(expected)
     assert max(seen) > 0 and 0 in seen
+
+
+def test_block_hashes_are_the_same_in_every_process():
+    """Routers run in other processes: the chained hash must not depend on the process
+    (hash(None) and str hashes do)."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from hybridserve.cache.block_pool import block_hashes; print(block_hashes(list(range(40)), 4))"
+    outs = set()
+    for seed in ("1", "2"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        outs.add(subprocess.check_output([sys.executable, "-c", code], env=env, text=True))
+    outs.add(str(block_hashes(list(range(40)), 4)) + "\n")
+    assert len(outs) == 1
