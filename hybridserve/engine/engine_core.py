@@ -341,7 +341,7 @@ class EngineCore:
                 id(row) for row, _ in verify_rows if self.group_id(row.request) in failed
             }
             try:
-                failed.update(self._commit_postprocess(sched, verify_rows, skip))
+                self._commit_postprocess(sched, verify_rows, skip, failed)
             except Exception as e:
                 self.runner.verify_readback = None
                 for row, _ in verify_rows:
@@ -475,8 +475,9 @@ class EngineCore:
         self,
         sched: SchedulerOutput,
         rows: list[tuple[ScheduledRow, object]],
-        dropped: set[int] = frozenset(),
-    ) -> dict[str, Exception]:
+        dropped: set[int],
+        failed: dict[str, Exception],
+    ) -> None:
         """The host's page bookkeeping from the postprocess decisions of this step.
 
         The decisions came back with the step's choices (``runner.verify_readback``:
@@ -484,8 +485,8 @@ class EngineCore:
         The accepted counts the device decided with must equal the tokens the host
         appended: a mismatch is a bug, and fails the row before any of its pages
         changes hands. Rows in ``dropped`` (ids of rows whose result was dropped or
-        whose request failed) change nothing. Returns the exception of each group
-        (by id) whose row could not be committed.
+        whose request failed) change nothing. A row that cannot be committed has its
+        exception recorded in ``failed`` under its group's id; the others commit.
         """
         host = self.runner.verify_readback
         self.runner.verify_readback = None
@@ -498,7 +499,6 @@ class EngineCore:
             for i, (row, res) in enumerate(rows)
             if id(row) not in dropped
         ]
-        failed: dict[str, Exception] = {}
         for row, res, h in decided:
             try:
                 if h[0] != len(res.new_tokens):
@@ -511,7 +511,6 @@ class EngineCore:
                 self.scheduler.commit_verify_row(row, h[0], h[1], ckpts, released)
             except Exception as e:
                 failed[self.group_id(row.request)] = e
-        return failed
 
     def _propose_drafts(self) -> None:
         d = self.config.spec.num_speculative_tokens

@@ -190,7 +190,7 @@ def test_a_device_host_mismatch_fails_only_that_row(tiny_granite, alone, monkeyp
     real = EngineCore._commit_postprocess
     tampered = []
 
-    def tamper(self, sched, rows, dropped=frozenset()):
+    def tamper(self, sched, rows, *rest):
         host = list(self.runner.verify_readback)
         width = len(host) // len(rows)
         for i, (row, _) in enumerate(rows):
@@ -198,7 +198,7 @@ def test_a_device_host_mismatch_fails_only_that_row(tiny_granite, alone, monkeyp
                 host[i * width] += 1
                 tampered.append(row.num_computed)
         self.runner.verify_readback = host
-        return real(self, sched, rows, dropped)
+        return real(self, sched, rows, *rest)
 
     monkeypatch.setattr(EngineCore, "_commit_postprocess", tamper)
     engine.add_request("victim", PROMPTS["victim"], VICTIM)
