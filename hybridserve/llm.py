@@ -177,7 +177,9 @@ class LLM:
         """Generate for every prompt; returns one :class:`RequestOutput` per prompt, in order.
 
         Every prompt is validated before any is queued, so a bad prompt raises
-        ValueError and leaves the engine as it was.
+        ValueError and leaves the engine as it was. A prompt whose generation fails
+        inside the engine comes back with finish reason ``"error"`` and
+        :attr:`RequestOutput.error` set; the other prompts are unaffected.
         """
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
