@@ -26,11 +26,12 @@ Which state each row writes (the pages come from :class:`StateCache`)
 
 When pages are short, a row takes fewer rather than waiting or preempting: only the
 row's end state is indispensable. Checkpoints are dropped first from the earliest grid
-points (the junction and prompt-end positions go last), drafts from the end
-(:meth:`Scheduler._fit_pages`), keeping one page for every running request still to
-be scheduled in the step. So one request needs at most three pages (its state, its
-kept boundary state, the page its step writes), and a configuration that cannot give
-one ``max_model_len`` request its pages and blocks is refused at construction.
+points (the junction and prompt-end positions go last; :meth:`Scheduler._fit_pages`),
+drafts from the end, each row keeping one page for every running request still to be
+scheduled in the step (:meth:`Scheduler._spare_pages`). So one request needs at most
+three pages (its state, its kept boundary state, the page its step writes), and a
+configuration that cannot give one ``max_model_len`` request its pages and blocks is
+refused at construction.
 """
 
 from __future__ import annotations
@@ -391,7 +392,8 @@ class Scheduler:
             if req.is_prefill:
                 positions = self._fit_pages(req, self._prefill_outputs(req, n, q), n + q, reserve)
             else:
-                drafts = self._spare_pages(1 + drafts, reserve) - 1
+                if drafts:
+                    drafts = self._spare_pages(1 + drafts, reserve) - 1
                 req.draft_token_ids = req.draft_token_ids[:drafts]
                 q = 1 + drafts
                 positions = list(range(n + 1, n + q + 1))
