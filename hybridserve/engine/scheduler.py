@@ -387,8 +387,9 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 i += 1
                 continue
-            # One page stays for each running request after this one.
-            reserve = len(self.running) - 1 - self.running.index(req)
+            # One page stays for each running request after this one (preemption only
+            # cuts self.running's tail, so req is still at index i).
+            reserve = len(self.running) - 1 - i
             if req.is_prefill:
                 positions = self._fit_pages(req, self._prefill_outputs(req, n, q), n + q, reserve)
             else:
