@@ -244,6 +244,10 @@ def test_a_billion_layers_is_refused_quickly(tmp_path):
         with pytest.raises(ConfigError, match="num_hidden_layers"):
             ModelConfig.from_pretrained(tmp_path)
         assert time.perf_counter() - start < 1.0
+    qwen = {"architectures": ["Qwen3_5ForCausalLM"], "hidden_size": 32, "vocab_size": 100,
+            "num_hidden_layers": 10**9}
+    with pytest.raises(ConfigError, match="num_hidden_layers.*at most"):
+        ModelConfig.from_dict(qwen)
     (tmp_path / "config.json").write_text(json.dumps(_granite(rms_norm_eps=NAN)))
     assert "NaN" in (tmp_path / "config.json").read_text()
     with pytest.raises(ConfigError, match="rms_norm_eps"):
