@@ -2,7 +2,10 @@
 
 A decoder layer is ``h += mixer(norm(h))`` followed, where the architecture has one, by
 ``h += mlp(norm2(h))`` (both scaled by Granite's ``residual_multiplier``). The mixer is a
-Mamba2 mixer, an attention layer, or (Nemotron-H) a plain MLP. The architectures differ
+Mamba2 mixer, an attention layer, or (Nemotron-H) a plain MLP or a mixture-of-experts
+block. Where a layer has a mixture of experts beside its MLP (Granite's
+``block_sparse_moe``) the second block is ``mlp(x) + moe(x)``; where the block replaces
+the MLP (Qwen) it is ``moe(x)``. The architectures differ
 only in module names (which must equal their checkpoints' weight names), their MLP
 flavour and a few multipliers; :class:`LayerNames` captures the names, the rest comes
 from :class:`~hybridserve.models.config.ModelConfig`.
@@ -24,10 +27,11 @@ from torch import nn
 
 from hybridserve.models.base import CacheSpec
 from hybridserve.models.batch import ForwardBatch, ModelCaches
-from hybridserve.models.config import ATTENTION, MAMBA, ModelConfig
+from hybridserve.models.config import ATTENTION, MAMBA, MOE, ModelConfig
 from hybridserve.models.layers.attention import Attention
 from hybridserve.models.layers.mamba2 import Mamba2Mixer
 from hybridserve.models.layers.mlp import build_mlp
+from hybridserve.models.layers.moe import MoEBlock
 from hybridserve.models.layers.norm import RMSNorm
 
 
@@ -40,9 +44,10 @@ class LayerNames:
     input_norm: str
     mamba: str
     attention: str
-    mlp_mixer: str  # a layer whose mixer is an MLP (Nemotron-H "-")
+    mlp_mixer: str  # a layer whose mixer is an MLP or MoE block (Nemotron-H "-" / "E")
     post_norm: str | None  # norm before the per-layer MLP, if the architecture has one
     mlp: str | None
+    moe: str | None = None  # the MoE block after the mixer (beside or instead of the MLP)
 
 
 class DecoderLayer(nn.Module):
@@ -64,15 +69,24 @@ class DecoderLayer(nn.Module):
         elif self.kind == ATTENTION:
             self._mixer = names.attention
             self.add_module(names.attention, Attention(hidden, config.attention))
+        elif self.kind == MOE:
+            self._mixer = names.mlp_mixer
+            self.add_module(names.mlp_mixer, MoEBlock(hidden, config.moe))
         else:
             self._mixer = names.mlp_mixer
             self.add_module(names.mlp_mixer, build_mlp(hidden, config.mlp))
-        self.has_mlp = config.layer_has_mlp
-        if self.has_mlp:
+        self.has_mlp = config.layer_has_dense_mlp(index)
+        self.has_moe = self.kind != MOE and index in config.moe_layers
+        if self.has_moe and names.moe is None:
+            raise ValueError(f"{type(self).__name__}: layer {index} has experts but no name for them")
+        if self.has_mlp or self.has_moe:
             self.add_module(
                 names.post_norm, RMSNorm(hidden, config.norm_eps, config.norm_weight_in_fp32)
             )
+        if self.has_mlp:
             self.add_module(names.mlp, build_mlp(hidden, config.mlp))
+        if self.has_moe:
+            self.add_module(names.moe, MoEBlock(hidden, config.moe))
 
     def forward(
         self,
@@ -95,9 +109,13 @@ class DecoderLayer(nn.Module):
             x = mixer(x, batch, caches.kv[self.index])
         else:
             x = mixer(x)
-        if self.has_mlp:
+        if self.has_mlp or self.has_moe:
             h, x = getattr(self, self._names.post_norm).add_norm(h, x, self.residual_multiplier)
-            x = getattr(self, self._names.mlp)(x)
+            y = getattr(self, self._names.mlp)(x) if self.has_mlp else None
+            if self.has_moe:
+                moe = getattr(self, self._names.moe)(x)
+                y = moe if y is None else moe + y
+            x = y
         return h, x
 
 
@@ -188,7 +206,8 @@ class HybridForCausalLM(nn.Module):
 
 
 class GraniteMoeHybridForCausalLM(HybridForCausalLM):
-    """IBM Granite 4.0-H (dense: ``num_local_experts == 0``)."""
+    """IBM Granite 4.0-H: dense (``num_local_experts == 0``) or with ``block_sparse_moe``
+    beside every layer's ``shared_mlp``."""
 
     names = LayerNames(
         embed="embed_tokens",
@@ -199,11 +218,12 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
         mlp_mixer="shared_mlp",
         post_norm="post_attention_layernorm",
         mlp="shared_mlp",
+        moe="block_sparse_moe",
     )
 
 
 class NemotronHForCausalLM(HybridForCausalLM):
-    """NVIDIA Nemotron-H (dense: M / * / - layers).
+    """NVIDIA Nemotron-H: M / * / - / E (mixture-of-experts) layers.
 
     Its checkpoints (and transformers' ``save_pretrained``) name the backbone
     ``backbone.*``; transformers renames it to ``model.*`` in memory, and so do we.

@@ -10,7 +10,9 @@ every parameter with well-spread random values, and writes it with ``save_pretra
 
 Defaults: vocab 256, hidden 64, 4 attention heads / 2 KV heads of width 16, Mamba2 with
 8 heads of width 16, 2 groups, d_state 16, d_conv 4, chunk_size 8 (so prompts of a few
-dozen tokens span several chunks), MLP width 128.
+dozen tokens span several chunks), MLP width 128. Mixture of experts: Granite gets experts
+in every layer with ``num_local_experts > 0`` (an override); Nemotron-H ``E`` layers get
+8 experts of width 32, top-2, a shared expert of width 48 (override any of these).
 
 Values are chosen so that greedy decoding is not decided by near-ties: logits have a
 spread of a few units, every norm weight, conv bias, ``D``, ``A_log`` and ``dt_bias`` is
@@ -37,17 +39,18 @@ DEFAULT_LAYERS = {
 
 
 def _layer_codes(arch: str, layers: str) -> list[str]:
-    """Normalise a pattern: ``M`` Mamba, ``A`` or ``*`` attention, ``-`` MLP (Nemotron-H only)."""
+    """Normalise a pattern: ``M`` Mamba, ``A`` or ``*`` attention, ``-`` MLP and ``E``
+    mixture of experts (Nemotron-H only)."""
     codes = []
     for c in layers:
         if c in "A*":
             codes.append("A")
-        elif c == "M" or (c == "-" and arch == "nemotron_h"):
+        elif c == "M" or (c in "-E" and arch == "nemotron_h"):
             codes.append(c)
         else:
             raise ValueError(
                 f"layer code {c!r} not valid for {arch}; use M, A (or *)"
-                + (", -" if arch == "nemotron_h" else "")
+                + (", -, E" if arch == "nemotron_h" else "")
             )
     if not codes:
         raise ValueError("layers must name at least one layer")
@@ -95,7 +98,9 @@ def _hf_config(arch: str, codes: list[str], overrides: dict[str, Any]) -> Any:
             num_attention_heads=4,
             num_key_value_heads=2,
             head_dim=16,
-            layers_block_type=[{"M": "mamba", "A": "attention", "-": "mlp"}[c] for c in codes],
+            layers_block_type=[
+                {"M": "mamba", "A": "attention", "-": "mlp", "E": "moe"}[c] for c in codes
+            ],
             mamba_num_heads=8,
             mamba_head_dim=16,
             n_groups=2,
@@ -107,6 +112,13 @@ def _hf_config(arch: str, codes: list[str], overrides: dict[str, Any]) -> Any:
             eos_token_id=2,
             pad_token_id=0,
         )
+        if "E" in codes:
+            kwargs.update(
+                n_routed_experts=8,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                moe_shared_expert_intermediate_size=48,
+            )
         kwargs.update(overrides)
         return transformers.NemotronHConfig(**kwargs)
     kwargs = dict(
@@ -169,9 +181,16 @@ def _randomize(model: torch.nn.Module, hidden: int, seed: int) -> None:
             value = normal(p.shape, 0.1, 1.0)
         elif p.dim() == 2:
             value = normal(p.shape, 1.0 / math.sqrt(p.shape[1]))
+        elif p.dim() == 3:  # stacked experts [E, out, in]
+            value = normal(p.shape, 1.0 / math.sqrt(p.shape[2]))
         else:
             raise AssertionError(f"no init rule for parameter {name} {tuple(p.shape)}")
         p.copy_(value)
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            # Non-zero and of the size of the score differences, so choosing with and
+            # without it differs.
+            b.copy_(normal(b.shape, 0.2))
 
 
 def tiny_config(arch: str, layers: str | None = None, **overrides: Any) -> Any:
