@@ -28,8 +28,8 @@ Every program writes only the rows of its own block (each assignment sits in exa
 block) and its own column tile, and reads only inputs no program writes: the race rule
 holds by construction (checked under ``racecheck`` in the tests).
 
-Numerics: products accumulate in float32 (``ieee`` for float32 inputs, the tensor cores'
-bf16 / fp16 inputs otherwise); the activation and gate product happen in float32 before
+Numerics: products accumulate in float32 (full-precision ``ieee`` products for float32
+inputs, the tensor cores' bf16 / fp16 products otherwise); the activation and gate product happen in float32 before
 the one rounding of ``h`` to ``x``'s dtype; the routing weights are applied in float32.
 
 Torch twins: :func:`grouped_up_reference` / :func:`grouped_down_reference` compute the
@@ -184,11 +184,22 @@ def _activate(v, ACT: tl.constexpr):
 
 
 @triton.jit
+def _dot(a, b, DOT: tl.constexpr):
+    """``a @ b`` accumulated in float32: 16-bit operands as they are (``DOT`` 0), float32
+    ones in full precision (1), or 16-bit ones widened to float32 first (2)."""
+    if DOT == 2:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    if DOT == 1:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
 def _grouped_up_kernel(
     x, w1, rows, block_expert, h,
     N, K, TOP_K,
     sx_t, sw_e, sw_n, sw_k, sh_a,
-    GATED: tl.constexpr, ACT: tl.constexpr, IEEE: tl.constexpr,
+    GATED: tl.constexpr, ACT: tl.constexpr, DOT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -214,19 +225,13 @@ def _grouped_up_kernel(
             )
             wmask = mask_k[:, None] & mask_n[None, :]
             wg = tl.load(w_base + offs_n[None, :] * sw_n + kk[:, None] * sw_k, mask=wmask, other=0.0)
-            if IEEE:
-                acc += tl.dot(xa, wg, input_precision="ieee")
-            else:
-                acc += tl.dot(xa, wg)
+            acc += _dot(xa, wg, DOT)
             if GATED:
                 wu = tl.load(
                     w_base + (N + offs_n[None, :]) * sw_n + kk[:, None] * sw_k,
                     mask=wmask, other=0.0,
                 )
-                if IEEE:
-                    acc_up += tl.dot(xa, wu, input_precision="ieee")
-                else:
-                    acc_up += tl.dot(xa, wu)
+                acc_up += _dot(xa, wu, DOT)
         out = _activate(acc, ACT)
         if GATED:
             out = out * acc_up
@@ -242,7 +247,7 @@ def _grouped_down_kernel(
     h, w2, rows, block_expert, weights, out,
     N, K,
     sh_a, sw_e, sw_n, sw_k, so_a,
-    IEEE: tl.constexpr,
+    DOT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -269,10 +274,7 @@ def _grouped_down_kernel(
                 w_base + offs_n[None, :] * sw_n + kk[:, None] * sw_k,
                 mask=mask_k[:, None] & mask_n[None, :], other=0.0,
             )
-            if IEEE:
-                acc += tl.dot(ha, wd, input_precision="ieee")
-            else:
-                acc += tl.dot(ha, wd)
+            acc += _dot(ha, wd, DOT)
         wt = tl.load(weights + arow, mask=valid, other=0.0).to(tl.float32)
         acc = acc * wt[:, None]
         tl.store(
@@ -325,6 +327,28 @@ def _check_weights(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, gated: b
     return inter
 
 
+def _output(
+    out: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype, device, name: str
+) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if tuple(out.shape) != shape or out.dtype != dtype or out.stride(1) != 1:
+        raise ValueError(
+            f"{name} must be {dtype} {list(shape)} with unit stride on its last axis, got "
+            f"{out.dtype} {list(out.shape)} strides {out.stride()}"
+        )
+    return out
+
+
+def _dot_mode(x: torch.Tensor) -> int:
+    """The ``DOT`` constexpr of the kernels for operands of ``x``'s dtype."""
+    if x.dtype == torch.float32:
+        return 1
+    # Triton's CPU interpreter multiplies bf16 dot operands as raw integers; widen them
+    # there. On the GPU 16-bit operands go to the tensor cores as they are.
+    return 2 if not x.is_cuda and x.dtype == torch.bfloat16 else 0
+
+
 def grouped_up(
     x: torch.Tensor,
     w1: torch.Tensor,
@@ -334,12 +358,14 @@ def grouped_up(
     gated: bool,
     activation: str,
     tiles: Tiles,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``h [A, I]`` (``x``'s dtype): ``act(gate_e(x_t)) * up_e(x_t)`` (or ``act(up_e(x_t))``)
-    for every assignment ``a = t * top_k + j`` sorted into ``blocks``."""
+    for every assignment ``a = t * top_k + j`` sorted into ``blocks``; written into
+    ``out`` when given (unit stride on its last axis)."""
     n = w1.shape[1] // 2 if gated else w1.shape[1]
     k = w1.shape[2]
-    h = torch.empty((blocks.num_assignments, n), dtype=x.dtype, device=x.device)
+    h = _output(out, (blocks.num_assignments, n), x.dtype, x.device, "out")
     if blocks.num_assignments == 0:
         return h
     grid = (blocks.num_blocks, triton.cdiv(n, tiles.n))
@@ -347,7 +373,7 @@ def grouped_up(
         x, w1, blocks.rows, blocks.block_expert, h,
         n, k, top_k,
         x.stride(0), w1.stride(0), w1.stride(1), w1.stride(2), h.stride(0),
-        GATED=gated, ACT=ACTIVATIONS[activation], IEEE=x.dtype == torch.float32,
+        GATED=gated, ACT=ACTIVATIONS[activation], DOT=_dot_mode(x),
         BM=tiles.block_m, BN=tiles.n, BK=tiles.k,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
@@ -361,10 +387,11 @@ def grouped_down(
     weights: torch.Tensor,
     *,
     tiles: Tiles,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out [A, H]`` float32: ``weights[a] * down_e(h[a])`` for every assignment."""
     n, k = w2.shape[1], w2.shape[2]
-    out = torch.empty((blocks.num_assignments, n), dtype=torch.float32, device=h.device)
+    out = _output(out, (blocks.num_assignments, n), torch.float32, h.device, "out")
     if blocks.num_assignments == 0:
         return out
     weights = weights.reshape(-1).contiguous()
@@ -373,7 +400,7 @@ def grouped_down(
         h, w2, blocks.rows, blocks.block_expert, weights, out,
         n, k,
         h.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0),
-        IEEE=h.dtype == torch.float32,
+        DOT=_dot_mode(h),
         BM=tiles.block_m, BN=tiles.n, BK=tiles.k,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
@@ -409,7 +436,7 @@ def moe_experts(
     blocks = sort_by_expert(topk_ids, w1.shape[0], tiles.block_m)
     h = grouped_up(x, w1, blocks, top_k, gated=gated, activation=activation, tiles=tiles)
     out = grouped_down(h, w2, blocks, topk_weights, tiles=tiles)
-    return out.view(t, top_k, -1).sum(dim=1).to(x.dtype)
+    return out.view(t, top_k, out.shape[1]).sum(dim=1).to(x.dtype)
 
 
 # --------------------------------------------------------------------------------------
@@ -461,7 +488,7 @@ def moe_experts_reference(
     blocks = sort_by_expert(topk_ids, w1.shape[0], 16)
     h = grouped_up_reference(x, w1, blocks, top_k, gated=gated, activation=activation)
     out = grouped_down_reference(h, w2, blocks, topk_weights)
-    return out.view(t, top_k, -1).sum(dim=1).to(x.dtype)
+    return out.view(t, top_k, out.shape[1]).sum(dim=1).to(x.dtype)
 
 
 def moe_experts_loop(
