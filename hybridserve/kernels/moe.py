@@ -303,7 +303,8 @@ class Tiles:
 def default_tiles(num_assignments: int, x: torch.Tensor) -> Tiles:
     """Tiles for the GPU: small row blocks when few rows reach each expert (decode)."""
     if not x.is_cuda:
-        return Tiles(16, 16, 16, 1, 1)  # the interpreter: the smallest dot shape
+        # The interpreter: its cost is per program, so few programs with wide tiles.
+        return Tiles(16, 64, 64, 1, 1)
     if num_assignments <= 256:
         return Tiles(16, 64, 64, 4, 3)
     return Tiles(64, 128, 64, 8, 3)
