@@ -459,11 +459,13 @@ def grouped_up_reference(
     x: torch.Tensor, w1: torch.Tensor, blocks: ExpertBlocks, top_k: int, *,
     gated: bool, activation: str,
 ) -> torch.Tensor:
-    """Twin of :func:`grouped_up`: gather each assignment's expert weights, batched product."""
+    """Twin of :func:`grouped_up`: gather each assignment's expert weights, batched product
+    (in float32, or float64 for float64 operands)."""
+    acc = torch.promote_types(x.dtype, torch.float32)
     expert = expert_of_assignment(blocks)
     tok = torch.arange(blocks.num_assignments, device=x.device) // top_k
-    xr = x[tok].float()
-    v = torch.bmm(w1[expert].float(), xr[:, :, None])[:, :, 0]
+    xr = x[tok].to(acc)
+    v = torch.bmm(w1[expert].to(acc), xr[:, :, None])[:, :, 0]
     if gated:
         gate, up = v.chunk(2, dim=-1)
         return (_act(gate, activation) * up).to(x.dtype)
@@ -473,10 +475,11 @@ def grouped_up_reference(
 def grouped_down_reference(
     h: torch.Tensor, w2: torch.Tensor, blocks: ExpertBlocks, weights: torch.Tensor
 ) -> torch.Tensor:
-    """Twin of :func:`grouped_down`."""
+    """Twin of :func:`grouped_down` (float32, or float64 for float64 operands)."""
+    acc = torch.promote_types(h.dtype, torch.float32)
     expert = expert_of_assignment(blocks)
-    v = torch.bmm(w2[expert].float(), h.float()[:, :, None])[:, :, 0]
-    return v * weights.reshape(-1, 1).float()
+    v = torch.bmm(w2[expert].to(acc), h.to(acc)[:, :, None])[:, :, 0]
+    return v * weights.reshape(-1, 1).to(acc)
 
 
 def moe_experts_reference(

@@ -196,6 +196,23 @@ class HybridForCausalLM(nn.Module):
         """``input_ids [T]`` (packed rows) -> hidden ``[T, hidden_size]`` after the final norm."""
         return self.model(input_ids, batch, caches)
 
+    def num_active_weights(self) -> int:
+        """Weights one token is multiplied by, embedding and LM head excluded: each MoE
+        block's routed experts count ``top_k / num_experts`` of theirs (the FLOPs of a
+        token are twice this, plus attention's products)."""
+        total = 0.0
+        for name, p in self.named_parameters():
+            if "embed" in name or "lm_head" in name:
+                continue
+            total += p.numel()
+        moe = self.config.moe
+        if moe is not None:
+            for module in self.modules():
+                if isinstance(module, MoEBlock):
+                    routed = sum(p.numel() for p in module.experts.parameters())
+                    total -= routed * (1.0 - moe.top_k / moe.num_experts)
+        return round(total)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` -> float32 ``[N, vocab_size]`` (divided by ``logits_scaling``)."""
         weight = self.model.embed.weight if self.lm_head is None else self.lm_head.weight

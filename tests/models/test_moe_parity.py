@@ -240,3 +240,16 @@ def test_correction_bias_stays_float32_in_low_precision(tmp_path, caplog):
     on_disk = load_file(str(path / "model.safetensors"))
     assert torch.equal(bias, on_disk["backbone.layers.1.mixer.gate.e_score_correction_bias"])
     assert model.model.layers[1].mixer.experts.up_proj.dtype == torch.bfloat16
+
+
+def test_active_weights_count_the_experts_a_token_reaches(pair):
+    """The engine's prefill FLOPs (FLOP-aware eviction, the benchmarks' roofline) count a
+    token's top-k experts, not all of them."""
+    ours, _ = pair
+    moe = ours.config.moe
+    named = dict(ours.named_parameters())
+    dense = sum(p.numel() for n, p in named.items()
+                if "embed" not in n and "lm_head" not in n and ".experts." not in n)
+    routed = sum(p.numel() for n, p in named.items() if ".experts." in n)
+    assert routed > 0 and moe.top_k < moe.num_experts
+    assert ours.num_active_weights() == round(dense + routed * moe.top_k / moe.num_experts)
