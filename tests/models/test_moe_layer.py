@@ -176,3 +176,38 @@ def test_correction_bias_chooses_but_does_not_weight():
         scores = torch.sigmoid(x @ router.weight.T)
         chosen = scores.gather(1, ids)
         torch.testing.assert_close(weights, chosen / chosen.sum(1, keepdim=True) * 2.5)
+
+
+def test_qwen_style_block_replaces_the_mlp_of_its_layers():
+    """A ``softmax_then_topk`` block takes the place of the dense MLP in its layers only
+    (``decoder_sparse_step`` / ``mlp_only_layers`` decide which), under the same name: the
+    seam the Qwen3-Next / Qwen3.5-MoE architectures plug into."""
+    from hybridserve.models.config import MAMBA, MambaParams, MLPParams, ModelConfig
+    from hybridserve.models.hybrid import HybridForCausalLM, LayerNames
+
+    class QwenStyle(HybridForCausalLM):
+        names = LayerNames(
+            embed="embed_tokens", final_norm="norm", input_norm="input_layernorm",
+            mamba="linear_attn", attention="self_attn", mlp_mixer="mlp",
+            post_norm="post_attention_layernorm", mlp="mlp", moe="mlp",
+        )
+
+    _, p = _qwen3_next()
+    mamba = MambaParams(4, 16, 1, 8, 4, 2, 8, True, False, "silu", 1e-6, (0.0, float("inf")),
+                        0.001, 0.1)
+    config = ModelConfig(
+        architecture="QwenStyle", model_type="x", vocab_size=50, hidden_size=HIDDEN,
+        layer_types=(MAMBA,) * 4, layer_has_mlp=True, attention=None, mamba=mamba,
+        mlp=MLPParams("gated", 48, "silu", False), norm_eps=1e-6, norm_weight_in_fp32=False,
+        tie_word_embeddings=True, embedding_multiplier=1.0, residual_multiplier=1.0,
+        logits_scaling=1.0, max_position_embeddings=64, bos_token_id=None, eos_token_ids=(),
+        pad_token_id=None, torch_dtype=None, moe=p, moe_layers=(1, 3),
+    )
+    assert [config.layer_has_dense_mlp(i) for i in range(4)] == [True, False, True, False]
+    model = QwenStyle(config)
+    keys = set(model.state_dict())
+    assert "model.layers.1.mlp.experts.gate_up_proj" in keys
+    assert "model.layers.1.mlp.shared_expert_gate.weight" in keys
+    assert "model.layers.0.mlp.gate_proj.weight" in keys
+    assert not any(k.startswith("model.layers.0.mlp.experts") for k in keys)
+    assert isinstance(model.model.layers[3].mlp, MoEBlock)
