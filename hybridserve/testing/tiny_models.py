@@ -190,7 +190,7 @@ def _randomize(model: torch.nn.Module, hidden: int, seed: int) -> None:
         if name.endswith("e_score_correction_bias"):
             # Non-zero and of the size of the score differences, so choosing with and
             # without it differs.
-            b.copy_(normal(b.shape, 0.2))
+            b.copy_(normal(b.shape, 0.1))
 
 
 def tiny_config(arch: str, layers: str | None = None, **overrides: Any) -> Any:
