@@ -160,6 +160,21 @@ def test_other_tiles_and_strided_weights(tiles):
 
 
 @interpreted
+def test_a_token_gets_the_same_bits_alone_or_in_a_batch():
+    """Each row's products and its sum over its k experts run in a fixed order, whatever
+    else the block holds: batch invariance, bit for bit (here, under the interpreter)."""
+    g = torch.Generator().manual_seed(_seed())
+    tokens, hidden, inter, experts, top_k = 13, 48, 40, 6, 2
+    x, w1, w2 = _operands(g, tokens, hidden, inter, experts, True)
+    ids, weights = _routing(g, tokens, experts, top_k, "random")
+    kw = dict(gated=True, activation="silu", tiles=TILES)
+    full = moe.moe_experts(x, w1, w2, ids, weights, **kw)
+    for i in (0, 7, 12):
+        alone = moe.moe_experts(x[i : i + 1], w1, w2, ids[i : i + 1], weights[i : i + 1], **kw)
+        assert torch.equal(alone[0], full[i])
+
+
+@interpreted
 def test_bfloat16_close_to_float64():
     g = torch.Generator().manual_seed(_seed())
     tokens, hidden, inter, experts, top_k = 9, 32, 16, 4, 2
