@@ -216,9 +216,11 @@ def make_tiny_checkpoint(
         path: output directory (created if needed).
         seed: weights are a pure function of ``seed`` and the config.
         layers: layer pattern, one letter per decoder layer: ``M`` Mamba, ``A`` (or ``*``)
-            attention, ``-`` MLP (Nemotron-H only). Defaults: ``DEFAULT_LAYERS[arch]``.
+            attention, ``-`` MLP and ``E`` mixture of experts (Nemotron-H only). Defaults:
+            ``DEFAULT_LAYERS[arch]``.
         **overrides: keyword arguments for the ``transformers`` config class of ``arch``
-            (e.g. ``mamba_n_groups=4``, ``tie_word_embeddings=True``, ``time_step_min=0.3``).
+            (e.g. ``mamba_n_groups=4``, ``tie_word_embeddings=True``, ``time_step_min=0.3``;
+            ``num_local_experts=6`` for a Granite MoE, ``n_group=4`` for grouped routing).
 
     Takes well under a second once ``transformers`` is imported.
     """
