@@ -92,3 +92,23 @@ def test_prefix_caching_and_speculation_are_token_identical(moe_ckpt):
             assert stats["prefix_hit_tokens"] > 0
         if spec:
             assert stats["spec_accepted_tokens"] > 0
+
+
+def test_decode_graph_path_with_grouped_kernels(moe_ckpt, monkeypatch):
+    """The decode-graph step (its static buffers and padding rows; no capture on the CPU)
+    with the grouped Triton experts, as a GPU decode step runs them, gives the eager
+    loop's tokens."""
+    from hybridserve.engine.engine_core import EngineCore
+    from hybridserve.kernels import moe as moe_kernels
+
+    rng = random.Random(8)
+    prompts = [_rand(rng, 9), _rand(rng, 4), _rand(rng, 6)]  # a bucket of 4: one padding row
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    reference = _tokens(LLM(moe_ckpt, max_num_seqs=4).generate(prompts, params))
+    monkeypatch.setattr(moe_kernels, "TRITON_MOE", "always")
+    llm = LLM(moe_ckpt, max_num_seqs=4)
+    eng = llm.engine
+    llm.engine = EngineCore(llm.config, llm.model, llm.tokenizer, eng.vocab_size,
+                            eng.eos_token_ids, enforce_eager=False)
+    assert _tokens(llm.generate(prompts, params)) == reference
+    assert llm.engine.runner.graphs.counters["graph_steps"] > 0
