@@ -60,6 +60,16 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._with_bos(ids, add_special_tokens)
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """``[encode(t) for t in texts]``, computed with the interpreter lock released
+        (the library's single-text call holds it throughout), so a server's event loop
+        keeps running while a long prompt is tokenized on another thread."""
+        encodings = self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)
+        return [self._with_bos(e.ids, add_special_tokens) for e in encodings]
+
+    def _with_bos(self, ids: list[int], add_special_tokens: bool) -> list[int]:
         bos = self.bos_token_id
         if add_special_tokens and self.add_bos_token and bos is not None and ids[:1] != [bos]:
             ids = [bos, *ids]

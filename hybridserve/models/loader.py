@@ -5,11 +5,14 @@ single ``model.safetensors`` or the shards listed in ``model.safetensors.index.j
 Weight names must be exactly those ``transformers`` writes for the architecture, so
 ``save_pretrained`` output loads as is. Every expected weight must be present with the
 expected shape and nothing unknown may be present, except names a checkpoint may carry
-that the model does not use: ``lm_head.weight`` when embeddings are tied, and Nemotron-H's
-multi-token-prediction ``mtp.*`` weights. Expert weights are accepted as the families
-publish them, fused (Granite's ``block_sparse_moe.input_linear``) or one tensor per expert
-(Nemotron-H's ``mixer.experts.N.up_proj``), as well as already stacked under the model's
-own names, and end up stacked ``[E, ...]`` for the grouped kernels.
+that the model does not use: ``lm_head.weight`` when embeddings are tied, and the prefixes
+a model class lists in ``ignored_weight_prefixes`` (multi-token-prediction ``mtp.*`` heads
+of Nemotron-H, Qwen3.5 and Qwen3-Next; the vision tower ``model.visual.*`` of the Qwen3.5
+vision-language checkpoints), each skipped with a note in the log. Expert weights are
+accepted as the families publish them, fused (Granite's ``block_sparse_moe.input_linear``)
+or one tensor per expert (Nemotron-H's ``mixer.experts.N.up_proj``), as well as already
+stacked under the model's own names, and end up stacked ``[E, ...]`` for the grouped
+kernels.
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,17 +36,17 @@ from hybridserve.models.registry import model_class
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-logger = logging.getLogger(__name__)
-
-
 class CheckpointError(ValueError):
     """The weights of a checkpoint cannot be loaded; the message names the file and weight."""
 
 
-def _ignored(config: ModelConfig, name: str) -> bool:
+log = logging.getLogger("hybridserve.models")
+
+
+def _ignored(config: ModelConfig, cls: type[HybridForCausalLM], name: str) -> bool:
     if config.tie_word_embeddings and name == "lm_head.weight":
         return True
-    return config.architecture == "NemotronHForCausalLM" and re.match(r"mtp\.", name) is not None
+    return name.startswith(cls.ignored_weight_prefixes)
 
 
 def _model_name(cls: type[HybridForCausalLM], name: str) -> str:
@@ -117,15 +119,19 @@ def _slots(
     config: ModelConfig,
     files: dict[str, Path],
     expected: dict[str, tuple[int, ...]],
-) -> tuple[dict[str, tuple[Path, WeightSlot]], list[str]]:
-    """Map every used checkpoint tensor to its slot; also return the unknown names."""
+) -> tuple[dict[str, tuple[Path, WeightSlot]], list[str], list[str]]:
+    """Map every used checkpoint tensor to its slot; also return the unknown names and
+    the (model-side) names skipped as not used."""
     slots: dict[str, tuple[Path, WeightSlot]] = {}
     unexpected: list[str] = []
+    skipped: list[str] = []
     for disk_name, file in files.items():
         name = _model_name(cls, disk_name)
         slot = WeightSlot(name) if name in expected else checkpoint_slot(name, expected)
         if slot is None:
-            if not _ignored(config, name):
+            if _ignored(config, cls, name):
+                skipped.append(name)
+            else:
                 unexpected.append(disk_name)
             continue
         if slot.expert is not None and not 0 <= slot.expert < expected[slot.param][0]:
@@ -134,7 +140,7 @@ def _slots(
                 f"{expected[slot.param][0]} experts"
             )
         slots[disk_name] = (file, slot)
-    return slots, sorted(unexpected)
+    return slots, sorted(unexpected), skipped
 
 
 def _check_coverage(
@@ -195,7 +201,7 @@ def load_model(
     moved to ``device`` (and ``dtype``) as it is read, so host memory beyond the model
     itself stays at one tensor. Per-expert tensors are copied straight into their stacked
     ``[E, ...]`` parameters (:func:`~hybridserve.models.layers.moe.checkpoint_slot`).
-    The load rate is logged (``hybridserve.models.loader``, INFO) and kept as
+    The load rate is logged (``hybridserve.models``, INFO) and kept as
     ``model.load_stats`` (:class:`LoadStats`).
 
     Args:
@@ -224,8 +230,13 @@ def load_model(
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     where = path / INDEX_FILE if (path / INDEX_FILE).exists() else path / SINGLE_FILE
     files = checkpoint_files(path)
-    slots, unexpected = _slots(cls, config, files, expected)
+    slots, unexpected, skipped = _slots(cls, config, files, expected)
     _check_coverage(slots, expected, where, config.architecture)
+    for prefix in cls.ignored_weight_prefixes:
+        count = sum(1 for n in skipped if n.startswith(prefix))
+        if count:
+            log.info("%s: %d '%s*' weight(s) not used by this engine, skipped", where, count,
+                     prefix)
     if unexpected:
         more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
         raise CheckpointError(
@@ -277,7 +288,7 @@ def load_model(
         torch.cuda.synchronize(device)
     stats = LoadStats(nbytes, len(by_file), time.perf_counter() - started)
     model.load_stats = stats
-    logger.info(
+    log.info(
         "loaded %s: %.2f GB from %d file(s) in %.2f s (%.2f GB/s)",
         path, nbytes / 1e9, stats.files, stats.seconds, stats.gb_per_s,
     )

@@ -235,7 +235,7 @@ def test_missing_or_extra_expert_is_named(tmp_path):
 
 def test_correction_bias_stays_float32_in_low_precision(tmp_path, caplog):
     path = _nemotron_ckpt(tmp_path)
-    with caplog.at_level("INFO", logger="hybridserve.models.loader"):
+    with caplog.at_level("INFO", logger="hybridserve.models"):
         model = load_model(path, dtype=torch.bfloat16)
     assert "GB/s" in caplog.text
     bias = model.model.layers[1].mixer.gate.e_score_correction_bias
