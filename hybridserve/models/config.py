@@ -1016,34 +1016,13 @@ def _qwen_attention_params(r: _Reader) -> AttentionParams:
     )
 
 
-def _qwen_dense_mlp_check(r: _Reader, layer_types: tuple[str, ...]) -> None:
-    """Qwen3-Next: refuse the mixture-of-experts layers (where transformers builds a
-    sparse block): layer ``i`` is MoE unless ``i`` is in ``mlp_only_layers``, when
-    ``num_experts > 0`` and ``(i + 1) % decoder_sparse_step == 0``."""
-    experts = r.opt("num_experts", 512)
-    step = r.opt("decoder_sparse_step", 1)
-    only = r.opt("mlp_only_layers", [], list)
-    if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
-        raise r.error("mlp_only_layers", f"expected a list of layer indices, got {only!r}")
-    if experts <= 0:
-        return
-    if step <= 0:
-        raise r.error("decoder_sparse_step", f"must be positive, got {step}")
-    moe = [i for i in range(len(layer_types)) if i not in only and (i + 1) % step == 0]
-    if moe:
-        raise r.error(
-            "num_experts",
-            f"layers {moe} are mixture-of-experts ({experts} experts); MoE Qwen3-Next layers "
-            "are not supported yet: only dense models (num_experts: 0, or every layer in "
-            "mlp_only_layers) are",
-        )
-
-
 def _parse_qwen(r: _Reader, arch: str, *, fused: bool, default_model_type: str) -> ModelConfig:
     hidden = r.req("hidden_size")
     layer_types = _qwen_layer_types(r)
-    if fused:
-        _qwen_dense_mlp_check(r, layer_types)
+    act = _activation(r, "hidden_act", "silu")
+    moe, moe_layers = None, ()
+    if fused:  # Qwen3-Next: sparse layers per decoder_sparse_step / mlp_only_layers
+        moe, moe_layers = _qwen_moe(r, len(layer_types), act=act, always_normalise=False)
     eps = r.opt("rms_norm_eps", 1e-6, float)
     attn = _qwen_attention_params(r) if ATTENTION in layer_types else None
     gdn = _qwen_gdn_params(r, fused, eps) if GDN in layer_types else None
@@ -1057,8 +1036,7 @@ def _parse_qwen(r: _Reader, arch: str, *, fused: bool, default_model_type: str) 
         layer_has_mlp=True,
         attention=attn,
         mamba=None,
-        mlp=MLPParams("gated", r.req("intermediate_size"), _activation(r, "hidden_act", "silu"),
-                      False),
+        mlp=MLPParams("gated", r.req("intermediate_size"), act, False),
         norm_eps=eps,
         # (1 + weight) is formed and multiplied in float32, then cast once.
         norm_weight_in_fp32=True,
@@ -1073,6 +1051,8 @@ def _parse_qwen(r: _Reader, arch: str, *, fused: bool, default_model_type: str) 
         torch_dtype=_dtype_name(r),
         gdn=gdn,
         norm_zero_centred=True,
+        moe=moe,
+        moe_layers=moe_layers,
     )
 
 

@@ -306,6 +306,7 @@ _QWEN_NAMES = LayerNames(
     post_norm="post_attention_layernorm",
     mlp="mlp",
     gdn="linear_attn",
+    moe="mlp",  # a sparse layer's block takes the dense MLP's place and name
 )
 
 
@@ -328,7 +329,9 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
 
 
 class Qwen3NextForCausalLM(HybridForCausalLM):
-    """Qwen3-Next with dense MLPs (mixture-of-experts layers are refused by the config)."""
+    """Qwen3-Next: Gated DeltaNet and gated attention layers; the MLP of each sparse layer
+    (``decoder_sparse_step``, ``mlp_only_layers``) is a mixture of experts with a gated
+    shared expert."""
 
     names = _QWEN_NAMES
     ignored_weight_prefixes = ("mtp.",)

@@ -12,7 +12,8 @@ Defaults: vocab 256, hidden 64, 4 attention heads / 2 KV heads of width 16, Mamb
 8 heads of width 16, 2 groups, d_state 16, d_conv 4, chunk_size 8 (so prompts of a few
 dozen tokens span several chunks), MLP width 128. Mixture of experts: Granite gets experts
 in every layer with ``num_local_experts > 0`` (an override); Nemotron-H ``E`` layers get
-8 experts of width 32, top-2, a shared expert of width 48 (override any of these).
+8 experts of width 32, top-2, a shared expert of width 48 (override any of these); Qwen3-Next
+gets experts of width 32, top-2, a shared expert of width 48 with ``num_experts > 0``.
 
 Values are chosen so that greedy decoding is not decided by near-ties: logits have a
 spread of a few units, every norm weight, conv bias, ``D``, ``A_log`` and ``dt_bias`` is
@@ -107,7 +108,9 @@ def _hf_config(arch: str, codes: list[str], overrides: dict[str, Any]) -> Any:
         return transformers.Qwen3_5Config(text_config=text, vision_config=vision, **top)
     if arch == "qwen3_next":
         kwargs = _qwen_text_kwargs(codes)
-        kwargs.update(num_experts=0)  # dense MLPs unless a test asks for experts
+        # Dense MLPs unless a test asks for experts (num_experts > 0); then tiny ones.
+        kwargs.update(num_experts=0, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48)
         kwargs.update(overrides)
         return transformers.Qwen3NextConfig(**kwargs)
 

@@ -24,6 +24,9 @@ MODELS = {
         dict(n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
              routed_scaling_factor=1.5),
     ),
+    "qwen3-next-moe": (
+        "qwen3_next", "MMAM", dict(num_experts=8, num_experts_per_tok=2, mlp_only_layers=[1]),
+    ),
 }
 
 

@@ -1,8 +1,9 @@
 """Mixture-of-experts models against transformers, and their checkpoints' expert layouts.
 
-Tiny random Granite 4.0-H MoE and Nemotron-H MoE checkpoints (several experts, top-k >= 2;
-Nemotron-H with groups, a non-zero correction bias, a shared expert, dense ``-`` layers
-beside ``E`` layers, and the latent variant) are loaded both ways: all-position logits of
+Tiny random Granite 4.0-H MoE, Nemotron-H MoE and Qwen3-Next MoE checkpoints (several
+experts, top-k >= 2; Nemotron-H with groups, a non-zero correction bias, a shared expert,
+dense ``-`` layers beside ``E`` layers, and the latent variant; Qwen3-Next with its gated
+shared expert and a dense layer among sparse ones) are loaded both ways: all-position logits of
 a packed multi-row forward within 1e-4 relative, and a prefill + 32 greedy tokens through
 paged caches equal to ``generate``. The grouped Triton path, forced through the whole
 model under the interpreter, gives the loop's logits. The loader accepts fused,
@@ -27,6 +28,7 @@ transformers = pytest.importorskip("transformers")
 HF_CLASSES = {
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
 }
 
 GRANITE_MOE = dict(num_local_experts=6, num_experts_per_tok=3, intermediate_size=48)
@@ -40,6 +42,8 @@ CASES = [
     ("granitemoehybrid", "AMMA", dict(GRANITE_MOE, num_experts_per_tok=2, mamba_n_groups=4)),
     ("nemotron_h", "ME*-ME", NEMOTRON_MOE),
     ("nemotron_h", "*EM-E", dict(NEMOTRON_MOE, moe_latent_size=24, norm_topk_prob=False)),
+    # Gated DeltaNet layers ("M"); layer 1 keeps its dense MLP (mlp_only_layers).
+    ("qwen3_next", "MMAM", dict(num_experts=8, num_experts_per_tok=3, mlp_only_layers=[1])),
 ]
 
 
@@ -136,6 +140,10 @@ def test_published_expert_names_are_what_save_pretrained_writes(ckpt):
     if arch == "granitemoehybrid":
         assert "model.layers.0.block_sparse_moe.input_linear.weight" in names
         assert "model.layers.0.block_sparse_moe.router.layer.weight" in names
+    elif arch == "qwen3_next":
+        assert "model.layers.0.mlp.experts.0.gate_proj.weight" in names
+        assert "model.layers.0.mlp.shared_expert_gate.weight" in names
+        assert "model.layers.1.mlp.gate_proj.weight" in names  # the dense layer
     else:
         assert any(".mixer.experts.0.up_proj.weight" in n for n in names)
         assert any(".mixer.gate.e_score_correction_bias" in n for n in names)
