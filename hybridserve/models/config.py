@@ -43,6 +43,8 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3_5ForCausalLM",
     "Qwen3_5ForConditionalGeneration",
     "Qwen3NextForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration",
 )
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu", "relu2")
 
@@ -1016,13 +1018,23 @@ def _qwen_attention_params(r: _Reader) -> AttentionParams:
     )
 
 
-def _parse_qwen(r: _Reader, arch: str, *, fused: bool, default_model_type: str) -> ModelConfig:
+def _parse_qwen(
+    r: _Reader, arch: str, *, fused: bool, default_model_type: str, moe_everywhere: bool = False
+) -> ModelConfig:
+    """Qwen3.5 / Qwen3-Next text configs. ``fused``: Qwen3-Next (fused GDN projections,
+    sparse layers per ``decoder_sparse_step``); ``moe_everywhere``: Qwen3.5-MoE (every
+    layer's MLP is a mixture of experts, always renormalised; no dense MLP)."""
     hidden = r.req("hidden_size")
     layer_types = _qwen_layer_types(r)
     act = _activation(r, "hidden_act", "silu")
     moe, moe_layers = None, ()
     if fused:  # Qwen3-Next: sparse layers per decoder_sparse_step / mlp_only_layers
         moe, moe_layers = _qwen_moe(r, len(layer_types), act=act, always_normalise=False)
+    elif moe_everywhere:
+        moe, moe_layers = _qwen_moe(r, len(layer_types), act=act, always_normalise=True)
+        if moe is None:
+            raise r.error("num_experts", "a Qwen3.5-MoE model needs num_experts > 0")
+    dense = None if moe_everywhere else MLPParams("gated", r.req("intermediate_size"), act, False)
     eps = r.opt("rms_norm_eps", 1e-6, float)
     attn = _qwen_attention_params(r) if ATTENTION in layer_types else None
     gdn = _qwen_gdn_params(r, fused, eps) if GDN in layer_types else None
@@ -1036,7 +1048,7 @@ def _parse_qwen(r: _Reader, arch: str, *, fused: bool, default_model_type: str) 
         layer_has_mlp=True,
         attention=attn,
         mamba=None,
-        mlp=MLPParams("gated", r.req("intermediate_size"), act, False),
+        mlp=dense,
         norm_eps=eps,
         # (1 + weight) is formed and multiplied in float32, then cast once.
         norm_weight_in_fp32=True,
@@ -1060,7 +1072,7 @@ def _parse_qwen3_5(r: _Reader, arch: str) -> ModelConfig:
     return _parse_qwen(r, arch, fused=False, default_model_type="qwen3_5_text")
 
 
-def _parse_qwen3_5_vl(r: _Reader, arch: str) -> ModelConfig:
+def _parse_qwen3_5_vl(r: _Reader, arch: str, moe_everywhere: bool = False) -> ModelConfig:
     """The vision-language wrapper: its language model is a ``text_config``; the vision
     tower's weights are skipped by the loader. Fields the wrapper sets itself (token ids,
     ``tie_word_embeddings``, the dtype) win over the text config's."""
@@ -1074,8 +1086,18 @@ def _parse_qwen3_5_vl(r: _Reader, arch: str) -> ModelConfig:
             merged[key] = r.data[key]
     return _parse_qwen(
         _Reader(merged, f"{r.source} (text_config)"), arch, fused=False,
-        default_model_type="qwen3_5_text",
+        default_model_type="qwen3_5_moe_text" if moe_everywhere else "qwen3_5_text",
+        moe_everywhere=moe_everywhere,
     )
+
+
+def _parse_qwen3_5_moe(r: _Reader, arch: str) -> ModelConfig:
+    return _parse_qwen(r, arch, fused=False, default_model_type="qwen3_5_moe_text",
+                       moe_everywhere=True)
+
+
+def _parse_qwen3_5_moe_vl(r: _Reader, arch: str) -> ModelConfig:
+    return _parse_qwen3_5_vl(r, arch, moe_everywhere=True)
 
 
 def _parse_qwen3_next(r: _Reader, arch: str) -> ModelConfig:
@@ -1089,4 +1111,6 @@ _PARSERS = {
     "Qwen3_5ForCausalLM": _parse_qwen3_5,
     "Qwen3_5ForConditionalGeneration": _parse_qwen3_5_vl,
     "Qwen3NextForCausalLM": _parse_qwen3_next,
+    "Qwen3_5MoeForCausalLM": _parse_qwen3_5_moe,
+    "Qwen3_5MoeForConditionalGeneration": _parse_qwen3_5_moe_vl,
 }

@@ -328,6 +328,15 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
     """The text part of the Qwen3.5 / Qwen3.6 vision-language checkpoints (text prompts)."""
 
 
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3.5-MoE text models: Qwen3.5's layers with a mixture of experts (gated shared
+    expert, always renormalised routing) as every layer's MLP."""
+
+
+class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):
+    """The text part of the Qwen3.5-MoE vision-language checkpoints (text prompts)."""
+
+
 class Qwen3NextForCausalLM(HybridForCausalLM):
     """Qwen3-Next: Gated DeltaNet and gated attention layers; the MLP of each sparse layer
     (``decoder_sparse_step``, ``mlp_only_layers``) is a mixture of experts with a gated

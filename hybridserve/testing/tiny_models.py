@@ -30,11 +30,14 @@ from typing import Any
 
 import torch
 
-ARCHITECTURES = ("granitemoehybrid", "nemotron_h", "bamba", "qwen3_5", "qwen3_5_vl", "qwen3_next")
+ARCHITECTURES = (
+    "granitemoehybrid", "nemotron_h", "bamba", "qwen3_5", "qwen3_5_vl", "qwen3_next",
+    "qwen3_5_moe",
+)
 
 # Gated DeltaNet architectures: ``M`` in a layer pattern is a Gated DeltaNet
 # (``linear_attention``) layer there.
-GDN_ARCHITECTURES = ("qwen3_5", "qwen3_5_vl", "qwen3_next")
+GDN_ARCHITECTURES = ("qwen3_5", "qwen3_5_vl", "qwen3_next", "qwen3_5_moe")
 
 DEFAULT_LAYERS = {
     "granitemoehybrid": "MAMMA",
@@ -43,6 +46,7 @@ DEFAULT_LAYERS = {
     "qwen3_5": "MMAM",
     "qwen3_5_vl": "MMAM",
     "qwen3_next": "MMAM",
+    "qwen3_5_moe": "MMAM",
 }
 
 
@@ -95,6 +99,13 @@ def _qwen_text_kwargs(codes: list[str]) -> dict[str, Any]:
 def _hf_config(arch: str, codes: list[str], overrides: dict[str, Any]) -> Any:
     import transformers
 
+    if arch == "qwen3_5_moe":  # every layer's MLP is a mixture of experts
+        kwargs = _qwen_text_kwargs(codes)
+        del kwargs["intermediate_size"]
+        kwargs.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48)
+        kwargs.update(overrides)
+        return transformers.Qwen3_5MoeTextConfig(**kwargs)
     if arch == "qwen3_5":
         kwargs = _qwen_text_kwargs(codes)
         kwargs.update(overrides)
@@ -207,6 +218,7 @@ def _model_class(arch: str) -> Any:
         "bamba": transformers.BambaForCausalLM,
         "qwen3_5": transformers.Qwen3_5ForCausalLM,
         "qwen3_5_vl": transformers.Qwen3_5ForConditionalGeneration,
+        "qwen3_5_moe": transformers.Qwen3_5MoeForCausalLM,
         "qwen3_next": transformers.Qwen3NextForCausalLM,
     }[arch]
 

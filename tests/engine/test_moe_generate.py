@@ -27,14 +27,17 @@ MODELS = {
     "qwen3-next-moe": (
         "qwen3_next", "MMAM", dict(num_experts=8, num_experts_per_tok=2, mlp_only_layers=[1]),
     ),
+    "qwen3.5-moe": ("qwen3_5_moe", "MMAM", dict(num_experts_per_tok=3)),
 }
+# Seeds whose greedy outputs repeat enough for n-gram drafts to be accepted.
+SEEDS = {"qwen3.5-moe": 22}
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
 def moe_ckpt(request, tmp_path_factory):
     arch, layers, extra = MODELS[request.param]
-    return make_tiny_checkpoint(arch, tmp_path_factory.mktemp(request.param), seed=21,
-                                layers=layers, **extra)
+    return make_tiny_checkpoint(arch, tmp_path_factory.mktemp(request.param),
+                                seed=SEEDS.get(request.param, 21), layers=layers, **extra)
 
 
 def _rand(rng: random.Random, n: int) -> list[int]:

@@ -263,3 +263,22 @@ def test_bamba_attn_layer_indices_checked(tmp_path):
         data["attn_layer_indices"] = bad
         with pytest.raises(ConfigError, match="attn_layer_indices"):
             ModelConfig.from_dict(data)
+
+
+def test_qwen3_5_moe_every_layer_sparse_without_a_dense_mlp():
+    text = {"vocab_size": 100, "hidden_size": 32, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+            "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+            "linear_value_head_dim": 8, "num_experts": 16, "num_experts_per_tok": 4,
+            "moe_intermediate_size": 24, "shared_expert_intermediate_size": 40,
+            "norm_topk_prob": False}  # Qwen3.5-MoE renormalises whatever this says
+    for data in ({"architectures": ["Qwen3_5MoeForCausalLM"], **text},
+                 {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "text_config": text}):
+        c = ModelConfig.from_dict(data)
+        assert c.moe_layers == (0, 1, 2, 3) and c.mlp is None
+        m = c.moe
+        assert (m.routing, m.num_experts, m.top_k, m.norm_topk_prob, m.shared_gate) == (
+            SOFTMAX_THEN_TOPK, 16, 4, True, True)
+    with pytest.raises(ConfigError, match="num_experts"):
+        ModelConfig.from_dict({"architectures": ["Qwen3_5MoeForCausalLM"], **text,
+                               "num_experts": 0})

@@ -3,7 +3,8 @@
 Tiny random Granite 4.0-H MoE, Nemotron-H MoE and Qwen3-Next MoE checkpoints (several
 experts, top-k >= 2; Nemotron-H with groups, a non-zero correction bias, a shared expert,
 dense ``-`` layers beside ``E`` layers, and the latent variant; Qwen3-Next with its gated
-shared expert and a dense layer among sparse ones) are loaded both ways: all-position logits of
+shared expert and a dense layer among sparse ones; Qwen3.5-MoE, experts in every layer)
+are loaded both ways: all-position logits of
 a packed multi-row forward within 1e-4 relative, and a prefill + 32 greedy tokens through
 paged caches equal to ``generate``. The grouped Triton path, forced through the whole
 model under the interpreter, gives the loop's logits. The loader accepts fused,
@@ -29,6 +30,7 @@ HF_CLASSES = {
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
 }
 
 GRANITE_MOE = dict(num_local_experts=6, num_experts_per_tok=3, intermediate_size=48)
@@ -44,6 +46,7 @@ CASES = [
     ("nemotron_h", "*EM-E", dict(NEMOTRON_MOE, moe_latent_size=24, norm_topk_prob=False)),
     # Gated DeltaNet layers ("M"); layer 1 keeps its dense MLP (mlp_only_layers).
     ("qwen3_next", "MMAM", dict(num_experts=8, num_experts_per_tok=3, mlp_only_layers=[1])),
+    ("qwen3_5_moe", "AMMA", dict(num_experts_per_tok=3)),
 ]
 
 
@@ -140,6 +143,9 @@ def test_published_expert_names_are_what_save_pretrained_writes(ckpt):
     if arch == "granitemoehybrid":
         assert "model.layers.0.block_sparse_moe.input_linear.weight" in names
         assert "model.layers.0.block_sparse_moe.router.layer.weight" in names
+    elif arch == "qwen3_5_moe":
+        assert any(".mlp.experts." in n for n in names)
+        assert "model.layers.0.mlp.shared_expert_gate.weight" in names
     elif arch == "qwen3_next":
         assert "model.layers.0.mlp.experts.0.gate_proj.weight" in names
         assert "model.layers.0.mlp.shared_expert_gate.weight" in names
@@ -157,9 +163,12 @@ def test_stacked_names_and_shards_load_the_same(ckpt, tmp_path):
     model = load_model(path)
     tokens = torch.randint(3, 256, (10,)).tolist()
     expected = _logits(model, tokens)
-    prefix = ("model.", "backbone.") if model.checkpoint_prefixes else ("model.", "model.")
+    # Written under the file's prefix where the family's files have one (backbone.*,
+    # model.language_model.*).
+    on_disk, in_model = (model.checkpoint_prefixes or (("model.", "model."),))[0]
     stacked = {
-        k.replace(prefix[0], prefix[1], 1): v for k, v in model.state_dict().items()
+        (on_disk + k[len(in_model):] if k.startswith(in_model) else k): v
+        for k, v in model.state_dict().items()
     }
     out = tmp_path / "stacked"
     out.mkdir()
