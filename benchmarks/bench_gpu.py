@@ -70,6 +70,7 @@ from hybridserve.kernels import (  # noqa: E402
     gdn_varlen,
     mamba_decode,
     mamba_short,
+    moe,
     norms,
     paged_attention,
     paged_attention_prefill,
@@ -1894,6 +1895,52 @@ def check_gdn_varlen(shape, step, dtype, device, seed):
                        ref, cache, twin_cache, cache64, written, _pages_except(pages, written),
                        lambda: gdn_varlen.gdn_varlen_update(*args), device)
 
+def check_moe_experts(shape, step, dtype, device, seed):
+    """``moe_experts`` (sort by expert + the two grouped launches) against its twin on
+    ``rows`` tokens routed top-k over the experts of a Nemotron 3 Nano MoE layer on CUDA
+    (a tiny one on the CPU), and against the twin in float64."""
+    g, h = _generators(seed, device)
+    tokens = step["rows"]
+    if device.startswith("cuda"):
+        hidden, inter, experts, top_k = 2688, 1856, 128, 6
+    else:
+        hidden, inter, experts, top_k = 40, 24, 8, 2
+    x = _randn(g, tokens, hidden, device=device, dtype=dtype)
+    w1 = _randn(g, experts, inter, hidden, device=device, dtype=dtype, scale=hidden**-0.5)
+    w2 = _randn(g, experts, hidden, inter, device=device, dtype=dtype, scale=inter**-0.5)
+    ids = torch.stack([torch.randperm(experts, generator=h)[:top_k] for _ in range(tokens)])
+    ids = ids.to(device)
+    weights = torch.rand(tokens, top_k, generator=h).to(device)
+    args = dict(gated=False, activation="relu2")
+
+    def kern():
+        return moe.moe_experts(x, w1, w2, ids, weights, **args)
+
+    got = kern()
+    if device.startswith("cuda"):
+        # The gathered twin would hold tokens * top_k expert matrices: use a slice.
+        few = min(tokens, 8)
+        got_few = moe.moe_experts(x[:few], w1, w2, ids[:few], weights[:few], **args)
+    else:
+        few, got_few = tokens, got
+    want = moe.moe_experts_reference(x[:few], w1, w2, ids[:few], weights[:few], **args)
+    ref = moe.moe_experts_reference(x[:few].double(), w1.double(), w2.double(), ids[:few],
+                                    weights[:few].double(), **args)
+    tol = _tol(dtype, 1e-5, 2e-2)
+    touched = int(ids.unique().numel())
+    res = {
+        "kernel": "moe_experts", "twin": "moe_experts_reference",
+        "shapes": {"tokens": tokens, "hidden": hidden, "intermediate": inter,
+                   "experts": experts, "top_k": top_k, "experts_touched": touched,
+                   "compared_tokens": few},
+        "outputs": {"y": _compared(got_few, want, tol, ref, tol)},
+        "invariants": {"outputs_finite": bool(got.isfinite().all())},
+        "kernel_s": kernel_time(kern, device),
+    }
+    res["bytes_per_s"] = touched * (w1[0].nbytes + w2[0].nbytes) / res["kernel_s"]
+    return res
+
+
 # (name, module of hybridserve.kernels, check, keyword arguments). Every module with a
 # Triton kernel has at least one check (the smoke test holds the script to it).
 KERNEL_CHECKS = [
@@ -1921,6 +1968,7 @@ KERNEL_CHECKS = [
     ("gdn_decode_update (decode)", "gdn_decode", check_gdn_decode, {"verify": False}),
     ("gdn_decode_update (verify)", "gdn_decode", check_gdn_decode, {"verify": True}),
     ("gdn_varlen_update", "gdn_varlen", check_gdn_varlen, {}),
+    ("moe_experts", "moe", check_moe_experts, {}),
 ]
 
 
