@@ -197,6 +197,25 @@ def test_kernels_independent_of_program_order():
         assert torch.equal(c.nan_to_num(0.0), results[0][1].nan_to_num(0.0))
 
 
+@pytest.mark.parametrize("act", ["silu", None])
+def test_conv_kernel_independent_of_program_order(act):
+    """Several rows and channel blocks (a 2-D grid): outputs and every window page are
+    bit-identical whatever order the programs run in."""
+    g = torch.Generator().manual_seed(_seed())
+    rows, q = 4, 3
+    xbc, weight, bias, cache, in_pages, out_pages = _conv_inputs(
+        g, rows, q, 300, 4, 3 * rows * q, torch.float32
+    )
+    report = racecheck.run_launcher_in_orders(
+        lambda xbc, weight, bias, cache, in_pages, out_pages: conv_decode_update(
+            xbc, weight, bias, cache, in_pages, out_pages, act
+        ),
+        lambda: (xbc, weight, bias, cache.nan_to_num(7.0), in_pages, out_pages),
+        seed=5,
+    )
+    assert report.consistent, str(report)
+
+
 def _batch(q_lens, in_pages, outs):
     qs = [0]
     for q in q_lens:
