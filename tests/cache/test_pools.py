@@ -167,3 +167,15 @@ def test_a_lookup_protects_its_checkpoint_from_the_next_eviction(policy):
     assert sc.lookup(404) is None
     assert sc.has(1) and not sc.has(2)
     assert _evict_one(sc) == 3
+
+
+def test_block_pool_integrity_rejects_writes_to_shared_or_indexed_blocks():
+    pool = BlockPool(num_blocks=4, block_size=2)
+    a, b = pool.allocate(2)
+    pool.register(a, block_hashes([5, 6], 2)[0], [5, 6])
+    pool.check_integrity(writes=[b])
+    with pytest.raises(AssertionError, match=f"KV block {a} is written"):
+        pool.check_integrity(writes=[a])  # registered: prefix hits read it
+    pool.acquire([b])
+    with pytest.raises(AssertionError, match=f"KV block {b} is written"):
+        pool.check_integrity(writes=[b])  # another request holds it too
