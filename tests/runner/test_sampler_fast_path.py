@@ -8,19 +8,39 @@ from hybridserve import LLM, SamplingParams
 from hybridserve.runner import sampler
 
 
-def test_verify_choices_matches_verify_drafts():
-    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
-    params = SamplingParams(temperature=0.0)
-    for _ in range(200):
-        d = int(torch.randint(0, 5, (), generator=g))
-        logits = torch.randn(d + 1, 11, generator=g)
-        choices = sampler.argmax_ids(logits).tolist()
-        # Drafts agree with the argmax for a random prefix, then (maybe) disagree.
-        agree = int(torch.randint(0, d + 1, (), generator=g))
-        drafts = choices[:agree] + torch.randint(0, 11, (d - agree,), generator=g).tolist()
-        logps = torch.stack([sampler.process_logits(row, params, [], []) for row in logits])
-        want = sampler.verify_drafts(logps, drafts, params, 0, 0)
-        assert sampler.verify_choices(choices, drafts) == want
+def test_verify_choices_by_hand():
+    """``choices[j]``: the target's token after draft position j."""
+    vc = sampler.verify_choices
+    assert vc([5, 6, 7, 8], [5, 6, 7]) == [5, 6, 7, 8]  # all d drafts accepted: d + 1 tokens
+    assert vc([5, 9, 7, 8], [5, 6, 7]) == [5, 9]  # the first rejection emits the target's token
+    assert vc([4, 6, 7, 8], [5, 6, 7]) == [4]  # ... and later agreement no longer counts
+    assert vc([1, 2, 3], [9, 2]) == [1]
+    assert vc([3], []) == [3]  # no drafts: the target's token alone
+
+
+def _one_hot_logps(tokens, vocab=8):
+    """Distributions that put all their mass on one token each (every processing and
+    every draw, greedy or sampled, must pick it)."""
+    x = torch.full((len(tokens), vocab), float("-inf"))
+    x[torch.arange(len(tokens)), torch.tensor(tokens)] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_verify_drafts_by_hand(temperature):
+    params = SamplingParams(temperature=temperature)
+    logps = _one_hot_logps([2, 0, 4, 6])
+    vd = lambda drafts: sampler.verify_drafts(logps[: len(drafts) + 1], drafts, params, 3, 10)
+    assert vd([2, 0, 4]) == [2, 0, 4, 6]  # every draft accepted, then the bonus token
+    assert vd([2, 1, 4]) == [2, 0]  # rejected at position 1: the walk stops there
+    assert vd([3, 0, 4]) == [2]
+    assert vd([]) == [2]
+    # Greedy on plain logits: accept while the draft is the argmax.
+    logits = torch.tensor([[0.0, 1.0, 3.0], [2.0, 0.5, 1.0], [0.0, 0.1, 0.2]])
+    logps = torch.log_softmax(logits, dim=-1)
+    greedy = SamplingParams(temperature=0.0)
+    assert sampler.verify_drafts(logps, [2, 0], greedy, None, 0) == [2, 0, 2]
+    assert sampler.verify_drafts(logps, [2, 1], greedy, None, 0) == [2, 0]
 
 
 def test_fast_path_only_for_plain_greedy():
