@@ -237,3 +237,34 @@ def count_calls(monkeypatch):
         return calls
 
     return spy
+
+
+@pytest.fixture
+def mixer_paths(monkeypatch):
+    """Which path each Mamba mixer call took, counted for the test: a Counter with
+    ``decode`` (the uniform decode kernels), ``short`` (short rows), ``packed`` (the
+    packed prefill scan) and ``per_row`` (the per-row reference; one count per row).
+    Tests that compare two paths clear it before each side and assert what ran."""
+    from collections import Counter
+
+    from hybridserve.models.layers import mamba2
+
+    seen: Counter = Counter()
+    mixer = mamba2.Mamba2Mixer
+    for name, key in (("_decode_rows", "decode"), ("_short_rows", "short"),
+                      ("_prefill_rows", "packed")):
+        real = getattr(mixer, name)
+
+        def counted(self, *args, _real=real, _key=key, **kwargs):
+            seen[_key] += 1
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(mixer, name, counted)
+    conv = mamba2.causal_conv1d_reference
+
+    def per_row(*args, **kwargs):
+        seen["per_row"] += 1
+        return conv(*args, **kwargs)
+
+    monkeypatch.setattr(mamba2, "causal_conv1d_reference", per_row)
+    return seen

@@ -249,7 +249,7 @@ def test_decode_plan_qualifies_only_uniform_steps_from_stored_states():
 
 
 @pytest.mark.parametrize("q", [1, 3])
-def test_mixer_fast_path_matches_per_row_path(tmp_path, monkeypatch, q):
+def test_mixer_fast_path_matches_per_row_path(tmp_path, monkeypatch, q, mixer_paths):
     """A whole model step through the fast path equals the per-row path: logits and every
     written state page (rows continue from stored states; caches are NaN-poisoned)."""
     import sys
@@ -268,11 +268,12 @@ def test_mixer_fast_path_matches_per_row_path(tmp_path, monkeypatch, q):
     g = torch.Generator().manual_seed(_seed())
     prompts = {i: torch.randint(3, 256, (5 + 3 * i,), generator=g).tolist() for i in range(3)}
     nxt = {i: torch.randint(3, 256, (q,), generator=g).tolist() for i in range(3)}
-    results = []
+    results, paths = [], []
     for fast in (True, False):
         if not fast:
             monkeypatch.setattr(mamba_decode, "decode_plan", lambda batch, device: None)
         d = PagedDriver(model)
+        mixer_paths.clear()
         d.step([(i, p) for i, p in prompts.items()])
         logits, pages = d.step([(i, t) for i, t in nxt.items()], {0: [0]} if q > 1 else None)
         states = {
@@ -282,6 +283,11 @@ def test_mixer_fast_path_matches_per_row_path(tmp_path, monkeypatch, q):
             for layer in model.cache_spec.mamba_layers
         }
         results.append((logits, states))
+        paths.append(dict(mixer_paths))
+    # The prompts take the per-row path on the CPU either way; the uniform step takes the
+    # decode kernels on the fast side only.
+    layers = len(model.cache_spec.mamba_layers)
+    assert paths == [{"per_row": 3 * layers, "decode": layers}, {"per_row": 6 * layers}], paths
     (fl, fs), (sl, ss) = results
     assert not fl.isnan().any()
     torch.testing.assert_close(fl, sl, rtol=1e-10, atol=1e-10)

@@ -52,20 +52,31 @@ def test_fast_path_only_for_plain_greedy():
 
 
 @pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3}])
-def test_engine_outputs_equal_with_and_without_fast_paths(tiny_granite, monkeypatch, spec):
+def test_engine_outputs_equal_with_and_without_fast_paths(tiny_granite, monkeypatch, spec,
+                                                          count_calls, mixer_paths):
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     # Repetitive prompts so n-gram drafts get accepted (verify rows of several tokens).
     prompts = [(torch.randint(3, 256, (6,), generator=g).tolist() * 3)[: 10 + i] for i in range(5)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    from hybridserve.kernels import mamba_decode, paged_attention
+    from hybridserve.models.layers import attention
+
+    argmax = count_calls(sampler, "argmax_ids")
+    sampled = count_calls(sampler, "sample_step")
+    uniform_attention = count_calls(paged_attention, "paged_attention_decode_reference")
     fast = [o.outputs[0].token_ids for o in
             LLM(tiny_granite, speculative_config=spec).generate(prompts, params, use_tqdm=False)]
-
-    from hybridserve.kernels import mamba_decode
-    from hybridserve.models.layers import attention
+    # Which paths the fast side took: the device argmax for every step, the uniform
+    # attention and Mamba decode paths for decode steps.
+    fast_paths = (len(argmax), len(sampled), len(uniform_attention), mixer_paths["decode"])
+    assert fast_paths[0] > 0 and fast_paths[1] == 0 and fast_paths[2] > 0 and fast_paths[3] > 0
 
     monkeypatch.setattr(mamba_decode, "decode_plan", lambda batch, device: None)
     monkeypatch.setattr(attention, "_uniform_rows", lambda batch: False)
     monkeypatch.setattr(sampler, "samples_by_argmax", lambda params: False)
     slow = [o.outputs[0].token_ids for o in
             LLM(tiny_granite, speculative_config=spec).generate(prompts, params, use_tqdm=False)]
+    # The slow side took none of them: the general sampler, per-row paths.
+    assert (len(argmax), len(uniform_attention), mixer_paths["decode"]) == fast_paths[:1] + fast_paths[2:]
+    assert len(sampled) > 0
     assert fast == slow
