@@ -607,7 +607,12 @@ def test_gpu_mixer_packed_path_matches_per_row_path(tmp_path, monkeypatch, dtype
     rel = _rel(ph, rh)
     record_property("mixer_packed_rel_err_hidden", rel)
     print(f"mixer packed vs per-row on the GPU, {dtype}: hidden relative error {rel:.3e}")
-    assert rel < (1e-2 if dtype == torch.float32 else 5e-2)
+    # Measured on an H200 (two runs, packed side on fla-core's scan): hidden 1.1e-3 /
+    # 1.2e-3 in float32 and 7.0e-3 / 1.0e-2 in bf16; written SSM states up to 1.1e-3 and
+    # 9.8e-3. Before the short-row path was switched off here both sides took it and
+    # every difference was exactly 0.
+    bound = 5e-3 if dtype == torch.float32 else 3e-2
+    assert rel < bound
     written = batch.state_out_page
     others = [p for p in range(16) if p not in written]
     for layer in spec.mamba_layers:
@@ -623,4 +628,4 @@ def test_gpu_mixer_packed_path_matches_per_row_path(tmp_path, monkeypatch, dtype
         rs = _rel(pc.ssm[layer][written], rc.ssm[layer][written])
         record_property(f"mixer_packed_rel_err_states_layer{layer}", rs)
         print(f"  layer {layer}: written SSM states relative error {rs:.3e}")
-        assert rs < 1e-2
+        assert rs < bound
