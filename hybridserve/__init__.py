@@ -17,13 +17,22 @@ _EXPORTS = {
     "Logprob": "hybridserve.engine.request",
     "RequestOutput": "hybridserve.engine.request",
     "SamplingParams": "hybridserve.engine.request",
+    "StructuredOutputsParams": "hybridserve.structured",
 }
 
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]
 
 if TYPE_CHECKING:
     from hybridserve.engine.request import CompletionOutput, Logprob, RequestOutput, SamplingParams
     from hybridserve.llm import LLM
+    from hybridserve.structured import StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:
