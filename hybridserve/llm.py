@@ -75,6 +75,8 @@ class LLM:
         max_checkpoint_pages: int | None = None,
         ssm_state_dtype: str | torch.dtype = "float32",
         eviction_policy: str = "lru",
+        checkpoint_offload_gib: float = 0.0,
+        checkpoint_offload_pages: int | None = None,
         enforce_eager: bool | None = None,
         speculative_config: dict[str, Any] | None = None,
         async_scheduling: bool | None = None,
@@ -128,6 +130,8 @@ class LLM:
             max_checkpoint_pages=min(checkpoint_pages, num_state_pages - 1),
             ssm_state_dtype=resolve_dtype(ssm_state_dtype, "ssm_state_dtype"),
             eviction_policy=eviction_policy,
+            checkpoint_offload_gib=checkpoint_offload_gib,
+            checkpoint_offload_pages=checkpoint_offload_pages,
         )
         cache_spec = self.model.cache_spec
         page_bytes = cache_spec.state_page_bytes(torch_dtype, cache.ssm_state_dtype)
