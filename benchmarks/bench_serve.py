@@ -49,7 +49,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from provenance import git_commit, portable_path
@@ -57,11 +57,7 @@ from provenance import git_commit, portable_path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 
-WORDS = (
-    "search file query result weather city price stock order user account email "
-    "calendar meeting note task status update report list item value error retry "
-    "open close read write send fetch parse check count total average latest first"
-).split()
+WORDS = ["search", "file", "query", "result", "weather", "city", "price", "stock", "order", "user", "account", "email", "calendar", "meeting", "note", "task", "status", "update", "report", "list", "item", "value", "error", "retry", "open", "close", "read", "write", "send", "fetch", "parse", "check", "count", "total", "average", "latest", "first"]
 
 
 # ---- traces ------------------------------------------------------------------------
@@ -268,7 +264,8 @@ class Server:
                *flags]
         env = dict(os.environ)
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-        self.log = open(log_path, "w")
+        # Open for the life of the server process (closed in stop()).
+        self.log = open(log_path, "w")  # noqa: SIM115
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         deadline = time.time() + startup_timeout
         while time.time() < deadline:
