@@ -47,6 +47,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -452,13 +453,14 @@ def main() -> int:
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--log-dir", default=tempfile.gettempdir(), help="where the servers' logs go")
     args = ap.parse_args()
 
     server_args = args.server_args.split()
     if args.smoke:
         args.rates = "2,4"
-        args.conversations, args.turns, args.chat_requests = 3, 3, 6
-        args.tools, args.think_s, args.max_tokens = 6, 0.1, 6
+        args.conversations, args.turns, args.chat_requests = 3, 3, 5
+        args.tools, args.think_s, args.max_tokens = 4, 0.1, 5
         args.profile_batch, args.profile_chunk = 64, 64
         args.slo_ttft_ms, args.slo_itl_ms = 3000.0, 500.0
         # A device checkpoint budget below the traces' working set, so the host tier counts.
@@ -479,7 +481,7 @@ def main() -> int:
         flags = []
         for f in CONFIGS[name]:
             flags += ["--checkpoint-offload-gib", str(args.checkpoint_offload_gib)] if f == "HOST" else [f]
-        log_path = out_path.with_name(f"{out_path.stem}_{name}.log")
+        log_path = Path(args.log_dir) / f"{out_path.stem}_{name}.log"
         server = Server(server_args + flags, log_path)
         try:
             results[name] = {"flags": flags}

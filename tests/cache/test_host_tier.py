@@ -167,14 +167,14 @@ def test_engine_round_trip_restores_the_evicted_state(request, model, ssm_dtype)
 # ---- through the engine ------------------------------------------------------------
 
 
-def _cycle_hit_rate(path, offload_pages: int) -> tuple[float, list[list[int]], dict]:
+def _cycle_hit_rate(path, offload_pages: int, device: str = "cpu") -> tuple[float, list[list[int]], dict]:
     """Six prompts (a working set far above a two-page device budget), asked in turn
     three times, one at a time."""
     rng = random.Random(11)
     prompts = [_rand(rng, 80) for _ in range(6)]
     llm = LLM(
         path, state_interval=16, max_checkpoint_pages=2, checkpoint_offload_pages=offload_pages,
-        max_num_seqs=2, num_kv_blocks=256,
+        max_num_seqs=2, num_kv_blocks=256, device=device,
     )
     llm.engine.check_integrity_every_step = True
     outs = []
@@ -304,3 +304,34 @@ def test_scheduler_integrity_catches_a_leaked_restore_hold(tiny_granite):
     sched._restoring["ghost"] = sched._restoring.pop("again")  # planted: no such request
     with pytest.raises(AssertionError, match="restore hold"):
         sched.check_integrity()
+
+
+@pytest.mark.gpu
+def test_cuda_tier_pins_host_pages_and_keeps_hit_rate_and_outputs(tiny_granite):
+    """On CUDA: pinned host pages, restores on the side stream behind an event; the same
+    hit rates and the same greedy outputs as without the tier."""
+    without, outs_off, _ = _cycle_hit_rate(tiny_granite, 0, device="cuda")
+    with_tier, outs_on, stats = _cycle_hit_rate(tiny_granite, 64, device="cuda")
+    assert without == 0.0 and with_tier == pytest.approx(2 / 3 * 64 / 80)
+    assert stats["host_checkpoints_restored"] >= 12
+    assert outs_on == outs_off
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_pool_round_trip_is_bit_exact(dtype):
+    gen = torch.Generator().manual_seed(1)
+    conv = {0: torch.randn(6, 5, 3, generator=gen).to(dtype).cuda()}
+    ssm = {0: torch.randn(6, 2, 3, 4, generator=gen).to(dtype).cuda()}
+    before = {"c": conv[0].clone(), "s": ssm[0].clone()}
+    pool = HostStatePool(conv, ssm, num_pages=2)
+    assert pool.conv[0].is_pinned() and pool.stream is not None
+    pool.run(Transfers(offloads=[(3, 0)]))
+    # A forward reusing page 3 right after (same stream: ordered after the offload).
+    conv[0][3].fill_(float("nan"))
+    ssm[0][3].fill_(float("nan"))
+    pool.run(Transfers(restores=[(0, 5)]))
+    pool.before_forward([5])  # a forward that reads the page waits for the copy
+    torch.cuda.synchronize()
+    assert torch.equal(conv[0][5].cpu().view(torch.uint8), before["c"][3].cpu().view(torch.uint8))
+    assert torch.equal(ssm[0][5].cpu().view(torch.uint8), before["s"][3].cpu().view(torch.uint8))
