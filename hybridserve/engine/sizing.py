@@ -140,18 +140,15 @@ def weights_bytes(model: torch.nn.Module) -> int:
 
 
 @torch.inference_mode()
-def profile_activation_peak(
+def profile_forward(
     model: torch.nn.Module, num_tokens: int, kv_block_size: int, dtype: torch.dtype,
     ssm_dtype: torch.dtype, device: torch.device | str,
-) -> int:
-    """Peak bytes a forward of ``num_tokens`` tokens (one prefill row, the largest step
-    the scheduler builds) allocates beyond its inputs and caches, measured on CUDA with
-    the allocator's peak counter; 0 elsewhere (CPU memory is not budgeted this way)."""
+) -> torch.Tensor:
+    """One prefill row of ``num_tokens`` tokens from the zero state through the model
+    and its logits head (for the last token), on caches of its own; returns the logits."""
     from hybridserve.models.batch import ForwardBatch
 
     device = torch.device(device)
-    if device.type != "cuda":
-        return 0
     blocks = -(-num_tokens // kv_block_size)
     caches = model.cache_spec.allocate(blocks, kv_block_size, 2, dtype, ssm_dtype, device)
     ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
@@ -162,14 +159,29 @@ def profile_activation_peak(
         slot_mapping=torch.arange(num_tokens, device=device), state_in_page=[-1],
         state_out_row=[0], state_out_offset=[num_tokens - 1], state_out_page=[0],
     )
+    hidden = model.forward(ids, batch, caches)
+    return model.compute_logits(hidden[-1:])
+
+
+def profile_activation_peak(
+    model: torch.nn.Module, num_tokens: int, kv_block_size: int, dtype: torch.dtype,
+    ssm_dtype: torch.dtype, device: torch.device | str,
+) -> int:
+    """Peak bytes :func:`profile_forward` (the largest step the scheduler builds: one
+    prefill row of ``num_tokens``) allocates beyond what was allocated before, measured on
+    CUDA with the allocator's peak counter; 0 elsewhere (CPU memory is not budgeted this
+    way). The profile's own caches (one sequence's KV, two state pages) count in the peak,
+    a slight overestimate."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
-    hidden = model.forward(ids, batch, caches)
-    model.compute_logits(hidden[-1:])
+    logits = profile_forward(model, num_tokens, kv_block_size, dtype, ssm_dtype, device)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
-    del hidden, caches
+    del logits
     torch.cuda.empty_cache()
     return int(peak)
 

@@ -100,3 +100,13 @@ def test_llm_refuses_a_model_length_that_cannot_fit(tiny_granite, monkeypatch):
         LLM(tiny_granite, gpu_memory_utilization=1.0, max_num_seqs=1)
     llm = LLM(tiny_granite, gpu_memory_utilization=1.0, max_num_seqs=1, max_model_len=1024)
     assert llm.memory_plan.max_len_requests == 1
+
+
+def test_profile_forward_runs_the_largest_step(tiny_granite, tiny_qwen3_5):
+    import torch
+
+    for path in (tiny_granite, tiny_qwen3_5):
+        llm = LLM(path, max_num_seqs=1, max_model_len=128)
+        logits = sizing.profile_forward(llm.model, 100, 16, torch.float32, torch.float32, "cpu")
+        assert logits.shape == (1, llm.model_config.vocab_size) and torch.isfinite(logits).all()
+    assert sizing.profile_activation_peak(llm.model, 100, 16, torch.float32, torch.float32, "cpu") == 0
