@@ -111,7 +111,10 @@ class ChatRequest:
 
 def chat_trace(rng: random.Random, rate: float, n: int, short: tuple[int, int],
                long: tuple[int, int], out_lens: tuple[int, ...]) -> list[ChatRequest]:
-    preamble = "You are a helpful assistant. Answer briefly.\n"
+    preamble = (
+        "You are a helpful assistant. Answer briefly and plainly; say so when you do not know. "
+        "Keep answers short unless the user asks for detail.\n"
+    )
     t, out = 0.0, []
     for _ in range(n):
         t += rng.expovariate(rate)

@@ -198,7 +198,8 @@ def test_host_tier_keeps_the_hit_rate_of_a_working_set_beyond_the_device(tiny_gr
     assert outs_on == outs_off
 
 
-def _soak(path, seed: int, offload_pages: int, enforce_eager: bool = True, policy: str = "lru"):
+def _soak(path, seed: int, offload_pages: int, enforce_eager: bool = True, policy: str = "lru",
+          spec: bool = False):
     rng = random.Random(seed)
     roots = [_rand(rng, n) for n in (70, 33, 100, 50)]
     prompts = []
@@ -211,6 +212,7 @@ def _soak(path, seed: int, offload_pages: int, enforce_eager: bool = True, polic
         max_checkpoint_pages=3, state_interval=16, max_num_batched_tokens=48,
         checkpoint_offload_pages=offload_pages, enforce_eager=enforce_eager,
         eviction_policy=policy,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3} if spec else None,
     )
     engine = llm.engine
     engine.check_integrity_every_step = True
@@ -238,12 +240,22 @@ def _soak(path, seed: int, offload_pages: int, enforce_eager: bool = True, polic
     return prompts, done, aborted, llm
 
 
-@pytest.mark.parametrize("seed,policy", [(0, "lru"), (1, "lru"), (2, "flop_aware")])
-def test_outputs_identical_with_tier_on_and_off_under_preemption_and_aborts(tiny_granite, seed, policy):
+@pytest.mark.parametrize(
+    "model,seed,policy,spec",
+    [
+        ("tiny_granite", 0, "lru", False),
+        ("tiny_granite", 1, "lru", False),
+        ("tiny_granite", 2, "flop_aware", False),
+        ("tiny_granite", 3, "lru", True),
+        ("tiny_qwen3_5", 4, "lru", True),
+    ],
+)
+def test_outputs_identical_with_tier_on_and_off_under_preemption_and_aborts(request, model, seed, policy, spec):
+    path = request.getfixturevalue(model)
     greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    prompts, done_on, aborted_on, llm = _soak(tiny_granite, seed, offload_pages=48, policy=policy)
-    _, done_off, aborted_off, _ = _soak(tiny_granite, seed, offload_pages=0, policy=policy)
-    plain = LLM(tiny_granite, enable_prefix_caching=False)
+    prompts, done_on, aborted_on, llm = _soak(path, seed, offload_pages=48, policy=policy, spec=spec)
+    _, done_off, aborted_off, _ = _soak(path, seed, offload_pages=0, policy=policy, spec=spec)
+    plain = LLM(path, enable_prefix_caching=False)
     expected = {f"g{i}": o.outputs[0].token_ids for i, o in enumerate(plain.generate(prompts, greedy))}
     for done, aborted in ((done_on, aborted_on), (done_off, aborted_off)):
         finished = [rid for rid in expected if rid not in aborted]
