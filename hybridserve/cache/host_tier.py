@@ -187,6 +187,11 @@ class HostCheckpointIndex:
             self._remove(key)
             self.num_dropped += 1
 
+    def drop(self, key: int) -> None:
+        """Forget host checkpoint ``key`` (its copy failed)."""
+        self._remove(key)
+        self.num_dropped += 1
+
     def clear(self) -> None:
         for key in list(self.checkpoints):
             self._remove(key)

@@ -180,6 +180,11 @@ class StateCache:
             self._remove(key)
             self.num_dropped += 1
 
+    def drop(self, key: int) -> None:
+        """Forget checkpoint ``key`` (its page's data cannot be trusted)."""
+        self._remove(key)
+        self.num_dropped += 1
+
     def clear(self) -> None:
         """Drop every checkpoint."""
         for key in list(self.checkpoints):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridserve.cache.host_tier import HostStatePool, host_pages_for
+from hybridserve.cache.host_tier import HostStatePool, Transfers, host_pages_for
 from hybridserve.config import EngineConfig
 from hybridserve.detokenizer import IncrementalDetokenizer
 from hybridserve.engine.request import (
@@ -258,7 +258,7 @@ class EngineCore:
         if not sched.rows:
             if sched.transfers:
                 # Only host-tier copies this step (a restore the waiting head needs).
-                self.runner.run_transfers(sched)
+                self._guarded(sched, lambda: self.runner.run_transfers(sched))
                 return []
             if self.scheduler.waiting and not self.scheduler.running:
                 # The oldest waiting request cannot fit even in an empty engine.
@@ -286,6 +286,10 @@ class EngineCore:
             # requests keep their caches and are scheduled again by the next step.
             for row in sched.rows:
                 self.scheduler.release_row(row)
+            if sched.transfers:
+                # The host-tier copies did not (all) happen: forget what they carried.
+                self.scheduler.abandon_transfers(sched.transfers)
+                sched.transfers = Transfers()
             raise
 
     def _advance(self, sched: SchedulerOutput, pending: PendingStep) -> list[RequestOutput]:

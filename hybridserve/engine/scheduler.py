@@ -291,6 +291,19 @@ class Scheduler:
         if page is not None:
             self.states.release([page])
 
+    def abandon_transfers(self, transfers: Transfers) -> None:
+        """A step's host-tier copies failed (some may not have run): drop the host
+        checkpoints its offloads were to fill and the device checkpoints its restores
+        were to fill, so that no hit ever reads a page whose data never arrived."""
+        filled = {hp for _, hp in transfers.offloads}
+        for key, ckpt in list(self.host.checkpoints.items()):
+            if ckpt.host_page in filled:
+                self.host.drop(key)
+        restored = {page for _, page in transfers.restores}
+        for key, ckpt in list(self.states.checkpoints.items()):
+            if ckpt.page in restored:
+                self.states.drop(key)
+
     def _drain(self, out: SchedulerOutput) -> SchedulerOutput:
         out.transfers = self.host.drain()
         return out

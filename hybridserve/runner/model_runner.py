@@ -92,8 +92,10 @@ class ModelRunner:
         order the forward after any restore whose page it reads."""
         if self.host_pool is None:
             return
-        transfers, sched.transfers = sched.transfers, Transfers()
-        self.host_pool.run(transfers)
+        # Cleared only once the copies are queued: a step whose copies raised keeps
+        # them, so the engine can forget what they were to carry.
+        self.host_pool.run(sched.transfers)
+        sched.transfers = Transfers()
         self.host_pool.before_forward([row.state_in_page for row in sched.rows])
 
     def enable_decode_graphs(

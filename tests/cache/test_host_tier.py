@@ -350,3 +350,42 @@ def test_cuda_pool_round_trip_is_bit_exact(dtype):
     torch.cuda.synchronize()
     assert torch.equal(conv[0][5].cpu().view(torch.uint8), before["c"][3].cpu().view(torch.uint8))
     assert torch.equal(ssm[0][5].cpu().view(torch.uint8), before["s"][3].cpu().view(torch.uint8))
+
+
+def test_failed_copies_are_forgotten_and_the_engine_goes_on(tiny_granite):
+    """A step whose host-tier copies raise leaves no checkpoint that claims data the
+    copies never delivered; the request runs again and its output is exact."""
+    rng = random.Random(4)
+    a, b = _rand(rng, 70), _rand(rng, 70)
+    ref = LLM(tiny_granite, enable_prefix_caching=False).generate([a], GREEDY)[0].outputs[0].token_ids
+    llm = LLM(tiny_granite, state_interval=16, max_checkpoint_pages=1, checkpoint_offload_pages=16)
+    engine = llm.engine
+    engine.check_integrity_every_step = True
+    llm.generate([a], GREEDY)
+    llm.generate([b], GREEDY)
+    sched = engine.scheduler
+    pool = engine.runner.host_pool
+    orig_run = pool.run
+    failed: list = []
+
+    def run(transfers):
+        if transfers.restores and not failed:
+            failed.append(list(transfers.restores))
+            raise RuntimeError("copy failed")
+        orig_run(transfers)
+
+    pool.run = run
+    engine.add_request("again", a, GREEDY)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        engine.step()
+    restored_pages = {page for _, page in failed[0]}
+    assert not any(c.page in restored_pages for c in sched.states.checkpoints.values())
+    sched.check_integrity()
+    out = None
+    for _ in range(200):
+        for o in engine.step():
+            if o.finished:
+                out = o
+        if out is not None:
+            break
+    assert out is not None and out.outputs[0].token_ids == ref
