@@ -30,8 +30,9 @@ the device, versions, commit, the full configuration and every configuration mea
 the same run; a plot of latency against rate when matplotlib is installed.
 
 Usage: ``python benchmarks/bench_serve.py --smoke`` (CPU, the embedded model, ~2 minutes)
-or ``python benchmarks/bench_serve.py --model PATH --device cuda --dtype bfloat16
---rates 1,2,4,8 --gpu-memory-utilization 0.9 --checkpoint-offload-gib 64``.
+or, on a GPU, ``python benchmarks/bench_serve.py --random-model nemotron_8b --device cuda
+--dtype bfloat16 --rates 1,2,4,8 --gpu-memory-utilization 0.9 --checkpoint-offload-gib 64``
+(or ``--model PATH`` for a real checkpoint).
 """
 
 from __future__ import annotations
@@ -421,6 +422,42 @@ def profile_mixed_steps(model: str | None, device: str, dtype: str, batch: int, 
     }
 
 
+# ---- a random-weight model at a real shape -------------------------------------------
+
+
+def write_random_model(shape_name: str, dtype: str, device: str, path: Path) -> Path:
+    """A Nemotron-H checkpoint of ``bench_gpu``'s shapes (``tiny``, ``nemotron_1b``,
+    ``nemotron_8b``) with random weights, saved with a byte-level tokenizer (ids 0-255 are
+    the bytes; the rest of the vocabulary is never produced by the tokenizer), so the
+    server takes text prompts. Returns ``path``."""
+    import torch
+    import transformers
+    from bench_gpu import NEMOTRON_1B, NEMOTRON_8B, TINY, hf_config, randomize_
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from hybridserve.config import resolve_dtype
+
+    shape = {"tiny": TINY, "nemotron_1b": NEMOTRON_1B, "nemotron_8b": NEMOTRON_8B}[shape_name]
+    cfg = hf_config(shape)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(resolve_dtype(dtype))
+    try:
+        with torch.device(device):
+            model = transformers.NemotronHForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    randomize_(model, seed=0)
+    model.save_pretrained(path)
+    del model
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": alphabet[2]}))
+    return path
+
+
 # ---- main --------------------------------------------------------------------------
 
 
@@ -436,6 +473,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="CPU, embedded model, tiny rates")
     ap.add_argument("--model", default=None)
+    ap.add_argument("--random-model", choices=("tiny", "nemotron_1b", "nemotron_8b"), default=None,
+                    help="serve a random-weight Nemotron-H of this shape (written to --log-dir)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None,
+                    help="passed to every server (cache sizing from the device's memory)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--rates", default="0.5,1,2,4", help="requests (conversations) per second")
@@ -470,8 +511,16 @@ def main() -> int:
         server_args += ["--max-num-seqs", "8", "--max-checkpoint-pages", "4", "--state-interval", "16",
                         "--num-threads", "1"]
         args.checkpoint_offload_gib = 0.25
+    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+    if args.random_model:
+        target = Path(args.log_dir) / f"random_{args.random_model}"
+        if not (target / "config.json").exists():
+            write_random_model(args.random_model, args.dtype, args.device, target)
+        args.model = str(target)
     if args.model:
         server_args += ["--model", args.model]
+    if args.gpu_memory_utilization is not None:
+        server_args += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     server_args += ["--device", args.device, "--dtype", args.dtype]
     rates = [float(r) for r in args.rates.split(",")]
     configs = [c for c in args.configs.split(",") if c]
