@@ -116,7 +116,7 @@ def test_events_mirror_a_real_scheduler():
     """Replaying a real scheduler's events rebuilds its index; the router's depth for a
     new prompt equals what the scheduler's own lookup would reuse."""
     cache = CacheConfig(kv_block_size=BS, num_kv_blocks=40, num_state_pages=24, state_interval=8)
-    rep = SimReplica(cache, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=24), StepCost())
+    rep = SimReplica(cache, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=24, max_model_len=160), StepCost())
     router = Router(1, BS)
     base = list(range(50, 80))
     waves = [[base + [i] * (5 + i) for i in range(8)], [list(range(200, 260))], [base + [4] * 9]]
