@@ -15,6 +15,10 @@ Kinds
 - ``checkpoint_evicted``: removed for room (budget reached or live requests needed pages).
 - ``checkpoint_dropped``: removed because a KV block of its prefix was evicted, or the
   cache was cleared; it can never be hit again.
+- ``host_checkpoint_stored`` / ``host_checkpoint_removed`` (``length`` set): the host tier
+  (:mod:`hybridserve.cache.host_tier`) took an evicted checkpoint / gave it up (evicted,
+  dropped, or restored to the device, which then publishes ``checkpoint_admitted``). A
+  host checkpoint is reusable too, at the cost of one copy back.
 
 ``last_used`` is the state cache's LRU clock when the checkpoint was last admitted or
 touched, and ``clock`` the clock when the event was emitted: ``clock - last_used`` is
@@ -35,6 +39,8 @@ EVENT_KINDS = (
     "checkpoint_used",
     "checkpoint_evicted",
     "checkpoint_dropped",
+    "host_checkpoint_stored",
+    "host_checkpoint_removed",
 )
 
 
@@ -75,10 +81,13 @@ class EventLog:
         with self._lock:
             self._events.append(event)
 
-    def attach(self, blocks, states) -> EventLog:
-        """Make this log the event sink of a BlockPool and a StateCache."""
+    def attach(self, blocks, states, host=None) -> EventLog:
+        """Make this log the event sink of a BlockPool, a StateCache and, when given, a
+        HostCheckpointIndex."""
         blocks.event_sink = self
         states.event_sink = self
+        if host is not None:
+            host.event_sink = self
         return self
 
     def drain(self) -> list[CacheEvent]:

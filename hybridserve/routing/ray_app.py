@@ -64,7 +64,7 @@ class EngineReplica:
         self.replica_id = replica_id
         self.llm = LLM(model, **llm_kwargs)
         sched = self.llm.engine.scheduler
-        self.events = EventLog().attach(sched.blocks, sched.states)
+        self.events = EventLog().attach(sched.blocks, sched.states, sched.host)
         self.app = create_app(self.llm)
         # The application's lifespan would start the engine thread; in-process calls
         # skip the lifespan, so start it here.

@@ -52,6 +52,8 @@ class ReplicaView:
     blocks: set[int] = field(default_factory=set)
     # block hash at the checkpoint position -> (length in tokens, last_used clock)
     checkpoints: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # block hash -> length of checkpoints on the replica's host tier (reusable after a copy)
+    host_checkpoints: dict[int, int] = field(default_factory=dict)
     clock: int = 0
     queue: int = 0
     num_events: int = 0
@@ -63,6 +65,10 @@ class ReplicaView:
             self.blocks.add(h)
         elif kind == "block_removed":
             self.blocks.discard(h)
+        elif kind == "host_checkpoint_stored":
+            self.host_checkpoints[h] = event.length
+        elif kind == "host_checkpoint_removed":
+            self.host_checkpoints.pop(h, None)
         elif kind in ("checkpoint_admitted", "checkpoint_used"):
             self.checkpoints[h] = (event.length, event.last_used)
         else:  # checkpoint_evicted / checkpoint_dropped
@@ -77,9 +83,11 @@ class ReplicaView:
         return n * block_size
 
     def reusable_depth(self, hashes: Sequence[int], block_size: int) -> tuple[int, int]:
-        """(tokens, LRU age) of the deepest prefix with its KV blocks and a checkpoint.
+        """(tokens, LRU age) of the deepest prefix with its KV blocks and a checkpoint
+        on either tier.
 
-        Age is ``clock - last_used`` of that checkpoint (0 when there is no hit)."""
+        Age is ``clock - last_used`` of a device checkpoint, ``clock`` for a host one
+        (older than any device checkpoint), 0 when there is no hit."""
         best, age = 0, 0
         for i, h in enumerate(hashes):
             if h not in self.blocks:
@@ -87,6 +95,8 @@ class ReplicaView:
             ckpt = self.checkpoints.get(h)
             if ckpt is not None:
                 best, age = (i + 1) * block_size, self.clock - ckpt[1]
+            elif h in self.host_checkpoints:
+                best, age = (i + 1) * block_size, self.clock
         return best, age
 
 

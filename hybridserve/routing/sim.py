@@ -103,9 +103,11 @@ def multi_turn_trace(
 class SimReplica:
     """The real scheduler of one engine, stepped without a model (module docstring)."""
 
-    def __init__(self, cache: CacheConfig, sched: SchedulerConfig, cost: StepCost) -> None:
-        self.scheduler = Scheduler(sched, cache)
-        self.events = EventLog().attach(self.scheduler.blocks, self.scheduler.states)
+    def __init__(
+        self, cache: CacheConfig, sched: SchedulerConfig, cost: StepCost, num_host_pages: int = 0
+    ) -> None:
+        self.scheduler = s = Scheduler(sched, cache, num_host_pages=num_host_pages)
+        self.events = EventLog().attach(s.blocks, s.states, s.host)
         self.cost = cost
         self.interval = self.scheduler.verify_interval()
         self.replies: dict[str, list[int]] = {}

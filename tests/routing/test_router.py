@@ -59,6 +59,17 @@ def test_removed_checkpoint_is_forgotten(kind):
     assert r.depths(PROMPT)[0] == 16
 
 
+def test_host_tier_checkpoint_counts_until_removed():
+    r = Router(2, BS)
+    h = block_hashes(PROMPT, BS)[5]
+    r.apply_events(0, stored(PROMPT, 8) + [ckpt(PROMPT, 2), CacheEvent("host_checkpoint_stored", h, 24),
+                                           ckpt(PROMPT, 6, "checkpoint_evicted")])
+    r.apply_events(1, stored(PROMPT, 8) + [ckpt(PROMPT, 4)])
+    assert r.depths(PROMPT) == [24, 16]
+    r.apply_events(0, [CacheEvent("host_checkpoint_removed", h, 24)])
+    assert r.depths(PROMPT) == [8, 16]
+
+
 def test_last_prompt_token_is_never_counted():
     r = Router(1, BS)
     prompt = list(range(8))  # 2 full blocks, but only 7 tokens may come from the cache
@@ -112,11 +123,13 @@ def test_bad_arguments_name_the_knob():
         CacheEvent("block_moved", 1)
 
 
-def test_events_mirror_a_real_scheduler():
-    """Replaying a real scheduler's events rebuilds its index; the router's depth for a
-    new prompt equals what the scheduler's own lookup would reuse."""
+@pytest.mark.parametrize("host_pages", [0, 6])
+def test_events_mirror_a_real_scheduler(host_pages):
+    """Replaying a real scheduler's events rebuilds its index (both checkpoint tiers);
+    the router's depth for a new prompt equals what the scheduler's own lookup finds."""
     cache = CacheConfig(kv_block_size=BS, num_kv_blocks=40, num_state_pages=24, state_interval=8)
-    rep = SimReplica(cache, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=24, max_model_len=160), StepCost())
+    sched = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=24, max_model_len=160)
+    rep = SimReplica(cache, sched, StepCost(), num_host_pages=host_pages)
     router = Router(1, BS)
     base = list(range(50, 80))
     waves = [[base + [i] * (5 + i) for i in range(8)], [list(range(200, 260))], [base + [4] * 9]]
@@ -132,13 +145,20 @@ def test_events_mirror_a_real_scheduler():
     view = router.replicas[0]
     assert view.blocks == set(s.blocks.hash_to_block)
     assert set(view.checkpoints) == set(s.states.checkpoints)
-    seen = []
+    assert set(view.host_checkpoints) == set(s.host.checkpoints)
+    assert bool(s.host.checkpoints) == (host_pages > 0)
+    seen, from_host = [], []
     for probe in [base + [4] * 12, base + [3] * 8 + [1, 2], list(range(200, 250)), base[:9]]:
         hashes = block_hashes(probe, BS, limit=len(probe) - 1)
-        expected = s._probe(probe, hashes)[0]
+        expected, _, _, _, host_key = s._probe(probe, hashes)
+        if host_key is not None:
+            from_host.append(s.host.checkpoints[host_key].length > expected)
+            expected = max(expected, s.host.checkpoints[host_key].length)
         assert router.depths(probe) == [expected]
         seen.append(expected)
-    assert max(seen) > 0 and 0 in seen
+    assert max(seen) > 0
+    # Without the host tier one probe's checkpoints are gone; with it, one is on the host.
+    assert (0 in seen) if host_pages == 0 else any(from_host)
 
 
 def test_block_hashes_are_the_same_in_every_process():
