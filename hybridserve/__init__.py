@@ -2,6 +2,7 @@
 
 from hybridserve.engine.request import CompletionOutput, Logprob, RequestOutput, SamplingParams
 from hybridserve.llm import LLM
+from hybridserve.structured import StructuredOutputsParams
 
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 __version__ = "0.1.0"

@@ -6,6 +6,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from hybridserve.structured.params import StructuredOutputsParams
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -13,7 +15,10 @@ class SamplingParams:
 
     ``temperature == 0`` is greedy. ``seed`` makes sampling reproducible for this request
     regardless of batching or preemption. ``logprobs=k`` returns, for every generated
-    token, the ``k`` most likely tokens plus the sampled one.
+    token, the ``k`` most likely tokens plus the sampled one. ``structured_outputs``
+    constrains the output to a JSON schema, regex, choice or grammar
+    (:class:`~hybridserve.structured.StructuredOutputsParams`; a dict of its fields is
+    accepted too).
     """
 
     n: int = 1
@@ -32,6 +37,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
@@ -77,6 +83,12 @@ class SamplingParams:
             not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20
         ):
             raise ValueError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams (or a dict of its fields)")
 
     @property
     def greedy(self) -> bool:
@@ -163,6 +175,9 @@ class Request:
     detokenizer: object | None = None  # the engine's IncrementalDetokenizer for the output
     stopped: bool = False  # EOS, a stop token or a stop string ended it
     stop_reason: int | str | None = None  # the stop token or string (None for EOS)
+    # The sequence's GrammarMatcher when its params ask for structured outputs: the
+    # grammar state after output_token_ids (drafts are never committed to it).
+    grammar: object | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
