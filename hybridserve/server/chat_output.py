@@ -50,7 +50,10 @@ class WholeSplit:
 class OutputSplit:
     """How to split one request's outputs. ``reasoning`` / ``tool_parser`` None: that
     part is not parsed. ``prompt`` is the rendered prompt (a reasoning block it leaves
-    open makes the output start as reasoning)."""
+    open makes the output start as reasoning). ``constrained``: a grammar shapes the
+    output from its first token (a forced tool call, ``response_format``), so the
+    output starts as content whatever the prompt or the parser's default says; only
+    reasoning tags the grammar itself writes make reasoning."""
 
     reasoning: type[ReasoningParser] | None = None
     tool_parser: type[ToolParser] | None = None
@@ -58,6 +61,7 @@ class OutputSplit:
     parallel_tool_calls: bool = True
     prompt: str = ""
     chat_template_kwargs: dict[str, Any] | None = None
+    constrained: bool = False
 
     @property
     def active(self) -> bool:
@@ -79,8 +83,11 @@ class ChoiceSplitter:
         self.reasoning: ReasoningParser | None = None
         if split.reasoning is not None:
             cls = split.reasoning
-            opens = prompt_opens_reasoning(split.prompt, cls.starts[0], cls.ends[0])
-            self.reasoning = cls(True if opens else None, split.chat_template_kwargs)
+            if split.constrained:
+                opens: bool | None = False
+            else:
+                opens = prompt_opens_reasoning(split.prompt, cls.starts[0], cls.ends[0]) or None
+            self.reasoning = cls(opens, split.chat_template_kwargs)
         self.tools = split.tool_parser(split.tools) if split.tool_parser is not None else None
         self.called = False  # a tool call was emitted
 

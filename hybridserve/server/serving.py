@@ -162,9 +162,9 @@ class OpenAIServing:
         params = self._params(req, top if req.logprobs else None, constraint)
         prompt = await self._chat_prompt(req, tools)
         self._check_length(prompt[1], params.max_tokens, "messages")
-        if self.config.reasoning_parser is not None and constraint is None:
-            # A constrained output is the grammar's from its first token: no reasoning.
+        if self.config.reasoning_parser is not None:
             split.reasoning = get_reasoning_parser(self.config.reasoning_parser)
+        split.constrained = constraint is not None
         split.prompt = prompt[0] or ""
         split.chat_template_kwargs = req.chat_template_kwargs
         rid = f"chatcmpl-{uuid.uuid4().hex}"
