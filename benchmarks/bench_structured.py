@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -108,8 +109,10 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row))
     device = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else (platform.processor() or platform.machine())
+    # The host's load average: on a shared machine the step times move with it.
     result = {"commit": git_commit(), "device": device, "torch": torch.__version__, "schema": SCHEMA,
-              "tokens": args.tokens, "rows": rows}
+              "tokens": args.tokens, "load_average_1m": round(os.getloadavg()[0], 2),
+              "cpu_count": os.cpu_count(), "rows": rows}
     out = Path(args.out or ROOT / f"benchmarks/results/structured_{args.device.split(':')[0]}.json")
     out.write_text(json.dumps(result, indent=2) + "\n")
 

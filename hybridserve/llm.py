@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,6 +25,8 @@ from hybridserve.models.base import CacheSpec
 from hybridserve.tokenizer import Tokenizer
 
 DEFAULT_MODEL = default_model.PATH
+
+log = logging.getLogger("hybridserve")
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -125,6 +128,16 @@ class LLM:
             max_checkpoint_pages=min(checkpoint_pages, num_state_pages - 1),
             ssm_state_dtype=resolve_dtype(ssm_state_dtype, "ssm_state_dtype"),
             eviction_policy=eviction_policy,
+        )
+        cache_spec = self.model.cache_spec
+        page_bytes = cache_spec.state_page_bytes(torch_dtype, cache.ssm_state_dtype)
+        log.info(
+            "state page: %d bytes (%.1f MiB) for %d recurrent layers (conv windows in %s, "
+            "recurrent states in %s); %d pages: %.2f GiB",
+            page_bytes, page_bytes / 2**20, len(cache_spec.recurrent_layers),
+            str(torch_dtype).removeprefix("torch."),
+            str(cache.ssm_state_dtype).removeprefix("torch."),
+            cache.num_state_pages, page_bytes * cache.num_state_pages / 2**30,
         )
         if device.startswith("cuda"):
             check_cache_fits(

@@ -35,6 +35,20 @@ class CacheSpec:
     num_ssm_heads: int
     ssm_head_dim: int
     d_state: int
+    # Gated DeltaNet layers: conv window [gdn_conv_dim, gdn_d_conv - 1] and recurrent
+    # state [gdn_value_heads, gdn_key_head_dim, gdn_value_head_dim] per page, in the same
+    # conv / ssm dicts (and page ids) as the Mamba layers'.
+    gdn_layers: tuple[int, ...] = ()
+    gdn_conv_dim: int = 0
+    gdn_d_conv: int = 1
+    gdn_value_heads: int = 0
+    gdn_key_head_dim: int = 0
+    gdn_value_head_dim: int = 0
+
+    @property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        """Every layer that keeps state in state pages (Mamba2 and GDN), in order."""
+        return tuple(sorted(self.mamba_layers + self.gdn_layers))
 
     def kv_block_bytes(self, kv_block_size: int, dtype: torch.dtype) -> int:
         """Bytes of one KV block across all attention layers (keys and values)."""
@@ -49,15 +63,16 @@ class CacheSpec:
         )
 
     def state_page_bytes(self, conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> int:
-        """Bytes of one state page across all Mamba layers (conv window + SSM state)."""
-        conv = self.conv_dim * (self.d_conv - 1) * torch.empty((), dtype=conv_dtype).element_size()
-        ssm = (
-            self.num_ssm_heads
-            * self.ssm_head_dim
-            * self.d_state
-            * torch.empty((), dtype=ssm_dtype).element_size()
+        """Bytes of one state page across all recurrent layers (conv window + SSM state)."""
+        conv_elem = torch.empty((), dtype=conv_dtype).element_size()
+        ssm_elem = torch.empty((), dtype=ssm_dtype).element_size()
+        conv = self.conv_dim * (self.d_conv - 1) * conv_elem
+        ssm = self.num_ssm_heads * self.ssm_head_dim * self.d_state * ssm_elem
+        gdn_conv = self.gdn_conv_dim * (self.gdn_d_conv - 1) * conv_elem
+        gdn_ssm = (
+            self.gdn_value_heads * self.gdn_key_head_dim * self.gdn_value_head_dim * ssm_elem
         )
-        return len(self.mamba_layers) * (conv + ssm)
+        return len(self.mamba_layers) * (conv + ssm) + len(self.gdn_layers) * (gdn_conv + gdn_ssm)
 
     def allocate(
         self,
@@ -107,6 +122,15 @@ class CacheSpec:
             )
             for layer in self.mamba_layers
         }
+        for layer in self.gdn_layers:
+            conv[layer] = torch.empty(
+                num_state_pages, self.gdn_conv_dim, self.gdn_d_conv - 1, dtype=dtype,
+                device=device,
+            )
+            ssm[layer] = torch.empty(
+                num_state_pages, self.gdn_value_heads, self.gdn_key_head_dim,
+                self.gdn_value_head_dim, dtype=ssm_dtype, device=device,
+            )
         return ModelCaches(kv=kv, conv=conv, ssm=ssm)
 
 

@@ -25,6 +25,11 @@ row's token at offset ``state_out_offset[k]`` (0-based within the row, so offset
 q_i - 1 is the state after the row's last token) to page ``state_out_page[k]``.
 A forward never writes a page it reads in the same step (DESIGN.md section 4),
 so the order in which rows or layers are processed cannot matter.
+
+Gated DeltaNet layers (Qwen3.5 / Qwen3-Next) keep the same contract in the same page ids,
+with their own shapes: ``conv_state [num_state_pages, conv_dim, d_conv - 1]`` and
+``ssm_state [num_state_pages, value_heads, key_head_dim, value_head_dim]``
+(:mod:`hybridserve.models.layers.gated_deltanet`).
 """
 
 from __future__ import annotations
@@ -122,7 +127,8 @@ class ModelCaches:
     """The cache tensors a forward reads and writes, indexed by decoder layer index.
 
     ``kv[layer] = (k_cache, v_cache)`` for attention layers; ``conv[layer]`` and
-    ``ssm[layer]`` for Mamba layers (shapes in the module docstring). The runner
+    ``ssm[layer]`` for recurrent layers, Mamba2 and Gated DeltaNet (shapes in the module
+    docstring). The runner
     allocates them from the model's :class:`CacheSpec`.
     """
 
