@@ -9,8 +9,8 @@ import logging
 import os
 from pathlib import Path
 
-from hybridserve.server.http import HTTPOptions
-from hybridserve.server.openai_api import DEFAULT_MAX_REQUEST_BODY_BYTES
+# Only torch-free modules at import: `hybridserve --help` builds these options.
+from hybridserve.server.http import DEFAULT_MAX_REQUEST_BODY_BYTES, HTTPOptions
 
 log = logging.getLogger("hybridserve.server")
 
@@ -18,12 +18,24 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _HTTP = HTTPOptions()
 
 
+SERVE_DESCRIPTION = """\
+Serve one model over an HTTP API shaped like OpenAI's (/v1/completions,
+/v1/chat/completions, /v1/models, /health, /metrics). The model is given as
+'hybridserve serve MODEL' or '--model MODEL': a checkpoint directory or a Hugging Face
+hub id (org/name); with neither, the embedded default model."""
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    """Server options (the engine options come from ``add_engine_arguments``)."""
+    """Server options (the engine options come from ``add_engine_arguments``), and the
+    model as an optional positional argument (vLLM's ``serve MODEL``)."""
+    p.add_argument(
+        "model_tag", nargs="?", default=None, metavar="MODEL",
+        help="checkpoint directory or hub id, the same as --model",
+    )
     p.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default: loopback only)"
     )
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument(
         "--api-key",
         default=os.environ.get("HYBRIDSERVE_API_KEY"),
@@ -62,7 +74,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="split reasoning_content out of chat replies: qwen3, deepseek_r1, "
         "nemotron_v3, granite_thinking, granite",
     )
-    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log verbosity")
     p.add_argument(
         "--graceful-shutdown-timeout",
         type=float,
@@ -165,9 +177,21 @@ def startup_line(llm, name: str, host: str, port: int) -> str:
     )
 
 
+def apply_model_tag(args: argparse.Namespace) -> None:
+    """Fold the positional MODEL into ``args.model``; raises ValueError when both are
+    given and differ."""
+    tag = getattr(args, "model_tag", None)
+    if tag is None:
+        return
+    if args.model is not None and args.model != tag:
+        raise ValueError(f"the model is given twice: {tag!r} and --model {args.model!r}")
+    args.model = tag
+
+
 def serve_main(args: argparse.Namespace) -> int:
     """Load the model, then serve until SIGINT/SIGTERM. Returns the exit status;
     raises ValueError for bad options (the caller prints it)."""
+    apply_model_tag(args)
     from hybridserve.cli import llm_from_args
     from hybridserve.server.http import make_server
     from hybridserve.server.openai_api import create_app

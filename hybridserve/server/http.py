@@ -32,6 +32,12 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger("hybridserve.server")
 
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 2**20
+"""8 MiB: a 64-prompt batch of 4096-token prompts as token ids is under 2 MiB; parsing
+a body costs the event loop time in proportion to its size, so a bound is kept.
+(Defined here, with the other HTTP limits, because the command line's option parsing
+imports this module but not the application's.)"""
+
 ANSWER_MARGIN = 5.0
 """Seconds handlers get, after ``end_in_flight``, to send their error responses."""
 

@@ -49,6 +49,7 @@ from hybridserve.server.errors import (
     handle_http_error,
     handle_validation_error,
 )
+from hybridserve.server.http import DEFAULT_MAX_REQUEST_BODY_BYTES
 from hybridserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -60,9 +61,6 @@ from hybridserve.tools.parsers import get_tool_parser
 
 log = logging.getLogger("hybridserve.server")
 
-DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 2**20
-"""8 MiB: a 64-prompt batch of 4096-token prompts as token ids is under 2 MiB; parsing
-a body costs the event loop time in proportion to its size, so a bound is kept."""
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 """Routes that need no API key."""
 
