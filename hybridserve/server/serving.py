@@ -504,7 +504,8 @@ class OpenAIServing:
         headers = {"X-Request-Id": rid}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = self._sse(rid, streams, fmt, params, include_usage)
+            continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+            body = self._sse(rid, streams, fmt, params, include_usage, continuous)
             return StreamingResponse(body, media_type="text/event-stream", headers=headers)
         finals = await _unless_disconnected(self._collect(rid, streams), receive)
         if finals is None:
@@ -600,7 +601,10 @@ class OpenAIServing:
         fmt: _Format,
         params: SamplingParams,
         include_usage: bool,
+        continuous_usage: bool = False,
     ) -> AsyncIterator[str]:
+        """``continuous_usage``: every chunk carries the usage so far (vLLM's
+        ``stream_options.continuous_usage_stats``) instead of ``null``."""
         hold_back = max((len(s) for s in params.stop or ()), default=1) - 1
         cursors = [[_Cursor(hold_back) for _ in range(params.n)] for _ in streams]
         latest: dict[int, RequestOutput] = {}
@@ -615,7 +619,11 @@ class OpenAIServing:
                             continue  # sent its finish chunk; later outputs repeat it
                         chunk = fmt.delta(i * params.n + j, comp, cursors[i][j])
                         if chunk is not None:
-                            yield _event(chunk, include_usage)
+                            if continuous_usage:
+                                chunk["usage"] = usage(list(latest.values()))
+                                yield _sse_line(chunk)
+                            else:
+                                yield _event(chunk, include_usage)
             if include_usage:
                 yield _event(fmt.usage_chunk([latest[i] for i in range(len(streams))]), False)
             _log_finished(rid, [latest[i] for i in range(len(streams))])

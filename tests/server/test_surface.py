@@ -5,6 +5,7 @@ and with ``{% generation %}``, and ``serve`` flags in vLLM's spelling."""
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -170,3 +171,17 @@ def test_bad_parser_names_fail_before_loading(tmp_path: Path, capsys) -> None:
     ):
         assert cli_main(["serve", str(tmp_path / "missing"), *flags]) == 2
         assert words in capsys.readouterr().err
+
+
+def test_continuous_usage_stats(client: httpx.Client) -> None:
+    body = {"prompt": "abc", "max_tokens": 6, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with client.stream("POST", C, json=body) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert events[-1] == "[DONE]"
+    counts = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
+    assert counts and counts == sorted(counts) and 0 < counts[0]
+    assert all(c["usage"]["prompt_tokens"] == 3 for c in chunks)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+    assert counts[-1] == 6
