@@ -39,6 +39,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hybridserve import __version__
 from hybridserve.chat_template import compile_chat_template, pick_template
+from hybridserve.engine.request import SamplingParams
 from hybridserve.reasoning import get_reasoning_parser
 from hybridserve.server import metrics
 from hybridserve.server.async_engine import AsyncEngine
@@ -133,7 +134,14 @@ def create_app(
         tool_call_parser=tool_call_parser,
         enable_auto_tool_choice=enable_auto_tool_choice,
         reasoning_parser=reasoning_parser,
+        default_sampling=dict(llm.generation_config.sampling),
     )
+    try:
+        SamplingParams(**serving_cfg.default_sampling)
+    except ValueError as e:
+        raise ValueError(f"generation_config.json of {model_path}: {e}") from None
+    if serving_cfg.default_sampling:
+        log.info("default sampling from generation_config.json: %s", serving_cfg.default_sampling)
     engine = AsyncEngine(llm.engine)
     state = ServerState(
         engine=engine,

@@ -261,9 +261,12 @@ def sampling_params(
     req: CompletionRequest | ChatCompletionRequest,
     logprobs: int | None,
     structured: StructuredOutputsParams | None = None,
+    defaults: dict[str, Any] | None = None,
 ) -> SamplingParams:
     """The request's sampling settings; raises ValueError naming the field when a value
-    is out of range (SamplingParams' own checks)."""
+    is out of range (SamplingParams' own checks). ``defaults`` (the checkpoint's
+    ``generation_config.json`` sampling) fill the sampling fields the request leaves
+    unset."""
     max_tokens = req.max_tokens
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         max_tokens = req.max_completion_tokens
@@ -287,7 +290,7 @@ def sampling_params(
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens,
         structured_outputs=structured,
-        **{k: v for k, v in kwargs.items() if v is not None},
+        **{**(defaults or {}), **{k: v for k, v in kwargs.items() if v is not None}},
     )
 
 

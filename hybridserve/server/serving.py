@@ -87,6 +87,7 @@ class ServingConfig:
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None
+    default_sampling: dict[str, Any] = field(default_factory=dict)
 
     @property
     def max_prompt_chars(self) -> int:
@@ -316,7 +317,7 @@ class OpenAIServing:
         constraint: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         try:
-            params = sampling_params(req, logprobs, constraint)
+            params = sampling_params(req, logprobs, constraint, self.config.default_sampling)
         except (ValueError, TypeError) as e:
             raise APIError(
                 400,

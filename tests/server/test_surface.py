@@ -181,7 +181,26 @@ def test_continuous_usage_stats(client: httpx.Client) -> None:
     chunks = [json.loads(e) for e in events[:-1]]
     assert events[-1] == "[DONE]"
     counts = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
-    assert counts and counts == sorted(counts) and 0 < counts[0]
+    assert counts and counts == sorted(counts) and counts[0] > 0
     assert all(c["usage"]["prompt_tokens"] == 3 for c in chunks)
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
     assert counts[-1] == 6
+
+
+def test_generation_config_defaults_and_eos(plain_model: Path, chat_template_text: str, tmp_path: Path, server_factory) -> None:
+    ckpt = tmp_path / "gen"
+    shutil.copytree(plain_model, ckpt)
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7], "temperature": 0.0}))
+    srv = server_factory(ckpt, served_model_name="gen")
+    assert set(srv.engine.engine.eos_token_ids) >= {2, 7}
+    with httpx.Client(base_url=srv.base_url, timeout=30) as c:
+        body = {"prompt": "abc", "max_tokens": 12, "ignore_eos": True}
+        # No temperature in the request: the checkpoint's default (greedy) applies.
+        texts = {c.post(C, json=body).json()["choices"][0]["text"] for _ in range(2)}
+        greedy = c.post(C, json={**body, "temperature": 0.0}).json()["choices"][0]["text"]
+        assert texts == {greedy}
+        sampled = {c.post(C, json={**body, "temperature": 1.0, "seed": s}).json()["choices"][0]["text"] for s in range(3)}
+        assert len(sampled) > 1  # the request's own value wins
+    (ckpt / "generation_config.json").write_text(json.dumps({"top_p": 0}))
+    with pytest.raises(ValueError, match="generation_config.json.*top_p"):
+        server_factory(ckpt)
