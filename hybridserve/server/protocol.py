@@ -38,6 +38,36 @@ class _Strict(BaseModel):
         return data
 
 
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "echo": (False,),
+    "prompt_logprobs": (0,),
+    "logit_bias": ({},),
+    "min_tokens": (0,),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "best_of": (1,),
+    "suffix": ("",),
+    "use_beam_search": (False,),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+}
+"""Fields vLLM implements and this server does not yet, with the values that ask for
+nothing (accepted): any other value is a 400, since ignoring it would change the
+answer's meaning (an ``echo`` or ``logit_bias`` the client relies on). Other unknown
+fields are ignored with a warning."""
+
+
+def unsupported_field(model: BaseModel) -> str | None:
+    """The first top-level field of :data:`UNSUPPORTED_FIELDS` set to a value that asks
+    for something, or None."""
+    for key, value in (model.model_extra or {}).items():
+        if key in UNSUPPORTED_FIELDS and value not in UNSUPPORTED_FIELDS[key]:
+            return key
+    return None
+
+
 def unknown_fields(model: BaseModel, prefix: str = "") -> list[str]:
     """The dotted paths of the fields in ``model`` (and its nested models) that this
     server does not know; they were ignored."""

@@ -53,6 +53,7 @@ from hybridserve.server.protocol import (
     TokenizeRequest,
     sampling_params,
     unknown_fields,
+    unsupported_field,
 )
 from hybridserve.structured.params import StructuredOutputsParams
 from hybridserve.tokenizer import Tokenizer
@@ -680,6 +681,16 @@ def _choice_text(choice: Any) -> str:
 
 
 def _warn_unknown(req: Any, route: str) -> None:
+    """Refuse a field we do not implement but whose value changes the answer; log the
+    other unknown fields, which are ignored."""
+    refused = unsupported_field(req)
+    if refused is not None:
+        raise APIError(
+            400,
+            f"{refused} is not supported by this server (only its default value is accepted)",
+            param=refused,
+            code="unsupported_field",
+        )
     unknown = unknown_fields(req)
     if unknown:
         log.warning(

@@ -13,7 +13,13 @@ MSGS = [{"role": "user", "content": "hi"}]
 
 # (path, body, status, param, words the message must contain)
 CASES = [
-    (C, {"prompt": "x", "best_of": "two"}, 200, None, ""),  # unknown: ignored
+    (C, {"prompt": "x", "frobnicate": "two"}, 200, None, ""),  # unknown: ignored
+    # vLLM fields not implemented here: their defaults pass, other values are refused.
+    (C, {"prompt": "x", "echo": False, "logit_bias": {}, "best_of": 1}, 200, None, ""),
+    (C, {"prompt": "x", "echo": True}, 400, "echo", "not supported"),
+    (C, {"prompt": "x", "logit_bias": {"1": 2}}, 400, "logit_bias", "not supported"),
+    (C, {"prompt": "x", "min_tokens": 3}, 400, "min_tokens", "not supported"),
+    (CHAT, {"messages": MSGS, "allowed_token_ids": [1, 2]}, 400, "allowed_token_ids", "not supported"),
     (C, {}, 400, "prompt", "missing"),
     (C, {"prompt": 5}, 400, "prompt", "prompt"),
     (C, {"prompt": ""}, 400, "prompt", "empty"),

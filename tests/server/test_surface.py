@@ -22,12 +22,12 @@ MSGS = [{"role": "user", "content": "hi"}]
 
 def test_unknown_fields_are_ignored_with_a_warning(client: httpx.Client, caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="hybridserve.server"):
-        r = client.post(C, json={"prompt": "x", "max_tokens": 2, "best_of": 3, "suffix": "s"})
+        r = client.post(C, json={"prompt": "x", "max_tokens": 2, "best_of": 1, "suffix_x": "s"})
         assert r.status_code == 200, r.text
         body = {"messages": [{"role": "user", "content": "hi", "audio_x": 1}], "max_tokens": 2, "foo": {}}
         assert client.post(CHAT, json=body).status_code == 200
     warned = " ".join(r.getMessage() for r in caplog.records)
-    assert "'best_of'" in warned and "'suffix'" in warned
+    assert "'best_of'" in warned and "'suffix_x'" in warned
     assert "'messages.0.audio_x'" in warned and "'foo'" in warned
 
 
