@@ -42,8 +42,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "echo": (False,),
     "prompt_logprobs": (0,),
     "logit_bias": ({},),
-    "min_tokens": (0,),
-    "allowed_token_ids": (),
     "bad_words": ([],),
     "best_of": (1,),
     "suffix": ("",),
@@ -143,6 +141,8 @@ class _SamplingFields(_Strict):
     user: str | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    min_tokens: int = 0
+    allowed_token_ids: list[int] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
 
@@ -320,6 +320,8 @@ def sampling_params(
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens,
         structured_outputs=structured,
+        min_tokens=req.min_tokens,
+        allowed_token_ids=req.allowed_token_ids,
         **{**(defaults or {}), **{k: v for k, v in kwargs.items() if v is not None}},
     )
 

@@ -547,7 +547,8 @@ class OpenAIServing:
                 raise APIError(
                     400,
                     str(e),
-                    param=param_from_message(str(e), {"prompt", "structured_outputs"}) or "prompt",
+                    param=param_from_message(str(e), {"prompt", "structured_outputs", "allowed_token_ids"})
+                    or "prompt",
                     code="invalid_value",
                 ) from None
             if isinstance(e, EngineStopped):

@@ -204,3 +204,18 @@ def test_generation_config_defaults_and_eos(plain_model: Path, chat_template_tex
     (ckpt / "generation_config.json").write_text(json.dumps({"top_p": 0}))
     with pytest.raises(ValueError, match="generation_config.json.*top_p"):
         server_factory(ckpt)
+
+
+def test_min_tokens_and_allowed_token_ids(client: httpx.Client) -> None:
+    allowed = client.post("/tokenize", json={"prompt": "xyz", "add_special_tokens": False}).json()["tokens"]
+    r = client.post(C, json={"prompt": [5, 6, 7], "max_tokens": 8, "allowed_token_ids": allowed,
+                             "ignore_eos": True, "logprobs": 0, "temperature": 1.0, "seed": 1})
+    assert r.status_code == 200, r.text
+    assert set(r.json()["choices"][0]["text"]) <= set("xyz")
+    base = {"prompt": "abc", "max_tokens": 8, "temperature": 0.0}
+    first = client.post("/tokenize", json={"prompt": client.post(C, json={**base, "max_tokens": 1}).json()["choices"][0]["text"],
+                                           "add_special_tokens": False}).json()["tokens"][0]
+    short = client.post(C, json={**base, "stop_token_ids": [first]}).json()
+    assert short["usage"]["completion_tokens"] == 1 and short["choices"][0]["stop_reason"] == first
+    held = client.post(C, json={**base, "stop_token_ids": [first], "min_tokens": 5}).json()
+    assert held["usage"]["completion_tokens"] >= 5
