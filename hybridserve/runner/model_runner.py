@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridserve.cache.host_tier import HostStatePool, Transfers
 from hybridserve.engine.request import Logprob
 from hybridserve.engine.scheduler import SchedulerOutput
 from hybridserve.models.batch import ForwardBatch, ModelCaches
@@ -83,6 +84,19 @@ class ModelRunner:
         # the choices. Its host values land in ``verify_readback``.
         self.on_verify: Callable[[SchedulerOutput, list[int], torch.Tensor], torch.Tensor] | None = None
         self.verify_readback: list[int] | None = None
+        # The host tier's tensors (set by the engine when the tier is on).
+        self.host_pool: HostStatePool | None = None
+
+    def run_transfers(self, sched: SchedulerOutput) -> None:
+        """Perform the host-tier copies a step carries (once), before its forward, and
+        order the forward after any restore whose page it reads."""
+        if self.host_pool is None:
+            return
+        # Cleared only once the copies are queued: a step whose copies raised keeps
+        # them, so the engine can forget what they were to carry.
+        self.host_pool.run(sched.transfers)
+        sched.transfers = Transfers()
+        self.host_pool.before_forward([row.state_in_page for row in sched.rows])
 
     def enable_decode_graphs(
         self, max_blocks: int, scratch_block: int, scratch_page: int, capture: bool | None = None
@@ -166,6 +180,7 @@ class ModelRunner:
         all ``ahead`` rows, row ``i`` continuing ``after``'s row ``sources[i]``): their
         input tokens are that step's choices, copied on the device.
         """
+        self.run_transfers(sched)
         if self.graphs is None:
             return None
         tokens = None
