@@ -181,7 +181,6 @@ def _json_object(text: str) -> dict:
 
 _VLLM_FLAGS = {
     "--block-size": "--kv-block-size",
-    "--gpu-memory-utilization": "--num-kv-blocks and --num-state-pages (cache sizes are given, not a memory fraction)",
     "--tensor-parallel-size": "none: one device per server",
     "--pipeline-parallel-size": "none: one device per server",
     "--trust-remote-code": "none: the supported model families are built in",
