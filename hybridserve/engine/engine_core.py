@@ -190,6 +190,8 @@ class EngineCore:
                 f"prompt has {len(prompt_token_ids)} tokens but max_model_len is {max_len}: "
                 "shorten the prompt or raise max_model_len (the model must have room to generate)"
             )
+        if params.allowed_token_ids is not None and max(params.allowed_token_ids) >= self.vocab_size:
+            raise ValueError(f"allowed_token_ids must be token ids in [0, {self.vocab_size})")
         so = params.structured_outputs
         if so is not None:
             # Compiling is what can fail on the user's input: before anything is queued.
@@ -599,7 +601,12 @@ class EngineCore:
             if p.stop_token_ids and tok in p.stop_token_ids:
                 self._mark_stop(req, tok)
                 break
-            if p.stop and self.tokenizer is not None and self._check_stop_strings(req):
+            if (
+                p.stop
+                and self.tokenizer is not None
+                and len(req.output_token_ids) >= p.min_tokens
+                and self._check_stop_strings(req)
+            ):
                 break
             if self._length_capped(req):
                 break

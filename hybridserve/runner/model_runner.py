@@ -344,6 +344,7 @@ class ModelRunner:
                     output_ids=req.output_token_ids,
                     drafts=req.draft_token_ids[: row.num_drafts],
                     grammar=req.grammar,
+                    eos_token_ids=() if req.params.ignore_eos else req.eos_token_ids,
                 )
             )
         plan = sampler.plan_step(rows, logits.shape[-1])

@@ -196,6 +196,7 @@ def samples_by_argmax(params: SamplingParams) -> bool:
         and not params.frequency_penalty
         and params.logprobs is None
         and params.structured_outputs is None
+        and not params.token_masked
     )
 
 
@@ -292,6 +293,7 @@ class SampleRow:
     output_ids: Sequence[int]
     drafts: Sequence[int]
     grammar: GrammarMatcher | None = None
+    eos_token_ids: Sequence[int] = ()  # banned with stop_token_ids before min_tokens
 
 
 # Columns of the per-position parameter block of the packed buffer.
@@ -326,6 +328,7 @@ def graph_samplable(params: SamplingParams) -> bool:
         and not params.frequency_penalty
         and params.logprobs is None
         and params.structured_outputs is None
+        and not params.token_masked
     )
 
 
@@ -397,15 +400,18 @@ def plan_step(rows: Sequence[SampleRow], vocab_size: int) -> StepPlan:
     any_sampled = any_top_p = any_min_p = False
     masked_pos: list[int] = []
     constrained: list[tuple[GrammarMatcher, Sequence[int]]] = []
+    masked_rows: list[SampleRow] = []
     words = bitmask_words(vocab_size)
     for row in rows:
-        if row.grammar is not None:
-            if row.grammar.words != words:
-                raise ValueError(
-                    f"the grammar's vocabulary ({row.grammar.vocab_size}) is not the logits' ({vocab_size})"
-                )
+        if row.grammar is not None and row.grammar.words != words:
+            raise ValueError(
+                f"the grammar's vocabulary ({row.grammar.vocab_size}) is not the logits' ({vocab_size})"
+            )
+        if row.grammar is not None or row.params.token_masked:
             masked_pos += range(len(params_rows), len(params_rows) + len(row.drafts) + 1)
-            constrained.append((row.grammar, row.drafts))
+            masked_rows.append(row)
+            if row.grammar is not None:
+                constrained.append((row.grammar, row.drafts))
         p = row.params
         lo, hi = seed_words(row.sample_seed)
         greedy = p.greedy
@@ -438,14 +444,18 @@ def plan_step(rows: Sequence[SampleRow], vocab_size: int) -> StepPlan:
     flat += [v for e in penalties for v in e]
     flat += lp_pos
     flat += masked_pos
-    if constrained:
+    if masked_rows:
         # The mask words ride in the float64 buffer as raw bits, two per slot, filled
         # in place by the matchers.
         mask_slots = -(-len(masked_pos) * words // 2)
         buf = np.zeros(len(flat) + mask_slots, dtype=np.float64)
         buf[: len(flat)] = flat
         tail = buf[len(flat):].view(np.int32)
-        fill_step_bitmasks(constrained, tail[: len(masked_pos) * words].reshape(len(masked_pos), words))
+        masks = tail[: len(masked_pos) * words].reshape(len(masked_pos), words)
+        if len(constrained) == len(masked_rows):
+            fill_step_bitmasks(constrained, masks)
+        else:
+            _fill_masks(masked_rows, constrained, masks, vocab_size)
         packed = torch.from_numpy(buf)
     else:
         packed = torch.tensor(flat, dtype=torch.float64)
@@ -461,8 +471,49 @@ def plan_step(rows: Sequence[SampleRow], vocab_size: int) -> StepPlan:
         any_top_p=any_top_p,
         any_min_p=any_min_p,
         num_masked=len(masked_pos),
-        mask_words=words if constrained else 0,
+        mask_words=words if masked_rows else 0,
     )
+
+
+def _token_bits(ids: Sequence[int], words: int) -> np.ndarray:
+    """The int32 bitmask words with the bits of ``ids`` set."""
+    bits = np.zeros(words * 32, dtype=np.uint8)
+    bits[np.asarray(list(ids), dtype=np.int64)] = 1
+    return np.packbits(bits, bitorder="little").view(np.int32)
+
+
+def _fill_masks(
+    rows: Sequence[SampleRow],
+    constrained: list[tuple[GrammarMatcher, Sequence[int]]],
+    out: np.ndarray,
+    vocab_size: int,
+) -> None:
+    """Masks of a step whose masked rows are not all grammar rows: the grammar rows'
+    from their matchers, then every row's ``allowed_token_ids`` and, before its
+    ``min_tokens``, EOS and ``stop_token_ids`` taken out (positions in row order)."""
+    words = out.shape[1]
+    grammar_masks = np.empty((sum(len(d) + 1 for _, d in constrained), words), dtype=np.int32)
+    if constrained:
+        fill_step_bitmasks(constrained, grammar_masks)
+    at = g = 0
+    for row in rows:
+        n = len(row.drafts) + 1
+        if row.grammar is not None:
+            out[at : at + n] = grammar_masks[g : g + n]
+            g += n
+        else:
+            out[at : at + n] = -1
+        p = row.params
+        if p.allowed_token_ids is not None:
+            out[at : at + n] &= _token_bits([t for t in p.allowed_token_ids if t < vocab_size], words)
+        if p.min_tokens:
+            banned = [t for t in (*row.eos_token_ids, *(p.stop_token_ids or ())) if t < vocab_size]
+            if banned:
+                ban = ~_token_bits(banned, words)
+                for j in range(n):
+                    if row.first_index + j < p.min_tokens:
+                        out[at + j] &= ban
+        at += n
 
 
 def _columns(plan: StepPlan, packed: torch.Tensor) -> torch.Tensor:
