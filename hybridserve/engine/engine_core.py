@@ -26,7 +26,7 @@ from hybridserve.engine.request import (
 from hybridserve.engine.scheduler import ScheduledRow, Scheduler, SchedulerOutput
 from hybridserve.kernels.state_postprocess import state_postprocess, state_postprocess_reference
 from hybridserve.runner.model_runner import ModelRunner, PendingStep
-from hybridserve.spec.ngram import NgramDrafter
+from hybridserve.spec.base import DraftRequest, build_drafter
 from hybridserve.tokenizer import Tokenizer
 
 
@@ -110,7 +110,7 @@ class EngineCore:
                 scratch_block=cc.num_kv_blocks,
                 scratch_page=cc.num_state_pages,
             )
-        self.drafter = NgramDrafter(config.spec) if config.spec is not None else None
+        self.drafter = build_drafter(config, model)
         if async_scheduling is None:
             async_scheduling = not enforce_eager and self.drafter is None
         if async_scheduling and (enforce_eager or self.drafter is not None):
@@ -350,6 +350,9 @@ class EngineCore:
             if self._inflight is not None:
                 held = [p for row in self._inflight[0].rows for p in row.state_outputs.values()]
             self.scheduler.check_integrity(held)
+            check_drafter = getattr(self.drafter, "check_integrity", None)
+            if check_drafter is not None:
+                check_drafter()
 
     def _launch_postprocess(
         self, sched: SchedulerOutput, verify: list[int], accepted: torch.Tensor
@@ -449,16 +452,21 @@ class EngineCore:
 
     def _propose_drafts(self) -> None:
         d = self.config.spec.num_speculative_tokens
+        decoding, asks = [], []
         for req in self.scheduler.running:
+            req.draft_token_ids = []
             if req.is_prefill:
-                req.draft_token_ids = []
                 continue
             room = min(
                 d,
                 self._max_tokens(req) - len(req.output_token_ids) - 1,
                 req.max_model_len - req.num_tokens - 1,
             )
-            drafts = self.drafter.propose(req.all_token_ids, room, key=req.request_id) if room > 0 else []
+            if room > 0:
+                decoding.append(req)
+                asks.append(DraftRequest(req.request_id, req.all_token_ids, room))
+        proposals = self.drafter.propose_batch(asks) if asks else []
+        for req, drafts in zip(decoding, proposals):
             if drafts and req.grammar is not None:
                 # A draft the grammar rejects could never be emitted: the run the
                 # verifier may accept ends before it.

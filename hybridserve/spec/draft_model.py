@@ -1,0 +1,285 @@
+"""A second, smaller model as the drafter, with KV blocks and state pages of its own.
+
+The draft model is any checkpoint the engine can load whose vocabulary is the
+target's. It runs through the same paged forward as the target
+(:mod:`hybridserve.models.batch`) on caches of its own: KV blocks from a private
+:class:`~hybridserve.cache.block_pool.BlockPool` and state pages from a private free
+list. Nothing is shared with the target's pools, so the target's page ownership
+(DESIGN.md section 4) is untouched by drafting.
+
+State lifecycle of one request (``L`` tokens in the sequence at a proposal, ``c`` of
+them already in the drafter's caches, state page ``P`` holding the drafter's state
+after token ``c - 1``):
+
+1. **catch-up**: one row feeds tokens ``c .. L - 1`` (the tokens the drafter has not
+   seen: at least the target's last token) from ``P``; its state after token ``L - 1``
+   goes to a fresh page ``P0``, which becomes the committed state (``P`` is released;
+   a forward never writes the page it reads). Its logits give draft ``d1``.
+2. **drafting**: ``k - 1`` single-token rows feed ``d1 .. d(k-1)`` at positions
+   ``L .. L + k - 2``, each from the previous row's page to a fresh page ``Pi``: the
+   state after draft ``di``. Their logits give ``d2 .. dk``. The pages ``Pi`` are kept
+   beside the committed page, as the target keeps ``S_0 .. S_d``.
+3. **selection** (at the next proposal): verification accepted ``a - 1`` drafts and
+   appended the target's token after them, so the sequence is now ``L + a`` tokens.
+   The drafter compares its fed drafts with the new tokens: the first ``j`` match
+   (``j = min(a - 1, k - 1)``), so page ``Pj`` (or ``P0`` for ``j = 0``) is the state
+   after token ``L + j - 1``: it becomes the committed page by id, and every other
+   page of the proposal goes back to the free list. No state is copied.
+4. **the bonus token**: the target's own token at position ``L + a - 1`` (and ``dk``
+   when every draft was accepted: it was proposed, never fed) has not been seen by the
+   drafter; the next catch-up row (step 1) feeds it first. KV entries the drafter wrote
+   for rejected drafts sit past its context length and are overwritten by the catch-up.
+
+The selection is by content: the state after a token prefix depends on nothing but
+the prefix, so whichever path produced the matching drafts, the page holds the exact
+state. A request the engine preempts keeps its drafter caches (its tokens survive
+preemption); when the drafter's pools run short, the least recently drafted requests
+outside the current batch lose theirs and are caught up from token 0 when they next
+draft. Drafts are the draft model's argmax: point masses, verified by the target's
+rule for them (:mod:`hybridserve.runner.sampler`), so sampled outputs keep the
+target's distribution.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from hybridserve.cache.block_pool import BlockPool
+from hybridserve.models.batch import ForwardBatch
+from hybridserve.spec.base import DraftRequest
+
+if TYPE_CHECKING:
+    from hybridserve.config import EngineConfig
+
+
+@dataclass
+class _Seq:
+    """The drafter's caches of one request."""
+
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0  # tokens whose K/V and state the drafter's caches hold
+    page: int = -1  # state after token computed - 1; -1: the zero state (computed == 0)
+    fed: list[tuple[int, int]] = field(default_factory=list)  # (draft, page after it)
+    last_used: int = 0
+
+
+class DraftModelDrafter:
+    """Drafts with a second model on caches of its own (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        num_kv_blocks: int,
+        kv_block_size: int,
+        num_state_pages: int,
+        dtype: torch.dtype,
+        ssm_dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.model = model
+        self.block_size = kv_block_size
+        self.device = torch.device(device)
+        self.caches = model.cache_spec.allocate(
+            num_kv_blocks, kv_block_size, num_state_pages, dtype, ssm_dtype, device
+        )
+        self.blocks = BlockPool(num_kv_blocks, kv_block_size, enable_caching=False)
+        self.free_pages: list[int] = list(range(num_state_pages - 1, -1, -1))
+        self.num_state_pages = num_state_pages
+        self._seqs: dict[Hashable, _Seq] = {}
+        self._clock = itertools.count(1)
+        self.counters = {"catch_up_tokens": 0, "draft_forwards": 0, "evictions": 0}
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, target: torch.nn.Module) -> DraftModelDrafter:
+        """Load ``config.spec.model`` and size its caches from the engine's: as many KV
+        blocks as the target, and ``1 + k`` state pages per running request."""
+        from hybridserve.models.loader import load_model
+
+        spec = config.spec
+        path = Path(spec.model).expanduser()
+        if not (path / "config.json").exists():
+            raise ValueError(
+                f"speculative_config.model={spec.model!r} is not a checkpoint directory "
+                "(no config.json)"
+            )
+        draft = load_model(path, dtype=config.dtype, device=config.device)
+        tv, dv = target.config.vocab_size, draft.config.vocab_size
+        if tv != dv:
+            raise ValueError(
+                f"speculative_config.model has vocab_size={dv}, the target {tv}: a draft "
+                "model must share the target's vocabulary"
+            )
+        max_len = config.scheduler.max_model_len
+        if draft.config.max_position_embeddings < max_len:
+            raise ValueError(
+                f"speculative_config.model has max_position_embeddings="
+                f"{draft.config.max_position_embeddings} < max_model_len={max_len}"
+            )
+        k = spec.num_speculative_tokens
+        cc = config.cache
+        # Every running request holds a committed page and up to k proposal pages; the
+        # slack lets a new proposal's pages be taken before the old ones are released.
+        pages = config.scheduler.max_num_seqs * (k + 2) + 2
+        return cls(
+            draft, cc.num_kv_blocks, cc.kv_block_size, pages, config.dtype,
+            cc.ssm_state_dtype, config.device,
+        )
+
+    # ---- bookkeeping ---------------------------------------------------------------
+
+    def forget(self, key: Hashable) -> None:
+        seq = self._seqs.pop(key, None)
+        if seq is None:
+            return
+        self._release_pages([seq.page] + [p for _, p in seq.fed])
+        self.blocks.release(seq.blocks)
+
+    def _release_pages(self, pages: Sequence[int]) -> None:
+        self.free_pages.extend(p for p in pages if p >= 0)
+
+    def _reconcile(self, seq: _Seq, toks: Sequence[int]) -> None:
+        """Make the committed page the state after the longest fed prefix that the
+        sequence confirms (step 3 of the module docstring); release the rest."""
+        j = 0
+        while (
+            j < len(seq.fed)
+            and seq.computed + j < len(toks)
+            and toks[seq.computed + j] == seq.fed[j][0]
+        ):
+            j += 1
+        if j:
+            keep = seq.fed[j - 1][1]
+            self._release_pages([seq.page] + [p for _, p in seq.fed if p != keep])
+            seq.page = keep
+            seq.computed += j
+        else:
+            self._release_pages([p for _, p in seq.fed])
+        seq.fed = []
+
+    def _reserve(self, seq: _Seq, tokens: int, pages: int, keep: set[int]) -> list[int] | None:
+        """Blocks for ``tokens`` positions and ``pages`` fresh pages for ``seq``,
+        evicting the least recently used requests outside ``keep`` (ids of the batch's
+        sequences) when short; None when even that is not enough."""
+        need_blocks = -(-tokens // self.block_size) - len(seq.blocks)
+        while need_blocks > self.blocks.num_free or pages > len(self.free_pages):
+            victims = [(s.last_used, key) for key, s in self._seqs.items() if id(s) not in keep]
+            if not victims:
+                return None
+            self.forget(min(victims)[1])
+            self.counters["evictions"] += 1
+        if need_blocks > 0:
+            seq.blocks += self.blocks.allocate(need_blocks)
+        return [self.free_pages.pop() for _ in range(pages)]
+
+    # ---- proposing ------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def propose_batch(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in requests]
+        live: list[tuple[int, _Seq, list[int], list[int]]] = []  # (index, seq, toks, pages)
+        keep = {id(s) for r in requests if (s := self._seqs.get(r.key)) is not None}
+        for i, r in enumerate(requests):
+            if r.k <= 0 or not r.token_ids:
+                continue
+            toks = list(r.token_ids)
+            seq = self._seqs.get(r.key)
+            if seq is not None:
+                self._reconcile(seq, toks)
+                if seq.computed >= len(toks):
+                    # Nothing left to feed (cannot happen when the target appends its
+                    # own token each step): start over rather than guess.
+                    self.forget(r.key)
+                    seq = None
+            if seq is None:
+                seq = self._seqs[r.key] = _Seq()
+                keep.add(id(seq))
+            seq.last_used = next(self._clock)
+            # Positions up to L + k - 2 are written (drafts d1 .. d(k-1)); k pages.
+            pages = self._reserve(seq, len(toks) + r.k - 1, r.k, keep)
+            if pages is None:
+                self.forget(r.key)
+                continue
+            live.append((i, seq, toks, pages))
+        if not live:
+            return out
+        # Step 1: the catch-up rows, all in one forward.
+        rows = []
+        for _, seq, toks, pages in live:
+            rows.append((seq, toks[seq.computed :], seq.computed, seq.page, pages[0]))
+        logits = self._forward(rows)
+        for (i, seq, toks, pages), row in zip(live, rows):
+            self.counters["catch_up_tokens"] += len(row[1])
+            self._release_pages([seq.page])
+            seq.page, seq.computed = pages[0], len(toks)
+        drafts = torch.argmax(logits, dim=-1).tolist()
+        for (i, _, _, _), d in zip(live, drafts):
+            out[i].append(d)
+        # Step 2: k - 1 single-token rows per request, one forward per draft position.
+        step = 1
+        while True:
+            active = [(i, seq, toks, pages) for i, seq, toks, pages in live if len(out[i]) < requests[i].k]
+            if not active:
+                break
+            rows = []
+            for i, seq, toks, pages in active:
+                prev = seq.fed[-1][1] if seq.fed else seq.page
+                rows.append((seq, [out[i][-1]], len(toks) + step - 1, prev, pages[step]))
+            logits = self._forward(rows)
+            for (i, seq, _, pages), d in zip(active, torch.argmax(logits, dim=-1).tolist()):
+                seq.fed.append((out[i][-1], pages[step]))
+                out[i].append(d)
+            step += 1
+        # Pages reserved for drafts a request did not need (k counted every one).
+        for i, seq, _, pages in live:
+            self._release_pages(pages[1 + len(seq.fed) :])
+        return out
+
+    def _forward(self, rows: list[tuple[_Seq, list[int], int, int, int]]) -> torch.Tensor:
+        """One packed forward of ``(seq, tokens, first position, page in, page out)``
+        rows; the state after each row's last token goes to its page out. Returns the
+        logits ``[rows, vocab]`` at each row's last token."""
+        self.counters["draft_forwards"] += 1
+        bs = self.block_size
+        ids, positions, slots, query_start = [], [], [], [0]
+        max_blocks = max(len(seq.blocks) for seq, *_ in rows)
+        tables = torch.full((len(rows), max_blocks), -1, dtype=torch.int32)
+        for r, (seq, toks, start, _, _) in enumerate(rows):
+            ids += toks
+            for pos in range(start, start + len(toks)):
+                positions.append(pos)
+                slots.append(seq.blocks[pos // bs] * bs + pos % bs)
+            query_start.append(query_start[-1] + len(toks))
+            tables[r, : len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
+        dev = self.device
+        batch = ForwardBatch(
+            query_start=query_start,
+            num_computed=[start for _, _, start, _, _ in rows],
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            context_lens=[start + len(toks) for _, toks, start, _, _ in rows],
+            block_tables=tables.to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            state_in_page=[page_in for *_, page_in, _ in rows],
+            state_out_row=list(range(len(rows))),
+            state_out_offset=[len(toks) - 1 for _, toks, _, _, _ in rows],
+            state_out_page=[page_out for *_, page_out in rows],
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        hidden = self.model.forward(input_ids, batch, self.caches)
+        last = torch.tensor([e - 1 for e in query_start[1:]], dtype=torch.long, device=dev)
+        return self.model.compute_logits(hidden[last])
+
+    def check_integrity(self) -> None:
+        """Every page is free or held exactly once; every block's owner is live."""
+        held = [p for s in self._seqs.values() for p in [s.page] + [q for _, q in s.fed] if p >= 0]
+        everything = held + self.free_pages
+        if sorted(everything) != list(range(self.num_state_pages)):
+            raise AssertionError("draft model state pages leaked or double-held")
+        blocks = [b for s in self._seqs.values() for b in s.blocks]
+        if len(blocks) + self.blocks.num_free != self.blocks.num_blocks or len(set(blocks)) != len(blocks):
+            raise AssertionError("draft model KV blocks leaked or double-held")
