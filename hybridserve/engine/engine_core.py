@@ -104,13 +104,18 @@ class EngineCore:
         # The state postprocess launches as soon as the step's choices exist on the
         # device, and its decisions come back in the same read as the choices.
         self.runner.on_verify = self._launch_postprocess
+        self.drafter = build_drafter(config, model)
+        # A drafter that reads the target's hidden states runs beside eager steps only.
+        self._observe = getattr(self.drafter, "observe", None)
+        if self._observe is not None:
+            self.runner.keep_hidden = True
+            enforce_eager = True
         if not enforce_eager:
             self.runner.enable_decode_graphs(
                 max_blocks=-(-config.scheduler.max_model_len // cc.kv_block_size),
                 scratch_block=cc.num_kv_blocks,
                 scratch_page=cc.num_state_pages,
             )
-        self.drafter = build_drafter(config, model)
         if async_scheduling is None:
             async_scheduling = not enforce_eager and self.drafter is None
         if async_scheduling and (enforce_eager or self.drafter is not None):
@@ -330,6 +335,8 @@ class EngineCore:
                 touched[group.request_id] = group
         if verify_rows:
             self._commit_postprocess(sched, verify_rows, dropped)
+        if self._observe is not None:
+            self._hand_over_hidden(sched, results, dropped)
         for row in sched.rows:
             req = row.request
             if id(row) in dropped:
@@ -343,6 +350,20 @@ class EngineCore:
             for g in touched.values()
             if not g.final_only or all(r.status.finished for r in g.children)
         ]
+
+    def _hand_over_hidden(self, sched: SchedulerOutput, results: list, dropped: set[int]) -> None:
+        """Give the drafter the target's hidden states of the positions this step
+        computed on true tokens: a prefill chunk's all, a verify row's accepted ones."""
+        hidden = self.runner.last_hidden
+        self.runner.last_hidden = None
+        if hidden is None:
+            return
+        start = 0
+        for row, res in zip(sched.rows, results):
+            valid = len(res.new_tokens) if row.is_verify else row.num_tokens
+            if id(row) not in dropped and row.request.status is RequestStatus.RUNNING:
+                self._observe(row.request.request_id, row.num_computed, hidden[start : start + valid])
+            start += row.num_tokens
 
     def _check_integrity(self) -> None:
         if self.check_integrity_every_step:

@@ -83,6 +83,9 @@ class ModelRunner:
         # the choices. Its host values land in ``verify_readback``.
         self.on_verify: Callable[[SchedulerOutput, list[int], torch.Tensor], torch.Tensor] | None = None
         self.verify_readback: list[int] | None = None
+        # Keep the last eager step's final hidden states ``[T, hidden]`` in ``last_hidden``.
+        self.keep_hidden = False
+        self.last_hidden: torch.Tensor | None = None
 
     def enable_decode_graphs(
         self, max_blocks: int, scratch_block: int, scratch_page: int, capture: bool | None = None
@@ -219,6 +222,9 @@ class ModelRunner:
             return self.collect(pending)
         input_ids, batch = self.build_batch(sched)
         hidden = self.model.forward(input_ids, batch, self.caches)
+        if self.keep_hidden:
+            # A drafter that reads the target's hidden states (MTP) takes them from here.
+            self.last_hidden = hidden
         # Gather the positions whose logits are needed: every token of a verify row,
         # the last token of a prefill row that completes its sequence.
         gather: list[int] = []

@@ -213,7 +213,7 @@ class DraftModelDrafter:
         for _, seq, toks, pages in live:
             rows.append((seq, toks[seq.computed :], seq.computed, seq.page, pages[0]))
         logits = self._forward(rows)
-        for (i, seq, toks, pages), row in zip(live, rows):
+        for (_, seq, toks, pages), row in zip(live, rows):
             self.counters["catch_up_tokens"] += len(row[1])
             self._release_pages([seq.page])
             seq.page, seq.computed = pages[0], len(toks)
@@ -236,7 +236,7 @@ class DraftModelDrafter:
                 out[i].append(d)
             step += 1
         # Pages reserved for drafts a request did not need (k counted every one).
-        for i, seq, _, pages in live:
+        for _, seq, _, pages in live:
             self._release_pages(pages[1 + len(seq.fed) :])
         return out
 
