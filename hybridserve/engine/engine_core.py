@@ -485,8 +485,12 @@ class EngineCore:
             )
             if room > 0:
                 decoding.append(req)
-                asks.append(DraftRequest(req.request_id, req.all_token_ids, room))
+                temperature = 0.0 if req.params.greedy else req.params.temperature
+                asks.append(DraftRequest(req.request_id, req.all_token_ids, room, temperature,
+                                         req.sample_seed, len(req.output_token_ids)))
         proposals = self.drafter.propose_batch(asks) if asks else []
+        # Drafts sampled from the drafter's own distribution travel with it to the sampler.
+        self.runner.draft_logq = getattr(self.drafter, "draft_logq", {})
         for req, drafts in zip(decoding, proposals):
             if drafts and req.grammar is not None:
                 # A draft the grammar rejects could never be emitted: the run the

@@ -34,11 +34,47 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class DraftRequest:
-    """One decoding request of a step, as a drafter sees it."""
+    """One decoding request of a step, as a drafter sees it. ``temperature`` > 0: a
+    drafter with a distribution samples its drafts from it (with the request's
+    ``sample_seed``; draft ``j`` generates output token ``first_index + j``) and reports
+    it (:func:`choose_drafts`); 0: it proposes its argmax."""
 
     key: Hashable
     token_ids: Sequence[int]
     k: int
+    temperature: float = 0.0
+    sample_seed: int | None = None
+    first_index: int = 0
+
+
+def choose_drafts(
+    logits: torch.Tensor, requests: Sequence[DraftRequest], step: int
+) -> tuple[list[int], list[torch.Tensor | None]]:
+    """Draft ``step`` (0-based) of each request from the drafter's ``logits [N, vocab]``:
+    the argmax for greedy requests; for sampled ones a sample of
+    ``q = softmax(logits / temperature)`` from the request's counter-based stream
+    (:func:`hybridserve.runner.sampler.draft_draw`), returned with ``log q`` so the
+    target can accept it with ``min(1, p / q)``."""
+    from hybridserve.runner import sampler
+
+    tokens = torch.argmax(logits, dim=-1)
+    logqs: list[torch.Tensor | None] = [None] * len(requests)
+    sampled = [i for i, r in enumerate(requests) if r.temperature > 0]
+    if sampled:
+        temps = torch.tensor([requests[i].temperature for i in sampled], device=logits.device)
+        logq = torch.log_softmax(logits[sampled].double() / temps[:, None], dim=-1)
+        words = [sampler.seed_words(requests[i].sample_seed) for i in sampled]
+        lo = torch.tensor([w[0] for w in words], dtype=torch.int64, device=logits.device)
+        hi = torch.tensor([w[1] for w in words], dtype=torch.int64, device=logits.device)
+        index = torch.tensor(
+            [requests[i].first_index + step for i in sampled], dtype=torch.int64, device=logits.device
+        )
+        tokens = tokens.index_put(
+            (torch.tensor(sampled, device=logits.device),), sampler.draft_draw(logq, lo, hi, index)
+        )
+        for j, i in enumerate(sampled):
+            logqs[i] = logq[j]
+    return tokens.tolist(), logqs
 
 
 class Drafter(Protocol):

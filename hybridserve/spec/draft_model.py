@@ -35,9 +35,9 @@ the prefix, so whichever path produced the matching drafts, the page holds the e
 state. A request the engine preempts keeps its drafter caches (its tokens survive
 preemption); when the drafter's pools run short, the least recently drafted requests
 outside the current batch lose theirs and are caught up from token 0 when they next
-draft. Drafts are the draft model's argmax: point masses, verified by the target's
-rule for them (:mod:`hybridserve.runner.sampler`), so sampled outputs keep the
-target's distribution.
+draft. Greedy requests get the draft model's argmax; sampled requests get samples of
+its distribution ``q`` (:func:`~hybridserve.spec.base.choose_drafts`), which the
+target accepts with ``min(1, p / q)`` (:func:`hybridserve.runner.sampler.speculative_choices`).
 """
 
 from __future__ import annotations
@@ -52,10 +52,17 @@ import torch
 
 from hybridserve.cache.block_pool import BlockPool
 from hybridserve.models.batch import ForwardBatch
-from hybridserve.spec.base import DraftRequest
+from hybridserve.spec.base import DraftRequest, choose_drafts
 
 if TYPE_CHECKING:
     from hybridserve.config import EngineConfig
+
+
+def _keep_logq(store: dict, requests: Sequence[DraftRequest], logq: dict[int, list]) -> None:
+    """Record ``log q`` of each sampled request's drafts under its key."""
+    for i, qs in logq.items():
+        if qs and all(q is not None for q in qs):
+            store[requests[i].key] = torch.stack(qs)
 
 
 @dataclass
@@ -93,6 +100,8 @@ class DraftModelDrafter:
         self.num_state_pages = num_state_pages
         self._seqs: dict[Hashable, _Seq] = {}
         self._clock = itertools.count(1)
+        # Per key: log q of each draft of the latest proposal (sampled requests only).
+        self.draft_logq: dict[Hashable, torch.Tensor] = {}
         self.counters = {"catch_up_tokens": 0, "draft_forwards": 0, "evictions": 0}
 
     @classmethod
@@ -134,6 +143,7 @@ class DraftModelDrafter:
     # ---- bookkeeping ---------------------------------------------------------------
 
     def forget(self, key: Hashable) -> None:
+        self.draft_logq.pop(key, None)
         seq = self._seqs.pop(key, None)
         if seq is None:
             return
@@ -182,6 +192,8 @@ class DraftModelDrafter:
     @torch.inference_mode()
     def propose_batch(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in requests]
+        for r in requests:
+            self.draft_logq.pop(r.key, None)
         live: list[tuple[int, _Seq, list[int], list[int]]] = []  # (index, seq, toks, pages)
         keep = {id(s) for r in requests if (s := self._seqs.get(r.key)) is not None}
         for i, r in enumerate(requests):
@@ -217,9 +229,11 @@ class DraftModelDrafter:
             self.counters["catch_up_tokens"] += len(row[1])
             self._release_pages([seq.page])
             seq.page, seq.computed = pages[0], len(toks)
-        drafts = torch.argmax(logits, dim=-1).tolist()
-        for (i, _, _, _), d in zip(live, drafts):
+        logq: dict[int, list] = {i: [] for i, *_ in live}
+        drafts, qs = choose_drafts(logits, [requests[i] for i, *_ in live], 0)
+        for (i, _, _, _), d, q in zip(live, drafts, qs):
             out[i].append(d)
+            logq[i].append(q)
         # Step 2: k - 1 single-token rows per request, one forward per draft position.
         step = 1
         while True:
@@ -231,13 +245,16 @@ class DraftModelDrafter:
                 prev = seq.fed[-1][1] if seq.fed else seq.page
                 rows.append((seq, [out[i][-1]], len(toks) + step - 1, prev, pages[step]))
             logits = self._forward(rows)
-            for (i, seq, _, pages), d in zip(active, torch.argmax(logits, dim=-1).tolist()):
+            drafts, qs = choose_drafts(logits, [requests[i] for i, *_ in active], step)
+            for (i, seq, _, pages), d, q in zip(active, drafts, qs):
                 seq.fed.append((out[i][-1], pages[step]))
                 out[i].append(d)
+                logq[i].append(q)
             step += 1
         # Pages reserved for drafts a request did not need (k counted every one).
         for _, seq, _, pages in live:
             self._release_pages(pages[1 + len(seq.fed) :])
+        _keep_logq(self.draft_logq, requests, logq)
         return out
 
     def _forward(self, rows: list[tuple[_Seq, list[int], int, int, int]]) -> torch.Tensor:

@@ -56,7 +56,8 @@ from hybridserve.models.base import CacheSpec
 from hybridserve.models.batch import ForwardBatch, ModelCaches
 from hybridserve.models.config import ATTENTION
 from hybridserve.models.hybrid import DecoderLayer, build_norm
-from hybridserve.spec.base import DraftRequest
+from hybridserve.spec.base import DraftRequest, choose_drafts
+from hybridserve.spec.draft_model import _keep_logq
 
 if TYPE_CHECKING:
     from hybridserve.config import EngineConfig
@@ -209,6 +210,8 @@ class MtpDrafter:
         self._seqs: dict[Hashable, _Seq] = {}
         self._hidden: dict[Hashable, tuple[int, torch.Tensor]] = {}
         self._clock = itertools.count(1)
+        # Per key: log q of each draft of the latest proposal (sampled requests only).
+        self.draft_logq: dict[Hashable, torch.Tensor] = {}
         self.counters = {"catch_up_tokens": 0, "draft_forwards": 0, "evictions": 0}
 
     @classmethod
@@ -233,6 +236,7 @@ class MtpDrafter:
         self._hidden[key] = (hstart, torch.cat([old[: start - hstart], hidden]))
 
     def forget(self, key: Hashable) -> None:
+        self.draft_logq.pop(key, None)
         self._hidden.pop(key, None)
         seq = self._seqs.pop(key, None)
         if seq is not None:
@@ -243,6 +247,8 @@ class MtpDrafter:
     @torch.inference_mode()
     def propose_batch(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in requests]
+        for r in requests:
+            self.draft_logq.pop(r.key, None)
         live = []  # (index, seq, toks, lo): catch-up slots lo .. L - 2
         keep = {id(s) for r in requests if (s := self._seqs.get(r.key)) is not None}
         for i, r in enumerate(requests):
@@ -295,9 +301,11 @@ class MtpDrafter:
             hstart, hidden = self._hidden[requests[i].key]
             drop = max(0, seq.filled - 1 - hstart)
             self._hidden[requests[i].key] = (hstart + drop, hidden[drop:].clone())
-        drafts = torch.argmax(self.target.compute_logits(y), dim=-1).tolist()
-        for (i, *_), d in zip(live, drafts):
+        logq: dict[int, list] = {i: [] for i, *_ in live}
+        drafts, qs = choose_drafts(self.target.compute_logits(y), [requests[i] for i, *_ in live], 0)
+        for (i, *_), d, q in zip(live, drafts, qs):
             out[i].append(d)
+            logq[i].append(q)
         step = 1
         while True:
             sel = [j for j, (i, *_) in enumerate(live) if len(out[i]) < requests[i].k]
@@ -307,9 +315,12 @@ class MtpDrafter:
             rows = [(seq, len(toks) - 2 + step, 1) for _, seq, toks, _ in live]
             ids = torch.tensor([out[i][-1] for i, *_ in live], dtype=torch.long, device=self.device)
             y = self._forward(rows, embed(ids), y)
-            for (i, *_), d in zip(live, torch.argmax(self.target.compute_logits(y), dim=-1).tolist()):
+            drafts, qs = choose_drafts(self.target.compute_logits(y), [requests[i] for i, *_ in live], step)
+            for (i, *_), d, q in zip(live, drafts, qs):
                 out[i].append(d)
+                logq[i].append(q)
             step += 1
+        _keep_logq(self.draft_logq, requests, logq)
         return out
 
     def forget_slots(self, key: Hashable) -> None:

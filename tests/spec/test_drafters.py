@@ -382,3 +382,104 @@ def test_batch_interface_of_the_ngram_drafter(tiny_granite):
     llm = LLM(tiny_granite, speculative_config=_spec("ngram", 3))
     reqs = [DraftRequest("x", [1, 2, 3, 1, 2], 3), DraftRequest("y", [5, 6], 0)]
     assert llm.engine.drafter.propose_batch(reqs) == [[3, 1, 2], []]
+
+
+# ---- speculative sampling with the drafter's distribution --------------------------
+
+
+def _p_value(counts: torch.Tensor, expected: torch.Tensor) -> float:
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    df = torch.tensor((counts.numel() - 1) / 2, dtype=torch.float64)
+    return float(torch.special.gammaincc(df, torch.tensor(chi2 / 2, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("case", ["close", "far", "equal"])
+def test_speculative_sampling_reproduces_the_target_distribution(case):
+    """Draft x ~ q (the drafter's stream), accepted with min(1, p/q), else the residual:
+    the emitted token is distributed as p (chi-square), acceptance is sum(min(p, q))."""
+    from hybridserve.runner import sampler
+
+    g = torch.Generator().manual_seed({"close": 1, "far": 2, "equal": 3}[case])
+    vocab, trials = 10, 8000
+    logp = torch.log_softmax(torch.randn(vocab, generator=g, dtype=torch.float64) * 1.2, -1)
+    if case == "equal":
+        logq = logp.clone()
+    else:
+        noise = 0.5 if case == "close" else 2.0
+        logq = torch.log_softmax(logp + noise * torch.randn(vocab, generator=g, dtype=torch.float64), -1)
+    seeds = torch.arange(trials, dtype=torch.int64) * 7919 + 13
+    lo, hi = seeds & ((1 << 31) - 1), seeds >> 31
+    index = torch.full((trials,), 5, dtype=torch.int64)
+    drafts = sampler.draft_draw(logq.expand(trials, vocab), lo, hi, index)
+    # The drafts follow q.
+    assert _p_value(torch.bincount(drafts, minlength=vocab).double(), logq.exp() * trials) > 1e-3
+    out = sampler.speculative_choices(logp.expand(trials, vocab), logq.expand(trials, vocab), drafts, lo, hi, index)
+    counts = torch.bincount(out, minlength=vocab).double()
+    assert _p_value(counts, logp.exp() * trials) > 1e-3
+    accepted = float((out == drafts).double().mean())
+    expect = float(torch.minimum(logp.exp(), logq.exp()).sum())
+    assert abs(accepted - expect) < 0.025
+    if case == "equal":
+        assert accepted == 1.0
+    # Reproducible: the same seeds give the same tokens.
+    again = sampler.speculative_choices(logp.expand(trials, vocab), logq.expand(trials, vocab), drafts, lo, hi, index)
+    assert torch.equal(out, again)
+
+
+def test_the_chi_square_has_power_against_unverified_drafts():
+    """The planted bug "accept every sampled draft" emits the drafts themselves: the
+    same chi-square rejects them as samples of p, so passing it above means something."""
+    from hybridserve.runner import sampler
+
+    g = torch.Generator().manual_seed(2)
+    vocab, trials = 10, 8000
+    logp = torch.log_softmax(torch.randn(vocab, generator=g, dtype=torch.float64) * 1.2, -1)
+    logq = torch.log_softmax(logp + 2.0 * torch.randn(vocab, generator=g, dtype=torch.float64), -1)
+    seeds = torch.arange(trials, dtype=torch.int64) * 7919 + 13
+    lo, hi = seeds & ((1 << 31) - 1), seeds >> 31
+    index = torch.full((trials,), 5, dtype=torch.int64)
+    drafts = sampler.draft_draw(logq.expand(trials, vocab), lo, hi, index)
+    assert _p_value(torch.bincount(drafts, minlength=vocab).double(), logp.exp() * trials) < 1e-6
+
+
+def _second_tokens(llm, prompt, seed, n=300):
+    params = SamplingParams(n=n, max_tokens=3, temperature=0.8, seed=seed, ignore_eos=True)
+    return [c.token_ids[1] for c in llm.generate([prompt], params)[0].outputs]
+
+
+def test_sampled_outputs_with_a_draft_model_follow_the_target(qwen_mtp, qwen_draft):
+    """Two-sample chi-square on the token emitted by the first verify step: plain
+    sampling vs speculation with a different draft model (drafts sampled from q)."""
+    prompt = _workload(0)[1]
+    plain = LLM(qwen_mtp, max_num_seqs=300, num_state_pages=1400)
+    spec = LLM(qwen_mtp, max_num_seqs=300, num_state_pages=2400,
+               speculative_config=_spec("draft_model", 2, qwen_draft))
+    a = _second_tokens(plain, prompt, 21)
+    b = _second_tokens(spec, prompt, 22)
+    s = spec.stats()
+    assert s["spec_draft_tokens"] > 0 and 0 < s["spec_accepted_tokens"] < s["spec_draft_tokens"]
+    tokens = sorted(set(a) | set(b))
+    ca = torch.tensor([a.count(t) for t in tokens], dtype=torch.float64)
+    cb = torch.tensor([b.count(t) for t in tokens], dtype=torch.float64)
+    rare = (ca + cb) < 10
+    if rare.any():
+        ca = torch.cat([ca[~rare], ca[rare].sum()[None]])
+        cb = torch.cat([cb[~rare], cb[rare].sum()[None]])
+    total = ca + cb
+    ea, eb = total / 2, total / 2
+    chi2 = float(((ca - ea) ** 2 / ea + (cb - eb) ** 2 / eb).sum())
+    df = len(total) - 1
+    assert df >= 3
+    assert float(torch.special.gammaincc(torch.tensor(df / 2), torch.tensor(chi2 / 2))) > 1e-3
+    # Seeded requests reproduce under speculation.
+    assert _second_tokens(spec, prompt, 22, n=40) == b[:40]
+
+
+def test_sampled_draft_model_equal_to_target_accepts_every_draft(qwen_mtp):
+    """q == p (the drafter is the target, plain temperature): min(1, p/q) = 1 always."""
+    llm = LLM(qwen_mtp, speculative_config=_spec("draft_model", 3, qwen_mtp))
+    params = SamplingParams(n=4, max_tokens=20, temperature=0.9, seed=3, ignore_eos=True)
+    llm.generate([_workload(0)[1]], params)
+    s = llm.stats()
+    assert s["spec_draft_tokens"] > 0
+    assert s["spec_accepted_tokens"] == s["spec_draft_tokens"]
