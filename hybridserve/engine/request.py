@@ -108,6 +108,8 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    # Committing one of its steps raised (after the forward); its caches were freed.
+    FINISHED_ERROR = "error"
 
     @property
     def finished(self) -> bool:
@@ -115,6 +117,7 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_ERROR,
         )
 
 
@@ -230,3 +233,5 @@ class RequestOutput:
     # Per-request counters: spec_draft_tokens, spec_accepted_tokens,
     # spec_mean_accepted_length (tokens per verify step), num_preemptions.
     metrics: dict[str, float] = field(default_factory=dict)
+    # Why the request failed (its outputs finish with reason "error"), else None.
+    error: str | None = None
