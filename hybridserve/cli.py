@@ -7,6 +7,7 @@ answer at once; each command imports what it needs when it runs.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import warnings
 from collections.abc import Sequence
@@ -89,6 +90,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "--num-speculative-tokens", type=int, default=0,
         help="n-gram (prompt lookup) speculative decoding with this many draft tokens; 0 = off",
     )
+    p.add_argument(
+        "--speculative-config", type=str, default=None, metavar="JSON",
+        help='speculative decoding as a JSON object, e.g. \'{"method": "mtp", '
+        '"num_speculative_tokens": 3}\' (methods: ngram, mtp, draft_model with "model": PATH)',
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed of sampling")
     p.add_argument(
         "--enforce-eager", action="store_true",
@@ -107,7 +113,17 @@ def llm_from_args(args: argparse.Namespace):
     from hybridserve import LLM
 
     spec = None
-    if args.num_speculative_tokens > 0:
+    if getattr(args, "speculative_config", None):
+        if args.num_speculative_tokens > 0:
+            raise SystemExit("give --speculative-config or --num-speculative-tokens, not both")
+        try:
+            spec = json.loads(args.speculative_config)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"--speculative-config is not valid JSON: {e}") from None
+        if not isinstance(spec, dict):
+            raise SystemExit("--speculative-config must be a JSON object such as "
+                             '{"method": "ngram", "num_speculative_tokens": 3}')
+    elif args.num_speculative_tokens > 0:
         spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
     return LLM(
         args.model,

@@ -483,3 +483,23 @@ def test_sampled_draft_model_equal_to_target_accepts_every_draft(qwen_mtp):
     s = llm.stats()
     assert s["spec_draft_tokens"] > 0
     assert s["spec_accepted_tokens"] == s["spec_draft_tokens"]
+
+
+def test_cli_speculative_config(qwen_mtp, qwen_draft):
+    import argparse
+
+    from hybridserve.cli import add_engine_arguments, llm_from_args
+
+    p = argparse.ArgumentParser()
+    add_engine_arguments(p)
+    import json
+
+    spec = json.dumps({"method": "draft_model", "model": str(qwen_draft), "num_speculative_tokens": 2})
+    llm = llm_from_args(p.parse_args(["--model", str(qwen_mtp), "--speculative-config", spec]))
+    assert llm.config.spec.method == "draft_model" and llm.config.spec.num_speculative_tokens == 2
+    llm = llm_from_args(p.parse_args(["--model", str(qwen_mtp), "--speculative-config", '{"method": "mtp"}']))
+    assert type(llm.engine.drafter).__name__ == "MtpDrafter"
+    with pytest.raises(SystemExit, match="not valid JSON"):
+        llm_from_args(p.parse_args(["--model", str(qwen_mtp), "--speculative-config", "{mtp"]))
+    with pytest.raises(ValueError, match="speculative_config.model is required"):
+        llm_from_args(p.parse_args(["--model", str(qwen_mtp), "--speculative-config", '{"method": "draft_model"}']))
