@@ -188,7 +188,7 @@ def test_plan_lays_out_pages_per_token_and_qualifies_short_steps(monkeypatch):
 
 
 @pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=interpreted)])
-def test_mixer_short_rows_match_per_row_path(tmp_path, monkeypatch, kernels):
+def test_mixer_short_rows_match_per_row_path(tmp_path, monkeypatch, kernels, mixer_paths):
     """Whole model steps of short rows (fresh prompts, continuations of several tokens and
     of one token, rows with extra state requests) through the short-row path equal the
     per-row path: logits and every written state page. The twins in float64 (tight), the
@@ -210,8 +210,9 @@ def test_mixer_short_rows_match_per_row_path(tmp_path, monkeypatch, kernels):
     more = {0: torch.randint(3, 256, (6,), generator=g).tolist(),
             1: torch.randint(3, 256, (1,), generator=g).tolist(),
             2: torch.randint(3, 256, (9,), generator=g).tolist()}
-    results = []
+    results, paths = [], []
     for mode in ("auto" if kernels else "reference", "off"):
+        mixer_paths.clear()
         monkeypatch.setattr(mamba2, "SHORT_ROWS", mode)
         # "auto" means CUDA; here the interpreter runs the same kernels on the CPU.
         monkeypatch.setattr(mamba2, "short_rows_enabled", lambda device, compute, m=mode: m != "off")
@@ -227,6 +228,11 @@ def test_mixer_short_rows_match_per_row_path(tmp_path, monkeypatch, kernels):
             for layer in model.cache_spec.mamba_layers
         }
         results.append((torch.cat([first, second]), states))
+        paths.append(dict(mixer_paths))
+    # Neither step is a uniform decode step: two short-row calls per layer, or rows
+    # through the per-row path (three a step, per layer).
+    layers = len(model.cache_spec.mamba_layers)
+    assert paths == [{"short": 2 * layers}, {"per_row": 6 * layers}], paths
     (fl, fs), (sl, ss) = results
     assert not fl.isnan().any()
     tol = 1e-4 if kernels else 1e-10

@@ -408,7 +408,9 @@ def test_fused_path_through_whole_model_matches_torch_path(request, monkeypatch,
 
     model = load_model(request.getfixturevalue(arch), dtype=dtype)
     seed = _seed()
-    want = _two_steps(model, seed)
+    with racecheck.record_launches(record=False) as rec:
+        want = _two_steps(model, seed)
+    assert rec.launches == 0  # the torch path launches nothing
     monkeypatch.setattr(norms, "TRITON_NORMS", "always")
     with racecheck.record_launches(record=False) as rec:
         got = _two_steps(model, seed)
