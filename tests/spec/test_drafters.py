@@ -501,3 +501,34 @@ def test_cli_speculative_config(qwen_mtp, qwen_draft):
         llm_from_args(p.parse_args(["--model", str(qwen_mtp), "--speculative-config", "{mtp"]))
     with pytest.raises(ValueError, match="speculative_config.model is required"):
         llm_from_args(p.parse_args(["--model", str(qwen_mtp), "--speculative-config", '{"method": "draft_model"}']))
+
+
+def test_mtp_catch_up_after_accepted_drafts_equals_from_scratch(qwen_mtp):
+    """Drive the MTP drafter as the engine does, with acceptances a random head rarely
+    earns: after each proposal accept a random number of its drafts plus a bonus token,
+    hand over the target's hidden states of the newly computed positions, propose again;
+    every proposal equals the head run from scratch on the dense hidden states."""
+    llm = LLM(qwen_mtp, speculative_config=_spec("mtp", 4))
+    drafter = llm.engine.drafter
+    rng = random.Random(11)
+    with torch.inference_mode():
+        for trial in range(3):
+            key = f"t{trial}"
+            tokens = _rand(rng, 9 + 5 * trial)
+            hidden = _dense_hidden(llm.model, tokens)
+            drafter.observe(key, 0, hidden[: len(tokens) - 1])  # the prompt's prefill
+            computed = len(tokens) - 1
+            for _ in range(6):
+                k = rng.randint(1, 4)
+                drafts = drafter.propose_batch([DraftRequest(key, tokens, k)])[0]
+                dense = _dense_hidden(llm.model, tokens)
+                assert drafts == _dense_mtp_drafts(drafter, tokens, dense, k)
+                a = rng.randint(1, len(drafts) + 1)  # accepted drafts + 1
+                tokens = tokens + drafts[: a - 1] + [rng.randrange(3, 256)]
+                # The verify row computed positions computed .. computed + a - 1 on true tokens.
+                full = _dense_hidden(llm.model, tokens)
+                drafter.observe(key, computed, full[computed : computed + a])
+                computed += a
+            drafter.forget(key)
+    drafter.check_integrity()
+    assert drafter.blocks.num_free == drafter.blocks.num_blocks
