@@ -97,6 +97,9 @@ def main() -> None:
                     tokens_per_s=round(sum(map(len, tokens)) / seconds, 1),
                     draft_tokens=drafted, accepted_tokens=acc,
                     mean_accepted_length=round(1 + acc / rows, 3) if rows else None,
+                    drafter_share=round(
+                        (s["spec_drafter_seconds"] - before.get("spec_drafter_seconds", 0.0)) / seconds, 3
+                    ),
                     matches_no_speculation=tokens == reference,
                 )
                 results.append(row)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import time
 from dataclasses import dataclass
 
 import torch
@@ -146,6 +147,7 @@ class EngineCore:
             "spec_draft_tokens": 0,
             "spec_accepted_tokens": 0,
             "spec_verify_rows": 0,
+            "spec_drafter_seconds": 0.0,
         }
         self.check_integrity_every_step = False
         self._grammars = None  # the GrammarBackend, built on the first constrained request
@@ -578,7 +580,11 @@ class EngineCore:
                 temperature = 0.0 if req.params.greedy else req.params.temperature
                 asks.append(DraftRequest(req.request_id, req.all_token_ids, room, temperature,
                                          req.sample_seed, len(req.output_token_ids)))
+        started = time.perf_counter()
         proposals = self.drafter.propose_batch(asks) if asks else []
+        # Host wall time of drafting (on CUDA the drafter's forwards are mostly
+        # synchronous: its argmax is read back for the next draft).
+        self.counters["spec_drafter_seconds"] += time.perf_counter() - started
         # Drafts sampled from the drafter's own distribution travel with it to the sampler.
         self.runner.draft_logq = getattr(self.drafter, "draft_logq", {})
         for req, drafts in zip(decoding, proposals):
