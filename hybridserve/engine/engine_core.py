@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridserve.cache.host_tier import HostStatePool, Transfers, host_pages_for
 from hybridserve.config import EngineConfig
 from hybridserve.detokenizer import IncrementalDetokenizer
 from hybridserve.engine.request import (
@@ -102,8 +103,10 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
-        self.scheduler = Scheduler(config.scheduler, config.cache, prefill_flops(model))
         cc = config.cache
+        page_bytes = model.cache_spec.state_page_bytes(config.dtype, cc.ssm_state_dtype)
+        host_pages = host_pages_for(cc, page_bytes)
+        self.scheduler = Scheduler(config.scheduler, config.cache, prefill_flops(model), host_pages)
         if enforce_eager is None:
             enforce_eager = torch.device(config.device).type != "cuda"
         # Decode graphs pad steps with rows that write one KV block and read one state
@@ -114,6 +117,8 @@ class EngineCore:
             config.dtype, cc.ssm_state_dtype, config.device,
         )
         self.runner = ModelRunner(model, caches, cc.kv_block_size, config.scheduler.max_num_seqs, config.device)
+        if self.scheduler.host.enabled:
+            self.runner.host_pool = HostStatePool(caches.conv, caches.ssm, host_pages)
         # The state postprocess launches as soon as the step's choices exist on the
         # device, and its decisions come back in the same read as the choices.
         self.runner.on_verify = self._launch_postprocess
@@ -257,6 +262,10 @@ class EngineCore:
             self._propose_drafts()
         sched = self.scheduler.schedule()
         if not sched.rows:
+            if sched.transfers:
+                # Only host-tier copies this step (a restore the waiting head needs).
+                self._guarded(sched, lambda: self.runner.run_transfers(sched))
+                return []
             if self.scheduler.waiting and not self.scheduler.running:
                 # The oldest waiting request cannot fit even in an empty engine.
                 req = self.scheduler.waiting[0]
@@ -284,6 +293,10 @@ class EngineCore:
             # requests keep their caches and are scheduled again by the next step.
             for row in sched.rows:
                 self.scheduler.release_row(row)
+            if sched.transfers:
+                # The host-tier copies did not (all) happen: forget what they carried.
+                self.scheduler.abandon_transfers(sched.transfers)
+                sched.transfers = Transfers()
             raise
 
     def _advance(self, sched: SchedulerOutput, pending: PendingStep) -> list[RequestOutput]:
@@ -735,6 +748,12 @@ class EngineCore:
         c["checkpoints_admitted"] = s.states.num_admitted
         c["checkpoints_evicted"] = s.states.num_evicted
         c["checkpoints_dropped"] = s.states.num_dropped
+        c["host_checkpoint_pages"] = len(s.host.checkpoints)
+        c["host_checkpoint_pages_total"] = s.host.num_pages
+        c["host_checkpoints_offloaded"] = s.host.num_offloaded
+        c["host_checkpoints_restored"] = s.host.num_restored
+        c["host_checkpoints_evicted"] = s.host.num_evicted
+        c["host_checkpoints_dropped"] = s.host.num_dropped
         c["kv_blocks_free"] = s.blocks.num_free
         c["kv_blocks_total"] = s.blocks.num_blocks
         c["state_pages_free"] = s.states.num_free

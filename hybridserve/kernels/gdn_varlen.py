@@ -25,6 +25,7 @@ checks, :func:`varlen_plan`), so no program reads or writes what another writes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -33,7 +34,9 @@ import triton.language as tl
 from hybridserve.kernels.conv_varlen import token_rows
 from hybridserve.kernels.gdn import gated_delta_rule_reference
 from hybridserve.kernels.gdn_decode import _check_operands
-from hybridserve.models.batch import ForwardBatch
+
+if TYPE_CHECKING:  # annotations only: importing models here would be circular
+    from hybridserve.models.batch import ForwardBatch
 
 __all__ = ["VarlenPlan", "gdn_varlen_update", "gdn_varlen_update_reference", "varlen_plan"]
 

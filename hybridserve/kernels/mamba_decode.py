@@ -28,13 +28,16 @@ qualifies and turns its host lists into the index tensors both ops take.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
 from hybridserve.kernels.conv1d import apply_activation
-from hybridserve.models.batch import ForwardBatch
+
+if TYPE_CHECKING:  # annotations only: importing models here would be circular
+    from hybridserve.models.batch import ForwardBatch
 
 __all__ = [
     "MAX_DECODE_TOKENS",

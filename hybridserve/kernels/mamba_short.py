@@ -32,6 +32,7 @@ qualifies and uploads its index tensors once per step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -40,7 +41,9 @@ import triton.language as tl
 from hybridserve.kernels.conv_varlen import token_rows
 from hybridserve.kernels.mamba_decode import check_ssm_operands, ssm_token_step
 from hybridserve.kernels.ssd import ssd_step_reference
-from hybridserve.models.batch import ForwardBatch
+
+if TYPE_CHECKING:  # annotations only: importing models here would be circular
+    from hybridserve.models.batch import ForwardBatch
 
 __all__ = [
     "MAX_SHORT_TOKENS",

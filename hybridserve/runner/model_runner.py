@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridserve.cache.host_tier import HostStatePool, Transfers
 from hybridserve.engine.request import Logprob
 from hybridserve.engine.scheduler import SchedulerOutput
 from hybridserve.models.batch import ForwardBatch, ModelCaches
@@ -89,6 +90,19 @@ class ModelRunner:
         # drafts it sampled (none for point-mass drafts), set by the engine each step.
         self.draft_logq: dict[str, torch.Tensor] = {}
         self.last_hidden: torch.Tensor | None = None
+        # The host tier's tensors (set by the engine when the tier is on).
+        self.host_pool: HostStatePool | None = None
+
+    def run_transfers(self, sched: SchedulerOutput) -> None:
+        """Perform the host-tier copies a step carries (once), before its forward, and
+        order the forward after any restore whose page it reads."""
+        if self.host_pool is None:
+            return
+        # Cleared only once the copies are queued: a step whose copies raised keeps
+        # them, so the engine can forget what they were to carry.
+        self.host_pool.run(sched.transfers)
+        sched.transfers = Transfers()
+        self.host_pool.before_forward([row.state_in_page for row in sched.rows])
 
     def enable_decode_graphs(
         self, max_blocks: int, scratch_block: int, scratch_page: int, capture: bool | None = None
@@ -172,6 +186,7 @@ class ModelRunner:
         all ``ahead`` rows, row ``i`` continuing ``after``'s row ``sources[i]``): their
         input tokens are that step's choices, copied on the device.
         """
+        self.run_transfers(sched)
         if self.graphs is None:
             return None
         tokens = None
