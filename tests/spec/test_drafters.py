@@ -140,7 +140,7 @@ def test_draft_model_equal_to_target_accepts_every_draft(arch, qwen_mtp, tiny_gr
         assert s["spec_mean_accepted_length"] > 1 + d - 1
 
 
-def test_draft_model_states_are_exact_by_page(qwen_mtp, qwen_draft):
+def test_draft_model_states_are_exact_by_page(qwen_mtp):
     """After every step, each request's committed drafter page holds the draft model's
     exact recurrent state of the prefix the drafter has consumed (selected by page id,
     never copied), and every proposal page is free again or owned once."""
