@@ -30,6 +30,13 @@ after token ``c - 1``):
    drafter; the next catch-up row (step 1) feeds it first. KV entries the drafter wrote
    for rejected drafts sit past its context length and are overwritten by the catch-up.
 
+Prefix cache (with prefix caching on): the catch-up also writes the state at the last
+KV block boundary it crosses to a fresh page (or shares the committed page when the
+boundary is ``L``) and admits it to the drafter's own checkpoint index, under the same
+chained block hashes as the target's, after registering the full blocks it completed;
+a new request starts from the longest prefix whose blocks and checkpoint are cached,
+reading the checkpoint page and never writing it.
+
 The selection is by content: the state after a token prefix depends on nothing but
 the prefix, so whichever path produced the matching drafts, the page holds the exact
 state. A request the engine preempts keeps its drafter caches (its tokens survive
@@ -50,7 +57,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hybridserve.cache.block_pool import BlockPool
+from hybridserve.cache.block_pool import BlockPool, chain_hash
+from hybridserve.cache.state_cache import StateCache
 from hybridserve.models.batch import ForwardBatch
 from hybridserve.spec.base import DraftRequest, choose_drafts
 
@@ -74,6 +82,7 @@ class _Seq:
     page: int = -1  # state after token computed - 1; -1: the zero state (computed == 0)
     fed: list[tuple[int, int]] = field(default_factory=list)  # (draft, page after it)
     last_used: int = 0
+    hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks
 
 
 class DraftModelDrafter:
@@ -88,6 +97,7 @@ class DraftModelDrafter:
         dtype: torch.dtype,
         ssm_dtype: torch.dtype,
         device: torch.device | str,
+        enable_caching: bool = False,
     ) -> None:
         self.model = model
         self.block_size = kv_block_size
@@ -95,14 +105,18 @@ class DraftModelDrafter:
         self.caches = model.cache_spec.allocate(
             num_kv_blocks, kv_block_size, num_state_pages, dtype, ssm_dtype, device
         )
-        self.blocks = BlockPool(num_kv_blocks, kv_block_size, enable_caching=False)
-        self.free_pages: list[int] = list(range(num_state_pages - 1, -1, -1))
+        self.enable_caching = enable_caching
+        self.blocks = BlockPool(num_kv_blocks, kv_block_size, enable_caching=enable_caching)
+        # Checkpoints (the drafter's prefix cache) may hold a quarter of the pages.
+        self.states = StateCache(num_state_pages, num_state_pages // 4 if enable_caching else 0)
+        self.blocks.on_evict.append(self.states.on_block_evicted)
         self.num_state_pages = num_state_pages
         self._seqs: dict[Hashable, _Seq] = {}
         self._clock = itertools.count(1)
         # Per key: log q of each draft of the latest proposal (sampled requests only).
         self.draft_logq: dict[Hashable, torch.Tensor] = {}
-        self.counters = {"catch_up_tokens": 0, "draft_forwards": 0, "evictions": 0}
+        self.counters = {"catch_up_tokens": 0, "draft_forwards": 0, "evictions": 0,
+                         "prefix_hit_tokens": 0}
 
     @classmethod
     def from_config(cls, config: EngineConfig, target: torch.nn.Module) -> DraftModelDrafter:
@@ -136,8 +150,8 @@ class DraftModelDrafter:
         # slack lets a new proposal's pages be taken before the old ones are released.
         pages = config.scheduler.max_num_seqs * (k + 2) + 2
         return cls(
-            draft, cc.num_kv_blocks, cc.kv_block_size, pages, config.dtype,
-            cc.ssm_state_dtype, config.device,
+            draft, cc.num_kv_blocks, cc.kv_block_size, pages + pages // 3, config.dtype,
+            cc.ssm_state_dtype, config.device, enable_caching=cc.enable_prefix_caching,
         )
 
     # ---- bookkeeping ---------------------------------------------------------------
@@ -151,7 +165,46 @@ class DraftModelDrafter:
         self.blocks.release(seq.blocks)
 
     def _release_pages(self, pages: Sequence[int]) -> None:
-        self.free_pages.extend(p for p in pages if p >= 0)
+        self.states.release([p for p in pages if p >= 0])
+
+    def _extend_hashes(self, seq: _Seq, toks: Sequence[int], upto: int) -> None:
+        """Chained hashes of ``seq``'s full blocks of ``toks[:upto]``."""
+        bs = self.block_size
+        for b in range(len(seq.hashes), upto // bs):
+            parent = seq.hashes[-1] if seq.hashes else None
+            seq.hashes.append(chain_hash(parent, toks[b * bs : (b + 1) * bs]))
+
+    def _lookup(self, seq: _Seq, toks: Sequence[int]) -> None:
+        """Start a new ``seq`` from the longest cached prefix of ``toks`` (leaving at
+        least one token to feed): its KV blocks shared, its state the checkpoint page
+        (read, never written: the catch-up writes a fresh page)."""
+        if not self.enable_caching:
+            return
+        self._extend_hashes(seq, toks, len(toks) - 1)
+        found: list[int] = []
+        for b, h in enumerate(seq.hashes):
+            block = self.blocks.lookup(h, toks[b * self.block_size : (b + 1) * self.block_size])
+            if block is None:
+                break
+            found.append(block)
+        for n in range(len(found), 0, -1):
+            ckpt = self.states.lookup(seq.hashes[n - 1])
+            if ckpt is not None:
+                self.blocks.acquire(found[:n])
+                self.states.incref(ckpt.page)
+                seq.blocks, seq.page, seq.computed = found[:n], ckpt.page, ckpt.length
+                self.counters["prefix_hit_tokens"] += ckpt.length
+                return
+
+    def _checkpoint_point(self, seq: _Seq, toks: Sequence[int]) -> int:
+        """The block boundary ``B`` inside this catch-up (``computed < B <= L``) whose
+        state becomes a checkpoint, or 0 (caching off, no boundary, already cached)."""
+        bs = self.block_size
+        boundary = (len(toks) // bs) * bs
+        if not self.enable_caching or boundary <= seq.computed or boundary < bs:
+            return 0
+        self._extend_hashes(seq, toks, boundary)
+        return 0 if self.states.has(seq.hashes[boundary // bs - 1]) else boundary
 
     def _reconcile(self, seq: _Seq, toks: Sequence[int]) -> None:
         """Make the committed page the state after the longest fed prefix that the
@@ -177,7 +230,7 @@ class DraftModelDrafter:
         evicting the least recently used requests outside ``keep`` (ids of the batch's
         sequences) when short; None when even that is not enough."""
         need_blocks = -(-tokens // self.block_size) - len(seq.blocks)
-        while need_blocks > self.blocks.num_free or pages > len(self.free_pages):
+        while need_blocks > self.blocks.num_free or not self.states.can_allocate(pages):
             victims = [(s.last_used, key) for key, s in self._seqs.items() if id(s) not in keep]
             if not victims:
                 return None
@@ -185,7 +238,7 @@ class DraftModelDrafter:
             self.counters["evictions"] += 1
         if need_blocks > 0:
             seq.blocks += self.blocks.allocate(need_blocks)
-        return [self.free_pages.pop() for _ in range(pages)]
+        return self.states.allocate(pages)
 
     # ---- proposing ------------------------------------------------------------------
 
@@ -210,25 +263,37 @@ class DraftModelDrafter:
                     seq = None
             if seq is None:
                 seq = self._seqs[r.key] = _Seq()
+                self._lookup(seq, toks)
                 keep.add(id(seq))
             seq.last_used = next(self._clock)
-            # Positions up to L + k - 2 are written (drafts d1 .. d(k-1)); k pages.
-            pages = self._reserve(seq, len(toks) + r.k - 1, r.k, keep)
+            # Positions up to L + k - 2 are written (drafts d1 .. d(k-1)); k pages, and
+            # one more for a checkpoint inside the catch-up.
+            point = self._checkpoint_point(seq, toks)
+            extra = 1 if 0 < point < len(toks) else 0
+            pages = self._reserve(seq, len(toks) + r.k - 1, r.k + extra, keep)
             if pages is None:
                 self.forget(r.key)
                 continue
-            live.append((i, seq, toks, pages))
+            if extra:
+                # The checkpoint's page goes last: pages[0 .. k - 1] are the proposal's.
+                pages = pages[1:] + pages[:1]
+            live.append((i, seq, toks, pages, point))
         if not live:
             return out
         # Step 1: the catch-up rows, all in one forward.
         rows = []
-        for _, seq, toks, pages in live:
-            rows.append((seq, toks[seq.computed :], seq.computed, seq.page, pages[0]))
+        for _, seq, toks, pages, point in live:
+            extras = [(point - 1 - seq.computed, pages[-1])] if 0 < point < len(toks) else []
+            rows.append((seq, toks[seq.computed :], seq.computed, seq.page, pages[0], extras))
         logits = self._forward(rows)
-        for (_, seq, toks, pages), row in zip(live, rows):
+        for (_, seq, toks, pages, point), row in zip(live, rows):
             self.counters["catch_up_tokens"] += len(row[1])
+            first = seq.computed
             self._release_pages([seq.page])
             seq.page, seq.computed = pages[0], len(toks)
+            if point:
+                self._admit(seq, toks, first, point, row[5][0][1] if row[5] else seq.page)
+        live = [(i, seq, toks, pages[: requests[i].k]) for i, seq, toks, pages, _ in live]
         logq: dict[int, list] = {i: [] for i, *_ in live}
         drafts, qs = choose_drafts(logits, [requests[i] for i, *_ in live], 0)
         for (i, _, _, _), d, q in zip(live, drafts, qs):
@@ -257,16 +322,33 @@ class DraftModelDrafter:
         _keep_logq(self.draft_logq, requests, logq)
         return out
 
-    def _forward(self, rows: list[tuple[_Seq, list[int], int, int, int]]) -> torch.Tensor:
-        """One packed forward of ``(seq, tokens, first position, page in, page out)``
-        rows; the state after each row's last token goes to its page out. Returns the
-        logits ``[rows, vocab]`` at each row's last token."""
+    def _admit(self, seq: _Seq, toks: Sequence[int], first: int, point: int, page: int) -> None:
+        """Register the full blocks the catch-up completed (true tokens only, never
+        written again) and admit the state after token ``point - 1`` (on ``page``) as
+        the checkpoint of that prefix. An extra page's reference passes to the index."""
+        bs = self.block_size
+        for b in range(first // bs, point // bs):
+            self.blocks.register(seq.blocks[b], seq.hashes[b], toks[b * bs : (b + 1) * bs])
+        self.states.admit(seq.hashes[point // bs - 1], point, page, seq.hashes[: point // bs])
+        if page != seq.page:
+            self._release_pages([page])
+
+    def _forward(self, rows: list[tuple]) -> torch.Tensor:
+        """One packed forward of ``(seq, tokens, first position, page in, page out[,
+        extras])`` rows; the state after each row's last token goes to its page out,
+        and the state after offset ``o`` to page ``p`` for each ``(o, p)`` of extras.
+        Returns the logits ``[rows, vocab]`` at each row's last token."""
         self.counters["draft_forwards"] += 1
         bs = self.block_size
         ids, positions, slots, query_start = [], [], [], [0]
         max_blocks = max(len(seq.blocks) for seq, *_ in rows)
         tables = torch.full((len(rows), max_blocks), -1, dtype=torch.int32)
-        for r, (seq, toks, start, _, _) in enumerate(rows):
+        out_row, out_off, out_page = [], [], []
+        for r, (seq, toks, start, _, page_out, *extras) in enumerate(rows):
+            for off, page in [(len(toks) - 1, page_out)] + (extras[0] if extras else []):
+                out_row.append(r)
+                out_off.append(off)
+                out_page.append(page)
             ids += toks
             for pos in range(start, start + len(toks)):
                 positions.append(pos)
@@ -276,15 +358,15 @@ class DraftModelDrafter:
         dev = self.device
         batch = ForwardBatch(
             query_start=query_start,
-            num_computed=[start for _, _, start, _, _ in rows],
+            num_computed=[row[2] for row in rows],
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            context_lens=[start + len(toks) for _, toks, start, _, _ in rows],
+            context_lens=[row[2] + len(row[1]) for row in rows],
             block_tables=tables.to(dev),
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            state_in_page=[page_in for *_, page_in, _ in rows],
-            state_out_row=list(range(len(rows))),
-            state_out_offset=[len(toks) - 1 for _, toks, _, _, _ in rows],
-            state_out_page=[page_out for *_, page_out in rows],
+            state_in_page=[row[3] for row in rows],
+            state_out_row=out_row,
+            state_out_offset=out_off,
+            state_out_page=out_page,
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         hidden = self.model.forward(input_ids, batch, self.caches)
@@ -292,11 +374,18 @@ class DraftModelDrafter:
         return self.model.compute_logits(hidden[last])
 
     def check_integrity(self) -> None:
-        """Every page is free or held exactly once; every block's owner is live."""
+        """Every page reference is a request's (committed or proposal) or a checkpoint's;
+        every KV block's count equals the requests holding it."""
         held = [p for s in self._seqs.values() for p in [s.page] + [q for _, q in s.fed] if p >= 0]
-        everything = held + self.free_pages
-        if sorted(everything) != list(range(self.num_state_pages)):
-            raise AssertionError("draft model state pages leaked or double-held")
-        blocks = [b for s in self._seqs.values() for b in s.blocks]
-        if len(blocks) + self.blocks.num_free != self.blocks.num_blocks or len(set(blocks)) != len(blocks):
-            raise AssertionError("draft model KV blocks leaked or double-held")
+        self.states.check_integrity(held)
+        self.blocks.check_integrity()
+        counts: dict[int, int] = {}
+        for s in self._seqs.values():
+            for b in s.blocks:
+                counts[b] = counts.get(b, 0) + 1
+        for block in self.blocks.blocks:
+            if block.ref_count != counts.get(block.block_id, 0):
+                raise AssertionError(
+                    f"draft model KV block {block.block_id}: ref_count {block.ref_count}, "
+                    f"holders {counts.get(block.block_id, 0)}"
+                )

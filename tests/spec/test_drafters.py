@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hybridserve import LLM, SamplingParams
+from hybridserve.cache.block_pool import block_hashes
 from hybridserve.config import SpecConfig
 from hybridserve.models.batch import ForwardBatch
 from hybridserve.spec.base import DraftRequest
@@ -140,32 +141,49 @@ def test_draft_model_equal_to_target_accepts_every_draft(arch, qwen_mtp, tiny_gr
         assert s["spec_mean_accepted_length"] > 1 + d - 1
 
 
+def _assert_page_exact(drafter, page: int, prefix: list[int]) -> None:
+    conv, ssm = reference_state(drafter.model, prefix, len(prefix), torch.float32)
+    for layer in conv:
+        assert (drafter.caches.conv[layer][page] - conv[layer]).abs().max() <= 1e-5
+        assert (drafter.caches.ssm[layer][page] - ssm[layer]).abs().max() <= 1e-5
+
+
 def test_draft_model_states_are_exact_by_page(qwen_mtp):
     """After every step, each request's committed drafter page holds the draft model's
     exact recurrent state of the prefix the drafter has consumed (selected by page id,
-    never copied), and every proposal page is free again or owned once."""
+    never copied), every checkpoint of the drafter's own prefix cache the exact state of
+    its prefix, and every page reference is accounted for."""
     llm = LLM(qwen_mtp, state_interval=16, speculative_config=_spec("draft_model", 3, qwen_mtp))
     engine = llm.engine
     drafter = engine.drafter
-    for i, p in enumerate(_workload(2)):
-        engine.add_request(f"r{i}", p, GREEDY)
     checked = 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        drafter.check_integrity()
-        for key, seq in drafter._seqs.items():
-            req = next(r for r in engine.scheduler.running if r.request_id == key)
-            if seq.computed == 0 or req.status.finished:
-                continue
-            conv, ssm = reference_state(drafter.model, req.all_token_ids[: seq.computed], seq.computed,
-                                        torch.float32)
-            for layer in conv:
-                assert (drafter.caches.conv[layer][seq.page] - conv[layer]).abs().max() <= 1e-5
-                assert (drafter.caches.ssm[layer][seq.page] - ssm[layer]).abs().max() <= 1e-5
-            checked += 1
+    seen: dict[str, list[int]] = {}
+    # Twice the same prompts (the second wave after the first): the drafter's prefix
+    # cache starts the second wave from checkpoints the first wrote.
+    for wave in range(2):
+        for i, p in enumerate(_workload(2)):
+            engine.add_request(f"w{wave}r{i}", p, GREEDY)
+        while engine.has_unfinished_requests():
+            engine.step()
+            drafter.check_integrity()
+            for req in engine.scheduler.running:
+                seen[req.request_id] = list(req.all_token_ids)
+            for key, seq in drafter._seqs.items():
+                if seq.computed:
+                    _assert_page_exact(drafter, seq.page, seen[key][: seq.computed])
+                    checked += 1
     assert checked > 10
+    assert drafter.counters["prefix_hit_tokens"] >= 32
     assert not drafter._seqs
-    assert len(drafter.free_pages) == drafter.num_state_pages
+    drafter.states.check_integrity([])  # only checkpoints hold pages now
+    by_key = {}
+    for toks in seen.values():
+        for i, h in enumerate(block_hashes(toks, 16)):
+            by_key.setdefault(h, toks[: (i + 1) * 16])
+    assert drafter.states.checkpoints
+    for key, ckpt in drafter.states.checkpoints.items():
+        assert len(by_key[key]) == ckpt.length
+        _assert_page_exact(drafter, ckpt.page, by_key[key])
 
 
 def test_second_turns_hit_checkpoints_written_while_speculating(qwen_mtp, qwen_draft):
@@ -181,6 +199,9 @@ def test_second_turns_hit_checkpoints_written_while_speculating(qwen_mtp, qwen_d
         hits_before = llm.stats()["prefix_hit_tokens"]
         assert _tokens(llm.generate(second, GREEDY)) == _tokens(plain.generate(second, GREEDY))
         assert llm.stats()["prefix_hit_tokens"] - hits_before >= 32
+        if method == "draft_model":
+            # The draft model's own prefix cache hit too.
+            assert llm.engine.drafter.counters["prefix_hit_tokens"] >= 32
 
 
 def test_hit_lengths_equal_with_and_without_speculation(qwen_mtp, qwen_draft):
@@ -255,10 +276,10 @@ def test_draft_model_pool_pressure_evicts_the_least_recent(qwen_mtp, qwen_draft)
         return llm.engine.drafter
 
     tight, roomy = drafter(1), drafter(8)
-    assert tight.num_state_pages == 7
+    assert tight.num_state_pages == 9
     rng = random.Random(8)
-    seqs = {key: _rand(rng, 9 + i) for i, key in enumerate("abc")}
-    order = ["a", "b", "c", "a", "b", "a"]
+    seqs = {key: _rand(rng, 9 + i) for i, key in enumerate("abcd")}
+    order = list("abcdabcda")
     for key in order:
         req = [DraftRequest(key, seqs[key], 3)]
         got, want = tight.propose_batch(req), roomy.propose_batch(req)
