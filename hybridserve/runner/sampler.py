@@ -582,21 +582,35 @@ def apply_bitmasks(x: torch.Tensor, plan: StepPlan, packed: torch.Tensor) -> tor
     return x.index_put((pos,), x[pos].masked_fill(~allowed, float("-inf")))
 
 
-def sample_step(logits: torch.Tensor, plan: StepPlan, packed: torch.Tensor) -> torch.Tensor:
+def sample_step(
+    logits: torch.Tensor,
+    plan: StepPlan,
+    packed: torch.Tensor,
+    drafted: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Sample every position of a step: ``logits [num_positions, vocab]`` (raw),
     ``packed`` the plan's buffer on the logits' device. Returns int64 on that device:
     the chosen token per position, then ``payload_width`` entries per logprob position
-    (float32 values travel as their bit patterns). Reads nothing back to the host."""
+    (float32 values travel as their bit patterns). Reads nothing back to the host.
+
+    ``drafted``: ``(positions [M], logq [M, vocab], drafts [M])`` for draft positions
+    whose drafter sampled from a distribution ``q`` of its own: their choice is
+    :func:`speculative_choices` instead of the point-mass coupling of :func:`draw`."""
     n, ncol = plan.num_positions, len(_COLS)
     cols = _columns(plan, packed)
+    logp = process_step(logits, plan, packed)
+    seed_lo, seed_hi = cols[:, _C["seed_lo"]].long(), cols[:, _C["seed_hi"]].long()
+    index = cols[:, _C["index"]].long()
     choices = draw(
-        process_step(logits, plan, packed),
-        cols[:, _C["temperature"]] == 0,
-        cols[:, _C["seed_lo"]].long(),
-        cols[:, _C["seed_hi"]].long(),
-        cols[:, _C["index"]].long(),
+        logp, cols[:, _C["temperature"]] == 0, seed_lo, seed_hi, index,
         any_sampled=plan.any_sampled,
     )
+    if drafted is not None:
+        pos, logq, drafts = drafted
+        choices = choices.index_put(
+            (pos,),
+            speculative_choices(logp[pos], logq, drafts, seed_lo[pos], seed_hi[pos], index[pos]),
+        )
     if not plan.logprob_positions:
         return choices
     start = n * ncol + 3 * plan.num_penalties
@@ -638,3 +652,51 @@ def read_step(values: Sequence[int], plan: StepPlan) -> tuple[list[int], dict[in
             out[token] = Logprob(logprob=v, rank=int(payload[row, 2 * m + 1]))
         logprobs[pos] = out
     return choices, logprobs
+
+
+# --- speculative sampling with a drafter's distribution -----------------------------
+#
+# A drafter with a distribution of its own (a draft model, an MTP head) samples draft x
+# at a position from q; the target accepts it with probability min(1, p(x) / q(x)) and
+# otherwise emits a sample of the residual max(0, p - q), normalised: every emitted
+# token is then distributed as p. Both draws are counter based like :func:`draw`, from
+# the same (seed, index, token) hash with salted seed words, so the drafter's sample,
+# the acceptance test and the residual sample are independent streams and a seeded
+# request stays reproducible. The accepted-or-residual token becomes the position's
+# choice: rejection means p(x) < q(x), where the residual is 0, so the choice equals the
+# draft exactly when it is accepted and the walk of :func:`verify_choices` applies.
+
+_DRAFT_SALT = 0x2545F491
+_ACCEPT_SALT = 0x5851F42D
+
+
+def draft_draw(
+    logq: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor, index: torch.Tensor
+) -> torch.Tensor:
+    """The drafter's sample from ``logq [N, vocab]`` (log-probabilities) -> ``[N]``."""
+    u = uniforms(seed_lo ^ _DRAFT_SALT, seed_hi, index, logq.shape[-1])
+    return torch.argmax(logq.double() - torch.log(-torch.log(u)), dim=-1)
+
+
+def speculative_choices(
+    logp: torch.Tensor,
+    logq: torch.Tensor,
+    drafts: torch.Tensor,
+    seed_lo: torch.Tensor,
+    seed_hi: torch.Tensor,
+    index: torch.Tensor,
+) -> torch.Tensor:
+    """Per draft position: the draft ``drafts[i]`` if accepted (``u < p(x) / q(x)``), else
+    a sample of the normalised residual ``max(0, p - q)``. ``logp`` / ``logq``: the
+    target's processed and the drafter's log-probabilities ``[N, vocab]``."""
+    vocab = logp.shape[-1]
+    p, q = logp.double().exp(), logq.double().exp()
+    x = drafts.long()[:, None]
+    u = uniforms(seed_lo ^ _ACCEPT_SALT, seed_hi, index, vocab).gather(1, x)[:, 0]
+    px, qx = p.gather(1, x)[:, 0], q.gather(1, x)[:, 0]
+    accept = u * qx < px
+    residual = (p - q).clamp_min(0.0)
+    # All-zero residual only when p == q, where acceptance is certain: any fallback works.
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
+    keys = torch.log(residual) - torch.log(-torch.log(uniforms(seed_lo, seed_hi, index, vocab)))
+    return torch.where(accept, drafts.long(), torch.argmax(keys, dim=-1))
