@@ -59,13 +59,6 @@ class _Group:
     final_only: bool = False
 
 
-def _plain_decode(sched: SchedulerOutput) -> bool:
-    """Every row decodes one token with no drafts (the steps async scheduling pipelines)."""
-    return all(
-        row.is_verify and row.num_tokens == 1 and row.num_drafts == 0 for row in sched.rows
-    )
-
-
 class EngineCore:
     def __init__(
         self,
@@ -230,7 +223,7 @@ class EngineCore:
                 )
             return []
         self.counters["steps"] += 1
-        if self.async_scheduling and _plain_decode(sched):
+        if self.async_scheduling and sched.plain_decode:
             pending = self._guarded(sched, lambda: self.runner.launch(sched))
             if pending is not None:
                 return self._advance(sched, pending)
@@ -265,7 +258,7 @@ class EngineCore:
         are on the host, or None: when requests wait (they are admitted by an ordinary
         step), when a row is not plain decode, or when the caches or the graphs cannot
         take it. A request that ``sched`` surely finishes (its length cap) gets no row."""
-        if self.scheduler.waiting or not _plain_decode(sched):
+        if self.scheduler.waiting or not sched.plain_decode:
             return None
         rows, sources = [], []
         for i, row in enumerate(sched.rows):

@@ -29,48 +29,14 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from hybridserve.cache.block_pool import BlockPool, chain_hash
 from hybridserve.cache.state_cache import StateCache
 from hybridserve.config import CacheConfig, SchedulerConfig
 from hybridserve.engine.request import Request, RequestStatus
+from hybridserve.step import ScheduledRow, SchedulerOutput
 
-
-@dataclass
-class ScheduledRow:
-    """One row of a step: ``request`` computes ``all_token_ids[n : n + num_tokens]``.
-
-    ``num_drafts`` of those tokens are speculative (a decode/verify row). ``samples``
-    says whether the row's logits produce new tokens. ``state_outputs`` maps a prefix
-    length p in (n, n + num_tokens] to the page that receives the state after it.
-    """
-
-    request: Request
-    num_computed: int
-    num_tokens: int
-    num_drafts: int
-    samples: bool
-    state_in_page: int
-    # A decode/verify row: its surviving state depends on the acceptance count.
-    is_verify: bool = False
-    state_outputs: dict[int, int] = field(default_factory=dict)
-    # Scheduled one step ahead (:meth:`Scheduler.schedule_ahead`): the row's input token
-    # is the previous step's choice, still on the device, and the request's host state
-    # (tokens, output count, state page) lags the row by that one token.
-    ahead: bool = False
-
-
-@dataclass
-class SchedulerOutput:
-    rows: list[ScheduledRow]
-    preempted: list[Request]
-    # Checkpoint columns per row of the step's postprocess read-back (set at its launch).
-    postprocess_k: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(r.num_tokens for r in self.rows)
+__all__ = ["ScheduledRow", "Scheduler", "SchedulerOutput"]
 
 
 class Scheduler:

@@ -50,10 +50,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hybridserve.engine.scheduler import SchedulerOutput
 from hybridserve.kernels import mamba_decode
 from hybridserve.models.batch import ForwardBatch, ModelCaches
 from hybridserve.runner import sampler
+from hybridserve.step import SchedulerOutput, kv_slot
 
 __all__ = [
     "BATCH_BUCKETS",
@@ -352,7 +352,7 @@ class DecodeGraphs:
             ]
             h[: len(rows), 1] = n
             h[: len(rows), 2] = [
-                row.request.block_ids[c // bs] * bs + c % bs for row, c in zip(rows, n)
+                kv_slot(row.request.block_ids, c, bs) for row, c in zip(rows, n)
             ]
             h[: len(rows), 3] = [row.state_in_page for row in rows]
             h[: len(rows), 4] = [row.state_outputs[c + 1] for row, c in zip(rows, n)]
@@ -372,7 +372,7 @@ class DecodeGraphs:
                 for t in range(rq):
                     pos = n + t
                     line[q + t] = pos
-                    line[2 * q + t] = blocks[pos // bs] * bs + pos % bs
+                    line[2 * q + t] = kv_slot(blocks, pos, bs)
                     line[3 * q + 1 + t] = row.state_outputs[pos + 1]
                 # Padding positions of a row shorter than q: they come after the row's
                 # real tokens, so neither the recurrence nor the causal attention of a

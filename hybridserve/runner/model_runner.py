@@ -25,20 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridserve.engine.request import Logprob
-from hybridserve.engine.scheduler import SchedulerOutput
 from hybridserve.models.batch import ForwardBatch, ModelCaches
 from hybridserve.runner import sampler
 from hybridserve.runner.cuda_graph import DecodeGraphs
-
-
-@dataclass
-class RowResult:
-    """What one row of a step produced: ``new_tokens`` (accepted drafts, then one
-    token from the target model; empty for a prefill chunk that does not sample)."""
-
-    new_tokens: list[int]
-    logprobs: list[dict[int, Logprob]]
+from hybridserve.step import Logprob, RowResult, SchedulerOutput, kv_slot
 
 
 @dataclass
@@ -119,7 +109,7 @@ class ModelRunner:
             ids += toks
             for pos in range(n, n + q):
                 positions.append(pos)
-                slots.append(req.block_ids[pos // bs] * bs + pos % bs)
+                slots.append(kv_slot(req.block_ids, pos, bs))
             query_start.append(query_start[-1] + q)
             num_computed.append(n)
             context_lens.append(n + q)

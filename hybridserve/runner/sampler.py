@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hybridserve.engine.request import Logprob, SamplingParams
+from hybridserve.step import Logprob, SamplingParams
 
 # --- the counter-based RNG ---------------------------------------------------------
 #
