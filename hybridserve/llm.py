@@ -14,6 +14,7 @@ from hybridserve.config import (
     CHECKPOINT_POLICIES,
     CacheConfig,
     EngineConfig,
+    KernelPolicy,
     SchedulerConfig,
     SpecConfig,
     resolve_dtype,
@@ -50,7 +51,8 @@ class LLM:
     of ``kv_block_size`` tokens, ``num_state_pages`` recurrent-state pages (each holds
     every Mamba layer's conv window and SSM state); by default sized so that
     ``max_num_seqs`` requests of ``max_model_len`` tokens fit, plus room for
-    checkpoints.
+    checkpoints. ``kernel_policy`` picks which implementation each op of the forward takes
+    (:class:`~hybridserve.config.KernelPolicy`; the defaults suit serving).
     """
 
     def __init__(
@@ -75,14 +77,16 @@ class LLM:
         enforce_eager: bool | None = None,
         speculative_config: dict[str, Any] | None = None,
         async_scheduling: bool | None = None,
+        kernel_policy: KernelPolicy | None = None,
     ) -> None:
         from hybridserve.models.loader import load_model
 
+        kernel_policy = kernel_policy or KernelPolicy()
         path = Path(model) if model is not None else DEFAULT_MODEL
         torch_dtype = resolve_dtype(dtype)
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={device!r} was asked for but this machine has no CUDA device")
-        self.model = load_model(path, dtype=torch_dtype, device=device)
+        self.model = load_model(path, dtype=torch_dtype, device=device, policy=kernel_policy)
         mcfg = self.model.config
         self.model_config = mcfg
         self.tokenizer = Tokenizer.maybe_load(path)
@@ -133,7 +137,7 @@ class LLM:
             )
         self.config = EngineConfig(
             model=str(path), dtype=torch_dtype, device=device, seed=seed,
-            cache=cache, scheduler=sched, spec=spec,
+            cache=cache, scheduler=sched, spec=spec, kernels=kernel_policy,
         )
         eos = tuple(mcfg.eos_token_ids)
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:

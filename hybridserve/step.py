@@ -174,8 +174,6 @@ class ScheduledRow:
 class SchedulerOutput:
     rows: list[ScheduledRow]
     preempted: list = field(default_factory=list)
-    # Checkpoint columns per row of the step's postprocess read-back (set at its launch).
-    postprocess_k: int = 0
 
     @property
     def num_tokens(self) -> int:

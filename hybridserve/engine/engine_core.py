@@ -24,9 +24,9 @@ from hybridserve.engine.request import (
     SamplingParams,
 )
 from hybridserve.engine.scheduler import ScheduledRow, Scheduler, SchedulerOutput
-from hybridserve.kernels.state_postprocess import state_postprocess, state_postprocess_reference
 from hybridserve.runner.model_runner import ModelRunner, PendingStep
 from hybridserve.spec.ngram import NgramDrafter
+from hybridserve.step import RowResult, StepResult, VerifyDecision
 from hybridserve.tokenizer import Tokenizer
 
 
@@ -78,6 +78,12 @@ class EngineCore:
         current one's tokens are read back, so the host's work for a step overlaps the
         device's work on the step before (:meth:`step`). Needs decode graphs and no
         speculative decoding; None (the default) turns it on wherever both hold."""
+        policy = getattr(model, "kernel_policy", config.kernels)
+        if policy != config.kernels:
+            raise ValueError(
+                "config.kernels differs from the model's kernel_policy: load the model with "
+                "load_model(..., policy=config.kernels)"
+            )
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -93,10 +99,12 @@ class EngineCore:
             cc.num_kv_blocks + scratch, cc.kv_block_size, cc.num_state_pages + scratch,
             config.dtype, cc.ssm_state_dtype, config.device,
         )
-        self.runner = ModelRunner(model, caches, cc.kv_block_size, config.scheduler.max_num_seqs, config.device)
-        # The state postprocess launches as soon as the step's choices exist on the
-        # device, and its decisions come back in the same read as the choices.
-        self.runner.on_verify = self._launch_postprocess
+        # The runner launches the state postprocess as soon as a step's choices exist on
+        # the device; its decisions come back with the choices, in the step's result.
+        self.runner = ModelRunner(
+            model, caches, cc.kv_block_size, config.scheduler.max_num_seqs, config.device,
+            verify_interval=self.scheduler.verify_interval(),
+        )
         if not enforce_eager:
             self.runner.enable_decode_graphs(
                 max_blocks=-(-config.scheduler.max_model_len // cc.kv_block_size),
@@ -285,9 +293,13 @@ class EngineCore:
         self.counters["steps"] += 1
         return nxt, launched
 
-    def _process(self, sched: SchedulerOutput, results: list) -> list[RequestOutput]:
+    def _process(self, sched: SchedulerOutput, step: StepResult) -> list[RequestOutput]:
         """Commit a step that ran: its tokens, state pages, finished requests; outputs."""
-        verify_rows = [(row, res) for row, res in zip(sched.rows, results) if row.is_verify]
+        results = step.rows
+        verify_rows = [
+            (row, res, step.decisions.get(i))
+            for i, (row, res) in enumerate(zip(sched.rows, results)) if row.is_verify
+        ]
         touched: dict[str, _Group] = {}
         dropped: set[int] = set()
         for row, res in zip(sched.rows, results):
@@ -305,7 +317,7 @@ class EngineCore:
             if group is not None:
                 touched[group.request_id] = group
         if verify_rows:
-            self._commit_postprocess(sched, verify_rows, dropped)
+            self._commit_postprocess(verify_rows, dropped)
         for row in sched.rows:
             req = row.request
             if id(row) in dropped:
@@ -327,101 +339,32 @@ class EngineCore:
                 held = [p for row in self._inflight[0].rows for p in row.state_outputs.values()]
             self.scheduler.check_integrity(held)
 
-    def _launch_postprocess(
-        self, sched: SchedulerOutput, verify: list[int], accepted: torch.Tensor
-    ) -> torch.Tensor:
-        """Decide every verify row's surviving state page and checkpoints in one launch.
-
-        ``verify``: indices of the step's verify rows; ``accepted``: their accepted
-        counts, on the device (the runner computes them from the choices there). On CUDA
-        this is the fused Triton kernel; elsewhere its torch twin. The per-slot tables
-        (``slot_num_computed``, ``slot_state_page``) are the kernel's read-only decision
-        inputs; its per-slot outputs land in fresh buffers that replace them after the
-        launch, ordered on the same stream (DESIGN.md section 5). Returns, as one int64
-        device tensor for the step's single read-back, per row: the accepted count, the
-        new state page, the checkpoint pages, their prefix lengths, the released pages.
-        """
-        runner = self.runner
-        device = runner.slot_num_computed.device
-        rows = [sched.rows[i] for i in verify]
-        max_q = max(r.num_tokens for r in rows)
-        slots, computed, state_in, pages = [], [], [], []
-        for row in rows:
-            n = row.num_computed
-            slots.append(row.request.slot)
-            computed.append(n)
-            state_in.append(row.state_in_page)
-            pages += [row.state_outputs[n + 1 + j] for j in range(row.num_tokens)]
-            pages += [-1] * (max_q - row.num_tokens)
-        # Every host-side input of the launch travels in one int32 transfer (pinned on
-        # CUDA, so it does not block the host); the tensors below are views of it.
-        b = len(rows)
-        packed = torch.tensor(slots + computed + state_in + pages, dtype=torch.int32)
-        if device.type == "cuda":
-            packed = packed.pin_memory()
-        packed = packed.to(device, non_blocking=True)
-        idx, computed_d, state_in_d = packed[: 3 * b].view(3, b)
-        out_pages = packed[3 * b :].view(b, max_q)
-        idx_long = idx.long()
-        # Prefill rows advance the host's counts only; refresh the decision tables of
-        # this step's slots before the launch reads them.
-        runner.slot_num_computed[idx_long] = computed_d
-        runner.slot_state_page[idx_long] = state_in_d
-        decide = state_postprocess if device.type == "cuda" else state_postprocess_reference
-        accepted = accepted.to(device=device, dtype=torch.int32)
-        result = decide(
-            idx_mapping=idx,
-            num_computed=runner.slot_num_computed,
-            num_accepted=accepted,
-            out_pages=out_pages,
-            state_page=runner.slot_state_page,
-            # The request holds a reference on whatever page it read, a checkpoint too.
-            release_prev=state_in_d >= 0,
-            state_interval=self.scheduler.verify_interval(),
-        )
-        runner.slot_num_computed = result.new_num_computed
-        runner.slot_state_page = result.new_state_page
-        sched.postprocess_k = result.ckpt_page.shape[1]
-        return torch.cat(
-            [accepted[:, None], result.new_state_page[idx_long][:, None], result.ckpt_page,
-             result.ckpt_len, result.release_pages], dim=1,
-        ).reshape(-1).long()
-
     def _commit_postprocess(
         self,
-        sched: SchedulerOutput,
-        rows: list[tuple[ScheduledRow, object]],
+        rows: list[tuple[ScheduledRow, RowResult, VerifyDecision | None]],
         dropped: set[int] = frozenset(),
     ) -> None:
-        """The host's page bookkeeping from the postprocess decisions of this step.
-
-        The decisions came back with the step's choices (``runner.verify_readback``:
-        the runner calls :meth:`_launch_postprocess` in every step with verify rows).
-        The accepted counts the device decided with must equal the tokens the host
-        appended: a mismatch is a bug and raises before any page changes hands. Rows in
-        ``dropped`` (ids of rows whose result was dropped) change nothing.
-        """
-        host = self.runner.verify_readback
-        self.runner.verify_readback = None
-        if host is None:
-            raise RuntimeError("a step with verify rows read back no postprocess decisions")
-        k = sched.postprocess_k
-        width = len(host) // len(rows)
-        decided = [
-            (row, res, host[i * width : (i + 1) * width])
-            for i, (row, res) in enumerate(rows)
-            if id(row) not in dropped
-        ]
-        for row, res, h in decided:
-            if h[0] != len(res.new_tokens):
+        """The host's page bookkeeping from the postprocess decisions of this step (the
+        runner decided them on the device, from the step's choices, and returned them in
+        its result). The accepted counts the device decided with must equal the tokens
+        the host appended: a mismatch is a bug and raises before any page changes hands.
+        Rows in ``dropped`` (ids of rows whose result was dropped) change nothing."""
+        decided = [(row, res, d) for row, res, d in rows if id(row) not in dropped]
+        for row, res, d in decided:
+            if d is None:
                 raise RuntimeError(
-                    f"request {row.request.request_id}: the device accepted {h[0]} tokens, "
-                    f"the host {len(res.new_tokens)}"
+                    f"request {row.request.request_id}: a verify row came back without a "
+                    "postprocess decision"
                 )
-        for row, _, h in decided:
-            ckpts = [(p, page) for p, page in zip(h[2 + k : 2 + 2 * k], h[2 : 2 + k]) if page >= 0]
-            released = [p for p in h[2 + 2 * k :] if p >= 0]
-            self.scheduler.commit_verify_row(row, h[0], h[1], ckpts, released)
+            if d.num_accepted != len(res.new_tokens):
+                raise RuntimeError(
+                    f"request {row.request.request_id}: the device accepted {d.num_accepted} "
+                    f"tokens, the host {len(res.new_tokens)}"
+                )
+        for row, _, d in decided:
+            self.scheduler.commit_verify_row(
+                row, d.num_accepted, d.state_page, list(d.checkpoints), list(d.released)
+            )
 
     def _propose_drafts(self) -> None:
         d = self.config.spec.num_speculative_tokens

@@ -7,7 +7,9 @@ A model is a ``torch.nn.Module`` with:
 - ``forward(input_ids, batch, caches) -> hidden``: ``input_ids`` is ``[T]`` int64
   (packed rows, see :mod:`hybridserve.models.batch`), ``hidden`` is ``[T, hidden_size]``
   (after the final norm). It writes K/V to ``caches.kv`` at ``batch.slot_mapping`` and
-  the requested states to ``caches.conv`` / ``caches.ssm`` pages; nothing else.
+  the requested states to their pages of ``caches.states``; nothing else.
+- ``plan_step(batch) -> batch``: the step plan, once per step
+  (:mod:`hybridserve.models.step_plan`).
 - ``compute_logits(hidden) -> logits``: ``[N, hidden_size] -> [N, vocab_size]`` float32,
   with any architecture scaling applied (Granite's ``logits_scaling``).
 """
@@ -20,21 +22,30 @@ from typing import Protocol
 import torch
 
 from hybridserve.models.batch import ForwardBatch, ModelCaches
+from hybridserve.models.layers.recurrent import StateTensor
 
 
 @dataclass(frozen=True)
 class CacheSpec:
-    """Which decoder layers hold which cache, and the shapes of one entry."""
+    """Which decoder layers hold which cache, and the shapes of one entry.
+
+    Attention: ``attention_layers`` each hold K and V blocks of ``[kv_block_size,
+    num_kv_heads, head_dim]``. Recurrent layers: ``recurrent_layers`` each hold, per
+    state page, the tensors their family declares (``state_tensors``, one tuple for
+    every recurrent layer: a model has one recurrent family;
+    :class:`~hybridserve.models.layers.recurrent.RecurrentLayer`).
+    """
 
     attention_layers: tuple[int, ...]
     num_kv_heads: int
     head_dim: int
-    mamba_layers: tuple[int, ...]
-    conv_dim: int
-    d_conv: int
-    num_ssm_heads: int
-    ssm_head_dim: int
-    d_state: int
+    recurrent_layers: tuple[int, ...]
+    state_tensors: tuple[StateTensor, ...] = ()
+
+    @property
+    def mamba_layers(self) -> tuple[int, ...]:
+        """The recurrent layers (every recurrent layer is a Mamba2 layer today)."""
+        return self.recurrent_layers
 
     def kv_block_bytes(self, kv_block_size: int, dtype: torch.dtype) -> int:
         """Bytes of one KV block across all attention layers (keys and values)."""
@@ -48,16 +59,11 @@ class CacheSpec:
             * elem
         )
 
-    def state_page_bytes(self, conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> int:
-        """Bytes of one state page across all Mamba layers (conv window + SSM state)."""
-        conv = self.conv_dim * (self.d_conv - 1) * torch.empty((), dtype=conv_dtype).element_size()
-        ssm = (
-            self.num_ssm_heads
-            * self.ssm_head_dim
-            * self.d_state
-            * torch.empty((), dtype=ssm_dtype).element_size()
-        )
-        return len(self.mamba_layers) * (conv + ssm)
+    def state_page_bytes(self, dtype: torch.dtype, state_dtype: torch.dtype) -> int:
+        """Bytes of one state page across all recurrent layers (every declared tensor;
+        ``dtype`` the model's, ``state_dtype`` the recurrent state's)."""
+        per_layer = sum(t.page_bytes(dtype, state_dtype) for t in self.state_tensors)
+        return len(self.recurrent_layers) * per_layer
 
     def allocate(
         self,
@@ -69,45 +75,24 @@ class CacheSpec:
         device: torch.device | str,
     ) -> ModelCaches:
         """Allocate every cache tensor. Contents are undefined until written."""
-        kv = {
-            layer: (
-                torch.empty(
-                    num_kv_blocks,
-                    kv_block_size,
-                    self.num_kv_heads,
-                    self.head_dim,
-                    dtype=dtype,
-                    device=device,
-                ),
-                torch.empty(
-                    num_kv_blocks,
-                    kv_block_size,
-                    self.num_kv_heads,
-                    self.head_dim,
-                    dtype=dtype,
-                    device=device,
-                ),
+
+        def blocks() -> torch.Tensor:
+            return torch.empty(
+                num_kv_blocks, kv_block_size, self.num_kv_heads, self.head_dim,
+                dtype=dtype, device=device,
             )
-            for layer in self.attention_layers
+
+        kv = {layer: (blocks(), blocks()) for layer in self.attention_layers}
+        states = {
+            layer: {
+                t.name: torch.empty(
+                    num_state_pages, *t.shape, dtype=t.dtype(dtype, ssm_dtype), device=device
+                )
+                for t in self.state_tensors
+            }
+            for layer in self.recurrent_layers
         }
-        conv = {
-            layer: torch.empty(
-                num_state_pages, self.conv_dim, self.d_conv - 1, dtype=dtype, device=device
-            )
-            for layer in self.mamba_layers
-        }
-        ssm = {
-            layer: torch.empty(
-                num_state_pages,
-                self.num_ssm_heads,
-                self.ssm_head_dim,
-                self.d_state,
-                dtype=ssm_dtype,
-                device=device,
-            )
-            for layer in self.mamba_layers
-        }
-        return ModelCaches(kv=kv, conv=conv, ssm=ssm)
+        return ModelCaches(kv=kv, states=states)
 
 
 class HybridModel(Protocol):

@@ -16,12 +16,13 @@ and roundings are the same ones in the same order as adding first and normalisin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
 from torch import nn
 
+from hybridserve.config import KernelPolicy
 from hybridserve.models.base import CacheSpec
 from hybridserve.models.batch import ForwardBatch, ModelCaches
 from hybridserve.models.config import ATTENTION, MAMBA, ModelConfig
@@ -29,6 +30,8 @@ from hybridserve.models.layers.attention import Attention
 from hybridserve.models.layers.mamba2 import Mamba2Mixer
 from hybridserve.models.layers.mlp import build_mlp
 from hybridserve.models.layers.norm import RMSNorm
+from hybridserve.models.layers.recurrent import RecurrentLayer
+from hybridserve.models.step_plan import plan_states, uniform_q
 
 
 @dataclass(frozen=True)
@@ -48,31 +51,34 @@ class LayerNames:
 class DecoderLayer(nn.Module):
     """One decoder layer; see the module docstring."""
 
-    def __init__(self, config: ModelConfig, index: int, names: LayerNames) -> None:
+    def __init__(
+        self, config: ModelConfig, index: int, names: LayerNames, policy: KernelPolicy
+    ) -> None:
         super().__init__()
         self.index = index
         self.kind = config.layer_types[index]
         self.residual_multiplier = config.residual_multiplier
         hidden = config.hidden_size
         self._names = names
-        self.add_module(
-            names.input_norm, RMSNorm(hidden, config.norm_eps, config.norm_weight_in_fp32)
-        )
+        norm_args = (config.norm_eps, config.norm_weight_in_fp32, policy.norms)
+        self.add_module(names.input_norm, RMSNorm(hidden, *norm_args))
         if self.kind == MAMBA:
             self._mixer = names.mamba
-            self.add_module(names.mamba, Mamba2Mixer(hidden, config.mamba))
+            self.add_module(names.mamba, Mamba2Mixer(hidden, config.mamba, policy))
         elif self.kind == ATTENTION:
             self._mixer = names.attention
-            self.add_module(names.attention, Attention(hidden, config.attention))
+            self.add_module(names.attention, Attention(hidden, config.attention, policy))
         else:
             self._mixer = names.mlp_mixer
             self.add_module(names.mlp_mixer, build_mlp(hidden, config.mlp))
         self.has_mlp = config.layer_has_mlp
         if self.has_mlp:
-            self.add_module(
-                names.post_norm, RMSNorm(hidden, config.norm_eps, config.norm_weight_in_fp32)
-            )
+            self.add_module(names.post_norm, RMSNorm(hidden, *norm_args))
             self.add_module(names.mlp, build_mlp(hidden, config.mlp))
+
+    def mixer_module(self) -> nn.Module:
+        """The layer's mixer (its attribute name is the checkpoint's, "mixer" in some)."""
+        return getattr(self, self._mixer)
 
     def forward(
         self,
@@ -88,9 +94,9 @@ class DecoderLayer(nn.Module):
             x = norm(h)
         else:
             h, x = norm.add_norm(h, pending, self.residual_multiplier)
-        mixer = getattr(self, self._mixer)
+        mixer = self.mixer_module()
         if self.kind == MAMBA:
-            x = mixer(x, batch, caches.conv[self.index], caches.ssm[self.index])
+            x = mixer(x, batch, caches.states[self.index])
         elif self.kind == ATTENTION:
             x = mixer(x, batch, caches.kv[self.index])
         else:
@@ -104,18 +110,18 @@ class DecoderLayer(nn.Module):
 class HybridBackbone(nn.Module):
     """Embedding, decoder layers and final norm (the checkpoint's ``model.*``)."""
 
-    def __init__(self, config: ModelConfig, names: LayerNames) -> None:
+    def __init__(self, config: ModelConfig, names: LayerNames, policy: KernelPolicy) -> None:
         super().__init__()
         self._names = names
         self.embedding_multiplier = config.embedding_multiplier
         self.residual_multiplier = config.residual_multiplier
         self.add_module(names.embed, nn.Embedding(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, names) for i in range(config.num_layers)
+            DecoderLayer(config, i, names, policy) for i in range(config.num_layers)
         )
         self.add_module(
             names.final_norm,
-            RMSNorm(config.hidden_size, config.norm_eps, config.norm_weight_in_fp32),
+            RMSNorm(config.hidden_size, config.norm_eps, config.norm_weight_in_fp32, policy.norms),
         )
 
     @property
@@ -142,7 +148,9 @@ class HybridForCausalLM(nn.Module):
 
     Subclasses set :attr:`names` (and the registry maps ``config.architecture`` to them).
     ``forward`` only reads ``batch`` and writes the caches named in
-    :mod:`hybridserve.models.batch`; it keeps no state between calls.
+    :mod:`hybridserve.models.batch`; it keeps no state between calls. ``policy`` (the
+    engine's :class:`~hybridserve.config.KernelPolicy`, fixed for the model's life) says
+    which implementation each op takes.
     """
 
     names: ClassVar[LayerNames]
@@ -150,33 +158,52 @@ class HybridForCausalLM(nn.Module):
     # backbone differently from transformers' in-memory module tree.
     checkpoint_prefixes: ClassVar[tuple[tuple[str, str], ...]] = ()
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, policy: KernelPolicy | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = HybridBackbone(config, self.names)
+        self.kernel_policy = policy or KernelPolicy()
+        self.model = HybridBackbone(config, self.names, self.kernel_policy)
         self.lm_head = (
             None
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
-        m, a = config.mamba, config.attention
+        a = config.attention
+        recurrent = [
+            layer for layer in self.model.layers
+            if isinstance(layer.mixer_module(), RecurrentLayer)
+        ]
         self.cache_spec = CacheSpec(
             attention_layers=config.attention_layers,
             num_kv_heads=a.num_kv_heads if a else 0,
             head_dim=a.head_dim if a else 0,
-            mamba_layers=config.mamba_layers,
-            conv_dim=m.conv_dim if m else 0,
-            d_conv=m.d_conv if m else 1,
-            num_ssm_heads=m.n_heads if m else 0,
-            ssm_head_dim=m.head_dim if m else 0,
-            d_state=m.d_state if m else 0,
+            recurrent_layers=tuple(layer.index for layer in recurrent),
+            # Every recurrent layer of a model is of one family: one declaration.
+            state_tensors=recurrent[0].mixer_module().state_tensors() if recurrent else (),
         )
+
+    def plan_step(self, batch: ForwardBatch, device: torch.device | str | None = None) -> ForwardBatch:
+        """``batch`` with its plan (:mod:`hybridserve.models.step_plan`), for ``device``
+        (default: the parameters'). The runner calls this once per step; a batch that is
+        already planned is returned as it is."""
+        if batch.planned:
+            return batch
+        param = self.model.embed.weight
+        device = torch.device(device) if device is not None else param.device
+        q = uniform_q(batch.query_start) if self.kernel_policy.uniform_decode else 0
+        states = None
+        if self.cache_spec.recurrent_layers:
+            # The scan's compute dtype: float32 at least, as every Mamba layer computes.
+            compute = torch.promote_types(param.dtype, torch.float32)
+            states = plan_states(batch, self.kernel_policy, device, compute)
+        return replace(batch, planned=True, uniform_q=q, states=states)
 
     def forward(
         self, input_ids: torch.Tensor, batch: ForwardBatch, caches: ModelCaches
     ) -> torch.Tensor:
-        """``input_ids [T]`` (packed rows) -> hidden ``[T, hidden_size]`` after the final norm."""
-        return self.model(input_ids, batch, caches)
+        """``input_ids [T]`` (packed rows) -> hidden ``[T, hidden_size]`` after the final norm.
+        An unplanned ``batch`` (tests, reference code) is planned here first."""
+        return self.model(input_ids, self.plan_step(batch, input_ids.device), caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` -> float32 ``[N, vocab_size]`` (divided by ``logits_scaling``)."""

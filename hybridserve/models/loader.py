@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from hybridserve.config import resolve_dtype
+from hybridserve.config import KernelPolicy, resolve_dtype
 from hybridserve.models.config import ModelConfig
 from hybridserve.models.hybrid import HybridForCausalLM
 from hybridserve.models.registry import model_class
@@ -94,6 +94,7 @@ def load_model(
     dtype: torch.dtype | str = torch.float32,
     device: torch.device | str = "cpu",
     config: ModelConfig | None = None,
+    policy: KernelPolicy | None = None,
 ) -> HybridForCausalLM:
     """Build the model described by ``path/config.json`` and load its weights.
 
@@ -103,6 +104,8 @@ def load_model(
         device: where the parameters live.
         config: use this config instead of reading ``config.json`` (e.g. one changed
             with :meth:`ModelConfig.with_overrides`); it must describe the same weights.
+        policy: which kernels the model's ops take (the engine's
+            :class:`~hybridserve.config.KernelPolicy`; default: its defaults).
 
     Returns:
         The model in eval mode with gradients disabled.
@@ -117,7 +120,7 @@ def load_model(
         config = ModelConfig.from_pretrained(path)
     cls = model_class(config.architecture)
     with torch.device("meta"):
-        model = cls(config)
+        model = cls(config, policy)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     files: dict[str, tuple[Path, str]] = {}
     for disk_name, file in checkpoint_files(path).items():
@@ -162,3 +165,14 @@ def load_model(
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)
     return model.eval()
+
+
+def with_kernel_policy(model: HybridForCausalLM, policy: KernelPolicy) -> HybridForCausalLM:
+    """The same model (sharing every parameter tensor: nothing is copied) built with
+    another :class:`~hybridserve.config.KernelPolicy`, for tests and benchmarks that
+    compare paths on one set of weights."""
+    with torch.device("meta"):
+        other = type(model)(model.config, policy)
+    other.load_state_dict(model.state_dict(keep_vars=True), strict=True, assign=True)
+    other.eval()
+    return other

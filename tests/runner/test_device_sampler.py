@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from hybridserve import LLM, SamplingParams
-from hybridserve.engine import engine_core
-from hybridserve.runner import sampler
+from hybridserve.runner import model_runner, sampler
 from hybridserve.runner.model_runner import ModelRunner
 
 P_MIN = 1e-4  # false-alarm rate of each goodness-of-fit check
@@ -375,7 +374,7 @@ def test_one_read_back_per_step(tiny_granite, monkeypatch):
     # The state postprocess launches inside the step; on the CPU its kernel is the torch
     # twin, host code whose own reads are no device transfers (on CUDA the kernel reads
     # nothing back), so they are not counted.
-    twin = engine_core.state_postprocess_reference
+    twin = model_runner.state_postprocess_reference
 
     def uncounted_twin(*args, **kwargs):
         saved, state["after_logits"] = state["after_logits"], False
@@ -384,7 +383,7 @@ def test_one_read_back_per_step(tiny_granite, monkeypatch):
         finally:
             state["after_logits"] = saved
 
-    monkeypatch.setattr(engine_core, "state_postprocess_reference", uncounted_twin)
+    monkeypatch.setattr(model_runner, "state_postprocess_reference", uncounted_twin)
     llm = LLM(tiny_granite, max_num_seqs=8,
               speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     prompts = [p * 3 for p in _prompts(23, 6)]

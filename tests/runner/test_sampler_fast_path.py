@@ -40,12 +40,12 @@ def test_engine_outputs_equal_with_and_without_fast_paths(tiny_granite, monkeypa
     fast = [o.outputs[0].token_ids for o in
             LLM(tiny_granite, speculative_config=spec).generate(prompts, params, use_tqdm=False)]
 
-    from hybridserve.kernels import mamba_decode
-    from hybridserve.models.layers import attention
+    from hybridserve.config import KernelPolicy
 
-    monkeypatch.setattr(mamba_decode, "decode_plan", lambda batch, device: None)
-    monkeypatch.setattr(attention, "_uniform_rows", lambda batch: False)
+    # No batched decode ops (attention and Mamba take their general paths) and no greedy
+    # argmax read-back.
     monkeypatch.setattr(sampler, "samples_by_argmax", lambda params: False)
-    slow = [o.outputs[0].token_ids for o in
-            LLM(tiny_granite, speculative_config=spec).generate(prompts, params, use_tqdm=False)]
+    slow_llm = LLM(tiny_granite, speculative_config=spec,
+                   kernel_policy=KernelPolicy(uniform_decode=False))
+    slow = [o.outputs[0].token_ids for o in slow_llm.generate(prompts, params, use_tqdm=False)]
     assert fast == slow
