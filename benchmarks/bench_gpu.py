@@ -1726,7 +1726,7 @@ def check_state_postprocess(shape, step, dtype, device, seed):
         out_pages=out_pages.to(torch.int32).to(device),
         state_page=state_page.to(torch.int32).to(device),
         release_prev=(torch.rand(rows, generator=h) < 0.7).to(device),
-        state_interval=interval,
+        boundary_interval=interval,
     )
     want = state_postprocess.state_postprocess_reference(**step_args)
     out = state_postprocess.PostprocessResult(

@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # engine attribute path -> name in the breakdown (those present in this version)
 TIMED = {
     ("scheduler", "schedule"): "schedule",
-    ("runner.graphs", "plan"): "graph_plan",
+    ("runner.graphs", "shape_of"): "graph_plan",
     ("runner.graphs", "fill"): "graph_fill",
     ("runner", "_postprocess"): "postprocess_launch",
     ("", "_commit_postprocess"): "postprocess_commit",

@@ -249,5 +249,5 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    spec: SpecConfig | None = None
+    speculative: SpecConfig | None = None
     kernels: KernelPolicy = field(default_factory=KernelPolicy)

@@ -29,11 +29,13 @@ DEFAULT_MODEL = default_model.PATH
 PromptType = str | list[int] | dict[str, Any]
 
 
-def check_cache_fits(spec: CacheSpec, cache: CacheConfig, dtype: torch.dtype, free_bytes: int) -> int:
+def check_cache_fits(
+    cache_spec: CacheSpec, cache: CacheConfig, dtype: torch.dtype, free_bytes: int
+) -> int:
     """Bytes the caches of ``cache`` take; raises ValueError naming the knobs to lower
     when that exceeds 95% of ``free_bytes`` (better than failing inside an allocation)."""
-    kv = spec.kv_block_bytes(cache.kv_block_size, dtype) * cache.num_kv_blocks
-    state = spec.state_page_bytes(dtype, cache.ssm_state_dtype) * cache.num_state_pages
+    kv = cache_spec.kv_block_bytes(cache.kv_block_size, dtype) * cache.num_kv_blocks
+    state = cache_spec.state_page_bytes(dtype, cache.ssm_state_dtype) * cache.num_state_pages
     if kv + state > 0.95 * free_bytes:
         raise ValueError(
             f"the caches need {(kv + state) / 2**30:.1f} GiB (KV {kv / 2**30:.1f} GiB in "
@@ -90,7 +92,7 @@ class LLM:
         mcfg = self.model.config
         self.model_config = mcfg
         self.tokenizer = Tokenizer.maybe_load(path)
-        spec = SpecConfig.from_dict(speculative_config)
+        speculative = SpecConfig.from_dict(speculative_config)
         if max_model_len is None:
             max_model_len = min(mcfg.max_position_embeddings, 4096)
         if max_model_len > mcfg.max_position_embeddings:
@@ -105,7 +107,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
         )
-        d = spec.num_speculative_tokens if spec else 0
+        d = speculative.num_speculative_tokens if speculative else 0
         blocks_per_seq = -(-max_model_len // kv_block_size)
         if num_kv_blocks is None:
             num_kv_blocks = max(blocks_per_seq * min(max_num_seqs, 8), 256)
@@ -137,7 +139,8 @@ class LLM:
             )
         self.config = EngineConfig(
             model=str(path), dtype=torch_dtype, device=device, seed=seed,
-            cache=cache, scheduler=sched, spec=spec, kernels=kernel_policy,
+            cache=cache, scheduler=sched, speculative=speculative,
+            kernels=kernel_policy,
         )
         eos = tuple(mcfg.eos_token_ids)
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:

@@ -9,7 +9,7 @@ the engine can both speak it without the runner reaching up into the engine:
   :class:`ScheduledRow` per row, each naming the request it advances through the
   :class:`ScheduledRequest` fields the runner reads;
 - what the runner hands back: :class:`StepResult`, one :class:`RowResult` per row plus
-  the state postprocess's decisions (:class:`VerifyDecision`) for verify rows, which the
+  the state postprocess's decisions (:class:`PostprocessDecision`) for decode rows, which the
   engine commits.
 """
 
@@ -30,7 +30,7 @@ __all__ = [
     "ScheduledRow",
     "SchedulerOutput",
     "StepResult",
-    "VerifyDecision",
+    "PostprocessDecision",
     "kv_slot",
 ]
 
@@ -138,7 +138,6 @@ class ScheduledRequest(Protocol):
     block_ids: list[int]
     params: SamplingParams
     sample_seed: int | None
-    slot: int
 
 
 def kv_slot(block_ids: Sequence[int], pos: int, block_size: int) -> int:
@@ -150,7 +149,8 @@ def kv_slot(block_ids: Sequence[int], pos: int, block_size: int) -> int:
 class ScheduledRow:
     """One row of a step: ``request`` computes ``all_token_ids[n : n + num_tokens]``.
 
-    ``num_drafts`` of those tokens are speculative (a decode/verify row). ``samples``
+    ``num_drafts`` of those tokens are speculative (a decode row; with drafts, a verify
+    row). ``samples``
     says whether the row's logits produce new tokens. ``state_outputs`` maps a prefix
     length p in (n, n + num_tokens] to the page that receives the state after it.
     """
@@ -161,8 +161,9 @@ class ScheduledRow:
     num_drafts: int
     samples: bool
     state_in_page: int
-    # A decode/verify row: its surviving state depends on the acceptance count.
-    is_verify: bool = False
+    # A decode row (the last token plus any drafts): its surviving state depends on the
+    # accepted count, which the state postprocess decides.
+    is_decode: bool = False
     state_outputs: dict[int, int] = field(default_factory=dict)
     # Scheduled one step ahead (``Scheduler.schedule_ahead``): the row's input token
     # is the previous step's choice, still on the device, and the request's host state
@@ -184,7 +185,7 @@ class SchedulerOutput:
         """Every row decodes one token with no drafts (the steps async scheduling
         pipelines)."""
         return all(
-            row.is_verify and row.num_tokens == 1 and row.num_drafts == 0 for row in self.rows
+            row.is_decode and row.num_tokens == 1 and row.num_drafts == 0 for row in self.rows
         )
 
 
@@ -198,8 +199,8 @@ class RowResult:
 
 
 @dataclass(frozen=True)
-class VerifyDecision:
-    """The state postprocess's decision for one verify row (DESIGN.md section 4):
+class PostprocessDecision:
+    """The state postprocess's decision for one decode row (DESIGN.md section 4):
     ``num_accepted`` tokens survived, the row's state is now ``state_page``, the
     checkpoints ``(prefix length, page)`` were kept and ``released`` pages are free."""
 
@@ -211,11 +212,11 @@ class VerifyDecision:
 
 @dataclass
 class StepResult:
-    """What the runner returns for a step: per row its tokens, and for each verify row
+    """What the runner returns for a step: per row its tokens, and for each decode row
     (by row index) the postprocess decision the engine commits."""
 
     rows: list[RowResult]
-    decisions: dict[int, VerifyDecision] = field(default_factory=dict)
+    decisions: dict[int, PostprocessDecision] = field(default_factory=dict)
 
 
 @dataclass

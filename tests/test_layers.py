@@ -23,7 +23,7 @@ PACKAGE = ROOT / "hybridserve"
 
 # package -> subpackages (or modules) it must not import
 FORBIDDEN = {
-    "kernels": ("models", "runner", "engine", "cache", "server", "llm", "drafters", "spec"),
+    "kernels": ("models", "runner", "engine", "cache", "server", "llm", "drafters"),
     "models": ("runner", "engine", "server", "llm"),
     "runner": ("engine", "server", "llm"),
     "cache": ("engine", "runner", "models", "server", "llm"),

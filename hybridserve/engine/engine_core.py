@@ -16,6 +16,7 @@ import torch
 
 from hybridserve.config import EngineConfig
 from hybridserve.detokenizer import IncrementalDetokenizer
+from hybridserve.drafters.ngram import NgramDrafter
 from hybridserve.engine.request import (
     CompletionOutput,
     Request,
@@ -25,8 +26,7 @@ from hybridserve.engine.request import (
 )
 from hybridserve.engine.scheduler import ScheduledRow, Scheduler, SchedulerOutput
 from hybridserve.runner.model_runner import ModelRunner, PendingStep
-from hybridserve.spec.ngram import NgramDrafter
-from hybridserve.step import RowResult, StepResult, VerifyDecision
+from hybridserve.step import PostprocessDecision, RowResult, StepResult
 from hybridserve.tokenizer import Tokenizer
 
 
@@ -103,7 +103,7 @@ class EngineCore:
         # the device; its decisions come back with the choices, in the step's result.
         self.runner = ModelRunner(
             model, caches, cc.kv_block_size, config.scheduler.max_num_seqs, config.device,
-            verify_interval=self.scheduler.verify_interval(),
+            boundary_interval=self.scheduler.boundary_interval(),
         )
         if not enforce_eager:
             self.runner.enable_decode_graphs(
@@ -111,7 +111,7 @@ class EngineCore:
                 scratch_block=cc.num_kv_blocks,
                 scratch_page=cc.num_state_pages,
             )
-        self.drafter = NgramDrafter(config.spec) if config.spec is not None else None
+        self.drafter = NgramDrafter(config.speculative) if config.speculative is not None else None
         if async_scheduling is None:
             async_scheduling = not enforce_eager and self.drafter is None
         if async_scheduling and (enforce_eager or self.drafter is not None):
@@ -296,9 +296,9 @@ class EngineCore:
     def _process(self, sched: SchedulerOutput, step: StepResult) -> list[RequestOutput]:
         """Commit a step that ran: its tokens, state pages, finished requests; outputs."""
         results = step.rows
-        verify_rows = [
+        decode_rows = [
             (row, res, step.decisions.get(i))
-            for i, (row, res) in enumerate(zip(sched.rows, results)) if row.is_verify
+            for i, (row, res) in enumerate(zip(sched.rows, results)) if row.is_decode
         ]
         touched: dict[str, _Group] = {}
         dropped: set[int] = set()
@@ -311,13 +311,13 @@ class EngineCore:
                 continue
             if res.new_tokens:
                 self._append_tokens(req, res.new_tokens, res.logprobs)
-            if not row.is_verify:
+            if not row.is_decode:
                 self.scheduler.commit_prefill_row(row)
             group = self.groups.get(self.group_id(req))
             if group is not None:
                 touched[group.request_id] = group
-        if verify_rows:
-            self._commit_postprocess(verify_rows, dropped)
+        if decode_rows:
+            self._commit_postprocess(decode_rows, dropped)
         for row in sched.rows:
             req = row.request
             if id(row) in dropped:
@@ -341,7 +341,7 @@ class EngineCore:
 
     def _commit_postprocess(
         self,
-        rows: list[tuple[ScheduledRow, RowResult, VerifyDecision | None]],
+        rows: list[tuple[ScheduledRow, RowResult, PostprocessDecision | None]],
         dropped: set[int] = frozenset(),
     ) -> None:
         """The host's page bookkeeping from the postprocess decisions of this step (the
@@ -362,12 +362,12 @@ class EngineCore:
                     f"tokens, the host {len(res.new_tokens)}"
                 )
         for row, _, d in decided:
-            self.scheduler.commit_verify_row(
+            self.scheduler.commit_decode_row(
                 row, d.num_accepted, d.state_page, list(d.checkpoints), list(d.released)
             )
 
     def _propose_drafts(self) -> None:
-        d = self.config.spec.num_speculative_tokens
+        d = self.config.speculative.num_speculative_tokens
         for req in self.scheduler.running:
             if req.is_prefill:
                 req.draft_token_ids = []

@@ -67,7 +67,7 @@ class Request:
     # Positions (prefix lengths) at which this request's prefill must leave checkpoints
     # besides the grid: the junction and the prompt end.
     extra_checkpoints: set[int] = field(default_factory=set)
-    slot: int = -1
+    seat: int = -1  # its seat among max_num_seqs (admission accounting), -1 for none
     # Chained hashes of the full blocks of all_token_ids, extended as blocks fill
     # (tokens are only ever appended, so computed hashes stay valid), and how many of
     # the request's current blocks are registered in the prefix index.

@@ -61,7 +61,7 @@ class Scheduler:
         self.blocks.on_evict.append(self.states.on_block_evicted)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.free_slots = list(range(sched.max_num_seqs - 1, -1, -1))
+        self.free_seats = list(range(sched.max_num_seqs - 1, -1, -1))
         self.counters = {
             "prefix_queries": 0,
             "prefix_query_tokens": 0,
@@ -97,9 +97,9 @@ class Scheduler:
         req.state_page = -1
         req.boundary_page = -1
         req.boundary_len = 0
-        if req.slot >= 0:
-            self.free_slots.append(req.slot)
-            req.slot = -1
+        if req.seat >= 0:
+            self.free_seats.append(req.seat)
+            req.seat = -1
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -256,7 +256,7 @@ class Scheduler:
             self.counters["prefix_hits"] += int(h > 0)
         if req.num_preemptions == 0:
             req.num_cached_tokens = h
-        req.slot = self.free_slots.pop()
+        req.seat = self.free_seats.pop()
         req.status = RequestStatus.RUNNING
         return q, outputs
 
@@ -298,7 +298,7 @@ class Scheduler:
                 continue
             if need_blocks > 0:
                 req.block_ids += self.blocks.allocate(need_blocks)
-            rows.append(self._make_row(req, q, drafts, positions, verify=not req.is_prefill))
+            rows.append(self._make_row(req, q, drafts, positions, decode=not req.is_prefill))
             budget -= q
             i += 1
 
@@ -306,7 +306,7 @@ class Scheduler:
             self.waiting
             and budget > 0
             and len(rows) < self.config.max_num_seqs
-            and self.free_slots
+            and self.free_seats
             and not preempted
         ):
             req = self.waiting[0]
@@ -317,7 +317,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(req)
-            rows.append(self._make_row(req, q, 0, positions, verify=False))
+            rows.append(self._make_row(req, q, 0, positions, decode=False))
             budget -= q
         return SchedulerOutput(rows=rows, preempted=preempted)
 
@@ -346,7 +346,7 @@ class Scheduler:
                 req.block_ids += self.blocks.allocate(extra)
             out.append(ScheduledRow(
                 request=req, num_computed=n, num_tokens=1, num_drafts=0, samples=True,
-                state_in_page=prev.state_outputs[n], is_verify=True,
+                state_in_page=prev.state_outputs[n], is_decode=True,
                 state_outputs={n + 1: self.states.allocate(1)[0]}, ahead=True,
             ))
         return SchedulerOutput(rows=out, preempted=[])
@@ -357,7 +357,7 @@ class Scheduler:
         self.states.release(list(row.state_outputs.values()))
 
     def _make_row(
-        self, req: Request, q: int, drafts: int, positions: list[int], verify: bool
+        self, req: Request, q: int, drafts: int, positions: list[int], decode: bool
     ) -> ScheduledRow:
         """A row of ``q`` tokens whose states at ``positions`` go to freshly taken pages."""
         n = req.num_computed_tokens
@@ -369,7 +369,7 @@ class Scheduler:
             num_drafts=drafts,
             samples=n + q >= req.num_tokens,
             state_in_page=req.state_page,
-            is_verify=verify,
+            is_decode=decode,
             state_outputs=dict(zip(positions, pages)),
         )
 
@@ -388,7 +388,7 @@ class Scheduler:
         self._advance(req, end, row.state_outputs[end], row.state_outputs.get(kept_boundary, -1), kept_boundary)
         self.states.release(list(row.state_outputs.values()))
 
-    def commit_verify_row(
+    def commit_decode_row(
         self,
         row: ScheduledRow,
         num_accepted: int,
@@ -401,7 +401,7 @@ class Scheduler:
         ``new_state_page`` (S_{a-1}) takes over the step's reference as the request's
         state. ``checkpoints`` are the ``(prefix length, page)`` pairs the postprocess
         kept at boundaries crossed by the accepted tokens; the index (or the request's
-        boundary slot) takes its own reference and the step's is dropped, unless the
+        boundary page) takes its own reference and the step's is dropped, unless the
         page is also the new state. ``released`` are the unused S_j (the step's
         references) and the previous state page (the request's reference).
         """
@@ -422,7 +422,7 @@ class Scheduler:
         req.num_computed_tokens = row.num_computed + num_accepted
         self._register_full_blocks(req)
 
-    def verify_interval(self) -> int:
+    def boundary_interval(self) -> int:
         """The boundary interval the state postprocess reports crossings of."""
         if not self.cache_config.enable_prefix_caching:
             return 1 << 30
@@ -498,6 +498,6 @@ class Scheduler:
             if req.block_ids or req.state_page >= 0 or req.boundary_page >= 0:
                 raise AssertionError(f"waiting request {req.request_id} holds caches")
         self.states.check_integrity(holders)
-        used_slots = [r.slot for r in self.running]
-        if len(set(used_slots)) != len(used_slots) or len(used_slots) + len(self.free_slots) != self.config.max_num_seqs:
-            raise AssertionError("request slots are lost or shared")
+        used_seats = [r.seat for r in self.running]
+        if len(set(used_seats)) != len(used_seats) or len(used_seats) + len(self.free_seats) != self.config.max_num_seqs:
+            raise AssertionError("request seats are lost or shared")

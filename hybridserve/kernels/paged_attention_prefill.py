@@ -41,6 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridserve.kernels.transfer import upload
+
 __all__ = [
     "PV_PRECISIONS",
     "paged_attention_prefill_triton",
@@ -416,9 +418,7 @@ def paged_attention_prefill_triton(
     if tiles.shape[0] == 0:
         return out
     device = k_cache.device
-    if device.type == "cuda":
-        tiles = tiles.pin_memory()
-    tiles = tiles.to(device=device, non_blocking=True)
+    tiles = upload(tiles, device)
     tables = block_tables.to(device=device, non_blocking=True)
     if tables.stride(-1) != 1:
         tables = tables.contiguous()

@@ -75,6 +75,7 @@ import torch.nn.functional as F
 
 from hybridserve.kernels.ssd import discretize_dt, heads_from_groups, ssd_chunked_reference
 from hybridserve.kernels.ssd_tails import ssd_tail_states, ssd_tail_states_reference
+from hybridserve.kernels.transfer import upload_lists
 
 __all__ = [
     "ScanFn",
@@ -324,13 +325,7 @@ class Segments:
 
 def _to_device(lists: Sequence[Sequence[int]], device: torch.device) -> list[torch.Tensor]:
     """Host int lists -> int64 tensors on ``device`` with one asynchronous copy."""
-    sizes = [len(v) for v in lists]
-    host = torch.tensor([i for v in lists for i in v], dtype=torch.int64)
-    if device.type == "cuda":
-        # Pinned: a copy from pageable memory would stall the host until the device drains.
-        host = host.pin_memory()
-    flat = host.to(device, non_blocking=True)
-    return list(flat.split(sizes))
+    return upload_lists(lists, torch.int64, device)
 
 
 def _segment_lists(

@@ -37,8 +37,9 @@ import torch
 from hybridserve.config import KernelPolicy
 from hybridserve.kernels import ssd_varlen
 from hybridserve.kernels.conv_varlen import token_rows
+from hybridserve.kernels.transfer import upload_lists as upload
 
-__all__ = ["MAX_DECODE_TOKENS", "StatePlan", "StepKind", "plan_states", "uniform_q", "upload"]
+__all__ = ["MAX_DECODE_TOKENS", "StatePlan", "StepKind", "plan_states", "uniform_q"]
 
 # Rows longer than this are prefill chunks: the chunked scan serves them better, and the
 # decode ops unroll their row length.
@@ -50,17 +51,6 @@ class StepKind(enum.Enum):
     SHORT = "short"
     PACKED = "packed"
     ROWS = "rows"
-
-
-def upload(lists: Sequence[Sequence[int]], dtype: torch.dtype, device: torch.device):
-    """Host int lists -> tensors of ``dtype`` on ``device`` in one asynchronous copy
-    (from pinned memory on CUDA: a copy from pageable memory would stall the host until
-    the device drained its queue)."""
-    sizes = [len(v) for v in lists]
-    host = torch.tensor([i for v in lists for i in v], dtype=dtype)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return list(host.to(device, non_blocking=True).split(sizes))
 
 
 @dataclass(frozen=True)

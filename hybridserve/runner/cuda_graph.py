@@ -4,7 +4,7 @@ A decode step of the fast path launches about a thousand small kernels; at batch
 on an H200 their launch costs dominate the step. This module captures the whole step
 (the model forward, the logits and the draw) once per shape and replays it.
 
-Which steps (:meth:`DecodeGraphs.plan`): decode and verify rows (``1 + d`` tokens for a
+Which steps (:meth:`DecodeGraphs.shape_of`): decode and verify rows (``1 + d`` tokens for a
 row carrying ``d`` drafts; the step runs the longest row's count ``q`` and pads the
 shorter rows, see :meth:`DecodeGraphs.fill`), every row continuing from a stored state
 page and writing its states to pages that are not input pages, no row asking for
@@ -243,7 +243,7 @@ class DecodeGraphs:
 
     # ---- which steps ---------------------------------------------------------------
 
-    def plan(self, sched: SchedulerOutput) -> StepShape | None:
+    def shape_of(self, sched: SchedulerOutput) -> StepShape | None:
         """The graph key of ``sched``, or None when the step must run eagerly."""
         rows = sched.rows
         if not self.enabled or not rows or not self.uniform_decode:
@@ -306,7 +306,7 @@ class DecodeGraphs:
         output (row ``i``'s choices at ``[i * q, i * q + num_tokens)``) and ``q``, or
         None (then nothing ran). ``tokens`` (device, one per row): the input tokens of a
         step of one-token rows scheduled ahead, which the host does not have yet."""
-        shape = self.plan(sched)
+        shape = self.shape_of(sched)
         if tokens is not None and (shape is None or shape.q != 1):
             return None
         if shape is None:
@@ -447,7 +447,7 @@ class DecodeGraphs:
         sm = shape.sampling
         if sm == GREEDY:
             return sampler.argmax_ids(logits)
-        plan = sampler.StepPlan(
+        plan = sampler.DrawPlan(
             packed=st.params, num_positions=b * q, num_penalties=0, logprob_positions=[],
             logprob_k=[], max_logprobs=0, max_top_k=sm.top_k, any_sampled=sm.any_sampled,
             any_top_p=sm.any_top_p, any_min_p=sm.any_min_p,

@@ -38,15 +38,16 @@ from hybridserve.kernels.state_postprocess import (
     state_postprocess,
     state_postprocess_reference,
 )
+from hybridserve.kernels.transfer import upload, upload_lists
 from hybridserve.models.batch import ForwardBatch, ModelCaches
 from hybridserve.runner import sampler
 from hybridserve.runner.cuda_graph import DecodeGraphs
 from hybridserve.step import (
     Logprob,
+    PostprocessDecision,
     RowResult,
     SchedulerOutput,
     StepResult,
-    VerifyDecision,
     kv_slot,
 )
 
@@ -71,8 +72,8 @@ class PendingStep:
 
 
 class ModelRunner:
-    """``verify_interval``: the boundary interval the state postprocess reports crossings
-    of (the scheduler's ``verify_interval()``)."""
+    """``boundary_interval``: the boundary interval the state postprocess reports crossings
+    of (the scheduler's ``boundary_interval()``)."""
 
     def __init__(
         self,
@@ -81,14 +82,14 @@ class ModelRunner:
         kv_block_size: int,
         max_num_seqs: int,
         device: torch.device | str = "cpu",
-        verify_interval: int = 1 << 30,
+        boundary_interval: int = 1 << 30,
     ) -> None:
         self.model = model
         self.caches = caches
         self.block_size = kv_block_size
         self.device = torch.device(device)
         self.max_num_seqs = max_num_seqs
-        self.verify_interval = verify_interval
+        self.boundary_interval = boundary_interval
         self.graphs: DecodeGraphs | None = None
 
     def enable_decode_graphs(
@@ -136,21 +137,16 @@ class ModelRunner:
                 out_row.append(i)
                 out_off.append(p - 1 - n)
                 out_page.append(page)
-        # Ids, positions and slots travel in one transfer, the block table in another;
-        # both from pinned memory on CUDA, so the host does not wait for the device (a
-        # copy from pageable memory synchronises).
-        tokens = len(ids)
-        flat = torch.tensor(ids + positions + slots, dtype=torch.long)
-        if self.device.type == "cuda":
-            flat, tables = flat.pin_memory(), tables.pin_memory()
-        flat = flat.to(self.device, non_blocking=True)
-        input_ids, positions_d, slots_d = flat.split([tokens, tokens, tokens])
+        # Ids, positions and slots travel in one transfer, the block table in another.
+        input_ids, positions_d, slots_d = upload_lists(
+            [ids, positions, slots], torch.long, self.device
+        )
         batch = ForwardBatch(
             query_start=query_start,
             num_computed=num_computed,
             positions=positions_d,
             context_lens=context_lens,
-            block_tables=tables.to(self.device, non_blocking=True),
+            block_tables=upload(tables, self.device),
             slot_mapping=slots_d,
             state_in_page=state_in,
             state_out_row=out_row,
@@ -178,11 +174,7 @@ class ModelRunner:
         tokens = None
         if after is not None:
             src = torch.tensor([j * after.q for j in sources], dtype=torch.int64)
-            if after.choices.is_cuda:
-                src = src.pin_memory()
-            tokens = after.choices.index_select(
-                0, src.to(after.choices.device, non_blocking=True)
-            )
+            tokens = after.choices.index_select(0, upload(src, after.choices.device))
         replayed = self.graphs.replay(sched, tokens)
         if replayed is None:
             return None
@@ -240,12 +232,8 @@ class ModelRunner:
             gather += range(end - k, end)
         if not gather:
             return StepResult([RowResult([], []) for _ in sched.rows])
-        index = torch.tensor(gather, dtype=torch.long)
-        if hidden.is_cuda:
-            # Asynchronous copy: the host keeps queueing work instead of waiting here for
-            # the forward to finish.
-            index = index.pin_memory()
-        index = index.to(hidden.device, non_blocking=True)
+        # Asynchronous: the host keeps queueing work instead of waiting for the forward.
+        index = upload(torch.tensor(gather, dtype=torch.long), hidden.device)
         logits = self.model.compute_logits(hidden[index])
         sampling = [i for i, (_, k) in enumerate(spans) if k > 0]
         starts = [start for start, _ in spans]
@@ -269,7 +257,7 @@ class ModelRunner:
 
     def _read_back(
         self, sched: SchedulerOutput, values: torch.Tensor, starts: Sequence[int]
-    ) -> tuple[list[int], dict[int, VerifyDecision]]:
+    ) -> tuple[list[int], dict[int, PostprocessDecision]]:
         """The step's one device-to-host read: ``values`` (int64; the choices first,
         row ``i``'s from ``starts[i]``, then anything else the step reads), followed by
         the state postprocess's decisions for the step's verify rows."""
@@ -295,7 +283,7 @@ class ModelRunner:
         the new state page, the checkpoint pages, their prefix lengths, the released
         pages (:meth:`_decisions` reads it back).
         """
-        verify = [i for i, row in enumerate(sched.rows) if row.is_verify]
+        verify = [i for i, row in enumerate(sched.rows) if row.is_decode]
         if not verify:
             return None
         device = choices.device
@@ -314,12 +302,11 @@ class ModelRunner:
             # which no choice equals).
             pos += [starts[i] + j for j in range(d)] + [0] * (width - d)
             drafts += row.request.draft_token_ids[:d] + [-1] * (width - d)
-        # Every host-side input of the launch travels in one transfer (pinned on CUDA, so
-        # it does not block the host); the tensors below are views of it.
-        host = torch.tensor(computed + state_in + pages + pos + drafts, dtype=torch.int64)
-        if device.type == "cuda":
-            host = host.pin_memory()
-        packed = host.to(device, non_blocking=True)
+        # Every host-side input of the launch travels in one transfer; the tensors below
+        # are views of it.
+        packed = upload(
+            torch.tensor(computed + state_in + pages + pos + drafts, dtype=torch.int64), device
+        )
         computed_d, state_in_d = packed[: 2 * b].to(torch.int32).view(2, b)
         out_pages = packed[2 * b : 2 * b + b * max_q].to(torch.int32).view(b, max_q)
         if width == 0:
@@ -337,23 +324,23 @@ class ModelRunner:
             state_page=state_in_d.contiguous(),
             # The request holds a reference on whatever page it read, a checkpoint too.
             release_prev=state_in_d >= 0,
-            state_interval=self.verify_interval,
+            boundary_interval=self.boundary_interval,
         )
         return torch.cat(
             [accepted[:, None], result.new_state_page[:, None].long(), result.ckpt_page.long(),
              result.ckpt_len.long(), result.release_pages.long()], dim=1,
         ).reshape(-1)
 
-    def _decisions(self, sched: SchedulerOutput, host: list[int]) -> dict[int, VerifyDecision]:
-        """The verify rows' :class:`~hybridserve.step.VerifyDecision` from the host values
+    def _decisions(self, sched: SchedulerOutput, host: list[int]) -> dict[int, PostprocessDecision]:
+        """The verify rows' :class:`~hybridserve.step.PostprocessDecision` from the host values
         of :meth:`_postprocess`'s tensor, keyed by row index."""
-        verify = [i for i, row in enumerate(sched.rows) if row.is_verify]
+        verify = [i for i, row in enumerate(sched.rows) if row.is_decode]
         if not verify:
             return {}
         if not host:
             raise RuntimeError("a step with verify rows read back no postprocess decisions")
         max_q = max(sched.rows[i].num_tokens for i in verify)
-        k = max_checkpoints_per_row(max_q, self.verify_interval)
+        k = max_checkpoints_per_row(max_q, self.boundary_interval)
         width = 2 + 2 * k + max_q
         if len(host) != width * len(verify):
             raise RuntimeError(
@@ -366,7 +353,7 @@ class ModelRunner:
                 (p, page) for p, page in zip(h[2 + k : 2 + 2 * k], h[2 : 2 + k]) if page >= 0
             )
             released = tuple(p for p in h[2 + 2 * k :] if p >= 0)
-            out[i] = VerifyDecision(h[0], h[1], ckpts, released)
+            out[i] = PostprocessDecision(h[0], h[1], ckpts, released)
         return out
 
     def _sample(
@@ -375,7 +362,7 @@ class ModelRunner:
         sampling: list[int],
         logits: torch.Tensor,
         starts: Sequence[int],
-    ) -> tuple[list[int], dict[int, dict[int, Logprob]], dict[int, VerifyDecision]]:
+    ) -> tuple[list[int], dict[int, dict[int, Logprob]], dict[int, PostprocessDecision]]:
         """Every sampling row of the step through the batched sampler: parameters up in
         one transfer, the chosen tokens (and the logprobs payload, and the decisions)
         back in one."""
@@ -393,11 +380,8 @@ class ModelRunner:
                     drafts=req.draft_token_ids[: row.num_drafts],
                 )
             )
-        plan = sampler.plan_step(rows, logits.shape[-1])
-        packed = plan.packed
-        if logits.is_cuda:
-            packed = packed.pin_memory()
-        packed = packed.to(logits.device, non_blocking=True)
+        plan = sampler.plan_draw(rows, logits.shape[-1])
+        packed = upload(plan.packed, logits.device)
         # The choices come first in the output, then the logprobs payload: one read.
         values, decisions = self._read_back(
             sched, sampler.sample_step(logits, plan, packed), starts

@@ -1,6 +1,6 @@
 """Token sampling, speculative verification and logprobs, batched in torch ops.
 
-One step, one draw, one read-back. :func:`plan_step` builds on the host, once per
+One step, one draw, one read-back. :func:`plan_draw` builds on the host, once per
 step, the per-position parameters of every sampling position (temperature, top-k,
 top-p, min-p, the request's ``sample_seed``, the generated-token index of the
 position, the penalties and the tokens they apply to, which positions want logprobs)
@@ -328,8 +328,8 @@ def position_params(
 
 
 @dataclass
-class StepPlan:
-    """The host's description of one step's sampling (:func:`plan_step`).
+class DrawPlan:
+    """The host's description of one step's sampling (:func:`plan_draw`).
 
     ``packed``: one float64 host buffer (every value in it is an integer below 2^53 or
     a float64 parameter, so nothing rounds): ``[num_positions, len(_COLS)]`` parameters,
@@ -356,7 +356,7 @@ class StepPlan:
         return 2 * self.max_logprobs + 2
 
 
-def plan_step(rows: Sequence[SampleRow], vocab_size: int) -> StepPlan:
+def plan_draw(rows: Sequence[SampleRow], vocab_size: int) -> DrawPlan:
     """Build the per-position parameters of a step's sampling rows (in position order:
     the rows' positions are consecutive rows of the logits that :func:`sample_step`
     gets)."""
@@ -398,7 +398,7 @@ def plan_step(rows: Sequence[SampleRow], vocab_size: int) -> StepPlan:
     flat = [v for r in params_rows for v in r]
     flat += [v for e in penalties for v in e]
     flat += lp_pos
-    return StepPlan(
+    return DrawPlan(
         packed=torch.tensor(flat, dtype=torch.float64),
         num_positions=len(params_rows),
         num_penalties=len(penalties),
@@ -412,12 +412,12 @@ def plan_step(rows: Sequence[SampleRow], vocab_size: int) -> StepPlan:
     )
 
 
-def _columns(plan: StepPlan, packed: torch.Tensor) -> torch.Tensor:
+def _columns(plan: DrawPlan, packed: torch.Tensor) -> torch.Tensor:
     n = plan.num_positions
     return packed[: n * len(_COLS)].view(n, len(_COLS))
 
 
-def process_step(logits: torch.Tensor, plan: StepPlan, packed: torch.Tensor) -> torch.Tensor:
+def process_step(logits: torch.Tensor, plan: DrawPlan, packed: torch.Tensor) -> torch.Tensor:
     """:func:`process_logits` for every position of a step at once: ``logits
     [num_positions, vocab]`` raw, ``packed`` the plan's buffer on the logits' device.
     Returns the float32 log-probabilities to draw from."""
@@ -463,7 +463,7 @@ def process_step(logits: torch.Tensor, plan: StepPlan, packed: torch.Tensor) -> 
     return logp
 
 
-def sample_step(logits: torch.Tensor, plan: StepPlan, packed: torch.Tensor) -> torch.Tensor:
+def sample_step(logits: torch.Tensor, plan: DrawPlan, packed: torch.Tensor) -> torch.Tensor:
     """Sample every position of a step: ``logits [num_positions, vocab]`` (raw),
     ``packed`` the plan's buffer on the logits' device. Returns int64 on that device:
     the chosen token per position, then ``payload_width`` entries per logprob position
@@ -495,7 +495,7 @@ def sample_step(logits: torch.Tensor, plan: StepPlan, packed: torch.Tensor) -> t
     return torch.cat([choices, torch.cat(parts, dim=1).reshape(-1)])
 
 
-def read_step(values: Sequence[int], plan: StepPlan) -> tuple[list[int], dict[int, dict[int, Logprob]]]:
+def read_step(values: Sequence[int], plan: DrawPlan) -> tuple[list[int], dict[int, dict[int, Logprob]]]:
     """Decode :func:`sample_step`'s output, read back as a list: the choice per
     position, and per logprob position its ``{token: Logprob}`` (the ``k`` most likely
     tokens and the chosen one, as :func:`token_logprobs` gives them)."""

@@ -66,7 +66,7 @@ def startup_line(llm, name: str, host: str, port: int) -> str:
         f"kv_block_size={cache.kv_block_size} num_state_pages={cache.num_state_pages} "
         f"state_interval={cache.state_interval} "
         f"prefix_caching={'on' if cache.enable_prefix_caching else 'off'} "
-        f"speculative_tokens={cfg.spec.num_speculative_tokens if cfg.spec else 0} "
+        f"speculative_tokens={cfg.speculative.num_speculative_tokens if cfg.speculative else 0} "
         f"on http://{host}:{port}"
     )
 

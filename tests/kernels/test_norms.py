@@ -368,7 +368,7 @@ def _add_first(backbone, names, input_ids, batch, caches):
     for layer in backbone.layers:
         x = getattr(layer, names.input_norm)(h)
         if layer.kind == MAMBA:
-            x = getattr(layer, names.mamba)(x, batch, caches.conv[layer.index], caches.ssm[layer.index])
+            x = getattr(layer, names.mamba)(x, batch, caches.states[layer.index])
         elif layer.kind == ATTENTION:
             x = getattr(layer, names.attention)(x, batch, caches.kv[layer.index])
         else:

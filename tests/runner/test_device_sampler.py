@@ -38,7 +38,7 @@ def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 def _sample(logits: torch.Tensor, rows: list[sampler.SampleRow]) -> list[int]:
-    plan = sampler.plan_step(rows, logits.shape[-1])
+    plan = sampler.plan_draw(rows, logits.shape[-1])
     choices, _ = sampler.read_step(sampler.sample_step(logits, plan, plan.packed).tolist(), plan)
     return choices
 
@@ -79,7 +79,7 @@ def test_batched_processing_matches_process_logits():
             logits.append(x)
             want.append(sampler.process_logits(x, params, prompt, output + drafts[:j]))
     logits_t = torch.stack(logits)
-    plan = sampler.plan_step(rows, vocab)
+    plan = sampler.plan_draw(rows, vocab)
     got = sampler.process_step(logits_t, plan, plan.packed)
     want_t = torch.stack(want)
     assert torch.equal(torch.isinf(got), torch.isinf(want_t))
@@ -112,7 +112,7 @@ def test_logprobs_payload_matches_token_logprobs():
              seed=7, prompt=[3, 4], output=[5]),
         _row(SamplingParams(temperature=0.0, logprobs=20), seed=8, drafts=[9]),
     ]
-    plan = sampler.plan_step(rows, vocab)
+    plan = sampler.plan_draw(rows, vocab)
     choices, lps = sampler.read_step(sampler.sample_step(logits, plan, plan.packed).tolist(), plan)
     assert sorted(lps) == [0, 1, 2, 4, 5, 6]
     for pos, k in zip([0, 1, 2, 4, 5, 6], [3, 3, 3, 0, 20, 20]):
