@@ -1,5 +1,6 @@
-# The two commands of the README: `make demo` and `make test`. Each creates (or
-# reuses) a local virtual environment with pinned dependencies.
+# The commands of the README: `make demo`, `make test`, `make lint` and `make venv`.
+# Each creates (or reuses) a local virtual environment with pinned dependencies;
+# afterwards .venv/bin/hybridserve and .venv/bin/python run everything else.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -18,6 +19,9 @@ venv: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m hybridserve.cli demo
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
 
 # TRITON_INTERPRET=1 runs Triton kernels on the CPU (the race checker needs it).
 test: $(STAMP)

@@ -3,8 +3,9 @@ once in a sandbox and rendered per request the way Hugging Face tokenizers do.
 
 Contract: :func:`compile_chat_template` raises :class:`ChatTemplateError` for a
 template that does not parse; :func:`render_chat` raises it for a conversation the
-template refuses (its ``raise_exception(...)``) or cannot render. The sandbox is
-immutable: a template cannot mutate the objects it is given or reach Python internals.
+template refuses (its ``raise_exception(...)``), fails on with any exception, or
+renders to more than ``max_chars`` characters. The sandbox is immutable: a template
+cannot mutate the objects it is given or reach Python internals.
 """
 
 from __future__ import annotations
@@ -77,19 +78,37 @@ def render_chat(
     add_generation_prompt: bool = True,
     bos_token: str | None = None,
     eos_token: str | None = None,
+    max_chars: int | None = None,
 ) -> str:
     """The prompt text for ``messages``; raises ChatTemplateError if the template
-    refuses the conversation."""
+    refuses the conversation, fails on it, or its output passes ``max_chars``."""
+    pieces: list[str] = []
+    size = 0
     try:
-        return template.render(
+        # Piece by piece, so a runaway template stops at the cap instead of filling
+        # memory first.
+        for piece in template.generate(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=bos_token or "",
             eos_token=eos_token or "",
-        )
+        ):
+            size += len(piece)
+            if max_chars is not None and size > max_chars:
+                raise ChatTemplateError(
+                    f"the chat template's output for these messages passes {max_chars} "
+                    "characters, more than the context can hold"
+                )
+            pieces.append(piece)
+    except ChatTemplateError:
+        raise
     except jinja2.exceptions.TemplateError as e:
         raise ChatTemplateError(f"the chat template refused the messages: {e}") from e
-    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+    except Exception as e:
+        # A template is code from the checkpoint: whatever it raises (OverflowError
+        # from a huge range, RecursionError, ...) is about this conversation, not the
+        # server.
         raise ChatTemplateError(
             f"the chat template failed on the messages: {type(e).__name__}: {e}"
         ) from e
+    return "".join(pieces)

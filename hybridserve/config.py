@@ -212,6 +212,10 @@ class KernelPolicy:
       ``"triton"`` is ``"auto"`` (the scan is fla-core's). Otherwise rows go one by one
       (the oracle).
     - ``norms``: the RMS norms.
+    - ``gdn_rows``: Gated DeltaNet steps that are not uniform decode steps: ``"auto"``,
+      ``"triton"``, ``"reference"``, ``"chunked"``, ``"fla"`` or ``"off"``
+      (:func:`hybridserve.models.layers.gated_deltanet.packed_rows_mode`);
+      ``gdn_chunk`` the chunk length of its chunked form (fla-core's is 64).
     """
 
     uniform_decode: bool = True
@@ -221,6 +225,8 @@ class KernelPolicy:
     max_short_tokens: int = 512
     packed_prefill: str = "auto"
     norms: str = "auto"
+    gdn_rows: str = "auto"
+    gdn_chunk: int = 64
 
     def __post_init__(self) -> None:
         for name in ("decode_attention", "prefill_attention", "norms"):
@@ -231,6 +237,11 @@ class KernelPolicy:
             value = getattr(self, name)
             if value not in PATH_MODES:
                 raise ValueError(f"kernel_policy.{name}={value!r}: choose from {PATH_MODES}")
+        gdn_modes = ("auto", "triton", "reference", "chunked", "fla", "off")
+        if self.gdn_rows not in gdn_modes:
+            raise ValueError(f"kernel_policy.gdn_rows={self.gdn_rows!r}: choose from {gdn_modes}")
+        if self.gdn_chunk < 1 or self.gdn_chunk & (self.gdn_chunk - 1):
+            raise ValueError(f"kernel_policy.gdn_chunk must be a power of two, got {self.gdn_chunk}")
         if not isinstance(self.uniform_decode, bool):
             raise ValueError(f"kernel_policy.uniform_decode must be a bool, got {self.uniform_decode!r}")
         if not 1 <= self.max_short_tokens <= 1 << 20:

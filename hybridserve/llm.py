@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +24,41 @@ from hybridserve.config import (
 )
 from hybridserve.engine.engine_core import EngineCore
 from hybridserve.engine.request import RequestOutput, SamplingParams
+from hybridserve.hub import resolve_model
 from hybridserve.models.base import CacheSpec
 from hybridserve.tokenizer import Tokenizer
 
 DEFAULT_MODEL = default_model.PATH
 
+log = logging.getLogger("hybridserve")
+
 PromptType = str | list[int] | dict[str, Any]
+
+NUM_THREADS_ENV = "HYBRIDSERVE_NUM_THREADS"
+
+
+def resolve_num_threads(num_threads: int | None) -> int | None:
+    """The torch CPU thread count an :class:`LLM` sets, or None to leave torch's as is.
+
+    ``num_threads`` when given, else ``$HYBRIDSERVE_NUM_THREADS``, else None when
+    ``$OMP_NUM_THREADS`` is set (torch already follows it), else 1. Why 1: the engine's
+    CPU ops are small (rows run one at a time), so extra threads gain little, and on a
+    machine whose cores are busy with other work OpenMP threads that wait for each other
+    made generation an order of magnitude slower (benchmarks/results/cpu_threads.json).
+    """
+    source = "num_threads"
+    if num_threads is None:
+        env = os.environ.get(NUM_THREADS_ENV, "").strip()
+        if not env:
+            return None if os.environ.get("OMP_NUM_THREADS", "").strip() else 1
+        source = f"${NUM_THREADS_ENV}"
+        try:
+            num_threads = int(env)
+        except ValueError:
+            raise ValueError(f"{source} must be an integer >= 1, got {env!r}") from None
+    if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
+        raise ValueError(f"{source} must be an integer >= 1, got {num_threads!r}")
+    return num_threads
 
 
 def check_cache_fits(
@@ -53,8 +85,14 @@ class LLM:
     of ``kv_block_size`` tokens, ``num_state_pages`` recurrent-state pages (each holds
     every Mamba layer's conv window and SSM state); by default sized so that
     ``max_num_seqs`` requests of ``max_model_len`` tokens fit, plus room for
-    checkpoints. ``kernel_policy`` picks which implementation each op of the forward takes
-    (:class:`~hybridserve.config.KernelPolicy`; the defaults suit serving).
+    checkpoints. ``max_model_len`` defaults to the model's ``max_position_embeddings``,
+    capped at 4096. ``kernel_policy`` picks which implementation each op of the forward
+    takes (:class:`~hybridserve.config.KernelPolicy`; the defaults suit serving).
+
+    ``num_threads``: torch's CPU thread count, a process-wide setting that the
+    constructor applies (see :func:`resolve_num_threads` for the default, 1).
+    ``model``: a checkpoint directory, a Hugging Face hub id (``org/name``, see
+    :mod:`hybridserve.hub`), or None for the embedded default model.
     """
 
     def __init__(
@@ -79,12 +117,24 @@ class LLM:
         enforce_eager: bool | None = None,
         speculative_config: dict[str, Any] | None = None,
         async_scheduling: bool | None = None,
+        num_threads: int | None = None,
         kernel_policy: KernelPolicy | None = None,
     ) -> None:
         from hybridserve.models.loader import load_model
 
         kernel_policy = kernel_policy or KernelPolicy()
-        path = Path(model) if model is not None else DEFAULT_MODEL
+        threads = resolve_num_threads(num_threads)
+        if threads is not None:
+            torch.set_num_threads(threads)
+
+        if model is None:
+            path = DEFAULT_MODEL
+            name = str(path)
+        else:
+            path = resolve_model(model)
+            # A hub id keeps its name (the server's default model name); a path stays a path.
+            name = str(path) if path == Path(model).expanduser() else str(model)
+        self.model_path = path
         torch_dtype = resolve_dtype(dtype)
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={device!r} was asked for but this machine has no CUDA device")
@@ -132,13 +182,23 @@ class LLM:
             ssm_state_dtype=resolve_dtype(ssm_state_dtype, "ssm_state_dtype"),
             eviction_policy=eviction_policy,
         )
+        cache_spec = self.model.cache_spec
+        page_bytes = cache_spec.state_page_bytes(torch_dtype, cache.ssm_state_dtype)
+        log.info(
+            "state page: %d bytes (%.1f MiB) for %d recurrent layers (conv windows in %s, "
+            "recurrent states in %s); %d pages: %.2f GiB",
+            page_bytes, page_bytes / 2**20, len(cache_spec.recurrent_layers),
+            str(torch_dtype).removeprefix("torch."),
+            str(cache.ssm_state_dtype).removeprefix("torch."),
+            cache.num_state_pages, page_bytes * cache.num_state_pages / 2**30,
+        )
         if device.startswith("cuda"):
             check_cache_fits(
                 self.model.cache_spec, cache, torch_dtype,
                 free_bytes=torch.cuda.mem_get_info(torch.device(device))[0],
             )
         self.config = EngineConfig(
-            model=str(path), dtype=torch_dtype, device=device, seed=seed,
+            model=name, dtype=torch_dtype, device=device, seed=seed,
             cache=cache, scheduler=sched, speculative=speculative,
             kernels=kernel_policy,
         )
@@ -154,6 +214,7 @@ class LLM:
             enforce_eager=enforce_eager, async_scheduling=async_scheduling,
         )
         self._next_id = 0
+        self._warned_capped = False
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer
@@ -184,8 +245,21 @@ class LLM:
         """Generate for every prompt; returns one :class:`RequestOutput` per prompt, in order.
 
         Every prompt is validated before any is queued, so a bad prompt raises
-        ValueError and leaves the engine as it was.
+        ValueError and leaves the engine as it was. As vLLM's: a prompt of
+        ``max_model_len`` tokens or more is refused; a ``max_tokens`` that does not fit
+        in the context after the prompt is capped there (the output ends with
+        ``finish_reason == "length"``), with a warning the first time it happens.
         """
+        # Only finished outputs are collected: per-step outputs are not built.
+        ids_order = self._add(self._prepare(prompts, sampling_params), final_only=True)
+        return self._run(ids_order, use_tqdm)
+
+    def _prepare(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+    ) -> list[tuple[str | None, list[int], SamplingParams]]:
+        """Validate and encode every prompt (text, token ids, params), queueing nothing."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
         ):
@@ -211,14 +285,50 @@ class LLM:
                     f"prompt {i} has {len(ids)} tokens but max_model_len is {max_len}: "
                     "shorten it or raise max_model_len"
                 )
+        for i, ((_, ids), params) in enumerate(zip(encoded, params_list)):
+            room = max_len - len(ids)
+            if params.max_tokens is not None and params.max_tokens > room and not self._warned_capped:
+                self._warned_capped = True
+                warnings.warn(
+                    f"prompt {i} has {len(ids)} tokens, so max_tokens={params.max_tokens} does not "
+                    f"fit in max_model_len={max_len}: its output is capped at {room} tokens "
+                    "(finish_reason 'length'); raise max_model_len for longer outputs. "
+                    "(Shown once per LLM.)",
+                    stacklevel=3,
+                )
+        return [(text, ids, params) for (text, ids), params in zip(encoded, params_list)]
+
+    def _add(
+        self, prepared: list[tuple[str | None, list[int], SamplingParams]], final_only: bool
+    ) -> list[str]:
         ids_order = []
-        for (text, ids), params in zip(encoded, params_list):
+        for text, ids, params in prepared:
             rid = f"gen-{self._next_id}"
             self._next_id += 1
-            # Only finished outputs are collected: per-step outputs are not built.
-            self.engine.add_request(rid, ids, params, prompt=text, final_only=True)
+            self.engine.add_request(rid, ids, params, prompt=text, final_only=final_only)
             ids_order.append(rid)
-        return self._run(ids_order, use_tqdm)
+        return ids_order
+
+    def _stream(
+        self, prepared: list[tuple[str | None, list[int], SamplingParams]]
+    ) -> Iterator[tuple[int, RequestOutput]]:
+        """Queue :meth:`_prepare`'s requests and yield ``(prompt index, cumulative
+        output)`` after every step that advanced one, until all are finished (the
+        command line prints text as it comes). Closing the generator early aborts
+        what is left."""
+        ids_order = self._add(prepared, final_only=False)
+        index = {rid: i for i, rid in enumerate(ids_order)}
+        left = set(ids_order)
+        try:
+            while left and self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.request_id in left:
+                        if out.finished:
+                            left.discard(out.request_id)
+                        yield index[out.request_id], out
+        finally:
+            for rid in left:
+                self.engine.abort_request(rid)
 
     def _run(self, ids_order: list[str], use_tqdm: bool | None) -> list[RequestOutput]:
         if use_tqdm is None:

@@ -1,5 +1,12 @@
 """Tokenizer loading: ``tokenizer.json`` through the ``tokenizers`` library, special
-tokens and the chat template from ``tokenizer_config.json``."""
+tokens and the chat template from ``tokenizer_config.json`` (or ``chat_template.jinja``).
+
+A beginning-of-text token is added to encoded text as the checkpoint declares it,
+either way real checkpoints do: a post-processor in ``tokenizer.json`` (applied by the
+``tokenizers`` library) or ``add_bos_token: true`` in ``tokenizer_config.json`` (with
+its ``bos_token``); never twice. ``encode(text, add_special_tokens=False)`` adds none
+(chat templates write their own).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 
 class TokenizerError(ValueError):
@@ -40,6 +49,13 @@ class Tokenizer:
                 raise TokenizerError(f"cannot read {cfg_file}: {e}") from e
         self.config = cfg
         self.chat_template: str | None = cfg.get("chat_template")
+        # transformers (since 4.43) saves the template as its own file; it wins, as there.
+        template_file = path / CHAT_TEMPLATE_FILE
+        if template_file.is_file():
+            try:
+                self.chat_template = template_file.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise TokenizerError(f"cannot read {template_file}: {e}") from e
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
         self.add_bos_token = bool(cfg.get("add_bos_token", False))
@@ -60,6 +76,16 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._with_bos(ids, add_special_tokens)
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """``[encode(t) for t in texts]``, computed with the interpreter lock released
+        (the library's single-text call holds it throughout), so a server's event loop
+        keeps running while a long prompt is tokenized on another thread."""
+        encodings = self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)
+        return [self._with_bos(e.ids, add_special_tokens) for e in encodings]
+
+    def _with_bos(self, ids: list[int], add_special_tokens: bool) -> list[int]:
         bos = self.bos_token_id
         if add_special_tokens and self.add_bos_token and bos is not None and ids[:1] != [bos]:
             ids = [bos, *ids]

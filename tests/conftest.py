@@ -46,6 +46,12 @@ def tiny_bamba(tmp_path_factory) -> Path:
     return make_tiny_checkpoint("bamba", tmp_path_factory.mktemp("bamba"), seed=3)
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen3_5(tmp_path_factory) -> Path:
+    """A Gated DeltaNet hybrid (Qwen3.5: GDN, GDN, attention, GDN)."""
+    return make_tiny_checkpoint("qwen3_5", tmp_path_factory.mktemp("qwen3_5"), seed=4)
+
+
 @pytest.fixture
 def count_calls(monkeypatch):
     """``count_calls(owner, name)`` wraps ``owner.name`` for the test and returns the list

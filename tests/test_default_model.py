@@ -46,3 +46,53 @@ def test_bad_text_prompts_are_refused_and_serving_continues():
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate(["def f(x):", "x = 1\n" * 200], params)
     assert llm.generate(["def f(x):"], params)[0].outputs[0].text == ref
+
+
+def _eval_script():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "eval_default_model.py"
+    spec = importlib.util.spec_from_file_location("eval_default_model", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+# Four of the model card's twelve sample prompts (metrics.json "samples"), the test's
+# three among them; greedy, 64 new tokens, cut as the card's evaluation cuts them.
+CARD_PROMPTS = ["def fibonacci(n):", "def is_prime(n):", "def factorial(n):", "def add(a, b):"]
+
+
+def test_text_prompts_get_the_bos_the_model_was_trained_with():
+    llm = LLM(max_num_seqs=4)
+    tok = llm.get_tokenizer()
+    assert tok.bos_token == "<|endoftext|>" and tok.bos_token_id == 0
+    out = llm.generate("def f(x):", SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert out.prompt_token_ids[0] == 0
+    assert out.prompt_token_ids[1:] == tok.encode("def f(x):", add_special_tokens=False)
+
+
+def test_greedy_completions_reproduce_the_model_card():
+    import json
+
+    ev = _eval_script()
+    samples = json.loads((DEFAULT_MODEL / "metrics.json").read_text())["samples"]
+    llm = LLM(max_num_seqs=4)
+    params = SamplingParams(max_tokens=64, temperature=0.0)
+    for prompt, out in zip(CARD_PROMPTS, llm.generate(CARD_PROMPTS, params, use_tqdm=False)):
+        comp = out.outputs[0]
+        hit_limit = comp.finish_reason == "length"
+        assert ev.cut_function(prompt + comp.text, hit_limit) == samples[prompt]["completion"], prompt
+
+
+def test_cli_generate_reproduces_the_model_card(capsys):
+    import json
+
+    from hybridserve.cli import main
+
+    card = json.loads((DEFAULT_MODEL / "metrics.json").read_text())["samples"]["def fibonacci(n):"]
+    assert main(["generate", "def fibonacci(n):"]) == 0  # the CLI's defaults: greedy, 64 tokens
+    assert capsys.readouterr().out.startswith(card["completion"])

@@ -31,21 +31,24 @@ class CacheSpec:
 
     Attention: ``attention_layers`` each hold K and V blocks of ``[kv_block_size,
     num_kv_heads, head_dim]``. Recurrent layers: ``recurrent_layers`` each hold, per
-    state page, the tensors their family declares (``state_tensors``, one tuple for
-    every recurrent layer: a model has one recurrent family;
-    :class:`~hybridserve.models.layers.recurrent.RecurrentLayer`).
+    state page, the tensors their family declares (``state_tensors``, one declaration a
+    layer; :class:`~hybridserve.models.layers.recurrent.RecurrentLayer`), all in the same
+    page ids.
     """
 
     attention_layers: tuple[int, ...]
     num_kv_heads: int
     head_dim: int
     recurrent_layers: tuple[int, ...]
-    state_tensors: tuple[StateTensor, ...] = ()
+    # One declaration per recurrent layer, in the order of recurrent_layers.
+    state_tensors: tuple[tuple[StateTensor, ...], ...] = ()
+    # The recurrent layers of each family (for reports and family-specific plans).
+    mamba_layers: tuple[int, ...] = ()
+    gdn_layers: tuple[int, ...] = ()
 
-    @property
-    def mamba_layers(self) -> tuple[int, ...]:
-        """The recurrent layers (every recurrent layer is a Mamba2 layer today)."""
-        return self.recurrent_layers
+    def __post_init__(self) -> None:
+        if len(self.state_tensors) != len(self.recurrent_layers):
+            raise ValueError("CacheSpec.state_tensors needs one declaration per recurrent layer")
 
     def kv_block_bytes(self, kv_block_size: int, dtype: torch.dtype) -> int:
         """Bytes of one KV block across all attention layers (keys and values)."""
@@ -62,8 +65,9 @@ class CacheSpec:
     def state_page_bytes(self, dtype: torch.dtype, state_dtype: torch.dtype) -> int:
         """Bytes of one state page across all recurrent layers (every declared tensor;
         ``dtype`` the model's, ``state_dtype`` the recurrent state's)."""
-        per_layer = sum(t.page_bytes(dtype, state_dtype) for t in self.state_tensors)
-        return len(self.recurrent_layers) * per_layer
+        return sum(
+            t.page_bytes(dtype, state_dtype) for layer in self.state_tensors for t in layer
+        )
 
     def allocate(
         self,
@@ -88,9 +92,9 @@ class CacheSpec:
                 t.name: torch.empty(
                     num_state_pages, *t.shape, dtype=t.dtype(dtype, ssm_dtype), device=device
                 )
-                for t in self.state_tensors
+                for t in tensors
             }
-            for layer in self.recurrent_layers
+            for layer, tensors in zip(self.recurrent_layers, self.state_tensors)
         }
         return ModelCaches(kv=kv, states=states)
 

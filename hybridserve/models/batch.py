@@ -26,11 +26,10 @@ q_i - 1 is the state after the row's last token) to page ``state_out_page[k]``.
 A forward never writes a page it reads in the same step (DESIGN.md section 4),
 so the order in which rows or layers are processed cannot matter.
 
-The plan (:mod:`hybridserve.models.step_plan`) is part of the batch: ``uniform_q`` for the
-attention layers and ``states`` for the recurrent ones, filled once per step by the
-model's ``plan_step`` (``planned``). A batch built over a CUDA graph's static buffers has
-no host lists (they are None: the values a replay reads live only on the device); it
-comes planned, with ``longest_context`` sizing the attention's key axis.
+Gated DeltaNet layers (Qwen3.5 / Qwen3-Next) keep the same contract in the same page ids,
+with their own shapes: ``conv_state [num_state_pages, conv_dim, d_conv - 1]`` and
+``ssm_state [num_state_pages, value_heads, key_head_dim, value_head_dim]``
+(:mod:`hybridserve.models.layers.gated_deltanet`).
 """
 
 from __future__ import annotations

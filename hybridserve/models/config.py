@@ -5,8 +5,9 @@ vs ``mamba_num_heads``, ``layer_types`` vs ``hybrid_override_pattern`` vs
 ``attn_layer_indices``). :class:`ModelConfig` is built in exactly one place
 (:meth:`ModelConfig.from_dict`) and gives the rest of the engine one shape:
 
-- ``layer_types[i]`` is the *mixer* of decoder layer ``i``: ``"mamba"``, ``"attention"``
-  or ``"mlp"`` (a Nemotron-H layer whose only block is an MLP);
+- ``layer_types[i]`` is the *mixer* of decoder layer ``i``: ``"mamba"``, ``"gdn"`` (a
+  Gated DeltaNet layer: Qwen3.5 / Qwen3-Next ``linear_attention``), ``"attention"`` or
+  ``"mlp"`` (a Nemotron-H layer whose only block is an MLP);
 - ``layer_has_mlp`` says whether every decoder layer also carries its own MLP after the
   mixer (Granite, Bamba) or not (Nemotron-H, where MLPs are layers of their own).
 
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 MAMBA = "mamba"
+GDN = "gdn"
 ATTENTION = "attention"
 MLP = "mlp"
 
@@ -32,6 +34,9 @@ SUPPORTED_ARCHITECTURES = (
     "GraniteMoeHybridForCausalLM",
     "NemotronHForCausalLM",
     "BambaForCausalLM",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3NextForCausalLM",
 )
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu", "relu2")
 
@@ -51,6 +56,10 @@ class AttentionParams:
     scale: float  # softmax scale: Granite's attention_multiplier, else head_dim ** -0.5
     rope_theta: float | None  # None: no positional encoding in attention (NoPE)
     partial_rotary_factor: float  # fraction of head_dim that is rotated
+    # Qwen3.5 / Qwen3-Next: q_proj also yields a per-channel output gate (sigmoid) and
+    # q / k are RMS-normalised per head (zero-centred weights) before RoPE.
+    output_gate: bool = False
+    qk_norm: bool = False
 
     @property
     def rotary_dim(self) -> int:
@@ -94,6 +103,40 @@ class MambaParams:
 
 
 @dataclass(frozen=True, slots=True)
+class GDNParams:
+    """Gated DeltaNet mixer hyper-parameters (all GDN layers share them).
+
+    ``num_value_heads`` is a multiple of ``num_key_heads``: key head ``j`` serves value
+    heads ``j * r .. j * r + r - 1`` (``r = num_value_heads // num_key_heads``).
+    ``fused_projections``: Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba`` (laid out per
+    key head group) instead of Qwen3.5's ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b``
+    / ``in_proj_a``.
+    """
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    d_conv: int
+    activation: str  # of the conv
+    norm_eps: float  # eps of the gated output norm
+    fused_projections: bool
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal conv (q, k and v concatenated)."""
+        return 2 * self.key_dim + self.value_dim
+
+
+@dataclass(frozen=True, slots=True)
 class MLPParams:
     """Dense MLP of the model.
 
@@ -132,6 +175,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
     torch_dtype: str | None  # the dtype named in config.json, e.g. "bfloat16"
+    gdn: GDNParams | None = None  # None when no layer is a Gated DeltaNet layer
+    # Qwen3.5 / Qwen3-Next store RMSNorm weights zero-centred: the scale is (1 + weight).
+    norm_zero_centred: bool = False
 
     @property
     def num_layers(self) -> int:
@@ -145,13 +191,18 @@ class ModelConfig:
     def mamba_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == MAMBA)
 
+    @property
+    def gdn_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == GDN)
+
     def __post_init__(self) -> None:
         kinds = set(self.layer_types)
-        if not kinds <= {MAMBA, ATTENTION, MLP}:
+        if not kinds <= {MAMBA, GDN, ATTENTION, MLP}:
             raise ConfigError(f"ModelConfig.layer_types: unknown kinds {sorted(kinds)}")
         for kind, params, name in (
             (ATTENTION, self.attention, "attention"),
             (MAMBA, self.mamba, "mamba"),
+            (GDN, self.gdn, "gdn"),
         ):
             if (kind in kinds) != (params is not None):
                 raise ConfigError(
@@ -660,8 +711,183 @@ def _parse_bamba(r: _Reader, arch: str) -> ModelConfig:
     )
 
 
+_QWEN_LAYER_NAMES = {"linear_attention": GDN, "full_attention": ATTENTION}
+
+
+def _qwen_layer_types(r: _Reader) -> tuple[str, ...]:
+    """``layer_types``, or transformers' default: every ``full_attention_interval``-th
+    layer (4) is attention, the others linear attention."""
+    n_layers = r.req("num_hidden_layers")
+    raw = r.data.get("layer_types")
+    if raw is None:
+        interval = r.opt("full_attention_interval", 4)
+        if interval <= 0:
+            raise r.error("full_attention_interval", f"must be positive, got {interval}")
+        raw = [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(n_layers)
+        ]
+    if not isinstance(raw, list) or len(raw) != n_layers:
+        raise r.error("layer_types", f"expected a list of {n_layers} layer types, got {raw!r}")
+    bad = sorted({t for t in raw if t not in _QWEN_LAYER_NAMES}, key=str)
+    if bad:
+        raise r.error(
+            "layer_types",
+            f"unknown layer types {bad}; expected 'linear_attention' or 'full_attention'",
+        )
+    return tuple(_QWEN_LAYER_NAMES[t] for t in raw)
+
+
+def _gdn_activation(r: _Reader) -> str:
+    """The GDN conv's activation: transformers applies ``hidden_act`` there."""
+    act = r.opt("hidden_act", "silu", str)
+    if act not in ("silu", "swish"):
+        raise r.error(
+            "hidden_act", f"the Gated DeltaNet conv activation must be 'silu', got {act!r}"
+        )
+    return act
+
+
+def _qwen_gdn_params(r: _Reader, fused: bool, eps: float) -> GDNParams:
+    k_heads = r.opt("linear_num_key_heads", 16)
+    v_heads = r.opt("linear_num_value_heads", 32)
+    if k_heads <= 0 or v_heads <= 0 or v_heads % k_heads:
+        raise r.error(
+            "linear_num_value_heads",
+            f"must be a positive multiple of linear_num_key_heads ({k_heads}), got {v_heads}",
+        )
+    d_conv = r.opt("linear_conv_kernel_dim", 4)
+    if d_conv < 2:
+        raise r.error("linear_conv_kernel_dim", f"must be at least 2, got {d_conv}")
+    return GDNParams(
+        num_key_heads=k_heads,
+        num_value_heads=v_heads,
+        key_head_dim=r.opt("linear_key_head_dim", 128),
+        value_head_dim=r.opt("linear_value_head_dim", 128),
+        d_conv=d_conv,
+        activation=_gdn_activation(r),
+        norm_eps=eps,
+        fused_projections=fused,
+    )
+
+
+def _qwen_attention_params(r: _Reader) -> AttentionParams:
+    hidden = r.req("hidden_size")
+    heads = r.req("num_attention_heads")
+    kv_heads = r.opt("num_key_value_heads", heads)
+    if heads <= 0 or kv_heads <= 0 or heads % kv_heads:
+        raise r.error(
+            "num_key_value_heads",
+            f"num_attention_heads ({heads}) must be a positive multiple of it ({kv_heads})",
+        )
+    head_dim = r.opt("head_dim", None) or hidden // heads
+    # Text-only positions give all three mrope sections the same position, which makes
+    # multimodal RoPE plain RoPE over the rotated channels: mrope_section is not needed.
+    theta, partial = _rope(r, 0.25)
+    return AttentionParams(
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        bias=r.opt("attention_bias", False, bool),
+        scale=head_dim**-0.5,
+        rope_theta=theta,
+        partial_rotary_factor=partial,
+        output_gate=True,
+        qk_norm=True,
+    )
+
+
+def _qwen_dense_mlp_check(r: _Reader, layer_types: tuple[str, ...]) -> None:
+    """Qwen3-Next: refuse the mixture-of-experts layers (where transformers builds a
+    sparse block): layer ``i`` is MoE unless ``i`` is in ``mlp_only_layers``, when
+    ``num_experts > 0`` and ``(i + 1) % decoder_sparse_step == 0``."""
+    experts = r.opt("num_experts", 512)
+    step = r.opt("decoder_sparse_step", 1)
+    only = r.opt("mlp_only_layers", [], list)
+    if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
+        raise r.error("mlp_only_layers", f"expected a list of layer indices, got {only!r}")
+    if experts <= 0:
+        return
+    if step <= 0:
+        raise r.error("decoder_sparse_step", f"must be positive, got {step}")
+    moe = [i for i in range(len(layer_types)) if i not in only and (i + 1) % step == 0]
+    if moe:
+        raise r.error(
+            "num_experts",
+            f"layers {moe} are mixture-of-experts ({experts} experts); MoE Qwen3-Next layers "
+            "are not supported yet: only dense models (num_experts: 0, or every layer in "
+            "mlp_only_layers) are",
+        )
+
+
+def _parse_qwen(r: _Reader, arch: str, *, fused: bool, default_model_type: str) -> ModelConfig:
+    hidden = r.req("hidden_size")
+    layer_types = _qwen_layer_types(r)
+    if fused:
+        _qwen_dense_mlp_check(r, layer_types)
+    eps = r.opt("rms_norm_eps", 1e-6, float)
+    attn = _qwen_attention_params(r) if ATTENTION in layer_types else None
+    gdn = _qwen_gdn_params(r, fused, eps) if GDN in layer_types else None
+    bos, eos, pad = _token_ids(r)
+    return ModelConfig(
+        architecture=arch,
+        model_type=r.opt("model_type", default_model_type, str),
+        vocab_size=r.req("vocab_size"),
+        hidden_size=hidden,
+        layer_types=layer_types,
+        layer_has_mlp=True,
+        attention=attn,
+        mamba=None,
+        mlp=MLPParams("gated", r.req("intermediate_size"), _activation(r, "hidden_act", "silu"),
+                      False),
+        norm_eps=eps,
+        # (1 + weight) is formed and multiplied in float32, then cast once.
+        norm_weight_in_fp32=True,
+        tie_word_embeddings=r.opt("tie_word_embeddings", False, bool),
+        embedding_multiplier=1.0,
+        residual_multiplier=1.0,
+        logits_scaling=1.0,
+        max_position_embeddings=r.opt("max_position_embeddings", 32768),
+        bos_token_id=bos,
+        eos_token_ids=eos,
+        pad_token_id=pad,
+        torch_dtype=_dtype_name(r),
+        gdn=gdn,
+        norm_zero_centred=True,
+    )
+
+
+def _parse_qwen3_5(r: _Reader, arch: str) -> ModelConfig:
+    return _parse_qwen(r, arch, fused=False, default_model_type="qwen3_5_text")
+
+
+def _parse_qwen3_5_vl(r: _Reader, arch: str) -> ModelConfig:
+    """The vision-language wrapper: its language model is a ``text_config``; the vision
+    tower's weights are skipped by the loader. Fields the wrapper sets itself (token ids,
+    ``tie_word_embeddings``, the dtype) win over the text config's."""
+    text = r.data.get("text_config")
+    if not isinstance(text, dict):
+        raise r.error("text_config", f"expected an object with the language model's config, got {text!r}")
+    merged = dict(text)
+    for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id", "pad_token_id",
+                "dtype", "torch_dtype"):
+        if r.data.get(key) is not None:
+            merged[key] = r.data[key]
+    return _parse_qwen(
+        _Reader(merged, f"{r.source} (text_config)"), arch, fused=False,
+        default_model_type="qwen3_5_text",
+    )
+
+
+def _parse_qwen3_next(r: _Reader, arch: str) -> ModelConfig:
+    return _parse_qwen(r, arch, fused=True, default_model_type="qwen3_next")
+
+
 _PARSERS = {
     "GraniteMoeHybridForCausalLM": _parse_granite,
     "NemotronHForCausalLM": _parse_nemotron,
     "BambaForCausalLM": _parse_bamba,
+    "Qwen3_5ForCausalLM": _parse_qwen3_5,
+    "Qwen3_5ForConditionalGeneration": _parse_qwen3_5_vl,
+    "Qwen3NextForCausalLM": _parse_qwen3_next,
 }

@@ -2,7 +2,8 @@
 
 A decoder layer is ``h += mixer(norm(h))`` followed, where the architecture has one, by
 ``h += mlp(norm2(h))`` (both scaled by Granite's ``residual_multiplier``). The mixer is a
-Mamba2 mixer, an attention layer, or (Nemotron-H) a plain MLP. The architectures differ
+Mamba2 mixer, a Gated DeltaNet mixer, an attention layer (gated, with q/k norms, for
+Qwen3.5 / Qwen3-Next), or (Nemotron-H) a plain MLP. The architectures differ
 only in module names (which must equal their checkpoints' weight names), their MLP
 flavour and a few multipliers; :class:`LayerNames` captures the names, the rest comes
 from :class:`~hybridserve.models.config.ModelConfig`.
@@ -25,13 +26,22 @@ from torch import nn
 from hybridserve.config import KernelPolicy
 from hybridserve.models.base import CacheSpec
 from hybridserve.models.batch import ForwardBatch, ModelCaches
-from hybridserve.models.config import ATTENTION, MAMBA, ModelConfig
+from hybridserve.models.config import ATTENTION, GDN, MAMBA, ModelConfig
 from hybridserve.models.layers.attention import Attention
+from hybridserve.models.layers.gated_attention import GatedAttention
+from hybridserve.models.layers.gated_deltanet import GatedDeltaNet
 from hybridserve.models.layers.mamba2 import Mamba2Mixer
 from hybridserve.models.layers.mlp import build_mlp
-from hybridserve.models.layers.norm import RMSNorm
+from hybridserve.models.layers.norm import RMSNorm, ZeroCentredRMSNorm
 from hybridserve.models.layers.recurrent import RecurrentLayer
 from hybridserve.models.step_plan import plan_states, uniform_q
+
+
+def build_norm(config: ModelConfig, hidden_size: int, policy: KernelPolicy) -> RMSNorm:
+    """The model's RMSNorm flavour (zero-centred weights for Qwen3.5 / Qwen3-Next)."""
+    if config.norm_zero_centred:
+        return ZeroCentredRMSNorm(hidden_size, config.norm_eps, policy.norms)
+    return RMSNorm(hidden_size, config.norm_eps, config.norm_weight_in_fp32, policy.norms)
 
 
 @dataclass(frozen=True)
@@ -46,6 +56,7 @@ class LayerNames:
     mlp_mixer: str  # a layer whose mixer is an MLP (Nemotron-H "-")
     post_norm: str | None  # norm before the per-layer MLP, if the architecture has one
     mlp: str | None
+    gdn: str = "linear_attn"  # a Gated DeltaNet mixer
 
 
 class DecoderLayer(nn.Module):
@@ -60,20 +71,26 @@ class DecoderLayer(nn.Module):
         self.residual_multiplier = config.residual_multiplier
         hidden = config.hidden_size
         self._names = names
-        norm_args = (config.norm_eps, config.norm_weight_in_fp32, policy.norms)
-        self.add_module(names.input_norm, RMSNorm(hidden, *norm_args))
+        self.add_module(names.input_norm, build_norm(config, hidden, policy))
         if self.kind == MAMBA:
             self._mixer = names.mamba
             self.add_module(names.mamba, Mamba2Mixer(hidden, config.mamba, policy))
+        elif self.kind == GDN:
+            self._mixer = names.gdn
+            self.add_module(names.gdn, GatedDeltaNet(hidden, config.gdn, policy))
         elif self.kind == ATTENTION:
             self._mixer = names.attention
-            self.add_module(names.attention, Attention(hidden, config.attention, policy))
+            if config.attention.output_gate:
+                attn = GatedAttention(hidden, config.attention, config.norm_eps, policy)
+            else:
+                attn = Attention(hidden, config.attention, policy)
+            self.add_module(names.attention, attn)
         else:
             self._mixer = names.mlp_mixer
             self.add_module(names.mlp_mixer, build_mlp(hidden, config.mlp))
         self.has_mlp = config.layer_has_mlp
         if self.has_mlp:
-            self.add_module(names.post_norm, RMSNorm(hidden, *norm_args))
+            self.add_module(names.post_norm, build_norm(config, hidden, policy))
             self.add_module(names.mlp, build_mlp(hidden, config.mlp))
 
     def mixer_module(self) -> nn.Module:
@@ -95,7 +112,7 @@ class DecoderLayer(nn.Module):
         else:
             h, x = norm.add_norm(h, pending, self.residual_multiplier)
         mixer = self.mixer_module()
-        if self.kind == MAMBA:
+        if isinstance(mixer, RecurrentLayer):
             x = mixer(x, batch, caches.states[self.index])
         elif self.kind == ATTENTION:
             x = mixer(x, batch, caches.kv[self.index])
@@ -119,10 +136,7 @@ class HybridBackbone(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, names, policy) for i in range(config.num_layers)
         )
-        self.add_module(
-            names.final_norm,
-            RMSNorm(config.hidden_size, config.norm_eps, config.norm_weight_in_fp32, policy.norms),
-        )
+        self.add_module(names.final_norm, build_norm(config, config.hidden_size, policy))
 
     @property
     def embed(self) -> nn.Embedding:
@@ -157,6 +171,9 @@ class HybridForCausalLM(nn.Module):
     # (prefix in the file, prefix in state_dict()) pairs for checkpoints that name the
     # backbone differently from transformers' in-memory module tree.
     checkpoint_prefixes: ClassVar[tuple[tuple[str, str], ...]] = ()
+    # Prefixes of weights a checkpoint may carry that the model does not use (each
+    # skipped with a note in the log): multi-token-prediction heads, vision towers.
+    ignored_weight_prefixes: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: ModelConfig, policy: KernelPolicy | None = None) -> None:
         super().__init__()
@@ -178,8 +195,10 @@ class HybridForCausalLM(nn.Module):
             num_kv_heads=a.num_kv_heads if a else 0,
             head_dim=a.head_dim if a else 0,
             recurrent_layers=tuple(layer.index for layer in recurrent),
-            # Every recurrent layer of a model is of one family: one declaration.
-            state_tensors=recurrent[0].mixer_module().state_tensors() if recurrent else (),
+            # Each recurrent layer's page state, as its family declares it.
+            state_tensors=tuple(layer.mixer_module().state_tensors() for layer in recurrent),
+            mamba_layers=config.mamba_layers,
+            gdn_layers=config.gdn_layers,
         )
 
     def plan_step(self, batch: ForwardBatch, device: torch.device | str | None = None) -> ForwardBatch:
@@ -195,7 +214,10 @@ class HybridForCausalLM(nn.Module):
         if self.cache_spec.recurrent_layers:
             # The scan's compute dtype: float32 at least, as every Mamba layer computes.
             compute = torch.promote_types(param.dtype, torch.float32)
-            states = plan_states(batch, self.kernel_policy, device, compute)
+            # Gated DeltaNet layers run rows of any length token by token: they need the
+            # per-token index tensors of every step whose pages qualify.
+            varlen = bool(self.cache_spec.gdn_layers)
+            states = plan_states(batch, self.kernel_policy, device, compute, varlen)
         return replace(batch, planned=True, uniform_q=q, states=states)
 
     def forward(
@@ -237,6 +259,7 @@ class NemotronHForCausalLM(HybridForCausalLM):
     """
 
     checkpoint_prefixes = (("backbone.", "model."),)
+    ignored_weight_prefixes = ("mtp.",)
 
     names = LayerNames(
         embed="embeddings",
@@ -263,3 +286,41 @@ class BambaForCausalLM(HybridForCausalLM):
         post_norm="pre_ff_layernorm",
         mlp="feed_forward",
     )
+
+
+_QWEN_NAMES = LayerNames(
+    embed="embed_tokens",
+    final_norm="norm",
+    input_norm="input_layernorm",
+    mamba="linear_attn",
+    attention="self_attn",
+    mlp_mixer="mlp",
+    post_norm="post_attention_layernorm",
+    mlp="mlp",
+    gdn="linear_attn",
+)
+
+
+class Qwen3_5ForCausalLM(HybridForCausalLM):
+    """Qwen3.5 / Qwen3.6 dense text models: Gated DeltaNet and gated attention layers.
+
+    Published checkpoints are the vision-language wrapper's: the language model's weights
+    sit under ``model.language_model.*``, which maps to ``model.*`` (a text-only
+    checkpoint's names load as they are). ``mtp.*`` (the multi-token-prediction head)
+    and ``model.visual.*`` are not used.
+    """
+
+    names = _QWEN_NAMES
+    checkpoint_prefixes = (("model.language_model.", "model."),)
+    ignored_weight_prefixes = ("mtp.", "model.visual.")
+
+
+class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
+    """The text part of the Qwen3.5 / Qwen3.6 vision-language checkpoints (text prompts)."""
+
+
+class Qwen3NextForCausalLM(HybridForCausalLM):
+    """Qwen3-Next with dense MLPs (mixture-of-experts layers are refused by the config)."""
+
+    names = _QWEN_NAMES
+    ignored_weight_prefixes = ("mtp.",)

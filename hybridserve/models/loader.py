@@ -5,15 +5,17 @@ single ``model.safetensors`` or the shards listed in ``model.safetensors.index.j
 Weight names must be exactly those ``transformers`` writes for the architecture, so
 ``save_pretrained`` output loads as is. Every expected weight must be present with the
 expected shape and nothing unknown may be present, except names a checkpoint may carry
-that the model does not use: ``lm_head.weight`` when embeddings are tied, and Nemotron-H's
-multi-token-prediction ``mtp.*`` weights.
+that the model does not use: ``lm_head.weight`` when embeddings are tied, and the prefixes
+a model class lists in ``ignored_weight_prefixes`` (multi-token-prediction ``mtp.*`` heads
+of Nemotron-H, Qwen3.5 and Qwen3-Next; the vision tower ``model.visual.*`` of the Qwen3.5
+vision-language checkpoints), each skipped with a note in the log.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
-import re
 from pathlib import Path
 
 import torch
@@ -31,10 +33,13 @@ class CheckpointError(ValueError):
     """The weights of a checkpoint cannot be loaded; the message names the file and weight."""
 
 
-def _ignored(config: ModelConfig, name: str) -> bool:
+log = logging.getLogger("hybridserve.models")
+
+
+def _ignored(config: ModelConfig, cls: type[HybridForCausalLM], name: str) -> bool:
     if config.tie_word_embeddings and name == "lm_head.weight":
         return True
-    return config.architecture == "NemotronHForCausalLM" and re.match(r"mtp\.", name) is not None
+    return name.startswith(cls.ignored_weight_prefixes)
 
 
 def _model_name(cls: type[HybridForCausalLM], name: str) -> str:
@@ -133,7 +138,13 @@ def load_model(
         raise CheckpointError(
             f"{where}: missing weight(s) {missing[:5]}{more} required by {config.architecture}"
         )
-    unexpected = sorted(n for n in files if n not in expected and not _ignored(config, n))
+    skipped = sorted(n for n in files if n not in expected and _ignored(config, cls, n))
+    for prefix in cls.ignored_weight_prefixes:
+        count = sum(1 for n in skipped if n.startswith(prefix))
+        if count:
+            log.info("%s: %d '%s*' weight(s) not used by this engine, skipped", where, count,
+                     prefix)
+    unexpected = sorted(n for n in files if n not in expected and not _ignored(config, cls, n))
     if unexpected:
         more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
         raise CheckpointError(

@@ -8,12 +8,18 @@ from hybridserve.models.hybrid import (
     GraniteMoeHybridForCausalLM,
     HybridForCausalLM,
     NemotronHForCausalLM,
+    Qwen3_5ForCausalLM,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3NextForCausalLM,
 )
 
 MODEL_CLASSES: dict[str, type[HybridForCausalLM]] = {
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "BambaForCausalLM": BambaForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
 }
 
 

@@ -28,6 +28,7 @@ every recurrent family shares (pages are per step, not per layer or family).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ import torch
 from hybridserve.config import KernelPolicy
 from hybridserve.kernels import ssd_varlen
 from hybridserve.kernels.conv_varlen import token_rows
+from hybridserve.kernels.gdn_varlen import VarlenPlan
 from hybridserve.kernels.transfer import upload_lists as upload
 
 __all__ = ["MAX_DECODE_TOKENS", "StatePlan", "StepKind", "plan_states", "uniform_q"]
@@ -89,6 +91,10 @@ class StatePlan:
     out_pages: torch.Tensor | None = None
     segments: ssd_varlen.Segments | None = None
     scan: ssd_varlen.ScanFn | None = None
+    # Every kind but DECODE whose pages qualify, when a family runs rows of any length
+    # token by token (Gated DeltaNet): the per-token index tensors, with their host
+    # values (plan_states(..., varlen=True)).
+    varlen: VarlenPlan | None = None
 
     @property
     def decode_out_pages(self) -> torch.Tensor:
@@ -136,10 +142,40 @@ def uniform_q(query_start: Sequence[int]) -> int:
 
 
 def plan_states(
-    batch, policy: KernelPolicy, device: torch.device, compute: torch.dtype
+    batch,
+    policy: KernelPolicy,
+    device: torch.device,
+    compute: torch.dtype,
+    varlen: bool = False,
 ) -> StatePlan:
     """The :class:`StatePlan` of a (host-described) ``batch``: its kind, then the index
-    tensors that kind reads, in one upload."""
+    tensors that kind reads, in one upload (``varlen``: also the per-token tensors of
+    every step but ``DECODE`` whose pages qualify)."""
+    plan = _plan_states(batch, policy, device, compute, varlen)
+    if not varlen or plan.kind is StepKind.DECODE:
+        return plan
+    if plan.query_start is None:
+        if not batch.writes_only_unread_pages() or batch.num_tokens == 0:
+            return plan
+        start, pages, outs = upload(
+            [batch.query_start, batch.state_in_page, batch.token_out_pages()], torch.int32,
+            device,
+        )
+        token_row = token_rows(start, batch.num_tokens)
+    else:
+        start, pages, outs, token_row = (
+            plan.query_start, plan.in_pages, plan.token_out_pages, plan.token_row
+        )
+    return dataclasses.replace(plan, varlen=VarlenPlan(
+        num_rows=batch.num_rows, query_start=start, in_pages=pages, token_out_pages=outs,
+        token_row=token_row, query_start_host=tuple(batch.query_start),
+        token_out_pages_host=tuple(batch.token_out_pages()),
+    ))
+
+
+def _plan_states(
+    batch, policy: KernelPolicy, device: torch.device, compute: torch.dtype, varlen: bool
+) -> StatePlan:
     rows, tokens = batch.num_rows, batch.num_tokens
     qs = list(batch.query_start)
     in_pages = list(batch.state_in_page)

@@ -68,6 +68,10 @@ class RequestStream:
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
 
+    def fail(self, exc: BaseException) -> None:
+        """End the stream with ``exc`` (its reader gets it next); loop thread only."""
+        self._queue.put_nowait(exc)
+
     async def next_output(self) -> RequestOutput:
         """The newest output; raises the request's error, if it failed."""
         item = await self._queue.get()

@@ -3,31 +3,50 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ipaddress
 import logging
 import os
 from pathlib import Path
 
+# Only torch-free modules at import: `hybridserve --help` builds these options.
+from hybridserve.server.http import DEFAULT_MAX_REQUEST_BODY_BYTES, HTTPOptions
+
 log = logging.getLogger("hybridserve.server")
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+_HTTP = HTTPOptions()
+
+
+SERVE_DESCRIPTION = """\
+Serve one model over an HTTP API shaped like OpenAI's (/v1/completions,
+/v1/chat/completions, /v1/models, /health, /metrics). The model is given as
+'hybridserve serve MODEL' or '--model MODEL': a checkpoint directory or a Hugging Face
+hub id (org/name); with neither, the embedded default model."""
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    """Server options (the engine options come from ``add_engine_arguments``)."""
+    """Server options (the engine options come from ``add_engine_arguments``), and the
+    model as an optional positional argument (vLLM's ``serve MODEL``)."""
+    p.add_argument(
+        "model_tag", nargs="?", default=None, metavar="MODEL",
+        help="checkpoint directory or hub id, the same as --model",
+    )
     p.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default: loopback only)"
     )
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument(
         "--api-key",
         default=os.environ.get("HYBRIDSERVE_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1/ routes "
-        "(default: $HYBRIDSERVE_API_KEY, unset means no check)",
+        help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
+        "(default: $HYBRIDSERVE_API_KEY; unset means no check, empty is refused)",
     )
     p.add_argument(
         "--served-model-name",
         default=None,
-        help="model name clients use (default: the checkpoint directory's name)",
+        help="the model name clients send, the only one accepted "
+        "(default: the checkpoint directory's name)",
     )
     p.add_argument(
         "--chat-template",
@@ -35,14 +54,43 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="Jinja2 chat template file, replacing the checkpoint's own",
     )
-    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log verbosity")
     p.add_argument(
         "--graceful-shutdown-timeout",
         type=float,
-        default=30.0,
+        default=_HTTP.graceful_shutdown_timeout,
         metavar="SECONDS",
         help="on SIGINT/SIGTERM, how long in-flight requests may take to finish "
-        "before they are cancelled",
+        "before they are ended with a 503 error",
+    )
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        metavar="BYTES",
+        help="larger request bodies get a 413 (default: %(default)s, 8 MiB)",
+    )
+    p.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=_HTTP.timeout_keep_alive,
+        metavar="SECONDS",
+        help="close a connection idle this long between requests (default: %(default)s)",
+    )
+    p.add_argument(
+        "--request-read-timeout",
+        type=float,
+        default=_HTTP.request_read_timeout,
+        metavar="SECONDS",
+        help="close a connection that has not sent a whole request (head and body) "
+        "this long after it opened or its last response ended (default: %(default)s)",
+    )
+    p.add_argument(
+        "--h11-max-incomplete-event-size",
+        type=int,
+        default=_HTTP.h11_max_incomplete_event_size,
+        metavar="BYTES",
+        help="the largest request head (request line and headers) accepted (default: %(default)s)",
     )
 
 
@@ -54,6 +102,31 @@ def read_chat_template(path: str | None) -> str | None:
         return Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise ValueError(f"--chat-template: cannot read {path}: {e.strerror or e}") from e
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
+
+
+def check_access(host: str, api_key: str | None) -> None:
+    """Refuse an empty key (ValueError); warn about an open port without one."""
+    if api_key is not None and not api_key.strip():
+        raise ValueError(
+            "the API key (--api-key or HYBRIDSERVE_API_KEY) is empty: set a key, "
+            "or unset HYBRIDSERVE_API_KEY to serve without one"
+        )
+    if api_key is None and not is_loopback(host):
+        log.warning(
+            "listening on %s without an API key: anyone who can reach this address can "
+            "use the model (set --api-key or HYBRIDSERVE_API_KEY)",
+            host,
+        )
 
 
 def startup_line(llm, name: str, host: str, port: int) -> str:
@@ -71,33 +144,54 @@ def startup_line(llm, name: str, host: str, port: int) -> str:
     )
 
 
+def apply_model_tag(args: argparse.Namespace) -> None:
+    """Fold the positional MODEL into ``args.model``; raises ValueError when both are
+    given and differ."""
+    tag = getattr(args, "model_tag", None)
+    if tag is None:
+        return
+    if args.model is not None and args.model != tag:
+        raise ValueError(f"the model is given twice: {tag!r} and --model {args.model!r}")
+    args.model = tag
+
+
 def serve_main(args: argparse.Namespace) -> int:
     """Load the model, then serve until SIGINT/SIGTERM. Returns the exit status;
     raises ValueError for bad options (the caller prints it)."""
-    import uvicorn
-
+    apply_model_tag(args)
     from hybridserve.cli import llm_from_args
+    from hybridserve.server.http import make_server
     from hybridserve.server.openai_api import create_app
 
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    check_access(args.host, args.api_key)
+    options = HTTPOptions(
+        timeout_keep_alive=args.timeout_keep_alive,
+        request_read_timeout=args.request_read_timeout,
+        h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
+        graceful_shutdown_timeout=args.graceful_shutdown_timeout,
+    )
     template = read_chat_template(args.chat_template)
     llm = llm_from_args(args)
     app = create_app(
-        llm, served_model_name=args.served_model_name, api_key=args.api_key, chat_template=template
+        llm,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+        chat_template=template,
+        max_request_body_bytes=args.max_request_body_bytes,
     )
     name = app.state.server.serving.config.model_name
     log.info("%s", startup_line(llm, name, args.host, args.port))
     if args.api_key:
-        log.info("API key required on /v1/ routes")
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=args.graceful_shutdown_timeout,
+        log.info("API key required on every route but /health and /metrics")
+    server = make_server(
+        app, host=args.host, port=args.port, options=options, log_level=args.log_level
     )
+    # uvicorn re-raises the SIGINT it handled once it has shut down cleanly.
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
     log.info("server stopped")
     return 0

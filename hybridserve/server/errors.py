@@ -7,6 +7,7 @@ shape and a status that says whose fault it was (4xx: the request, 5xx: the serv
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from fastapi import Request
@@ -23,6 +24,14 @@ _TYPES = {
     415: "invalid_request_error",
     503: "server_error",
 }
+
+
+class ErrorResponse(JSONResponse):
+    """An error body as ASCII JSON: a message may quote the client's own text (a field
+    name, a model name), which can hold lone surrogates that UTF-8 cannot encode."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False).encode("ascii")
 
 
 class APIError(Exception):
@@ -49,7 +58,7 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        return ErrorResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def error_body(

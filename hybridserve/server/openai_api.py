@@ -2,13 +2,19 @@
 lifetime.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health``, ``GET /metrics``. With an API key set, every ``/v1/`` route needs
-``Authorization: Bearer <key>``; ``/health`` and ``/metrics`` stay open for probes and
-scrapers.
+``GET|HEAD /health``, ``GET /metrics`` (and FastAPI's ``/docs``, ``/redoc``,
+``/openapi.json``). With an API key set, every route but ``/health`` and ``/metrics``
+needs ``Authorization: Bearer <key>``: those two stay open for probes and scrapers.
+
+A request body larger than ``max_request_body_bytes`` gets a 413 before the
+application reads it (one declared by ``Content-Length``), or as soon as the bytes
+read pass the limit (a chunked one).
 
 Lifetime: the engine thread starts with the application (its lifespan) and stops
 when the application shuts down, after the HTTP server has let in-flight responses
-finish; whatever is still running then is aborted and its clients get an error.
+finish (and, past its grace period, ended them with an error through
+``OpenAIServing.end_in_flight``; see :mod:`hybridserve.server.http`); whatever is
+still running then is aborted and its clients get an error.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import asyncio
 import hmac
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -27,6 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hybridserve.chat_template import compile_chat_template, pick_template
 from hybridserve.server import metrics
@@ -38,10 +46,14 @@ from hybridserve.server.errors import (
     handle_http_error,
     handle_validation_error,
 )
+from hybridserve.server.http import DEFAULT_MAX_REQUEST_BODY_BYTES
 from hybridserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from hybridserve.server.serving import OpenAIServing, ServingConfig
 
 log = logging.getLogger("hybridserve.server")
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+"""Routes that need no API key."""
 
 
 @dataclass
@@ -61,13 +73,22 @@ def create_app(
     served_model_name: str | None = None,
     api_key: str | None = None,
     chat_template: str | None = None,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
 ) -> FastAPI:
     """An application serving ``llm`` (an :class:`~hybridserve.LLM`).
 
     ``chat_template`` is Jinja2 source that replaces the checkpoint's own; a template
     that does not compile raises ValueError here, not on the first chat request.
-    The engine thread runs while the application's lifespan is active.
+    ``api_key`` None means no check; an empty key is refused (ValueError), since it
+    would let anyone in while looking like protection. The engine thread runs while
+    the application's lifespan is active.
     """
+    if api_key is not None and not api_key.strip():
+        raise ValueError("api_key is empty: give a non-empty key, or None for no check")
+    if not isinstance(max_request_body_bytes, int) or max_request_body_bytes < 1024:
+        raise ValueError(
+            f"max_request_body_bytes must be an integer >= 1024, got {max_request_body_bytes!r}"
+        )
     cfg = llm.config
     tokenizer = llm.tokenizer
     source = chat_template
@@ -78,7 +99,7 @@ def create_app(
     name = served_model_name or Path(model_path).name or model_path
     serving_cfg = ServingConfig(
         model_name=name,
-        model_aliases=frozenset({name, model_path}),
+        model_aliases=frozenset({name}),
         max_model_len=cfg.scheduler.max_model_len,
         tokenizer=tokenizer,
         chat_template=template,
@@ -101,6 +122,7 @@ def create_app(
             log.info("shutting down: stopping the engine")
             # Joining the thread blocks; keep the loop free to deliver the last outputs.
             await asyncio.to_thread(engine.shutdown)
+            state.serving.close()
 
     app = FastAPI(title="hybridserve", version="0.1.0", lifespan=lifespan)
     app.state.server = state
@@ -111,7 +133,7 @@ def create_app(
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next: Any) -> Response:
-        if state.api_key is not None and request.url.path.startswith("/v1/"):
+        if state.api_key is not None and request.url.path not in OPEN_PATHS:
             header = request.headers.get("authorization", "")
             scheme, _, token = header.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(
@@ -156,13 +178,78 @@ def create_app(
             status_code=503,
         )
 
+    # Probes that send HEAD get the same status (the HTTP layer drops the body).
+    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
+
     @app.get("/metrics")
     async def get_metrics() -> Response:
         return Response(metrics.render(engine.stats(), state.info), media_type=metrics.CONTENT_TYPE)
 
+    # Added last, so it runs first: no route, key check or handler sees an oversized body.
+    app.add_middleware(BodyLimit, max_bytes=max_request_body_bytes)
     return app
 
 
 async def _handle_unexpected(request: Request, exc: Exception) -> JSONResponse:
-    log.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
-    return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error").response()
+    # The client gets an id to quote, never the exception's text (it may name files,
+    # settings or data of other requests); the log has both.
+    error_id = f"err-{uuid.uuid4().hex}"
+    log.error(
+        "unexpected error %s on %s %s", error_id, request.method, request.url.path, exc_info=exc
+    )
+    return APIError(
+        500, f"internal error {error_id}; the server log has the details", code="internal_error"
+    ).response()
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` gets a 413 (see the module
+    docstring). A body within the limit reaches the application unchanged."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self, size: str) -> Response:
+        return APIError(
+            413,
+            f"the request body has {size} bytes; this server accepts at most "
+            f"{self.max_bytes} (--max-request-body-bytes)",
+            code="request_too_large",
+        ).response()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if declared is not None:
+            # The HTTP layer holds the body to its declared length, so checking the
+            # header is enough; what the client still sends is read and dropped.
+            if declared.isdigit() and int(declared) > self.max_bytes:
+                await self._too_large(declared.decode())(scope, receive, send)
+            else:
+                await self.app(scope, receive, send)
+            return
+        # Chunked (or no) body: read it here, up to the limit, then replay it.
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                chunks = []
+                pending: list[Message] = [message]
+                break
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._too_large(f"more than {self.max_bytes}")(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                pending = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+                break
+
+        async def replay() -> Message:
+            return pending.pop(0) if pending else await receive()
+
+        await self.app(scope, replay, send)

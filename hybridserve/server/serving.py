@@ -4,11 +4,19 @@ outputs back as OpenAI responses (whole, or as server-sent events).
 Contracts:
 
 - Validation happens before anything is queued: a request that fails it leaves the
-  engine untouched and gets a 4xx naming the field.
+  engine untouched and gets a 4xx naming the field. A prompt must leave room for its
+  ``max_tokens`` within ``max_model_len`` (when ``max_tokens`` is given).
+- One large request cannot stall the other clients: what the event loop does with a
+  request is bounded (its body is capped, see ``openai_api``; text longer than
+  ``max_model_len * MAX_CHARS_PER_TOKEN`` characters is refused before it is
+  tokenized), and tokenizing and chat-template rendering run on a thread pool.
 - A request of ``k`` prompts becomes ``k`` engine requests (``<id>-<i>``); each asks
   for ``n`` sequences; choice ``i * n + j`` is sequence ``j`` of prompt ``i``.
 - Whatever ends a response early (client gone, an error while formatting, server
   shutdown) aborts every engine request of that response, so its pages are freed.
+- A failure on the server's side reaches the client as a generic message with the
+  request id; the log has the details under that id.
+- A stream sends each choice's ``finish_reason`` exactly once.
 - Streamed text deltas concatenate to the non-streamed text: a delta never ends in a
   partial UTF-8 character and never shows the start of what could become a stop string.
 """
@@ -16,15 +24,16 @@ Contracts:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import jinja2
 from starlette.responses import JSONResponse, StreamingResponse
@@ -45,6 +54,17 @@ from hybridserve.tokenizer import Tokenizer
 log = logging.getLogger("hybridserve.server")
 
 Prompt = tuple[str | None, list[int]]
+T = TypeVar("T")
+
+MAX_CHARS_PER_TOKEN = 64
+"""The early length bound: text of more than ``max_model_len * MAX_CHARS_PER_TOKEN``
+characters is refused untokenized. Tokenizers average a few characters per token and
+their longest tokens are far shorter than this, so text that fits the context is not
+refused in practice; tokenizing costs about a microsecond per character, which the
+bound caps."""
+
+TOKENIZER_THREADS = 2
+"""Threads that tokenize and render chat templates, off the event loop."""
 
 
 @dataclass
@@ -57,13 +77,44 @@ class ServingConfig:
     tokenizer: Tokenizer | None
     chat_template: jinja2.Template | None
 
+    @property
+    def max_prompt_chars(self) -> int:
+        """The early length bound on prompt text and chat content, in characters."""
+        return self.max_model_len * MAX_CHARS_PER_TOKEN
+
 
 class OpenAIServing:
-    """Handlers for ``/v1/completions`` and ``/v1/chat/completions``."""
+    """Handlers for ``/v1/completions`` and ``/v1/chat/completions``.
+
+    The handlers run on one event loop; :meth:`end_in_flight` and :meth:`close` are
+    called on that loop too."""
 
     def __init__(self, engine: AsyncEngine, config: ServingConfig) -> None:
         self.engine = engine
         self.config = config
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            TOKENIZER_THREADS, thread_name_prefix="hybridserve-tokenize"
+        )
+        # Streams of responses in progress, so a shutdown can fail them.
+        self._live: set[RequestStream] = set()
+        self._closing = False
+
+    def end_in_flight(self, message: str = "the server is shutting down") -> None:
+        """Fail every response in progress with a 503 (a JSON error, or an error event
+        and ``[DONE]`` in a stream) and refuse new ones; their engine requests are
+        aborted as the responses end."""
+        self._closing = True
+        if self._live:
+            log.warning("ending %d request(s) still running: %s", len(self._live), message)
+        for stream in list(self._live):
+            stream.fail(EngineStopped(message))
+
+    def close(self) -> None:
+        self._closing = True
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _offload(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
 
     # ---- endpoints ---------------------------------------------------------------
 
@@ -73,7 +124,9 @@ class OpenAIServing:
         if req.logprobs is not None and not isinstance(req.logprobs, int):
             raise APIError(400, "logprobs must be an integer", param="logprobs")
         params = self._params(req, req.logprobs)
-        prompts = self._completion_prompts(req.prompt)
+        prompts = await self._completion_prompts(req.prompt)
+        for text_and_ids in prompts:
+            self._check_length(text_and_ids[1], params.max_tokens, "prompt")
         rid = f"cmpl-{uuid.uuid4().hex}"
         fmt = _CompletionFormat(self, rid, req.n, req.logprobs)
         return await self._respond(rid, prompts, params, req, fmt, receive)
@@ -91,7 +144,8 @@ class OpenAIServing:
                 param="max_completion_tokens",
             )
         params = self._params(req, top if req.logprobs else None)
-        prompt = self._chat_prompt(req)
+        prompt = await self._chat_prompt(req)
+        self._check_length(prompt[1], params.max_tokens, "messages")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         fmt = _ChatFormat(self, rid, req.n, top if req.logprobs else None)
         return await self._respond(rid, [prompt], params, req, fmt, receive)
@@ -112,7 +166,7 @@ class OpenAIServing:
         self, req: CompletionRequest | ChatCompletionRequest, logprobs: int | None
     ) -> SamplingParams:
         try:
-            return sampling_params(req, logprobs)
+            params = sampling_params(req, logprobs)
         except (ValueError, TypeError) as e:
             raise APIError(
                 400,
@@ -120,8 +174,17 @@ class OpenAIServing:
                 param=param_from_message(str(e), set(SAMPLING_FIELDS)),
                 code="invalid_value",
             ) from None
+        if params.stop and self.config.tokenizer is None:
+            # The engine matches stop strings on detokenized text, which needs one.
+            raise APIError(
+                400,
+                "stop strings need a tokenizer, and this model has none: use stop_token_ids",
+                param="stop",
+                code="invalid_value",
+            )
+        return params
 
-    def _check_length(self, ids: list[int], param: str) -> None:
+    def _check_length(self, ids: list[int], max_tokens: int | None, param: str) -> None:
         limit = self.config.max_model_len
         if len(ids) >= limit:
             raise APIError(
@@ -131,33 +194,60 @@ class OpenAIServing:
                 param=param,
                 code="context_length_exceeded",
             )
+        if max_tokens is not None and len(ids) + max_tokens > limit:
+            raise APIError(
+                400,
+                f"this model's context is {limit} tokens, but the request asks for "
+                f"{len(ids) + max_tokens}: {len(ids)} in the prompt and {max_tokens} "
+                f"to generate (max_tokens); lower max_tokens to at most {limit - len(ids)}",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
 
-    def _completion_prompts(self, prompt: Any) -> list[Prompt]:
+    def _check_text(self, text: str, param: str) -> None:
+        """Refuse text that cannot fit the context or is not valid Unicode, before
+        any work proportional to its size is done with it."""
+        self._check_chars(len(text), param)
+        _check_unicode(text, param)
+
+    def _check_chars(self, num_chars: int, param: str) -> None:
+        limit = self.config.max_prompt_chars
+        if num_chars > limit:
+            raise APIError(
+                400,
+                f"{param} has {num_chars} characters; this model's context of "
+                f"{self.config.max_model_len} tokens cannot hold more than {limit}",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    async def _completion_prompts(self, prompt: Any) -> list[Prompt]:
         if isinstance(prompt, str):
             items: list[Any] = [prompt]
         elif prompt and isinstance(prompt[0], int):
             items = [prompt]
         else:
             items = list(prompt)
-        out = []
+        texts: list[str] = []
         for item in items:
             if isinstance(item, str):
                 if not item:
                     raise APIError(400, "prompt is empty", param="prompt")
-                tok = self.config.tokenizer
-                if tok is None:
+                if self.config.tokenizer is None:
                     raise APIError(
                         400,
                         "this model has no tokenizer: send the prompt as token ids",
                         param="prompt",
                     )
-                out.append((item, tok.encode(item)))
-            else:
-                out.append((None, list(item)))
-            self._check_length(out[-1][1], "prompt")
-        return out
+                self._check_text(item, "prompt")
+                texts.append(item)
+        tok = self.config.tokenizer
+        encoded = iter(await self._offload(lambda: tok.encode_batch(texts)) if texts else [])
+        return [
+            (item, next(encoded)) if isinstance(item, str) else (None, list(item)) for item in items
+        ]
 
-    def _chat_prompt(self, req: ChatCompletionRequest) -> Prompt:
+    async def _chat_prompt(self, req: ChatCompletionRequest) -> Prompt:
         cfg = self.config
         if cfg.chat_template is None:
             raise APIError(
@@ -170,25 +260,42 @@ class OpenAIServing:
         if cfg.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, which chat needs", param="messages")
         messages = []
-        for m in req.messages:
-            msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+        total = 0
+        for i, m in enumerate(req.messages):
+            # No content (null) renders as empty text, never as the word "None".
+            content = m.text() or ""
+            total += len(content) + len(m.name or "")
+            self._check_chars(total, "messages")
+            if isinstance(m.content, list):
+                for k, part in enumerate(m.content):
+                    _check_unicode(part.text, f"messages.{i}.content.{k}.text")
+            else:
+                _check_unicode(content, f"messages.{i}.content")
+            msg: dict[str, Any] = {"role": m.role, "content": content}
             if m.name is not None:
+                _check_unicode(m.name, f"messages.{i}.name")
                 msg["name"] = m.name
             messages.append(msg)
-        try:
+        template, tok = cfg.chat_template, cfg.tokenizer
+
+        def render() -> tuple[str, list[int]]:
             text = render_chat(
-                cfg.chat_template,
+                template,
                 messages,
                 add_generation_prompt=True,
-                bos_token=cfg.tokenizer.bos_token,
-                eos_token=cfg.tokenizer.eos_token,
+                bos_token=tok.bos_token,
+                eos_token=tok.eos_token,
+                max_chars=cfg.max_prompt_chars,
             )
+            _check_unicode(text, "messages")  # a template can build surrogates too
+            return text, tok.encode_batch([text], add_special_tokens=False)[0]
+
+        try:
+            text, ids = await self._offload(render)
         except ChatTemplateError as e:
             raise APIError(400, str(e), param="messages", code="invalid_messages") from None
-        ids = cfg.tokenizer.encode(text, add_special_tokens=False)
         if not ids:
             raise APIError(400, "the messages render to an empty prompt", param="messages")
-        self._check_length(ids, "messages")
         return text, ids
 
     # ---- running -----------------------------------------------------------------
@@ -210,7 +317,7 @@ class OpenAIServing:
             params.max_tokens,
             params.n,
             req.stream,
-            req.user,
+            _quote(req.user),
         )
         streams = await self._start(rid, prompts, params, final_only=not req.stream)
         headers = {"X-Request-Id": rid}
@@ -224,11 +331,11 @@ class OpenAIServing:
             return JSONResponse(error_body("client disconnected", "invalid_request_error"), 499)
         try:
             body = fmt.whole(finals)
-        except Exception as e:
+        except Exception:
             log.exception("request %s: formatting the response failed", rid)
             raise APIError(
                 500,
-                f"formatting the response failed: {type(e).__name__}: {e}",
+                f"building the response of request {rid} failed; the server log has the details",
                 code="internal_error",
             ) from None
         return JSONResponse(body, headers=headers)
@@ -236,6 +343,8 @@ class OpenAIServing:
     async def _start(
         self, rid: str, prompts: list[Prompt], params: SamplingParams, final_only: bool = False
     ) -> list[RequestStream]:
+        if self._closing:
+            raise APIError(503, "the server is shutting down", code="engine_unavailable")
         streams: list[RequestStream] = []
         ids = [rid if len(prompts) == 1 else f"{rid}-{i}" for i in range(len(prompts))]
         try:
@@ -243,7 +352,9 @@ class OpenAIServing:
                 streams.append(
                     await self.engine.add_request(engine_id, token_ids, params, text, final_only)
                 )
+                self._live.add(streams[-1])
         except BaseException as e:
+            self._live.difference_update(streams)
             # Including the request whose add was in flight: aborting an id the engine
             # never took is a no-op, and the abort runs after the add on the worker.
             for engine_id in ids[: len(streams) + 1]:
@@ -269,7 +380,7 @@ class OpenAIServing:
         try:
             if len(streams) == 1:
                 while not streams[0].finished:
-                    out = await _engine_call(streams[0].next_output())
+                    out = await _engine_call(rid, streams[0].next_output())
                     yield 0, out
                 return
             tasks = {asyncio.ensure_future(s.next_output()): i for i, s in enumerate(streams)}
@@ -277,13 +388,14 @@ class OpenAIServing:
                 done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     i = tasks.pop(task)
-                    out = await _engine_call(task)
+                    out = await _engine_call(rid, task)
                     if not out.finished:
                         tasks[asyncio.ensure_future(streams[i].next_output())] = i
                     yield i, out
         finally:
             for task in tasks:
                 task.cancel()
+            self._live.difference_update(streams)
             unfinished = [s.request_id for s in streams if not s.finished]
             for engine_id in unfinished:
                 self.engine.abort(engine_id)
@@ -318,6 +430,8 @@ class OpenAIServing:
                 async for i, out in outputs:
                     latest[i] = out
                     for j, comp in enumerate(out.outputs):
+                        if cursors[i][j].done:
+                            continue  # sent its finish chunk; later outputs repeat it
                         chunk = fmt.delta(i * params.n + j, comp, cursors[i][j])
                         if chunk is not None:
                             yield _event(chunk, include_usage)
@@ -326,11 +440,11 @@ class OpenAIServing:
             _log_finished(rid, [latest[i] for i in range(len(streams))])
         except APIError as e:
             yield _sse_line(e.body())
-        except Exception as e:
+        except Exception:
             log.exception("request %s: streaming failed", rid)
             yield _sse_line(
                 error_body(
-                    f"streaming failed: {type(e).__name__}: {e}",
+                    f"streaming request {rid} failed; the server log has the details",
                     "server_error",
                     code="internal_error",
                 )
@@ -338,16 +452,43 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
 
-async def _engine_call(aw: Awaitable[RequestOutput]) -> RequestOutput:
-    """Await an engine output, turning engine failures into API errors."""
+async def _engine_call(rid: str, aw: Awaitable[RequestOutput]) -> RequestOutput:
+    """Await an engine output of request ``rid``, turning engine failures into API
+    errors; the engine's own message goes to the log only."""
     try:
         return await aw
     except EngineError as e:
+        log.error("request %s: the engine failed: %s", rid, e)
         raise APIError(
-            500, f"the engine failed while running this request: {e}", code="engine_error"
+            500,
+            f"the engine failed while running request {rid}; the server log has the details",
+            code="engine_error",
         ) from None
     except EngineStopped as e:
         raise APIError(503, str(e), code="engine_unavailable") from None
+
+
+def _quote(text: str | None, limit: int = 64) -> str:
+    """The client's text for the log: quoted, so it cannot forge log lines, and cut
+    short."""
+    if text is not None and len(text) > limit:
+        return repr(text[:limit]) + "..."
+    return repr(text)
+
+
+def _check_unicode(text: str, param: str) -> None:
+    """400 for text holding a lone surrogate (JSON can spell one, ``"\\ud800"``, but it
+    is no character: the tokenizer cannot encode it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(
+            400,
+            f"{param} is not valid Unicode: a lone surrogate U+{ord(text[e.start]):04X} "
+            f"at character {e.start}",
+            param=param,
+            code="invalid_value",
+        ) from None
 
 
 async def _unless_disconnected(work: Awaitable[Any], receive: Receive) -> Any:

@@ -14,7 +14,7 @@ from hybridserve.models.batch import ForwardBatch
 def reference_state(
     model: torch.nn.Module, token_ids: Sequence[int], length: int, ssm_dtype: torch.dtype = torch.float32
 ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
-    """Every Mamba layer's (conv window, SSM state) after ``token_ids[:length]``.
+    """Every recurrent layer's (conv window, SSM state) after ``token_ids[:length]``.
 
     Runs one cold prefill of ``length`` tokens in private caches (nothing shared with
     any engine) and returns ``(conv[layer], ssm[layer])``.
@@ -47,7 +47,8 @@ def reference_state(
 
 
 def assert_checkpoints_exact(llm, sequences: Sequence[Sequence[int]], atol: float = 1e-5) -> int:
-    """Assert every live checkpoint of ``llm`` equals a cold run's state at its position.
+    """Assert every live checkpoint of ``llm`` equals a cold run's state at its position
+    (the cold run keeps its states in the engine's ``ssm_state_dtype``).
 
     ``sequences`` must include the token sequence each checkpoint was taken from (its
     prefix is recovered through the chained block hashes). Returns how many were checked.
@@ -62,7 +63,9 @@ def assert_checkpoints_exact(llm, sequences: Sequence[Sequence[int]], atol: floa
     for key, ckpt in sched.states.checkpoints.items():
         prefix = by_key[key]  # KeyError: a checkpoint from no sequence given
         assert len(prefix) == ckpt.length
-        conv, ssm = reference_state(llm.model, prefix, ckpt.length)
+        conv, ssm = reference_state(
+            llm.model, prefix, ckpt.length, llm.config.cache.ssm_state_dtype
+        )
         for layer in conv:
             assert (caches.conv[layer][ckpt.page] - conv[layer]).abs().max() <= atol
             assert (caches.ssm[layer][ckpt.page] - ssm[layer]).abs().max() <= atol

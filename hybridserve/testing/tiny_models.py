@@ -27,12 +27,19 @@ from typing import Any
 
 import torch
 
-ARCHITECTURES = ("granitemoehybrid", "nemotron_h", "bamba")
+ARCHITECTURES = ("granitemoehybrid", "nemotron_h", "bamba", "qwen3_5", "qwen3_5_vl", "qwen3_next")
+
+# Gated DeltaNet architectures: ``M`` in a layer pattern is a Gated DeltaNet
+# (``linear_attention``) layer there.
+GDN_ARCHITECTURES = ("qwen3_5", "qwen3_5_vl", "qwen3_next")
 
 DEFAULT_LAYERS = {
     "granitemoehybrid": "MAMMA",
     "nemotron_h": "M*-M*-",
     "bamba": "MAMMA",
+    "qwen3_5": "MMAM",
+    "qwen3_5_vl": "MMAM",
+    "qwen3_next": "MMAM",
 }
 
 
@@ -54,8 +61,52 @@ def _layer_codes(arch: str, layers: str) -> list[str]:
     return codes
 
 
+def _qwen_text_kwargs(codes: list[str]) -> dict[str, Any]:
+    """Tiny Qwen3.5 / Qwen3-Next text settings: 4 attention heads / 2 KV heads of width 16
+    (a quarter of each rotated), GDN with 2 key heads and 4 value heads (each key head
+    shared by two value heads) of width 16, conv kernel 4."""
+    return dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=len(codes),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        layer_types=["full_attention" if c == "A" else "linear_attention" for c in codes],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.25},
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+
+
 def _hf_config(arch: str, codes: list[str], overrides: dict[str, Any]) -> Any:
     import transformers
+
+    if arch == "qwen3_5":
+        kwargs = _qwen_text_kwargs(codes)
+        kwargs.update(overrides)
+        return transformers.Qwen3_5TextConfig(**kwargs)
+    if arch == "qwen3_5_vl":
+        text = _qwen_text_kwargs(codes)
+        top = {k: overrides.pop(k) for k in ("tie_word_embeddings",) if k in overrides}
+        text.update(overrides)
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                      out_hidden_size=64, patch_size=4, num_position_embeddings=16)
+        return transformers.Qwen3_5Config(text_config=text, vision_config=vision, **top)
+    if arch == "qwen3_next":
+        kwargs = _qwen_text_kwargs(codes)
+        kwargs.update(num_experts=0)  # dense MLPs unless a test asks for experts
+        kwargs.update(overrides)
+        return transformers.Qwen3NextConfig(**kwargs)
 
     if arch == "granitemoehybrid":
         kwargs: dict[str, Any] = dict(
@@ -139,11 +190,16 @@ def _model_class(arch: str) -> Any:
         "granitemoehybrid": transformers.GraniteMoeHybridForCausalLM,
         "nemotron_h": transformers.NemotronHForCausalLM,
         "bamba": transformers.BambaForCausalLM,
+        "qwen3_5": transformers.Qwen3_5ForCausalLM,
+        "qwen3_5_vl": transformers.Qwen3_5ForConditionalGeneration,
+        "qwen3_next": transformers.Qwen3NextForCausalLM,
     }[arch]
 
 
 @torch.no_grad()
-def _randomize(model: torch.nn.Module, hidden: int, seed: int) -> None:
+def _randomize(
+    model: torch.nn.Module, hidden: int, seed: int, zero_centred_norms: bool = False
+) -> None:
     g = torch.Generator().manual_seed(seed)
 
     def normal(shape: torch.Size, std: float, mean: float = 0.0) -> torch.Tensor:
@@ -151,7 +207,13 @@ def _randomize(model: torch.nn.Module, hidden: int, seed: int) -> None:
 
     for name, p in model.named_parameters():
         leaf = name.rsplit(".", 1)[-1]
-        if name.endswith("embed_tokens.weight") or name.endswith("embeddings.weight"):
+        if ".visual." in name or name.startswith("visual."):
+            continue  # a vision tower the engine does not use keeps its own init
+        if "linear_attn" in name and leaf == "A_log":
+            # Gated DeltaNet decays exp(-A * softplus(.)): A in [0.05, 1] keeps several
+            # tokens of memory, so a state carried wrongly shows in the logits.
+            value = torch.log(torch.rand(p.shape, generator=g) * 0.95 + 0.05)
+        elif name.endswith("embed_tokens.weight") or name.endswith("embeddings.weight"):
             value = normal(p.shape, 1.0)
         elif name == "lm_head.weight":
             value = normal(p.shape, 2.5 / math.sqrt(hidden))  # logits spread ~2.5
@@ -164,6 +226,9 @@ def _randomize(model: torch.nn.Module, hidden: int, seed: int) -> None:
         elif "conv1d.weight" in name:
             value = normal(p.shape, 0.5)
         elif leaf == "bias":
+            value = normal(p.shape, 0.1)
+        elif p.dim() == 1 and zero_centred_norms and "linear_attn.norm" not in name:
+            # Zero-centred RMSNorm weights (the scale is 1 + weight), except GDN's output norm.
             value = normal(p.shape, 0.1)
         elif p.dim() == 1:  # norm weights
             value = normal(p.shape, 0.1, 1.0)
@@ -193,11 +258,13 @@ def make_tiny_checkpoint(
     """Write a tiny random float32 checkpoint of ``arch`` to directory ``path``; return it.
 
     Args:
-        arch: ``"granitemoehybrid"``, ``"nemotron_h"`` or ``"bamba"``.
+        arch: one of :data:`ARCHITECTURES` (``"qwen3_5_vl"``: the vision-language
+            wrapper ``Qwen3_5ForConditionalGeneration`` with a one-block vision tower).
         path: output directory (created if needed).
         seed: weights are a pure function of ``seed`` and the config.
-        layers: layer pattern, one letter per decoder layer: ``M`` Mamba, ``A`` (or ``*``)
-            attention, ``-`` MLP (Nemotron-H only). Defaults: ``DEFAULT_LAYERS[arch]``.
+        layers: layer pattern, one letter per decoder layer: ``M`` Mamba (Gated DeltaNet
+            for the Qwen architectures), ``A`` (or ``*``) attention, ``-`` MLP (Nemotron-H
+            only). Defaults: ``DEFAULT_LAYERS[arch]``.
         **overrides: keyword arguments for the ``transformers`` config class of ``arch``
             (e.g. ``mamba_n_groups=4``, ``tie_word_embeddings=True``, ``time_step_min=0.3``).
 
@@ -205,7 +272,7 @@ def make_tiny_checkpoint(
     """
     config = tiny_config(arch, layers, **overrides)
     model = _model_class(arch)(config)
-    _randomize(model, config.hidden_size, seed)
+    _randomize(model, config.get_text_config().hidden_size, seed, arch in GDN_ARCHITECTURES)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     import transformers

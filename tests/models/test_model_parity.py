@@ -1,4 +1,5 @@
-"""Our models against the Hugging Face ``transformers`` implementation of the same checkpoint.
+"""Our models against the Hugging Face ``transformers`` implementation of the same checkpoint
+(Mamba2 hybrids and Gated DeltaNet hybrids).
 
 Each case writes a tiny random checkpoint, loads it both ways, and compares
 all-position logits of a packed multi-row forward (float32, 1e-4 relative) and a
@@ -20,6 +21,9 @@ HF_CLASSES = {
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
     "bamba": "BambaForCausalLM",
+    "qwen3_5": "Qwen3_5ForCausalLM",
+    "qwen3_5_vl": "Qwen3_5ForConditionalGeneration",
+    "qwen3_next": "Qwen3NextForCausalLM",
 }
 
 # (arch, layer pattern, extra config): every pattern mixes Mamba and attention; the
@@ -32,6 +36,16 @@ CASES = [
     ("nemotron_h", "*M-M*", {"n_groups": 4}),
     ("bamba", "MAMMA", {}),
     ("bamba", "AMMA", {"mamba_n_groups": 4}),
+    # Gated DeltaNet ("M"): 2 key heads shared by 4 value heads (8 in one case), conv
+    # kernels 4 and 3, attention in the middle or first and last.
+    ("qwen3_5", "MMAM", {}),
+    ("qwen3_5", "AMMA", {"linear_conv_kernel_dim": 3, "linear_num_value_heads": 8}),
+    ("qwen3_5_vl", "MMAM", {"tie_word_embeddings": True}),
+    ("qwen3_5_vl", "AMMMA", {"linear_conv_kernel_dim": 3}),
+    ("qwen3_next", "MMAM", {}),
+    # Experts configured, but every layer is in mlp_only_layers: all MLPs are dense.
+    ("qwen3_next", "AMMA", {"linear_conv_kernel_dim": 3, "num_experts": 4,
+                            "mlp_only_layers": [0, 1, 2, 3]}),
 ]
 
 

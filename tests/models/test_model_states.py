@@ -20,6 +20,8 @@ CASES = [
     ("granitemoehybrid", "MAMMA", {}),
     ("nemotron_h", "*M-M*", {"n_groups": 4}),
     ("bamba", "AMMA", {}),
+    ("qwen3_5", "MAMM", {}),
+    ("qwen3_next", "AMMA", {"linear_conv_kernel_dim": 3}),
 ]
 
 

@@ -74,7 +74,7 @@ def _graphs_against_eager(path, params, spec) -> dict:
     return counters
 
 
-@pytest.mark.parametrize("fixture", ["tiny_granite", "tiny_nemotron", "tiny_bamba"])
+@pytest.mark.parametrize("fixture", ["tiny_granite", "tiny_nemotron", "tiny_bamba", "tiny_qwen3_5"])
 @pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 2}])
 def test_same_tokens_as_eager(request, fixture, spec):
     params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)

@@ -1,5 +1,6 @@
 """Server fixtures: a tiny random checkpoint with a byte-level tokenizer and a chat
-template, and a real uvicorn server on 127.0.0.1 run in a thread for the tests."""
+template, and the real HTTP server (uvicorn, as ``hybridserve serve`` runs it) on
+127.0.0.1 in a thread for the tests."""
 
 from __future__ import annotations
 
@@ -75,21 +76,20 @@ def plain_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class ServerThread:
-    """A uvicorn server for ``app`` on a free loopback port, in a daemon thread."""
+    """The HTTP server for ``app`` on a free loopback port, in a daemon thread;
+    ``options`` are :class:`~hybridserve.server.http.HTTPOptions` fields."""
 
-    def __init__(self, app: Any, graceful_timeout: float = 5.0) -> None:
-        import uvicorn
+    def __init__(self, app: Any, **options: Any) -> None:
+        from hybridserve.server.http import HTTPOptions, make_server
 
+        options.setdefault("graceful_shutdown_timeout", 5.0)
         self.app = app
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(
-            app, log_level="warning", timeout_graceful_shutdown=graceful_timeout
-        )
-        self.server = uvicorn.Server(config)
+        self.server = make_server(app, options=HTTPOptions(**options), log_level="warning")
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
         )
@@ -126,15 +126,21 @@ class ServerThread:
 
 
 def start_server(model: Path, **kwargs: Any) -> ServerThread:
-    """Load ``model`` and serve it; ``kwargs`` go to LLM (engine) or create_app (server)."""
+    """Load ``model`` and serve it; ``kwargs`` go to LLM (engine), create_app (server)
+    or HTTPOptions (connections)."""
+    from dataclasses import fields
+
     from hybridserve import LLM
     from hybridserve.server import create_app
+    from hybridserve.server.http import HTTPOptions
 
-    app_keys = {"served_model_name", "api_key", "chat_template"}
+    app_keys = {"served_model_name", "api_key", "chat_template", "max_request_body_bytes"}
     app_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in app_keys}
+    http_keys = {f.name for f in fields(HTTPOptions)}
+    http_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in http_keys}
     kwargs.setdefault("max_num_seqs", 32)
     llm = LLM(model, **kwargs)
-    return ServerThread(create_app(llm, **app_kwargs)).start()
+    return ServerThread(create_app(llm, **app_kwargs), **http_kwargs).start()
 
 
 @pytest.fixture

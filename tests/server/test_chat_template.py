@@ -61,3 +61,23 @@ def test_pick_named_template() -> None:
     assert pick_template(named) == "D"
     assert pick_template([{"name": "other", "template": "O"}]) == "O"
     assert pick_template("S") == "S" and pick_template(None) is None
+
+
+@pytest.mark.parametrize(
+    ("source", "kind"),
+    [
+        ("{% for i in range(10**9) %}x{% endfor %}", "OverflowError"),
+        ("{{ 1 // 0 }}", "ZeroDivisionError"),
+        ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "RecursionError"),
+    ],
+)
+def test_any_template_failure_is_a_template_error(source: str, kind: str) -> None:
+    with pytest.raises(ChatTemplateError, match=kind):
+        render_chat(compile_chat_template(source), MSGS)
+
+
+def test_output_cap() -> None:
+    t = compile_chat_template("{% for i in range(1000) %}{{ 'abcd' }}{% endfor %}")
+    assert len(render_chat(t, MSGS, max_chars=4000)) == 4000
+    with pytest.raises(ChatTemplateError, match="passes 3999 characters"):
+        render_chat(t, MSGS, max_chars=3999)

@@ -4,6 +4,7 @@ ids in the log, and a graceful stop on SIGINT that lets an in-flight stream fini
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 
 def _free_port() -> int:
@@ -140,3 +142,37 @@ def test_serve_bad_template_path(plain_model: Path, tmp_path: Path) -> None:
     )
     assert proc.wait(timeout=90) == 2
     assert "--chat-template" in log.read_text()
+
+
+def test_serve_refuses_an_empty_api_key(plain_model: Path, monkeypatch, capsys) -> None:
+    from hybridserve.cli import main
+
+    monkeypatch.setenv("HYBRIDSERVE_API_KEY", "")
+    t0 = time.monotonic()
+    assert main(["serve", "--model", str(plain_model)]) == 2
+    assert "HYBRIDSERVE_API_KEY" in capsys.readouterr().err
+    assert time.monotonic() - t0 < 5  # refused before the model is loaded
+
+
+def test_serve_warns_when_reachable_without_a_key(plain_model: Path, monkeypatch, caplog) -> None:
+    from hybridserve.cli import main
+    from hybridserve.server import http
+
+    ran = []
+    monkeypatch.setattr(http.Server, "run", lambda self: ran.append(self.config.host))
+    monkeypatch.delenv("HYBRIDSERVE_API_KEY", raising=False)
+    caplog.set_level(logging.INFO, logger="hybridserve.server")
+    assert main(["serve", "--model", str(plain_model), "--host", "0.0.0.0"]) == 0
+    assert ran == ["0.0.0.0"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("0.0.0.0 without an API key" in w for w in warnings), warnings
+
+
+def test_access_checks() -> None:
+    from hybridserve.server.cli import check_access, is_loopback
+
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("::") and not is_loopback("example.org")
+    with pytest.raises(ValueError, match="empty"):
+        check_access("127.0.0.1", " ")
+    check_access("0.0.0.0", "key")  # a key: no refusal

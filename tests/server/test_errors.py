@@ -3,6 +3,8 @@ none of them disturbs the engine."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -160,7 +162,13 @@ def test_api_key(chat_model, server_factory) -> None:
         assert c.get("/v1/models", headers=ok).status_code == 200
         # Probes and scrapers need no key.
         assert c.get("/health").status_code == 200
+        assert c.head("/health").status_code == 200
         assert c.get("/metrics").status_code == 200
+        # The schema and its viewers are behind the key too.
+        for path in ("/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"):
+            assert _check_shape(c.get(path), 401)["code"] == "invalid_api_key", path
+        assert c.get("/openapi.json", headers=ok).json()["info"]["title"] == "hybridserve"
+        assert c.get("/docs", headers=ok).status_code == 200
 
 
 def test_chat_without_template(plain_model, server_factory) -> None:
@@ -171,3 +179,120 @@ def test_chat_without_template(plain_model, server_factory) -> None:
         assert err["code"] == "no_chat_template" and "--chat-template" in err["message"]
         # Completions still work.
         assert c.post(C, json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+# ---- text that is not Unicode, templates that fail (500s that were 400s) -----------
+
+SURROGATE = "a\ud800b"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        (C, {"prompt": SURROGATE}, "prompt"),
+        (C, {"prompt": ["fine", SURROGATE]}, "prompt"),
+        (CHAT, {"messages": [{"role": "user", "content": SURROGATE}]}, "messages.0.content"),
+        (
+            CHAT,
+            {
+                "messages": [
+                    {"role": "system", "content": "ok"},
+                    {"role": "user", "content": [{"type": "text", "text": SURROGATE}]},
+                ]
+            },
+            "messages.1.content.0.text",
+        ),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": "hi", "name": SURROGATE}]},
+            "messages.0.name",
+        ),
+    ],
+)
+def test_lone_surrogate_is_a_400(client: httpx.Client, path, body, param) -> None:
+    # json.dumps escapes the surrogate as \ud800, which JSON allows and Python decodes.
+    raw = json.dumps({**body, "max_tokens": 2}).encode()
+    r = client.post(path, content=raw, headers={"content-type": "application/json"})
+    err = _check_shape(r, 400)
+    assert err["param"] == param and "surrogate" in err["message"]
+
+
+def test_null_content_renders_as_empty(client: httpx.Client) -> None:
+    def prompt_tokens(content) -> int:
+        msgs = [{"role": "system", "content": content}, {"role": "user", "content": "hi"}]
+        r = client.post(CHAT, json={"messages": msgs, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+
+    assert prompt_tokens(None) == prompt_tokens("")  # not the text "None"
+
+
+# Dispatches on the user's text to a template that fails in one way or another.
+FAILING_TEMPLATE = (
+    "{% set c = messages[-1]['content'] %}"
+    "{% if c == 'overflow' %}{% for i in range(10**9) %}x{% endfor %}"
+    "{% elif c == 'divide' %}{{ 1 / 0 }}"
+    "{% elif c == 'huge' %}{% for i in range(99999) %}{{ 'y' * 99 }}{% endfor %}"
+    "{% elif c == 'surrogate' %}{{ '\\ud800' }}"
+    "{% else %}[{{ c }}]{% endif %}"
+)
+
+
+def test_template_failures_are_400s(chat_model, server_factory) -> None:
+    srv = server_factory(chat_model, served_model_name="tiny", chat_template=FAILING_TEMPLATE)
+    with httpx.Client(base_url=srv.base_url, timeout=60) as c:
+
+        def chat(text: str) -> httpx.Response:
+            return c.post(CHAT, json={"messages": [{"role": "user", "content": text}]})
+
+        for text, words in [
+            ("overflow", "OverflowError"),
+            ("divide", "ZeroDivisionError"),
+            ("huge", "passes"),  # the output cap, not a 10-million-character prompt
+            ("surrogate", "surrogate"),
+        ]:
+            err = _check_shape(chat(text), 400)
+            assert err["param"] == "messages" and words in err["message"], (text, err)
+        ok = c.post(CHAT, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["usage"]["prompt_tokens"] == len("[hi]")
+    srv.wait_idle()
+
+
+# ---- access -----------------------------------------------------------------------
+
+
+def test_model_must_be_a_served_name(server, client: httpx.Client, chat_model) -> None:
+    for model in (str(chat_model), chat_model.name, "/etc"):
+        err = _check_shape(client.post(C, json={"prompt": "x", "model": model}), 404)
+        assert err["code"] == "model_not_found"
+    assert client.post(C, json={"prompt": "x", "model": "tiny", "max_tokens": 1}).status_code == 200
+
+
+def test_head_health(client: httpx.Client) -> None:
+    r = client.head("/health")
+    assert r.status_code == 200 and r.content == b""
+
+
+def test_stop_strings_need_a_tokenizer(server_factory, tmp_path) -> None:
+    from hybridserve.testing.tiny_models import make_tiny_checkpoint
+
+    model = make_tiny_checkpoint("granitemoehybrid", tmp_path, seed=1)  # no tokenizer
+    srv = server_factory(model, served_model_name="bare")
+    with httpx.Client(base_url=srv.base_url, timeout=60) as c:
+        body = {"prompt": [5, 6, 7], "max_tokens": 3}
+        err = _check_shape(c.post(C, json={**body, "stop": ["x"]}), 400)
+        assert err["param"] == "stop" and "stop_token_ids" in err["message"]
+        r = c.post(C, json={**body, "stop_token_ids": [9]})
+        assert r.status_code == 200, r.text
+    srv.wait_idle()
+
+
+def test_empty_api_key_is_refused(chat_model) -> None:
+    from hybridserve import LLM
+    from hybridserve.server import create_app
+
+    llm = LLM(chat_model, max_num_seqs=2)
+    for key in ("", "  "):
+        with pytest.raises(ValueError, match="api_key is empty"):
+            create_app(llm, api_key=key)

@@ -4,6 +4,8 @@ request concerned is aborted and its pages freed, everyone else keeps being serv
 from __future__ import annotations
 
 import json
+import logging
+import re
 import socket
 import threading
 import time
@@ -15,6 +17,20 @@ from hybridserve import SamplingParams
 from hybridserve.server import serving
 
 LONG = 3500  # tokens: far more than a test waits for, so only an abort ends it early
+
+
+def _generic_error(err: dict, secret: str, caplog) -> str:
+    """Check a server-side error as clients get it: a request id to quote, none of
+    the exception's text; the log has that text under the same id."""
+    assert secret not in err["message"]
+    match = re.search(r"(?:chat)?cmpl-[0-9a-f]{32}", err["message"])
+    assert match, err["message"]
+    rid = match.group(0)
+    logged = [r for r in caplog.records if rid in r.getMessage()]
+    assert any(
+        secret in r.getMessage() or (r.exc_info and secret in str(r.exc_info[1])) for r in logged
+    ), [r.getMessage() for r in logged]
+    return rid
 
 
 def _assert_clean(server, aborted_before: int, at_least: int = 1) -> dict:
@@ -83,9 +99,10 @@ def test_non_streaming_disconnect_aborts(server) -> None:
     _assert_clean(server, aborted)
 
 
-def test_error_while_formatting_one_request(server, monkeypatch) -> None:
+def test_error_while_formatting_one_request(server, monkeypatch, caplog) -> None:
     """A request whose response cannot be built gets a 500 of its own; a concurrent
     request is unaffected and nothing is leaked."""
+    caplog.set_level(logging.INFO, logger="hybridserve.server")
     original = serving._CompletionFormat.legacy_logprobs
 
     def broken(self, comp, start, end, offset):
@@ -110,7 +127,8 @@ def test_error_while_formatting_one_request(server, monkeypatch) -> None:
         r = c.post("/v1/completions", json={"prompt": "bad", "max_tokens": 4, "logprobs": 4})
         assert r.status_code == 500
         err = r.json()["error"]
-        assert err["type"] == "server_error" and "formatting exploded" in err["message"]
+        assert err["type"] == "server_error" and err["code"] == "internal_error"
+        _generic_error(err, "formatting exploded", caplog)
         body = {
             "prompt": "bad",
             "max_tokens": LONG,
@@ -121,7 +139,7 @@ def test_error_while_formatting_one_request(server, monkeypatch) -> None:
         with c.stream("POST", "/v1/completions", json=body) as s:
             lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
         assert lines[-1] == "data: [DONE]"
-        assert "formatting exploded" in json.loads(lines[-2][6:])["error"]["message"]
+        _generic_error(json.loads(lines[-2][6:])["error"], "formatting exploded", caplog)
     t.join(30)
     assert results["good"].status_code == 200
     assert len(results["good"].json()["choices"][0]["logprobs"]["tokens"]) == 16
@@ -130,7 +148,8 @@ def test_error_while_formatting_one_request(server, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_engine_step_failure(chat_model, server_factory, stream: bool) -> None:
+def test_engine_step_failure(chat_model, server_factory, stream: bool, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="hybridserve.server")
     srv = server_factory(chat_model, served_model_name="tiny")
     core = srv.engine.engine
     real_step = core.step
@@ -153,7 +172,8 @@ def test_engine_step_failure(chat_model, server_factory, stream: bool) -> None:
         else:
             assert r.status_code == 500
             err = r.json()["error"]
-        assert err["code"] == "engine_error" and "injected step failure" in err["message"]
+        assert err["code"] == "engine_error"
+        _generic_error(err, "injected step failure", caplog)
         assert c.get("/health").status_code == 200
         # The engine is intact and keeps serving.
         ok = c.post("/v1/completions", json={"prompt": "next", "max_tokens": 4})
@@ -164,3 +184,24 @@ def test_engine_step_failure(chat_model, server_factory, stream: bool) -> None:
         srv.engine.call_sync(lambda e: e.scheduler.check_integrity())
         metrics = c.get("/metrics").text
         assert "hybridserve_requests_failed_total 1" in metrics
+
+
+def test_unexpected_error_is_generic(server, monkeypatch, caplog) -> None:
+    """An exception no handler expected: a 500 with an error id, the text only in the log."""
+    caplog.set_level(logging.INFO, logger="hybridserve.server")
+
+    async def broken(self, req, receive):
+        raise RuntimeError("secret path /srv/models/x")
+
+    monkeypatch.setattr(serving.OpenAIServing, "completions", broken)
+    with httpx.Client(base_url=server.base_url, timeout=60) as c:
+        r = c.post("/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 500
+    err = r.json()["error"]
+    assert err["code"] == "internal_error" and "secret" not in err["message"]
+    (error_id,) = re.findall(r"err-[0-9a-f]{32}", err["message"])
+    assert any(
+        error_id in rec.getMessage() and "secret path" in str(rec.exc_info[1])
+        for rec in caplog.records
+        if rec.exc_info
+    )

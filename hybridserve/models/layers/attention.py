@@ -80,13 +80,27 @@ class Attention(nn.Module):
         q = self.q_proj(h).view(t, p.num_heads, p.head_dim)
         k = self.k_proj(h).view(t, p.num_kv_heads, p.head_dim)
         v = self.v_proj(h).view(t, p.num_kv_heads, p.head_dim)
+        out = self.attend(q, k, v, batch, kv_cache)
+        return self.o_proj(out.reshape(t, p.num_heads * p.head_dim))
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: ForwardBatch,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """RoPE on ``q [T, heads, head_dim]`` and ``k, v [T, kv_heads, head_dim]``, the K/V
+        write at ``batch.slot_mapping``, and paged causal attention: ``[T, heads, head_dim]``."""
+        p = self.p
         if p.rotary_dim:
-            positions = batch.positions.to(h.device)
+            positions = batch.positions.to(q.device)
             cos, sin = self._rope_cos_sin(positions, q.dtype)
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
         k_cache, v_cache = kv_cache
-        slots = batch.slot_mapping.to(device=h.device, dtype=torch.int64)
+        slots = batch.slot_mapping.to(device=q.device, dtype=torch.int64)
         k_cache.view(-1, p.num_kv_heads, p.head_dim)[slots] = k.to(k_cache.dtype)
         v_cache.view(-1, p.num_kv_heads, p.head_dim)[slots] = v.to(v_cache.dtype)
         # The plan's decision; a layer test's unplanned batch is planned here (its rows).
@@ -114,4 +128,4 @@ class Attention(nn.Module):
                 q, k_cache, v_cache, batch.query_start, batch.context_lens,
                 batch.block_tables, batch.positions, p.scale,
             )
-        return self.o_proj(out.reshape(t, p.num_heads * p.head_dim))
+        return out

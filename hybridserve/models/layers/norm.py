@@ -85,3 +85,42 @@ class GatedRMSNorm(nn.Module):
         return norms.gated_rms_norm_reference(
             x, gate, self.weight, self.n_groups, self.eps, out_dtype
         )
+
+
+class ZeroCentredRMSNorm(RMSNorm):
+    """Qwen3.5 / Qwen3-Next RMSNorm: the stored weight is zero-centred, the scale is
+    ``1 + weight``, formed and multiplied in float32 with one cast at the end (the
+    reference's order), through the same kernels and twins as :class:`RMSNorm`."""
+
+    def __init__(self, hidden_size: int, eps: float, kernels: str = "auto") -> None:
+        super().__init__(hidden_size, eps, weight_in_fp32=True, kernels=kernels)
+        with torch.no_grad():
+            self.weight.zero_()
+
+    def _scale(self) -> torch.Tensor:
+        """``1 + weight`` in float32, recomputed when the weight changes (its version
+        counter moves on every in-place write, as loading does) or moves."""
+        w = self.weight
+        key = (w._version, w.data_ptr(), w.device)
+        cached = self.__dict__.get("_scale_cache")
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                cached = (key, 1.0 + w.detach().float())
+            self.__dict__["_scale_cache"] = cached
+        return cached[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self._scale()
+        if norms.triton_enabled(self.kernels, x, scale):
+            return norms.rms_norm(x, scale, self.eps, True)
+        return norms.rms_norm_reference(x, scale, self.eps, True)
+
+    def add_norm(
+        self, residual: torch.Tensor, x: torch.Tensor, multiplier: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = self._scale()
+        if residual.dtype == x.dtype and residual.shape == x.shape and norms.triton_enabled(
+            self.kernels, residual, x, scale
+        ):
+            return norms.add_rms_norm(residual, x, scale, self.eps, multiplier, True)
+        return norms.add_rms_norm_reference(residual, x, scale, self.eps, multiplier, True)

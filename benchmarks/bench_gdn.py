@@ -1,0 +1,201 @@
+"""Benchmark: one Gated DeltaNet layer's state kernels at Qwen3.6-27B shapes.
+
+Measured in the same run (DESIGN.md section 9):
+
+  decode    ``gdn_decode_update`` (paged: read one state page per row, write the state
+            after each of ``q`` tokens to its own page) at batch 1 / 16 / 64 / 256,
+            ``q = 1`` (decode) and ``q = 4`` (verify of 3 drafts), against the bytes it
+            must move and a device-to-device copy of the same bytes;
+  prefill   the token-by-token ``gdn_varlen_update`` over 1 x 4,096 and 8 x 4,096 tokens
+            with a state every 64 tokens (checkpoints), and, where fla-core's pieces are
+            importable, the chunked ``gdn_prefill`` on ``chunk_scan_fla`` (same outputs);
+  check     each kernel against its torch twin on fresh random inputs (relative error).
+
+Shapes (Qwen3.6-27B's config.json): 16 key heads, 48 value heads, head dims 128, float32
+state pages (3 MiB per sequence per layer). Inputs are rotated over several page sets so
+no iteration reads what the previous one left in L2. Writes
+``benchmarks/results/gdn_kernels.json``; ``--smoke`` runs tiny shapes (on the CPU through
+Triton's interpreter when there is no GPU) and writes ``gdn_kernels_smoke.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run on the CPU only through the interpreter, chosen before they exist.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import git_commit  # noqa: E402
+
+from hybridserve.kernels import gdn_chunked  # noqa: E402
+from hybridserve.kernels.gdn import l2_normalize  # noqa: E402
+from hybridserve.kernels.gdn_decode import (  # noqa: E402
+    gdn_decode_update,
+    gdn_decode_update_reference,
+)
+from hybridserve.kernels.gdn_varlen import (  # noqa: E402
+    VarlenPlan,
+    gdn_varlen_update,
+    gdn_varlen_update_reference,
+)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+FULL = dict(hk=16, hv=48, dk=128, dv=128, batches=(1, 16, 64, 256), prefill=((1, 4096),
+            (8, 4096)), interval=64, variants=4)
+SMOKE = dict(hk=2, hv=4, dk=8, dv=8, batches=(1, 4), prefill=((2, 40),), interval=16,
+             variants=2)
+
+
+def time_us(fn, device: str) -> float:
+    if device == "cuda":
+        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
+    fn()
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def rotating(items):
+    state = {"i": 0}
+
+    def nxt():
+        item = items[state["i"] % len(items)]
+        state["i"] += 1
+        return item
+
+    return nxt
+
+
+def inputs(g, tokens, s, device):
+    q = l2_normalize(torch.randn(tokens, s["hk"], s["dk"], generator=g)) * s["dk"] ** -0.5
+    k = l2_normalize(torch.randn(tokens, s["hk"], s["dk"], generator=g))
+    v = torch.randn(tokens, s["hv"], s["dv"], generator=g)
+    gd = -torch.rand(tokens, s["hv"], generator=g)
+    beta = torch.rand(tokens, s["hv"], generator=g)
+    return [x.to(device) for x in (q, k, v, gd, beta)]
+
+
+def rel_err(got, want) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+def copy_us(nbytes: int, device: str) -> float:
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    return time_us(lambda: dst.copy_(src), device)
+
+
+def bench_decode(s, device, g) -> list[dict]:
+    out = []
+    state_bytes = s["hv"] * s["dk"] * s["dv"] * 4
+    for rows in s["batches"]:
+        for q in (1, 4):
+            pages = rows * (q + 1) * s["variants"]
+            cache = torch.randn(pages, s["hv"], s["dk"], s["dv"], generator=g).to(device)
+            perm = torch.randperm(pages, generator=g).to(torch.int32).view(s["variants"], -1)
+            sets = [(p[:rows].to(device), p[rows:].view(rows, q).to(device)) for p in perm]
+            x = inputs(g, rows * q, s, device)
+            nxt = rotating(sets)
+            us = time_us(lambda x=x, c=cache, n=nxt: gdn_decode_update(*x, c, *n()), device)
+            moved = rows * (q + 1) * state_bytes  # one page read, q pages written per row
+            ref = copy_us(moved // 2, device)  # a copy reads and writes: half the bytes each
+            # The check: the kernel against its twin on the same pages (a copy of some).
+            small = cache[: 2 * rows * (q + 1)].clone()
+            perm_small = torch.randperm(small.shape[0], generator=g).to(torch.int32).to(device)
+            ip, op = perm_small[:rows], perm_small[rows : rows * (q + 1)].view(rows, q)
+            want_cache = small.clone()
+            want = gdn_decode_update_reference(*x, want_cache, ip, op)
+            got = gdn_decode_update(*x, small, ip, op)
+            out.append(dict(
+                rows=rows, q=q, us=us, bytes=moved, tb_per_s=moved / us / 1e6,
+                copy_us_same_bytes=ref, fraction_of_copy=ref / us,
+                rel_err_vs_twin=max(rel_err(got, want), rel_err(small, want_cache)),
+            ))
+            print(f"decode rows={rows:4d} q={q}: {us:9.1f} us  {moved / us / 1e6:6.2f} TB/s "
+                  f"({ref / us:5.1%} of copy)  err {out[-1]['rel_err_vs_twin']:.1e}")
+    return out
+
+
+def varlen_plan(rows, length, interval, pages, device):
+    qs = [r * length for r in range(rows + 1)]
+    outs = [-1] * (rows * length)
+    it = iter(range(rows, pages))
+    for r in range(rows):
+        for off in range(length):
+            if (off + 1) % interval == 0 or off == length - 1:
+                outs[r * length + off] = next(it)
+    qs_t = torch.tensor(qs, dtype=torch.int32, device=device)
+    return VarlenPlan(
+        num_rows=rows, query_start=qs_t,
+        in_pages=torch.arange(rows, dtype=torch.int32, device=device),
+        token_out_pages=torch.tensor(outs, dtype=torch.int32, device=device),
+        token_row=torch.empty(0), query_start_host=tuple(qs), token_out_pages_host=tuple(outs),
+    )
+
+
+def bench_prefill(s, device, g) -> list[dict]:
+    out = []
+    for rows, length in s["prefill"]:
+        per_row = -(-length // s["interval"]) + 1
+        pages = rows + rows * per_row
+        cache = torch.randn(pages, s["hv"], s["dk"], s["dv"], generator=g).to(device) * 0.1
+        plan = varlen_plan(rows, length, s["interval"], pages, device)
+        x = inputs(g, rows * length, s, device)
+        args = (cache, plan.query_start, plan.in_pages, plan.token_out_pages)
+        entry = dict(rows=rows, length=length, states_per_row=per_row - 1,
+                     token_kernel_us=time_us(lambda x=x, a=args: gdn_varlen_update(*x, *a), device))
+        got = gdn_varlen_update(*x, *args)
+        if rows * length <= 4096:  # the twin is a host loop per token: check one row's worth
+            want = gdn_varlen_update_reference(*x, cache.clone(), *args[1:])
+            entry["token_kernel_rel_err_vs_twin"] = rel_err(got, want)
+        if device == "cuda" and gdn_chunked.fla_chunk_scan_available():
+            def fla(x=x, plan=plan, cache=cache):
+                return gdn_chunked.gdn_prefill(*x, cache, plan, gdn_chunked.chunk_scan_fla,
+                                               gdn_varlen_update, 64)
+            entry["fla_chunked_us"] = time_us(fla, device)
+            entry["fla_chunked_rel_err_vs_token_kernel"] = rel_err(fla(), got)
+        out.append(entry)
+        print(f"prefill {rows} x {length}: " + ", ".join(
+            f"{k} {v:.4g}" for k, v in entry.items() if k not in ("rows", "length")))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes; a separate file")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shapes = SMOKE if args.smoke or device != "cuda" else FULL
+    g = torch.Generator().manual_seed(args.seed)
+    result = dict(
+        device=torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)",
+        torch=torch.__version__, triton=triton.__version__, commit=git_commit(),
+        fla_chunk_scan=gdn_chunked.fla_chunk_scan_available(),
+        config={k: v for k, v in shapes.items()},
+        decode=bench_decode(shapes, device, g),
+        prefill=bench_prefill(shapes, device, g),
+    )
+    name = "gdn_kernels_smoke.json" if shapes is SMOKE else "gdn_kernels.json"
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / name).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {RESULTS / name}")
+
+
+if __name__ == "__main__":
+    main()
