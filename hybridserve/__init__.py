@@ -17,13 +17,22 @@ _EXPORTS = {
     "Logprob": "hybridserve.step",
     "RequestOutput": "hybridserve.step",
     "SamplingParams": "hybridserve.step",
+    "StructuredOutputsParams": "hybridserve.structured",
 }
 
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]
 
 if TYPE_CHECKING:
     from hybridserve.llm import LLM
     from hybridserve.step import CompletionOutput, Logprob, RequestOutput, SamplingParams
+    from hybridserve.structured import StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

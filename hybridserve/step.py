@@ -1,6 +1,7 @@
 """The step contract: the values the engine, the runner and users exchange.
 
-This module is the bottom of the package (it imports nothing from it), so the runner and
+This module is the bottom of the package (it imports nothing from it but the plain value
+type of structured outputs), so the runner and
 the engine can both speak it without the runner reaching up into the engine:
 
 - what users pass and get back: :class:`SamplingParams`, :class:`Logprob`,
@@ -19,6 +20,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from hybridserve.structured.params import StructuredOutputsParams
 
 __all__ = [
     "CompletionOutput",
@@ -41,7 +44,10 @@ class SamplingParams:
 
     ``temperature == 0`` is greedy. ``seed`` makes sampling reproducible for this request
     regardless of batching or preemption. ``logprobs=k`` returns, for every generated
-    token, the ``k`` most likely tokens plus the sampled one.
+    token, the ``k`` most likely tokens plus the sampled one. ``structured_outputs``
+    constrains the output to a JSON schema, regex, choice or grammar
+    (:class:`~hybridserve.structured.StructuredOutputsParams`; a dict of its fields is
+    accepted too).
     """
 
     n: int = 1
@@ -60,6 +66,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
@@ -105,6 +112,12 @@ class SamplingParams:
             not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20
         ):
             raise ValueError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams (or a dict of its fields)")
 
     @property
     def greedy(self) -> bool:

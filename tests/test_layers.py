@@ -3,7 +3,8 @@
 Lower layers never import higher ones: ``kernels`` (tensors in, tensors out) imports
 nothing from ``models``, ``runner`` or ``engine``; ``models`` nothing from ``runner`` or
 ``engine``; ``runner`` nothing from ``engine``; ``cache`` nothing from ``engine``. The step
-contract (``hybridserve.step``) is the bottom: it imports nothing from the package.
+contract (``hybridserve.step``) is the bottom: it imports only the structured-outputs
+value type.
 
 And no mutable module-level switches: no module binds an ALL_CAPS name to a bool or to a
 mode word such as ``"auto"`` or ``"off"`` (which paths run is the engine's ``KernelPolicy``, handed to the model at
@@ -27,7 +28,9 @@ FORBIDDEN = {
     "models": ("runner", "engine", "server", "llm"),
     "runner": ("engine", "server", "llm"),
     "cache": ("engine", "runner", "models", "server", "llm"),
-    "step": ("*",),
+    # The step contract is the bottom: only the structured-outputs value type below it.
+    "step": ("kernels", "models", "runner", "engine", "cache", "server", "llm", "drafters",
+             "config", "tokenizer", "detokenizer", "cli", "hub", "testing"),
 }
 
 

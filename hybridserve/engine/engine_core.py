@@ -132,6 +132,18 @@ class EngineCore:
             "spec_verify_rows": 0,
         }
         self.check_integrity_every_step = False
+        self._grammars = None  # the GrammarBackend, built on the first constrained request
+
+    def grammar_backend(self):
+        """The engine's :class:`~hybridserve.structured.backend.GrammarBackend` (built on
+        first use). Raises ValueError when the model has no tokenizer."""
+        if self._grammars is None:
+            from hybridserve.structured.backend import GrammarBackend
+
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs needs the model's tokenizer.json")
+            self._grammars = GrammarBackend(self.tokenizer.to_json(), self.vocab_size, self.eos_token_ids)
+        return self._grammars
 
     # ---- requests ----------------------------------------------------------------
 
@@ -162,6 +174,10 @@ class EngineCore:
                 f"prompt has {len(prompt_token_ids)} tokens but max_model_len is {max_len}: "
                 "shorten the prompt or raise max_model_len (the model must have room to generate)"
             )
+        so = params.structured_outputs
+        if so is not None:
+            # Compiling is what can fail on the user's input: before anything is queued.
+            self.grammar_backend().compile(so)
         arrival = next(self._arrival)
         children = []
         for i in range(params.n):
@@ -180,6 +196,7 @@ class EngineCore:
                     max_model_len=max_len,
                     sample_seed=seed,
                     parent_id=request_id if params.n > 1 else None,
+                    grammar=None if so is None else self._grammars.matcher(so),
                 )
             )
         group = _Group(request_id, prompt, list(prompt_token_ids), children, final_only=final_only)
@@ -377,9 +394,12 @@ class EngineCore:
                 self._max_tokens(req) - len(req.output_token_ids) - 1,
                 req.max_model_len - req.num_tokens - 1,
             )
-            req.draft_token_ids = (
-                self.drafter.propose(req.all_token_ids, room, key=req.request_id) if room > 0 else []
-            )
+            drafts = self.drafter.propose(req.all_token_ids, room, key=req.request_id) if room > 0 else []
+            if drafts and req.grammar is not None:
+                # A draft the grammar rejects could never be emitted: the run the
+                # verifier may accept ends before it.
+                drafts = drafts[: req.grammar.valid_prefix(drafts)]
+            req.draft_token_ids = drafts
 
     def _max_tokens(self, req: Request) -> int:
         mt = req.params.max_tokens
@@ -401,6 +421,8 @@ class EngineCore:
         req.draft_token_ids = []
         for i, tok in enumerate(tokens):
             req.append_output(tok)
+            if req.grammar is not None:
+                req.grammar.accept(tok)
             if logprobs:
                 req.logprobs.append(logprobs[i])
             self.counters["generation_tokens"] += 1

@@ -82,6 +82,9 @@ class Request:
     detokenizer: object | None = None  # the engine's IncrementalDetokenizer for the output
     stopped: bool = False  # EOS, a stop token or a stop string ended it
     stop_reason: int | str | None = None  # the stop token or string (None for EOS)
+    # The sequence's GrammarMatcher when its params ask for structured outputs: the
+    # grammar state after output_token_ids (drafts are never committed to it).
+    grammar: object | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

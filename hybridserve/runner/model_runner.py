@@ -378,6 +378,7 @@ class ModelRunner:
                     prompt_ids=req.prompt_token_ids,
                     output_ids=req.output_token_ids,
                     drafts=req.draft_token_ids[: row.num_drafts],
+                    grammar=req.grammar,
                 )
             )
         plan = sampler.plan_draw(rows, logits.shape[-1])

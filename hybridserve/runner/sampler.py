@@ -38,6 +38,17 @@ token is therefore distributed exactly as the target's sampling; beyond that, a 
 request emits the same tokens with or without speculation. The host's walk over a
 row's positions is :func:`verify_choices`, for greedy and sampled rows alike.
 
+Structured outputs: a row whose request is constrained (``SampleRow.grammar``) gets,
+for each of its positions, the bitmask of the tokens its grammar allows after the
+row's committed output plus the drafts before that position, filled on the host by
+the row's matcher in :func:`plan_draw` and carried in the same float64 buffer as the
+other parameters (two int32 mask words per float64 slot, their bits untouched), so the
+step still makes one upload. :func:`process_step` sets the disallowed tokens' logits to
+``-inf`` before anything else; rows without a grammar are not touched, and a step
+without constrained rows does no mask work at all. Drafts reach the sampler already
+cut to the prefix the grammar accepts (the engine checks them), so every position's
+mask is defined, and the token emitted at any position is one its mask allows.
+
 Logprobs are the model's raw distribution (log-softmax of the logits before
 penalties, temperature and truncation), as vLLM reports them by default.
 """
@@ -52,6 +63,7 @@ import numpy as np
 import torch
 
 from hybridserve.step import Logprob, SamplingParams
+from hybridserve.structured.backend import GrammarMatcher, bitmask_words, fill_step_bitmasks
 
 # --- the counter-based RNG ---------------------------------------------------------
 #
@@ -183,6 +195,7 @@ def samples_by_argmax(params: SamplingParams) -> bool:
         and not params.presence_penalty
         and not params.frequency_penalty
         and params.logprobs is None
+        and params.structured_outputs is None
     )
 
 
@@ -268,7 +281,9 @@ def token_logprobs(raw_logits: torch.Tensor, token: int, k: int) -> dict[int, Lo
 @dataclass
 class SampleRow:
     """One sampling row of a step: ``len(drafts) + 1`` positions, the j-th generating
-    token ``first_index + j`` of the request, after ``output_ids + drafts[:j]``."""
+    token ``first_index + j`` of the request, after ``output_ids + drafts[:j]``.
+    ``grammar``: the sequence's matcher when its request is constrained (the drafts
+    must be a prefix it accepts)."""
 
     params: SamplingParams
     sample_seed: int | None
@@ -276,6 +291,7 @@ class SampleRow:
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
     drafts: Sequence[int]
+    grammar: GrammarMatcher | None = None
 
 
 # Columns of the per-position parameter block of the packed buffer.
@@ -301,13 +317,15 @@ def active_min_p(params: SamplingParams) -> float:
 
 def graph_samplable(params: SamplingParams) -> bool:
     """Whether a row of ``params`` can be drawn inside a replayed decode graph: no
-    penalties and no logprobs (their inputs and outputs vary in size from step to step).
+    penalties, no logprobs (their inputs and outputs vary in size from step to step) and
+    no grammar (its masks are filled on the host from the step before's tokens).
     """
     return (
         params.repetition_penalty == 1.0
         and not params.presence_penalty
         and not params.frequency_penalty
         and params.logprobs is None
+        and params.structured_outputs is None
     )
 
 
@@ -334,8 +352,10 @@ class DrawPlan:
     ``packed``: one float64 host buffer (every value in it is an integer below 2^53 or
     a float64 parameter, so nothing rounds): ``[num_positions, len(_COLS)]`` parameters,
     then ``num_penalties`` triples ``(position, token, count in the output)`` naming the
-    tokens a penalty touches, then the logprob positions. The flags are known on the
-    host and spare the device work no position needs.
+    tokens a penalty touches, then the logprob positions, then the ``num_masked``
+    constrained positions and their bitmasks (``mask_words`` int32 words each, two to a
+    float64 slot). The flags are known on the host and spare the device work no
+    position needs.
     """
 
     packed: torch.Tensor
@@ -348,6 +368,15 @@ class DrawPlan:
     any_sampled: bool
     any_top_p: bool
     any_min_p: bool
+    num_masked: int = 0
+    mask_words: int = 0
+
+    @property
+    def mask_start(self) -> int:
+        """Offset in ``packed`` of the constrained positions (their masks follow)."""
+        return (
+            self.num_positions * len(_COLS) + 3 * self.num_penalties + len(self.logprob_positions)
+        )
 
     @property
     def payload_width(self) -> int:
@@ -366,7 +395,17 @@ def plan_draw(rows: Sequence[SampleRow], vocab_size: int) -> DrawPlan:
     lp_k: list[int] = []
     max_top_k = 0
     any_sampled = any_top_p = any_min_p = False
+    masked_pos: list[int] = []
+    constrained: list[tuple[GrammarMatcher, Sequence[int]]] = []
+    words = bitmask_words(vocab_size)
     for row in rows:
+        if row.grammar is not None:
+            if row.grammar.words != words:
+                raise ValueError(
+                    f"the grammar's vocabulary ({row.grammar.vocab_size}) is not the logits' ({vocab_size})"
+                )
+            masked_pos += range(len(params_rows), len(params_rows) + len(row.drafts) + 1)
+            constrained.append((row.grammar, row.drafts))
         p = row.params
         lo, hi = seed_words(row.sample_seed)
         greedy = p.greedy
@@ -398,8 +437,20 @@ def plan_draw(rows: Sequence[SampleRow], vocab_size: int) -> DrawPlan:
     flat = [v for r in params_rows for v in r]
     flat += [v for e in penalties for v in e]
     flat += lp_pos
+    flat += masked_pos
+    if constrained:
+        # The mask words ride in the float64 buffer as raw bits, two per slot, filled
+        # in place by the matchers.
+        mask_slots = -(-len(masked_pos) * words // 2)
+        buf = np.zeros(len(flat) + mask_slots, dtype=np.float64)
+        buf[: len(flat)] = flat
+        tail = buf[len(flat):].view(np.int32)
+        fill_step_bitmasks(constrained, tail[: len(masked_pos) * words].reshape(len(masked_pos), words))
+        packed = torch.from_numpy(buf)
+    else:
+        packed = torch.tensor(flat, dtype=torch.float64)
     return DrawPlan(
-        packed=torch.tensor(flat, dtype=torch.float64),
+        packed=packed,
         num_positions=len(params_rows),
         num_penalties=len(penalties),
         logprob_positions=lp_pos,
@@ -409,6 +460,8 @@ def plan_draw(rows: Sequence[SampleRow], vocab_size: int) -> DrawPlan:
         any_sampled=any_sampled,
         any_top_p=any_top_p,
         any_min_p=any_min_p,
+        num_masked=len(masked_pos),
+        mask_words=words if constrained else 0,
     )
 
 
@@ -426,6 +479,8 @@ def process_step(logits: torch.Tensor, plan: DrawPlan, packed: torch.Tensor) -> 
     temperature = cols[:, _C["temperature"]].float()
     greedy = temperature == 0
     x = logits.float()
+    if plan.num_masked:
+        x = apply_bitmasks(x, plan, packed)
     if plan.num_penalties:
         ent = packed[n * ncol : n * ncol + 3 * plan.num_penalties].view(-1, 3).long()
         pos, tok, count = ent[:, 0], ent[:, 1], ent[:, 2]
@@ -461,6 +516,19 @@ def process_step(logits: torch.Tensor, plan: DrawPlan, packed: torch.Tensor) -> 
         cut = torch.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
         logp = torch.where((min_p > 0.0)[:, None], cut, logp)
     return logp
+
+
+def apply_bitmasks(x: torch.Tensor, plan: DrawPlan, packed: torch.Tensor) -> torch.Tensor:
+    """``x`` with the tokens each constrained position's bitmask excludes set to
+    ``-inf`` (out of place; other rows unchanged)."""
+    m, w = plan.num_masked, plan.mask_words
+    start = plan.mask_start
+    pos = packed[start : start + m].long()
+    slots = -(-m * w // 2)
+    bits = packed[start + m : start + m + slots].view(torch.int32)[: m * w].view(m, w)
+    tok = torch.arange(x.shape[-1], device=x.device)
+    allowed = ((bits[:, tok // 32] >> (tok % 32)) & 1).bool()
+    return x.index_put((pos,), x[pos].masked_fill(~allowed, float("-inf")))
 
 
 def sample_step(logits: torch.Tensor, plan: DrawPlan, packed: torch.Tensor) -> torch.Tensor:
