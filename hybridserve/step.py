@@ -151,6 +151,7 @@ class ScheduledRequest(Protocol):
     block_ids: list[int]
     params: SamplingParams
     sample_seed: int | None
+    grammar: object | None  # the structured-outputs matcher, when the params ask for one
 
 
 def kv_slot(block_ids: Sequence[int], pos: int, block_size: int) -> int:
