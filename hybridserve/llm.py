@@ -248,7 +248,9 @@ class LLM:
         ValueError and leaves the engine as it was. As vLLM's: a prompt of
         ``max_model_len`` tokens or more is refused; a ``max_tokens`` that does not fit
         in the context after the prompt is capped there (the output ends with
-        ``finish_reason == "length"``), with a warning the first time it happens.
+        ``finish_reason == "length"``), with a warning the first time it happens. A
+        prompt whose generation fails inside the engine comes back with finish reason
+        ``"error"`` and :attr:`RequestOutput.error` set; the other prompts are unaffected.
         """
         # Only finished outputs are collected: per-step outputs are not built.
         ids_order = self._add(self._prepare(prompts, sampling_params), final_only=True)

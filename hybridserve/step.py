@@ -183,6 +183,9 @@ class ScheduledRow:
     # is the previous step's choice, still on the device, and the request's host state
     # (tokens, output count, state page) lags the row by that one token.
     ahead: bool = False
+    # The step's references on ``state_outputs`` were released or handed on (by a commit
+    # or a drop); until then ``Scheduler.release_row`` gives them back.
+    settled: bool = False
 
 
 @dataclass
@@ -262,3 +265,5 @@ class RequestOutput:
     # Per-request counters: spec_draft_tokens, spec_accepted_tokens,
     # spec_mean_accepted_length (tokens per verify step), num_preemptions.
     metrics: dict[str, float] = field(default_factory=dict)
+    # Why the request failed (its outputs finish with reason "error"), else None.
+    error: str | None = None

@@ -4,11 +4,20 @@
 drives it to completion and the server drives it from one background task. Every
 public method either succeeds or raises ``ValueError`` naming the field, changing
 nothing: a bad request never disturbs the others.
+
+Failures: if the forward of a step raises, nothing is committed, the step's pages are
+given back and :meth:`EngineCore.step` raises (every request keeps its caches and runs
+again next step). If committing a step raises for one request (appending its tokens,
+its stop checks, its page bookkeeping, detokenizing its output), that request's whole
+group fails alone: its caches and the step's pages of its rows are freed, it is
+reported finished with reason ``"error"`` (:attr:`RequestOutput.error` says why), and
+the step commits every other request as usual.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 from dataclasses import dataclass
 
@@ -28,6 +37,8 @@ from hybridserve.engine.scheduler import ScheduledRow, Scheduler, SchedulerOutpu
 from hybridserve.runner.model_runner import ModelRunner, PendingStep
 from hybridserve.step import PostprocessDecision, RowResult, StepResult
 from hybridserve.tokenizer import Tokenizer
+
+log = logging.getLogger("hybridserve.engine")
 
 
 def prefill_flops(model: torch.nn.Module):
@@ -57,6 +68,8 @@ class _Group:
     # Report only the finished output (the offline API's mode): no per-step outputs,
     # which cost host time per request per step and copy the growing token list.
     final_only: bool = False
+    # Set when committing a step for one of the children raised: the group failed.
+    error: str | None = None
 
 
 class EngineCore:
@@ -264,7 +277,7 @@ class EngineCore:
             # Nothing was committed: give back the pages this step was to write. The
             # requests keep their caches and are scheduled again by the next step.
             for row in sched.rows:
-                self.scheduler.states.release(list(row.state_outputs.values()))
+                self.scheduler.release_row(row)
             raise
 
     def _advance(self, sched: SchedulerOutput, pending: PendingStep) -> list[RequestOutput]:
@@ -311,13 +324,14 @@ class EngineCore:
         return nxt, launched
 
     def _process(self, sched: SchedulerOutput, step: StepResult) -> list[RequestOutput]:
-        """Commit a step that ran: its tokens, state pages, finished requests; outputs."""
+        """Commit a step that ran: its tokens, state pages, finished requests; outputs.
+
+        A request whose commit raises fails with its group (:meth:`_fail`); the others
+        are committed as if it had not been in the step.
+        """
         results = step.rows
-        decode_rows = [
-            (row, res, step.decisions.get(i))
-            for i, (row, res) in enumerate(zip(sched.rows, results)) if row.is_decode
-        ]
         touched: dict[str, _Group] = {}
+        failed: dict[str, Exception] = {}
         dropped: set[int] = set()
         for row, res in zip(sched.rows, results):
             req = row.request
@@ -326,28 +340,90 @@ class EngineCore:
                 self.scheduler.drop_ahead_row(row)
                 dropped.add(id(row))
                 continue
-            if res.new_tokens:
-                self._append_tokens(req, res.new_tokens, res.logprobs)
-            if not row.is_decode:
-                self.scheduler.commit_prefill_row(row)
-            group = self.groups.get(self.group_id(req))
+            gid = self.group_id(req)
+            if gid in failed:
+                continue
+            try:
+                if res.new_tokens:
+                    self._append_tokens(req, res.new_tokens, res.logprobs)
+                if not row.is_decode:
+                    self.scheduler.commit_prefill_row(row)
+            except Exception as e:
+                failed[gid] = e
+                continue
+            group = self.groups.get(gid)
             if group is not None:
                 touched[group.request_id] = group
+        decode_rows = [
+            (row, res, step.decisions.get(i))
+            for i, (row, res) in enumerate(zip(sched.rows, results)) if row.is_decode
+        ]
         if decode_rows:
-            self._commit_postprocess(decode_rows, dropped)
+            skip = dropped | {
+                id(row) for row, _, _ in decode_rows if self.group_id(row.request) in failed
+            }
+            try:
+                self._commit_postprocess(decode_rows, skip, failed)
+            except Exception as e:
+                for row, _, _ in decode_rows:
+                    if id(row) not in skip:
+                        failed.setdefault(self.group_id(row.request), e)
         for row in sched.rows:
             req = row.request
-            if id(row) in dropped:
+            if id(row) in dropped or self.group_id(req) in failed:
                 continue
-            if req.status is RequestStatus.RUNNING and req.stopped:
-                self._finish(req)
-            elif req.status is RequestStatus.RUNNING and self._length_capped(req):
-                self._finish(req, length=True)
-        return [
-            self._make_output(g)
-            for g in touched.values()
-            if not g.final_only or all(r.status.finished for r in g.children)
-        ]
+            try:
+                if req.status is RequestStatus.RUNNING and req.stopped:
+                    self._finish(req)
+                elif req.status is RequestStatus.RUNNING and self._length_capped(req):
+                    self._finish(req, length=True)
+            except Exception as e:
+                failed[self.group_id(req)] = e
+        for gid, exc in failed.items():
+            group = self._fail(gid, exc, sched)
+            if group is not None:
+                touched[gid] = group
+        outputs = []
+        for g in touched.values():
+            if g.final_only and not all(r.status.finished for r in g.children):
+                continue
+            try:
+                outputs.append(self._make_output(g))
+            except Exception as e:  # detokenizing its text raised: the group fails
+                if g.error is None:
+                    self._fail(g.request_id, e, sched)
+                outputs.append(self._make_output(g))
+        if failed or any(g.error is not None for g in touched.values()):
+            # The failures were cleaned up: prove it before going on.
+            held = []
+            if self._inflight is not None:
+                held = [p for row in self._inflight[0].rows for p in row.state_outputs.values()]
+            self.scheduler.check_integrity(held)
+        return outputs
+
+    def _fail(self, gid: str, exc: Exception, sched: SchedulerOutput) -> _Group | None:
+        """End group ``gid`` with an error: every child finishes (reason ``"error"``) and
+        frees its caches, and the step's pages of its rows that no commit took are
+        given back. Returns the group (None if it is gone)."""
+        group = self.groups.get(gid)
+        log.error(
+            "request %s failed while its step was committed (%s: %s)",
+            gid, type(exc).__name__, exc, exc_info=exc,
+        )
+        for row in sched.rows:
+            if self.group_id(row.request) == gid:
+                self.scheduler.release_row(row)
+        if group is None:
+            return None
+        group.error = f"{type(exc).__name__}: {exc}"
+        for child in group.children:
+            # A child whose own finish raised may be marked finished and still hold caches.
+            holds = child.block_ids or child.state_page >= 0 or child.boundary_page >= 0
+            if not child.status.finished or holds or child.slot >= 0:
+                self.scheduler.finish(child, RequestStatus.FINISHED_ERROR)
+            if self.drafter is not None:
+                self.drafter.forget(child.request_id)
+        return group
 
     def _check_integrity(self) -> None:
         if self.check_integrity_every_step:
@@ -359,29 +435,36 @@ class EngineCore:
     def _commit_postprocess(
         self,
         rows: list[tuple[ScheduledRow, RowResult, PostprocessDecision | None]],
-        dropped: set[int] = frozenset(),
+        dropped: set[int],
+        failed: dict[str, Exception],
     ) -> None:
         """The host's page bookkeeping from the postprocess decisions of this step (the
         runner decided them on the device, from the step's choices, and returned them in
         its result). The accepted counts the device decided with must equal the tokens
-        the host appended: a mismatch is a bug and raises before any page changes hands.
-        Rows in ``dropped`` (ids of rows whose result was dropped) change nothing."""
-        decided = [(row, res, d) for row, res, d in rows if id(row) not in dropped]
-        for row, res, d in decided:
-            if d is None:
-                raise RuntimeError(
-                    f"request {row.request.request_id}: a verify row came back without a "
-                    "postprocess decision"
+        the host appended: a mismatch is a bug, and fails the row before any of its pages
+        changes hands. Rows in ``dropped`` (ids of rows whose result was dropped or whose
+        request failed) change nothing. A row that cannot be committed has its exception
+        recorded in ``failed`` under its group's id; the others commit.
+        """
+        for row, res, d in rows:
+            if id(row) in dropped:
+                continue
+            try:
+                if d is None:
+                    raise RuntimeError(
+                        f"request {row.request.request_id}: a decode row came back without "
+                        "a postprocess decision"
+                    )
+                if d.num_accepted != len(res.new_tokens):
+                    raise RuntimeError(
+                        f"request {row.request.request_id}: the device accepted "
+                        f"{d.num_accepted} tokens, the host {len(res.new_tokens)}"
+                    )
+                self.scheduler.commit_decode_row(
+                    row, d.num_accepted, d.state_page, list(d.checkpoints), list(d.released)
                 )
-            if d.num_accepted != len(res.new_tokens):
-                raise RuntimeError(
-                    f"request {row.request.request_id}: the device accepted {d.num_accepted} "
-                    f"tokens, the host {len(res.new_tokens)}"
-                )
-        for row, _, d in decided:
-            self.scheduler.commit_decode_row(
-                row, d.num_accepted, d.state_page, list(d.checkpoints), list(d.released)
-            )
+            except Exception as e:
+                failed[self.group_id(row.request)] = e
 
     def _propose_drafts(self) -> None:
         d = self.config.speculative.num_speculative_tokens
@@ -490,12 +573,15 @@ class EngineCore:
                 finish_reason = "stop"
             elif req.status is RequestStatus.FINISHED_ABORTED:
                 finish_reason = "abort"
+            elif req.status is RequestStatus.FINISHED_ERROR:
+                finish_reason = "error"
             logprobs = list(req.logprobs) if req.params.logprobs is not None else None
             cum = sum(lp[t].logprob for lp, t in zip(req.logprobs, req.output_token_ids)) if logprobs else None
             outs.append(
                 CompletionOutput(
                     index=i,
-                    text=self._decode(req),
+                    # A failed group's text is not decoded: decoding may be what failed.
+                    text=self._decode(req) if group.error is None else "",
                     token_ids=list(req.output_token_ids),
                     cumulative_logprob=cum,
                     logprobs=logprobs,
@@ -523,6 +609,7 @@ class EngineCore:
             finished=finished,
             num_cached_tokens=group.children[0].num_cached_tokens,
             metrics=metrics,
+            error=group.error,
         )
 
     # ---- statistics --------------------------------------------------------------

@@ -24,6 +24,8 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    # Committing one of its steps raised (after the forward); its caches were freed.
+    FINISHED_ERROR = "error"
 
     @property
     def finished(self) -> bool:
@@ -31,6 +33,7 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_ERROR,
         )
 
 

@@ -23,6 +23,15 @@ Which state each row writes (the pages come from :class:`StateCache`)
 - A decode/verify row (the last token plus d drafts) writes the state after every
   one of its 1 + d tokens, S_0..S_d; which one survives is known only after
   verification, so :mod:`hybridserve.kernels.state_postprocess` decides it.
+
+When pages are short, a row takes fewer rather than waiting or preempting: only the
+row's end state is indispensable. Checkpoints are dropped first from the earliest grid
+points (the junction and prompt-end positions go last; :meth:`Scheduler._fit_pages`),
+drafts from the end, each row keeping one page for every running request still to be
+scheduled in the step (:meth:`Scheduler._spare_pages`). So one request needs at most
+three pages (its state, its kept boundary state, the page its step writes), and a
+configuration that cannot give one ``max_model_len`` request its pages and blocks is
+refused at construction.
 """
 
 from __future__ import annotations
@@ -53,6 +62,7 @@ class Scheduler:
         self.config = sched
         self.cache_config = cache
         self.block_size = cache.kv_block_size
+        self._check_fits_one_request()
         self.blocks = BlockPool(cache.num_kv_blocks, cache.kv_block_size, cache.enable_prefix_caching)
         budget = cache.checkpoint_budget if cache.enable_prefix_caching else 0
         self.states = StateCache(
@@ -70,6 +80,27 @@ class Scheduler:
             "preemptions": 0,
         }
 
+    def _check_fits_one_request(self) -> None:
+        """Refuse caches too small for a single request of ``max_model_len`` tokens: it
+        would be admitted and then never finish (or never be admitted at all)."""
+        cache, max_len = self.cache_config, self.config.max_model_len
+        # Computed tokens never reach max_model_len: the last token is sampled, not fed.
+        blocks = self._blocks_needed(max_len - 1)
+        if cache.num_kv_blocks < blocks:
+            raise ValueError(
+                f"num_kv_blocks={cache.num_kv_blocks} cannot hold one sequence of "
+                f"max_model_len={max_len} ({blocks} blocks of {self.block_size} tokens): "
+                "raise num_kv_blocks or lower max_model_len"
+            )
+        pages = 2 + int(self._keeps_boundary())
+        if cache.num_state_pages < pages:
+            raise ValueError(
+                f"num_state_pages={cache.num_state_pages} cannot run one request: it needs "
+                f"{pages} (its state, the page a step writes"
+                + (", its kept block-boundary state" if pages > 2 else "")
+                + "); raise num_state_pages"
+            )
+
     # ---- queue management --------------------------------------------------------
 
     def add(self, req: Request) -> None:
@@ -85,7 +116,8 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status
-        if status is not RequestStatus.FINISHED_ABORTED:
+        # A failed request, like an aborted one, leaves no checkpoint behind.
+        if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
             self._admit_boundary_checkpoint(req)
         self._release_caches(req)
 
@@ -233,17 +265,17 @@ class Scheduler:
                         req.extra_checkpoints.add(end)
             h, hit_blocks, hit_page = self._lookup_prefix(req)
         q = min(req.num_tokens - h, budget)
-        outputs = self._prefill_outputs(req, h, q)
         new_blocks = self._blocks_needed(h + q) - len(hit_blocks)
         # Hit blocks on the free queue are taken off it by acquire(): count them as used.
         hit_free = sum(1 for b in hit_blocks if self.blocks.blocks[b].ref_count == 0)
         # Hold the hit checkpoint before counting reclaimable pages: it must not be one.
         if hit_page >= 0:
             self.states.incref(hit_page)
-        if new_blocks + hit_free > self.blocks.num_free or not self.states.can_allocate(len(outputs)):
+        if new_blocks + hit_free > self.blocks.num_free or not self.states.can_allocate(1):
             self.states.release([hit_page])
             req.extra_checkpoints.clear()
             return 0, []
+        outputs = self._fit_pages(req, self._prefill_outputs(req, h, q), h + q, reserve=0)
         self.blocks.acquire(hit_blocks)
         req.block_ids = hit_blocks + self.blocks.allocate(new_blocks)
         req.num_registered_blocks = len(hit_blocks)
@@ -259,6 +291,30 @@ class Scheduler:
         req.seat = self.free_seats.pop()
         req.status = RequestStatus.RUNNING
         return q, outputs
+
+    def _spare_pages(self, want: int, reserve: int) -> int:
+        """How many of ``want`` pages a row may take now, keeping ``reserve`` for later
+        rows; at least 1 (the caller has checked that one can be allocated)."""
+        if self.states.num_free - reserve >= want:
+            return want
+        spare = self.states.num_free + self.states.num_reclaimable() - reserve
+        return max(1, min(want, spare))
+
+    def _fit_pages(self, req: Request, positions: list[int], end: int, reserve: int) -> list[int]:
+        """``positions`` (a prefill row's, ending at ``end``) cut to :meth:`_spare_pages`.
+
+        ``end`` (the row's new state) always stays; then the junction and prompt-end
+        positions (``req.extra_checkpoints``), then the latest positions: a late
+        checkpoint saves more prefill than an early one, and the latest block boundary
+        is the one a finished sequence keeps.
+        """
+        limit = self._spare_pages(len(positions), reserve)
+        if len(positions) <= limit:
+            return positions
+        ranked = sorted(
+            positions, key=lambda p: (p == end, p in req.extra_checkpoints, p), reverse=True
+        )
+        return sorted(ranked[:limit])
 
     def _blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -280,14 +336,12 @@ class Scheduler:
             n = req.num_computed_tokens
             if req.is_prefill:
                 q, drafts = min(req.num_tokens - n, budget), 0
-                positions = self._prefill_outputs(req, n, q)
             else:
                 drafts = min(len(req.draft_token_ids), budget - 1)
-                req.draft_token_ids = req.draft_token_ids[:drafts]
                 q = 1 + drafts
-                positions = list(range(n + 1, n + q + 1))
             need_blocks = self._blocks_needed(n + q) - len(req.block_ids)
-            while need_blocks > self.blocks.num_free or not self.states.can_allocate(len(positions)):
+            # Preempt only for the row's indispensable page (its end state).
+            while need_blocks > self.blocks.num_free or not self.states.can_allocate(1):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim)
@@ -296,6 +350,18 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 i += 1
                 continue
+            # One page stays for each running request after this one (preemption only
+            # cuts self.running's tail, so req is still at index i).
+            reserve = len(self.running) - 1 - i
+            if req.is_prefill:
+                positions = self._fit_pages(req, self._prefill_outputs(req, n, q), n + q, reserve)
+            else:
+                if drafts:
+                    drafts = self._spare_pages(1 + drafts, reserve) - 1
+                req.draft_token_ids = req.draft_token_ids[:drafts]
+                q = 1 + drafts
+                positions = list(range(n + 1, n + q + 1))
+                need_blocks = self._blocks_needed(n + q) - len(req.block_ids)
             if need_blocks > 0:
                 req.block_ids += self.blocks.allocate(need_blocks)
             rows.append(self._make_row(req, q, drafts, positions, decode=not req.is_prefill))
@@ -354,7 +420,14 @@ class Scheduler:
     def drop_ahead_row(self, row: ScheduledRow) -> None:
         """Release what a row scheduled ahead holds when its request finished meanwhile
         (its KV block went with the request's blocks)."""
-        self.states.release(list(row.state_outputs.values()))
+        self.release_row(row)
+
+    def release_row(self, row: ScheduledRow) -> None:
+        """Give back the step's references on ``row``'s pages unless a commit took
+        them: a step that failed, a row dropped or not committed (its request failed)."""
+        if not row.settled:
+            self.states.release(list(row.state_outputs.values()))
+            row.settled = True
 
     def _make_row(
         self, req: Request, q: int, drafts: int, positions: list[int], decode: bool
@@ -387,6 +460,7 @@ class Scheduler:
                 kept_boundary = p
         self._advance(req, end, row.state_outputs[end], row.state_outputs.get(kept_boundary, -1), kept_boundary)
         self.states.release(list(row.state_outputs.values()))
+        row.settled = True
 
     def commit_decode_row(
         self,
@@ -419,6 +493,7 @@ class Scheduler:
         self.states.release([page for _, page in checkpoints if page != new_state_page])
         self.states.release(released)
         req.state_page = new_state_page
+        row.settled = True
         req.num_computed_tokens = row.num_computed + num_accepted
         self._register_full_blocks(req)
 

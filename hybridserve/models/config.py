@@ -45,6 +45,25 @@ class ConfigError(ValueError):
     """A checkpoint's ``config.json`` cannot be used; the message names file, field and fix."""
 
 
+# Sizes, counts and scales that must be > 0, in any architecture's spelling: zero or a
+# negative value would load and then break every forward or silently empty the output.
+_POSITIVE = frozenset({
+    "hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "intermediate_size", "shared_intermediate_size",
+    "max_position_embeddings", "mamba_n_heads", "mamba_num_heads", "mamba_head_dim",
+    "mamba_n_groups", "n_groups", "mamba_d_state", "ssm_state_size", "mamba_d_conv",
+    "conv_kernel", "mamba_expand", "expand", "mamba_chunk_size", "chunk_size",
+    "rms_norm_eps", "layer_norm_epsilon", "attention_multiplier", "embedding_multiplier",
+    "residual_multiplier", "logits_scaling", "linear_conv_kernel_dim", "linear_key_head_dim",
+    "linear_value_head_dim",
+})
+# dt bounds: 0 is a valid bound, a negative one is not.
+_NON_NEGATIVE = frozenset({"time_step_min", "time_step_max", "mamba_dt_min", "mamba_dt_max"})
+# Far beyond any released model (the deepest have a few hundred layers); a config above
+# it is refused before a per-layer list of that length is built.
+MAX_LAYERS = 4096
+
+
 @dataclass(frozen=True, slots=True)
 class AttentionParams:
     """Attention layers of one model (all attention layers share them)."""
@@ -282,11 +301,13 @@ class _Reader:
         if kind is float:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise self.error(key, f"expected a number, got {value!r}")
-            return float(value)
+            if not math.isfinite(value):
+                raise self.error(key, f"expected a finite number, got {value!r}")
+            return self._sign(key, float(value))
         if kind is int:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise self.error(key, f"expected an integer, got {value!r}")
-            return value
+            return self._sign(key, value)
         if kind is bool:
             if not isinstance(value, bool):
                 raise self.error(key, f"expected true or false, got {value!r}")
@@ -296,6 +317,24 @@ class _Reader:
                 raise self.error(key, f"expected a string, got {value!r}")
             return value
         return value
+
+
+    def _sign(self, key: str, value: float) -> Any:
+        if key in _POSITIVE and value <= 0:
+            raise self.error(key, f"must be > 0, got {value!r}")
+        if key in _NON_NEGATIVE and value < 0:
+            raise self.error(key, f"must be >= 0, got {value!r}")
+        return value
+
+    def num_layers(self) -> int:
+        """``num_hidden_layers``, bounded before anything per layer is built."""
+        n = self.req("num_hidden_layers")
+        if n > MAX_LAYERS:
+            raise self.error(
+                "num_hidden_layers",
+                f"{n} layers is beyond any supported model (at most {MAX_LAYERS}); fix the config",
+            )
+        return n
 
 
 def _architecture(r: _Reader) -> str:
@@ -378,6 +417,8 @@ def _rope(r: _Reader, default_partial: float) -> tuple[float, float]:
         )
     theta = params.get("rope_theta", r.data.get("rope_theta", 10000.0))
     theta = _json_float(r, "rope_parameters.rope_theta", theta)
+    if not (math.isfinite(theta) and theta > 0):
+        raise r.error("rope_parameters.rope_theta", f"must be a finite number > 0, got {theta}")
     partial = params.get(
         "partial_rotary_factor", r.data.get("partial_rotary_factor", default_partial)
     )
@@ -503,7 +544,7 @@ def _parse_granite(r: _Reader, arch: str) -> ModelConfig:
             "only dense ones (num_local_experts: 0) are",
         )
     hidden = r.req("hidden_size")
-    n_layers = r.req("num_hidden_layers")
+    n_layers = r.num_layers()
     raw = r.data.get("layer_types", r.data.get("layers_block_type"))
     if raw is None:
         raw = ["mamba"] * n_layers  # transformers' default: all Mamba
@@ -593,6 +634,10 @@ def _parse_nemotron(r: _Reader, arch: str) -> ModelConfig:
         )
     if not layer_types:
         raise r.error(field, "no layers")
+    if len(layer_types) > MAX_LAYERS:
+        raise r.error(
+            field, f"{len(layer_types)} layers is beyond any supported model (at most {MAX_LAYERS})"
+        )
     if "moe" in layer_types:
         idx = [i for i, t in enumerate(layer_types) if t == "moe"]
         raise r.error(
@@ -663,7 +708,7 @@ def _parse_nemotron(r: _Reader, arch: str) -> ModelConfig:
 
 def _parse_bamba(r: _Reader, arch: str) -> ModelConfig:
     hidden = r.req("hidden_size")
-    n_layers = r.req("num_hidden_layers")
+    n_layers = r.num_layers()
     attn_idx = r.opt("attn_layer_indices", [], list)
     if not isinstance(attn_idx, list) or any(
         isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n_layers for i in attn_idx
@@ -717,7 +762,7 @@ _QWEN_LAYER_NAMES = {"linear_attention": GDN, "full_attention": ATTENTION}
 def _qwen_layer_types(r: _Reader) -> tuple[str, ...]:
     """``layer_types``, or transformers' default: every ``full_attention_interval``-th
     layer (4) is attention, the others linear attention."""
-    n_layers = r.req("num_hidden_layers")
+    n_layers = r.num_layers()
     raw = r.data.get("layer_types")
     if raw is None:
         interval = r.opt("full_attention_interval", 4)

@@ -9,6 +9,12 @@ that the model does not use: ``lm_head.weight`` when embeddings are tied, and th
 a model class lists in ``ignored_weight_prefixes`` (multi-token-prediction ``mtp.*`` heads
 of Nemotron-H, Qwen3.5 and Qwen3-Next; the vision tower ``model.visual.*`` of the Qwen3.5
 vision-language checkpoints), each skipped with a note in the log.
+
+Before the model is built, the decoder layers the config describes are counted against
+the layers the weight names hold (a config claiming more is refused, however many it
+claims). Shard files named by the index must lie inside the checkpoint directory
+(relative names without ``..``), and every weight must be finite once converted to
+the load dtype (checked per tensor as it is read).
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-from pathlib import Path
+import re
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import torch
 from safetensors import safe_open
@@ -65,7 +72,7 @@ def checkpoint_files(path: Path) -> dict[str, Path]:
         files: dict[str, Path] = {}
         shards: dict[str, list[str]] = {}
         for name, shard in weight_map.items():
-            shards.setdefault(shard, []).append(name)
+            shards.setdefault(_shard_name(index, name, shard), []).append(name)
         for shard, names in shards.items():
             f = path / shard
             actual = set(_keys(f))
@@ -84,6 +91,30 @@ def checkpoint_files(path: Path) -> dict[str, Path]:
     )
 
 
+def _shard_name(index: Path, weight: str, shard: object) -> str:
+    """``shard`` as named for ``weight`` in the index, if it names a file inside the
+    checkpoint directory; symlinks are not resolved (hub caches link shards to blobs
+    elsewhere), only the name is checked."""
+    if not isinstance(shard, str) or not shard:
+        raise CheckpointError(f"{index}: weight {weight!r} maps to {shard!r}, not a file name")
+    parts = PurePosixPath(shard.replace("\\", "/"))
+    if parts.is_absolute() or PureWindowsPath(shard).is_absolute() or ".." in parts.parts:
+        raise CheckpointError(
+            f"{index}: weight {weight!r} maps to {shard!r}, outside the checkpoint directory; "
+            "shard files must be named relative to it"
+        )
+    return shard
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _layers_in_weights(names: list[str]) -> int:
+    """Decoder layers the weight names hold: one more than the highest layer index."""
+    found = [int(m.group(1)) for n in names if (m := _LAYER_INDEX.search(n))]
+    return max(found) + 1 if found else 0
+
+
 def _keys(file: Path) -> list[str]:
     try:
         with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -92,6 +123,26 @@ def _keys(file: Path) -> list[str]:
         raise CheckpointError(f"{file}: shard file is missing") from e
     except Exception as e:  # safetensors raises its own error types for corrupt headers
         raise CheckpointError(f"{file}: unreadable or truncated safetensors file ({e})") from e
+
+
+def _finite(
+    file: Path, name: str, raw: torch.Tensor, device: torch.device | str, dtype: torch.dtype
+) -> torch.Tensor:
+    """``raw`` on ``device`` in ``dtype``, or CheckpointError if a value is NaN or Inf
+    there: such weights load silently and make every output empty."""
+    t = raw.to(device=device, dtype=dtype)
+    # One reduction: NaN and Inf propagate into the sum. A finite sum that overflows
+    # is a false alarm, settled by the exact count.
+    if not t.is_floating_point() or bool(torch.isfinite(t.sum())):
+        return t
+    bad = int((~torch.isfinite(t)).sum())
+    if bad:
+        if raw.is_floating_point() and bool(torch.isfinite(raw).all()):
+            why = f"overflows {dtype} ({bad} values become Inf); load in a wider dtype"
+        else:
+            why = f"holds {bad} NaN or Inf values; the checkpoint is corrupt"
+        raise CheckpointError(f"{file}: weight {name!r} {why}")
+    return t
 
 
 def load_model(
@@ -124,13 +175,20 @@ def load_model(
     if config is None:
         config = ModelConfig.from_pretrained(path)
     cls = model_class(config.architecture)
-    with torch.device("meta"):
-        model = cls(config, policy)
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     files: dict[str, tuple[Path, str]] = {}
     for disk_name, file in checkpoint_files(path).items():
         files[_model_name(cls, disk_name)] = (file, disk_name)
     where = path / INDEX_FILE if (path / INDEX_FILE).exists() else path / SINGLE_FILE
+    present = _layers_in_weights([n for n in files if not _ignored(config, cls, n)])
+    if config.num_layers > present:
+        raise CheckpointError(
+            f"{where}: config.json describes {config.num_layers} decoder layers "
+            f"(num_hidden_layers / the layer list) but the weights hold {present}; "
+            "fix num_hidden_layers or the layer list"
+        )
+    with torch.device("meta"):
+        model = cls(config, policy)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
     missing = sorted(set(expected) - set(files))
     if missing:
@@ -168,7 +226,7 @@ def load_model(
                             f"{file}: weight {disk_name!r} has shape {list(shape)}, expected "
                             f"{list(expected[name])} from config.json"
                         )
-                    state[name] = f.get_tensor(disk_name).to(device=device, dtype=dtype)
+                    state[name] = _finite(file, disk_name, f.get_tensor(disk_name), device, dtype)
         except CheckpointError:
             raise
         except Exception as e:

@@ -13,7 +13,9 @@ Threading contract:
 - A request leaves the worker's table when its final output is posted, when it is
   aborted, or when it fails; after that nothing more is posted to its stream.
 
-Failure contract: if ``step()`` raises, the failure is pinned on a single request
+Failure contract: a request whose step could not be committed comes back finished
+with an error (:attr:`RequestOutput.error`); its stream gets :class:`EngineError`
+and the others go on. If ``step()`` itself raises, the failure is pinned on a single request
 when the engine can tell which one (the oldest waiting request that cannot fit in an
 empty engine); that request is aborted and its stream gets the error. Otherwise every
 request in flight is aborted and gets the error, the cache integrity is checked, and
@@ -253,6 +255,7 @@ class AsyncEngine:
             self._publish_stats()
             return
         # Counters first, so a client that has its final output also sees it counted.
+        self._failed += sum(1 for out in outputs if out.error is not None and out.request_id in self._streams)
         self._publish_stats()
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -260,6 +263,9 @@ class AsyncEngine:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
+            if out.error is not None:
+                stream._post(EngineError(out.error))
+                continue
             for o in out.outputs:
                 # The engine hands out its live logprobs list; keep only this step's view.
                 if o.logprobs is not None:

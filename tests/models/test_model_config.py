@@ -193,3 +193,62 @@ def test_bamba_attn_layer_indices_checked(tmp_path):
         data["attn_layer_indices"] = bad
         with pytest.raises(ConfigError, match="attn_layer_indices"):
             ModelConfig.from_dict(data)
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize(
+    "data,field,words",
+    [
+        (_granite(num_hidden_layers=10**9, layer_types=...), "num_hidden_layers", "at most"),
+        (_granite(num_hidden_layers=0, layer_types=[]), "num_hidden_layers", "> 0"),
+        (_granite(mamba_chunk_size=0), "mamba_chunk_size", "> 0"),
+        (_granite(mamba_chunk_size=-256), "mamba_chunk_size", "> 0"),
+        (_granite(mamba_d_state=0), "mamba_d_state", "> 0"),
+        (_granite(rms_norm_eps=NAN), "rms_norm_eps", "finite"),
+        (_granite(rms_norm_eps=0.0), "rms_norm_eps", "> 0"),
+        (_granite(rms_norm_eps=-1e-6), "rms_norm_eps", "> 0"),
+        (_granite(logits_scaling=NAN), "logits_scaling", "finite"),
+        (_granite(logits_scaling=INF), "logits_scaling", "finite"),
+        (_granite(logits_scaling=0), "logits_scaling", "> 0"),
+        (_granite(logits_scaling=-8.0), "logits_scaling", "> 0"),
+        (_granite(embedding_multiplier=INF), "embedding_multiplier", "finite"),
+        (_granite(residual_multiplier=0.0), "residual_multiplier", "> 0"),
+        (_granite(attention_multiplier=NAN), "attention_multiplier", "finite"),
+        (_granite(time_step_min=-0.1), "time_step_min", ">= 0"),
+        (_granite(vocab_size=0), "vocab_size", "> 0"),
+        (_granite(max_position_embeddings=-1), "max_position_embeddings", "> 0"),
+        (_granite(rope_parameters={"rope_theta": NAN}), "rope_theta", "finite"),
+        (_granite(rope_parameters={"rope_theta": 0.0}), "rope_theta", "> 0"),
+        (_nemotron(chunk_size=0), "chunk_size", "> 0"),
+        (_nemotron(layer_norm_epsilon=NAN), "layer_norm_epsilon", "finite"),
+        (_nemotron(hybrid_override_pattern="M" * 5000), "hybrid_override_pattern", "at most"),
+    ],
+)
+def test_absurd_or_non_finite_values_are_refused(data, field, words):
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.from_dict(data, source="ckpt/config.json")
+    msg = str(e.value)
+    assert msg.startswith("ckpt/config.json: ") and field in msg and words in msg
+
+
+def test_a_billion_layers_is_refused_quickly(tmp_path):
+    import time
+
+    # JSON as a file may spell NaN and Infinity; a billion layers must not be listed.
+    for arch, extra in (("GraniteMoeHybridForCausalLM", {}), ("BambaForCausalLM", {})):
+        data = _granite(architectures=[arch], layer_types=..., num_hidden_layers=10**9, **extra)
+        (tmp_path / "config.json").write_text(json.dumps(data))
+        start = time.perf_counter()
+        with pytest.raises(ConfigError, match="num_hidden_layers"):
+            ModelConfig.from_pretrained(tmp_path)
+        assert time.perf_counter() - start < 1.0
+    qwen = {"architectures": ["Qwen3_5ForCausalLM"], "hidden_size": 32, "vocab_size": 100,
+            "num_hidden_layers": 10**9}
+    with pytest.raises(ConfigError, match="num_hidden_layers.*at most"):
+        ModelConfig.from_dict(qwen)
+    (tmp_path / "config.json").write_text(json.dumps(_granite(rms_norm_eps=NAN)))
+    assert "NaN" in (tmp_path / "config.json").read_text()
+    with pytest.raises(ConfigError, match="rms_norm_eps"):
+        ModelConfig.from_pretrained(tmp_path)

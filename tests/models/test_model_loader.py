@@ -192,3 +192,63 @@ def test_tied_embeddings(tmp_path):
     torch.testing.assert_close(
         model.compute_logits(hidden), hidden @ model.model.embed_tokens.weight.T
     )
+
+
+def test_config_with_more_layers_than_the_weights_is_refused_before_building(granite, tmp_path):
+    import time
+
+    path = _copy(granite, tmp_path / "c")
+    _edit_config(path, num_hidden_layers=4000, layer_types=["mamba"] * 4000)
+    start = time.perf_counter()
+    with pytest.raises(CheckpointError, match="4000 decoder layers .* the weights hold 3"):
+        load_model(path)
+    assert time.perf_counter() - start < 2.0  # no 4000-layer model was built
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_weights_are_refused_naming_the_tensor(granite, tmp_path, bad):
+    path = _copy(granite, tmp_path / "c")
+    weights = load_file(str(path / "model.safetensors"))
+    name = "model.layers.1.self_attn.q_proj.weight"
+    weights[name][3, 5] = bad
+    save_file(weights, str(path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"weight '{name}' holds 1 NaN or Inf"):
+        load_model(path)
+
+
+def test_weights_that_overflow_the_load_dtype_are_refused(granite, tmp_path):
+    path = _copy(granite, tmp_path / "c")
+    weights = load_file(str(path / "model.safetensors"))
+    name = "model.embed_tokens.weight"
+    # Finite in float16, but their sum is not: the quick check's false alarm, cleared.
+    weights[name][0, :2] = 60000.0
+    assert not torch.isfinite(weights[name].half().sum())
+    save_file(weights, str(path / "model.safetensors"))
+    assert load_model(path, dtype="float16").state_dict()[name][0, 0] == 60000.0
+    weights[name][0, :2] = 1e30  # finite in float32, Inf in float16
+    save_file(weights, str(path / "model.safetensors"))
+    load_model(path)  # float32 holds it
+    with pytest.raises(CheckpointError, match=rf"weight '{name}' overflows torch.float16"):
+        load_model(path, dtype="float16")
+
+
+@pytest.mark.parametrize("where", ["parent", "absolute"])
+def test_shard_index_naming_files_outside_the_checkpoint_is_refused(granite, tmp_path, where):
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "w.safetensors").write_bytes((granite / "model.safetensors").read_bytes())
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    (path / "config.json").write_text((granite / "config.json").read_text())
+    shard = "../elsewhere/w.safetensors" if where == "parent" else str(outside / "w.safetensors")
+    names = load_file(str(granite / "model.safetensors"))
+    index = {"metadata": {}, "weight_map": dict.fromkeys(names, shard)}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="outside the checkpoint directory"):
+        load_model(path)
+    # The same shard inside the directory, in a subfolder, loads.
+    (path / "sub").mkdir()
+    (path / "sub" / "w.safetensors").write_bytes((outside / "w.safetensors").read_bytes())
+    index["weight_map"] = dict.fromkeys(names, "sub/w.safetensors")
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    load_model(path)
