@@ -43,14 +43,14 @@ def alone(tiny_granite) -> dict[str, list[int]]:
 
 
 def _requests_of(args) -> list[Request]:
-    """The requests a call is about: a request, a row, or a list of (row, result)."""
+    """The requests a call is about: a request, a row, or a list of (row, result, ...)."""
     for a in args:
         if isinstance(a, Request):
             return [a]
         if isinstance(a, ScheduledRow):
             return [a.request]
         if isinstance(a, list) and a and isinstance(a[0], tuple):
-            return [row.request for row, _ in a]
+            return [t[0].request for t in a]
     raise AssertionError("no request among the arguments")
 
 
