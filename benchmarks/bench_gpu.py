@@ -67,7 +67,10 @@ from hybridserve.config import runs_triton  # noqa: E402
 from hybridserve.engine.engine_core import EngineCore, prefill_flops  # noqa: E402
 from hybridserve.kernels import (  # noqa: E402
     conv_varlen,
+    gdn_decode,
+    gdn_varlen,
     mamba_decode,
+    moe,
     norms,
     paged_attention,
     paged_attention_prefill,
@@ -1802,6 +1805,138 @@ def check_state_copy(shape, step, dtype, device, seed):
     return res
 
 
+def _gdn_shapes(device: str) -> dict:
+    """One Qwen3.6-27B Gated DeltaNet layer on CUDA (16 key heads, 48 value heads, head
+    dims 128); a tiny one under the CPU interpreter."""
+    if device.startswith("cuda"):
+        return {"hk": 16, "hv": 48, "dk": 128, "dv": 128}
+    return {"hk": 2, "hv": 4, "dk": 8, "dv": 8}
+
+
+def _gdn_inputs(g, tokens, s, dtype, device):
+    """q, k L2-normalised (q scaled by ``dk ** -0.5``), v, log decays in [-2, 0) and betas
+    in (0, 1), as the mixer hands them to the recurrence."""
+    q = torch.nn.functional.normalize(_randn(g, tokens, s["hk"], s["dk"], device=device), dim=-1)
+    k = torch.nn.functional.normalize(_randn(g, tokens, s["hk"], s["dk"], device=device), dim=-1)
+    q = (q * s["dk"] ** -0.5).to(dtype)
+    k = k.to(dtype)
+    v = _randn(g, tokens, s["hv"], s["dv"], device=device, dtype=dtype)
+    decay = -2.0 * torch.rand(tokens, s["hv"], generator=g, device=device)
+    beta = torch.rand(tokens, s["hv"], generator=g, device=device)
+    return q, k, v, decay, beta
+
+
+def _gdn_result(kernel, twin, shapes, got, want, ref, cache, twin_cache, cache64, written,
+                others, run, device) -> dict:
+    """A GDN check's record: outputs and written states against the twin and float64,
+    every requested state written, no other page touched, the kernel's time."""
+    return {
+        "kernel": kernel, "twin": twin, "shapes": {**shapes, "state_dtype": "torch.float32"},
+        "outputs": {"o": _compared(got, want, 1e-4, ref, 1e-4),
+                    "states": _compared(cache[written], twin_cache[written], 1e-4,
+                                        cache64[written], 1e-4)},
+        "invariants": {"states_written": not bool(cache[written].isnan().any()),
+                       "other_pages_unchanged": torch.equal(cache[others].nan_to_num(7.0),
+                                                            twin_cache[others].nan_to_num(7.0))},
+        "kernel_s": kernel_time(run, device),
+    }
+
+
+def check_gdn_decode(shape, step, dtype, device, seed, verify):
+    """``gdn_decode_update`` against its twin on a decode or verify step of one Gated
+    DeltaNet layer: outputs and the float32 states written to the output pages."""
+    g, h = _generators(seed, device)
+    s = _gdn_shapes(device)
+    q_len = step["verify_q"] if verify else 1
+    rows = step["rows"]
+    pages = rows * (q_len + 1) + 2
+    inputs = _gdn_inputs(g, rows * q_len, s, dtype, device)
+    perm = torch.randperm(pages, generator=h)
+    in_pages = perm[:rows].to(torch.int32).to(device)
+    out_pages = perm[rows : rows + rows * q_len].view(rows, q_len).to(torch.int32).to(device)
+    cache = torch.full((pages, s["hv"], s["dk"], s["dv"]), float("nan"), device=device)
+    cache[in_pages.long()] = _randn(g, rows, s["hv"], s["dk"], s["dv"], device=device)
+    written = out_pages.flatten().long()
+    twin_cache, cache64 = cache.clone(), cache.double()
+    want = gdn_decode.gdn_decode_update_reference(*inputs, twin_cache, in_pages, out_pages)
+    ref = gdn_decode.gdn_decode_update_reference(
+        *(t.double() for t in inputs), cache64, in_pages, out_pages)
+    args = (*inputs, cache, in_pages, out_pages)
+    got = gdn_decode.gdn_decode_update(*args)
+    return _gdn_result("gdn_decode_update", "gdn_decode_update_reference",
+                       {"rows": rows, "q": q_len, **s}, got, want, ref, cache, twin_cache,
+                       cache64, written, _pages_except(pages, written),
+                       lambda: gdn_decode.gdn_decode_update(*args), device)
+
+
+def check_gdn_varlen(shape, step, dtype, device, seed):
+    """``gdn_varlen_update`` against its twin on a step of rows of mixed lengths (the
+    short-row step's layout): outputs and the states written at requested offsets."""
+    g, h = _generators(seed, device)
+    s = _gdn_shapes(device)
+    lens, qs, in_pages, out_pages, pages = _short_step(h, device)
+    inputs = _gdn_inputs(g, int(qs[-1]), s, dtype, device)
+    cache = torch.full((pages, s["hv"], s["dk"], s["dv"]), float("nan"), device=device)
+    read = in_pages[in_pages >= 0].long()
+    cache[read] = _randn(g, read.numel(), s["hv"], s["dk"], s["dv"], device=device)
+    written = out_pages[out_pages >= 0].long()
+    twin_cache, cache64 = cache.clone(), cache.double()
+    want = gdn_varlen.gdn_varlen_update_reference(*inputs, twin_cache, qs, in_pages, out_pages)
+    ref = gdn_varlen.gdn_varlen_update_reference(
+        *(t.double() for t in inputs), cache64, qs, in_pages, out_pages)
+    args = (*inputs, cache, qs, in_pages, out_pages)
+    got = gdn_varlen.gdn_varlen_update(*args)
+    return _gdn_result("gdn_varlen_update", "gdn_varlen_update_reference",
+                       {"rows": lens, **s, "states_written": int(written.numel())}, got, want,
+                       ref, cache, twin_cache, cache64, written, _pages_except(pages, written),
+                       lambda: gdn_varlen.gdn_varlen_update(*args), device)
+
+def check_moe_experts(shape, step, dtype, device, seed):
+    """``moe_experts`` (sort by expert + the two grouped launches) against its twin on
+    ``rows`` tokens routed top-k over the experts of a Nemotron 3 Nano MoE layer on CUDA
+    (a tiny one on the CPU), and against the twin in float64."""
+    g, h = _generators(seed, device)
+    tokens = step["rows"]
+    if device.startswith("cuda"):
+        hidden, inter, experts, top_k = 2688, 1856, 128, 6
+    else:
+        hidden, inter, experts, top_k = 40, 24, 8, 2
+    x = _randn(g, tokens, hidden, device=device, dtype=dtype)
+    w1 = _randn(g, experts, inter, hidden, device=device, dtype=dtype, scale=hidden**-0.5)
+    w2 = _randn(g, experts, hidden, inter, device=device, dtype=dtype, scale=inter**-0.5)
+    ids = torch.stack([torch.randperm(experts, generator=h)[:top_k] for _ in range(tokens)])
+    ids = ids.to(device)
+    weights = torch.rand(tokens, top_k, generator=h).to(device)
+    args = dict(gated=False, activation="relu2")
+
+    def kern():
+        return moe.moe_experts(x, w1, w2, ids, weights, **args)
+
+    got = kern()
+    if device.startswith("cuda"):
+        # The gathered twin would hold tokens * top_k expert matrices: use a slice.
+        few = min(tokens, 8)
+        got_few = moe.moe_experts(x[:few], w1, w2, ids[:few], weights[:few], **args)
+    else:
+        few, got_few = tokens, got
+    want = moe.moe_experts_reference(x[:few], w1, w2, ids[:few], weights[:few], **args)
+    ref = moe.moe_experts_reference(x[:few].double(), w1.double(), w2.double(), ids[:few],
+                                    weights[:few].double(), **args)
+    tol = _tol(dtype, 1e-5, 2e-2)
+    touched = int(ids.unique().numel())
+    res = {
+        "kernel": "moe_experts", "twin": "moe_experts_reference",
+        "shapes": {"tokens": tokens, "hidden": hidden, "intermediate": inter,
+                   "experts": experts, "top_k": top_k, "experts_touched": touched,
+                   "compared_tokens": few},
+        "outputs": {"y": _compared(got_few, want, tol, ref, tol)},
+        "invariants": {"outputs_finite": bool(got.isfinite().all())},
+        "kernel_s": kernel_time(kern, device),
+    }
+    res["bytes_per_s"] = touched * (w1[0].nbytes + w2[0].nbytes) / res["kernel_s"]
+    return res
+
+
 # (name, module of hybridserve.kernels, check, keyword arguments). Every module with a
 # Triton kernel has at least one check (the smoke test holds the script to it).
 KERNEL_CHECKS = [
@@ -1826,6 +1961,10 @@ KERNEL_CHECKS = [
     ("gated_rms_norm", "norms", check_gated_rms_norm, {}),
     ("state_postprocess", "state_postprocess", check_state_postprocess, {}),
     ("state_copy", "state_postprocess", check_state_copy, {}),
+    ("gdn_decode_update (decode)", "gdn_decode", check_gdn_decode, {"verify": False}),
+    ("gdn_decode_update (verify)", "gdn_decode", check_gdn_decode, {"verify": True}),
+    ("gdn_varlen_update", "gdn_varlen", check_gdn_varlen, {}),
+    ("moe_experts", "moe", check_moe_experts, {}),
 ]
 
 

@@ -212,6 +212,8 @@ class KernelPolicy:
       ``"triton"`` is ``"auto"`` (the scan is fla-core's). Otherwise rows go one by one
       (the oracle).
     - ``norms``: the RMS norms.
+    - ``moe``: the routed experts of mixture-of-experts layers (grouped kernels or the
+      per-expert loop).
     - ``gdn_rows``: Gated DeltaNet steps that are not uniform decode steps: ``"auto"``,
       ``"triton"``, ``"reference"``, ``"chunked"``, ``"fla"`` or ``"off"``
       (:func:`hybridserve.models.layers.gated_deltanet.packed_rows_mode`);
@@ -225,11 +227,12 @@ class KernelPolicy:
     max_short_tokens: int = 512
     packed_prefill: str = "auto"
     norms: str = "auto"
+    moe: str = "auto"
     gdn_rows: str = "auto"
     gdn_chunk: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("decode_attention", "prefill_attention", "norms"):
+        for name in ("decode_attention", "prefill_attention", "norms", "moe"):
             value = getattr(self, name)
             if value not in KERNEL_MODES:
                 raise ValueError(f"kernel_policy.{name}={value!r}: choose from {KERNEL_MODES}")

@@ -42,11 +42,10 @@ log = logging.getLogger("hybridserve.engine")
 
 
 def prefill_flops(model: torch.nn.Module):
-    """``length -> FLOPs`` of prefilling that many tokens: 2 per weight per token, plus
-    attention's score and value products, quadratic in the length."""
-    weights = sum(
-        p.numel() for name, p in model.named_parameters() if "embed" not in name and "lm_head" not in name
-    )
+    """``length -> FLOPs`` of prefilling that many tokens: 2 per active weight per token
+    (a mixture of experts counts the experts a token reaches), plus attention's score and
+    value products, quadratic in the length."""
+    weights = model.num_active_weights()
     mc = model.config
     attn_layers = sum(1 for kind in mc.layer_types if kind == "attention")
     width = mc.attention.num_heads * mc.attention.head_dim if mc.attention else 0

@@ -6,10 +6,14 @@ vs ``mamba_num_heads``, ``layer_types`` vs ``hybrid_override_pattern`` vs
 (:meth:`ModelConfig.from_dict`) and gives the rest of the engine one shape:
 
 - ``layer_types[i]`` is the *mixer* of decoder layer ``i``: ``"mamba"``, ``"gdn"`` (a
-  Gated DeltaNet layer: Qwen3.5 / Qwen3-Next ``linear_attention``), ``"attention"`` or
-  ``"mlp"`` (a Nemotron-H layer whose only block is an MLP);
+  Gated DeltaNet layer: Qwen3.5 / Qwen3-Next ``linear_attention``), ``"attention"``,
+  ``"mlp"`` (a Nemotron-H layer whose only block is an MLP) or ``"moe"`` (a Nemotron-H
+  layer whose only block is a mixture of experts);
 - ``layer_has_mlp`` says whether every decoder layer also carries its own MLP after the
-  mixer (Granite, Bamba) or not (Nemotron-H, where MLPs are layers of their own).
+  mixer (Granite, Bamba) or not (Nemotron-H, where MLPs are layers of their own);
+- ``moe`` describes the mixture-of-experts blocks (:class:`MoEParams`) and
+  ``moe_layers`` the decoder layers that have one (as mixer or beside / instead of the
+  per-layer MLP; see :class:`MoEParams`).
 
 Values follow what the Hugging Face ``transformers`` implementation actually computes
 (not just what the file says), because logits must match it: e.g. Nemotron-H ignores
@@ -21,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -29,6 +34,7 @@ MAMBA = "mamba"
 GDN = "gdn"
 ATTENTION = "attention"
 MLP = "mlp"
+MOE = "moe"
 
 SUPPORTED_ARCHITECTURES = (
     "GraniteMoeHybridForCausalLM",
@@ -37,6 +43,8 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3_5ForCausalLM",
     "Qwen3_5ForConditionalGeneration",
     "Qwen3NextForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration",
 )
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu", "relu2")
 
@@ -170,6 +178,86 @@ class MLPParams:
     bias: bool
 
 
+# Routing modes of a mixture-of-experts block, exactly as each reference computes them
+# (transformers' modeling files are the oracles; hybridserve.models.layers.moe does the math).
+TOPK_THEN_SOFTMAX = "topk_then_softmax"  # Granite 4.0-H: top-k router logits, softmax over k
+SIGMOID_GROUPED = "sigmoid_grouped"  # Nemotron-H: sigmoid, selection-only bias, groups
+SOFTMAX_THEN_TOPK = "softmax_then_topk"  # Qwen3-Next / Qwen3.5-MoE: softmax over all, top-k
+MOE_ROUTINGS = (TOPK_THEN_SOFTMAX, SIGMOID_GROUPED, SOFTMAX_THEN_TOPK)
+
+
+@dataclass(frozen=True, slots=True)
+class MoEParams:
+    """Mixture-of-experts blocks of one model (all MoE layers share them).
+
+    ``routing`` (one of :data:`MOE_ROUTINGS`) fixes the router arithmetic and the module
+    names, which are those of its family's checkpoints:
+
+    - ``topk_then_softmax`` (Granite ``block_sparse_moe``): routed experts only; Granite's
+      per-layer ``shared_mlp`` stays the layer's dense MLP and is added beside the block.
+    - ``sigmoid_grouped`` (Nemotron-H ``mixer`` of an ``E`` layer): scores
+      ``sigmoid(logits)``; ``e_score_correction_bias`` is added for *choosing* experts only;
+      choice is limited to the ``topk_group`` best of ``n_group`` groups (a group scores
+      the sum of its two best biased scores); the chosen unbiased scores are renormalised
+      (``norm_topk_prob``) and multiplied by ``routed_scaling_factor``. Experts are plain
+      (``down(act(up(x)))``, relu2); one shared expert of ``shared_intermediate_size`` is
+      added; with ``latent_size`` the routed experts work in a smaller latent space
+      (``fc1_latent_proj`` before, ``fc2_latent_proj`` after).
+    - ``softmax_then_topk`` (Qwen3-Next / Qwen3.5-MoE ``mlp``): softmax over all experts,
+      top-k, renormalised when ``norm_topk_prob``; the shared expert's output is scaled by
+      ``sigmoid(shared_expert_gate(x))``. The block replaces the layer's dense MLP.
+    """
+
+    routing: str
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # width of one routed expert
+    gated: bool  # experts are down(act(gate(x)) * up(x)); else down(act(up(x)))
+    activation: str
+    norm_topk_prob: bool
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    shared_intermediate_size: int = 0  # 0: no shared expert inside the block
+    shared_gate: bool = False  # Qwen: sigmoid(shared_expert_gate(x)) scales the shared expert
+    latent_size: int | None = None  # Nemotron-H latent MoE
+    bias: bool = False  # bias of the shared expert and latent projections (mlp_bias)
+
+    def __post_init__(self) -> None:
+        if self.routing not in MOE_ROUTINGS:
+            raise ConfigError(f"MoEParams.routing: expected one of {MOE_ROUTINGS}, got {self.routing!r}")
+        if self.num_experts <= 0:
+            raise ConfigError(f"MoEParams.num_experts must be positive, got {self.num_experts}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ConfigError(
+                f"MoEParams.top_k must be in [1, num_experts ({self.num_experts})], "
+                f"got {self.top_k}"
+            )
+        if self.n_group <= 0 or self.num_experts % self.n_group:
+            raise ConfigError(
+                f"MoEParams.n_group ({self.n_group}) must divide num_experts ({self.num_experts})"
+            )
+        if self.n_group > 1 and self.num_experts // self.n_group < 2:
+            raise ConfigError(
+                f"MoEParams.n_group ({self.n_group}) must leave at least 2 experts per group "
+                "(a group is scored by its two best experts)"
+            )
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ConfigError(
+                f"MoEParams.topk_group ({self.topk_group}) must be in [1, n_group ({self.n_group})]"
+            )
+        if self.top_k > self.topk_group * (self.num_experts // self.n_group):
+            raise ConfigError(
+                f"MoEParams.top_k ({self.top_k}) exceeds the experts of the topk_group "
+                f"({self.topk_group}) groups it may choose from"
+            )
+
+    @property
+    def expert_input_size(self) -> int | None:
+        """Width the routed experts read and write: the latent size, or None (hidden size)."""
+        return self.latent_size
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """Architecture-independent description of a supported hybrid checkpoint."""
@@ -194,6 +282,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
     torch_dtype: str | None  # the dtype named in config.json, e.g. "bfloat16"
+    moe: MoEParams | None = None  # None when no layer has a mixture of experts
+    moe_layers: tuple[int, ...] = ()  # decoder layers with a mixture-of-experts block
     gdn: GDNParams | None = None  # None when no layer is a Gated DeltaNet layer
     # Qwen3.5 / Qwen3-Next store RMSNorm weights zero-centred: the scale is (1 + weight).
     norm_zero_centred: bool = False
@@ -216,8 +306,17 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         kinds = set(self.layer_types)
-        if not kinds <= {MAMBA, GDN, ATTENTION, MLP}:
+        if not kinds <= {MAMBA, GDN, ATTENTION, MLP, MOE}:
             raise ConfigError(f"ModelConfig.layer_types: unknown kinds {sorted(kinds)}")
+        if bool(self.moe_layers) != (self.moe is not None):
+            raise ConfigError("ModelConfig.moe must be given exactly when moe_layers is not empty")
+        mixer_moe = tuple(i for i, t in enumerate(self.layer_types) if t == MOE)
+        if mixer_moe and tuple(self.moe_layers) != mixer_moe:
+            raise ConfigError(
+                f"ModelConfig.moe_layers {self.moe_layers} must be the 'moe' layers {mixer_moe}"
+            )
+        if any(not 0 <= i < len(self.layer_types) for i in self.moe_layers):
+            raise ConfigError(f"ModelConfig.moe_layers {self.moe_layers}: index out of range")
         for kind, params, name in (
             (ATTENTION, self.attention, "attention"),
             (MAMBA, self.mamba, "mamba"),
@@ -227,8 +326,21 @@ class ModelConfig:
                 raise ConfigError(
                     f"ModelConfig.{name} must be given exactly when a layer is {kind}"
                 )
-        if (MLP in kinds or self.layer_has_mlp) and self.mlp is None:
+        dense_mlp = MLP in kinds or any(
+            self.layer_has_dense_mlp(i) for i in range(len(self.layer_types))
+        )
+        if dense_mlp and self.mlp is None:
             raise ConfigError("ModelConfig.mlp is required when a layer has an MLP")
+
+    def layer_has_dense_mlp(self, index: int) -> bool:
+        """Whether decoder layer ``index`` carries a dense MLP after its mixer: every layer
+        of an architecture with per-layer MLPs, except where a Qwen-style MoE block
+        (``softmax_then_topk``) takes the MLP's place; Granite keeps its ``shared_mlp``
+        beside the block."""
+        if not self.layer_has_mlp:
+            return False
+        replaced = self.moe is not None and self.moe.routing == SOFTMAX_THEN_TOPK
+        return not (replaced and index in self.moe_layers)
 
     def with_overrides(self, **changes: Any) -> ModelConfig:
         """A copy with some fields replaced, e.g. ``mamba=replace(c.mamba, ...)``."""
@@ -536,13 +648,6 @@ def _mamba_prefixed_params(r: _Reader, hidden: int, eps: float) -> MambaParams:
 
 
 def _parse_granite(r: _Reader, arch: str) -> ModelConfig:
-    experts = r.opt("num_local_experts", 8)  # transformers' default when the key is absent
-    if experts > 0:
-        raise r.error(
-            "num_local_experts",
-            f"{experts} experts: mixture-of-experts Granite models are not supported yet; "
-            "only dense ones (num_local_experts: 0) are",
-        )
     hidden = r.req("hidden_size")
     n_layers = r.num_layers()
     raw = r.data.get("layer_types", r.data.get("layers_block_type"))
@@ -573,6 +678,7 @@ def _parse_granite(r: _Reader, arch: str) -> ModelConfig:
             rope=pos == "rope",
         )
     mamba = _mamba_prefixed_params(r, hidden, eps) if MAMBA in layer_types else None
+    moe = _granite_moe(r, act)
     bos, eos, pad = _token_ids(r)
     return ModelConfig(
         architecture=arch,
@@ -595,17 +701,130 @@ def _parse_granite(r: _Reader, arch: str) -> ModelConfig:
         eos_token_ids=eos,
         pad_token_id=pad,
         torch_dtype=_dtype_name(r),
+        moe=moe,
+        moe_layers=tuple(range(n_layers)) if moe is not None else (),
     )
 
 
-_NEMOTRON_PATTERN = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": "moe"}
+def _positive(r: _Reader, key: str, default: Any) -> int:
+    value = r.opt(key, default)
+    if value <= 0:
+        raise r.error(key, f"must be a positive integer, got {value}")
+    return value
+
+
+def _moe_params(r: _Reader, keys: dict[str, str], **kw: Any) -> MoEParams:
+    """MoEParams, its consistency errors reported against the config's own keys
+    (``keys``: MoEParams field -> config.json key, for the fields that differ)."""
+    try:
+        return MoEParams(**kw)
+    except ConfigError as e:
+        msg = str(e).removeprefix("MoEParams.")
+        field = msg.split(" ", 1)[0]
+        for name, key in keys.items():
+            msg = re.sub(rf"\b{name}\b", key, msg)
+        raise r.error(keys.get(field, field), msg) from None
+
+
+def _granite_moe(r: _Reader, act: str) -> MoEParams | None:
+    """Granite 4.0-H ``block_sparse_moe`` (every layer), or None for a dense model."""
+    experts = r.opt("num_local_experts", 8)  # transformers' default when the key is absent
+    if experts < 0:
+        raise r.error("num_local_experts", f"must be >= 0, got {experts}")
+    if experts == 0:
+        return None
+    return _moe_params(
+        r,
+        {"num_experts": "num_local_experts", "top_k": "num_experts_per_tok"},
+        routing=TOPK_THEN_SOFTMAX,
+        num_experts=experts,
+        top_k=_positive(r, "num_experts_per_tok", 2),
+        intermediate_size=_positive(r, "intermediate_size", 11008),
+        gated=True,
+        activation=act,
+        norm_topk_prob=False,
+    )
+
+
+def _nemotron_moe(r: _Reader, act: str, bias: bool) -> MoEParams:
+    """Nemotron-H ``E`` layers; keys as transformers' NemotronHConfig reads them."""
+    alias = r.has("num_local_experts") and not r.has("n_routed_experts")
+    experts_key = "num_local_experts" if alias else "n_routed_experts"
+    latent = r.opt("moe_latent_size", None)
+    if latent is not None and latent <= 0:
+        raise r.error("moe_latent_size", f"must be a positive integer or null, got {latent}")
+    return _moe_params(
+        r,
+        {"num_experts": experts_key, "top_k": "num_experts_per_tok"},
+        routing=SIGMOID_GROUPED,
+        num_experts=_positive(r, experts_key, 8),
+        top_k=_positive(r, "num_experts_per_tok", 2),
+        intermediate_size=_positive(r, "moe_intermediate_size", 7688),
+        gated=False,
+        activation=act,
+        norm_topk_prob=r.opt("norm_topk_prob", True, bool),
+        routed_scaling_factor=r.opt("routed_scaling_factor", 1.0, float),
+        n_group=_positive(r, "n_group", 1),
+        topk_group=_positive(r, "topk_group", 1),
+        # transformers builds exactly one shared expert of this width, whatever
+        # n_shared_experts says.
+        shared_intermediate_size=_positive(r, "moe_shared_expert_intermediate_size", 7688),
+        latent_size=latent,
+        bias=bias,
+    )
+
+
+def _qwen_moe(
+    r: _Reader, num_layers: int, *, act: str, always_normalise: bool
+) -> tuple[MoEParams | None, tuple[int, ...]]:
+    """The MoE blocks of a Qwen3-Next (``always_normalise=False``: ``norm_topk_prob`` is
+    read) or Qwen3.5-MoE (every layer, always renormalised) text config, and the layers
+    that have one: layer ``i`` is sparse when it is not in ``mlp_only_layers`` and
+    ``(i + 1) % decoder_sparse_step == 0`` (transformers' Qwen3NextDecoderLayer).
+
+    For the parsers of those architectures; returns ``(None, ())`` without experts.
+    """
+    experts = r.opt("num_experts", 512 if not always_normalise else 256)
+    if experts <= 0:
+        return None, ()
+    if always_normalise:
+        layers = tuple(range(num_layers))
+        norm = True
+    else:
+        step = _positive(r, "decoder_sparse_step", 1)
+        only = r.opt("mlp_only_layers", [], list)
+        if not isinstance(only, list) or any(
+            isinstance(i, bool) or not isinstance(i, int) for i in only
+        ):
+            raise r.error("mlp_only_layers", f"expected a list of layer indices, got {only!r}")
+        layers = tuple(i for i in range(num_layers) if i not in only and (i + 1) % step == 0)
+        norm = r.opt("norm_topk_prob", True, bool)
+    if not layers:
+        return None, ()
+    moe = _moe_params(
+        r,
+        {"top_k": "num_experts_per_tok"},
+        routing=SOFTMAX_THEN_TOPK,
+        num_experts=experts,
+        top_k=_positive(r, "num_experts_per_tok", 10 if not always_normalise else 8),
+        intermediate_size=_positive(r, "moe_intermediate_size", 512),
+        gated=True,
+        activation=act,
+        norm_topk_prob=norm,
+        shared_intermediate_size=_positive(r, "shared_expert_intermediate_size", 512),
+        shared_gate=True,
+    )
+    return moe, layers
+
+
+_NEMOTRON_PATTERN = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}
 _NEMOTRON_NAMES = {
     "mamba": MAMBA,
     "linear_attention": MAMBA,
     "attention": ATTENTION,
     "full_attention": ATTENTION,
     "mlp": MLP,
-    "moe": "moe",
+    "moe": MOE,
 }
 
 
@@ -623,7 +842,9 @@ def _parse_nemotron(r: _Reader, arch: str) -> ModelConfig:
         bad = sorted(set(pattern) - set(_NEMOTRON_PATTERN))
         if bad:
             raise r.error(
-                field, f"unknown layer codes {bad}; expected M (mamba), * (attention), - (mlp)"
+                field,
+                f"unknown layer codes {bad}; expected M (mamba), * (attention), - (mlp), "
+                "E (mixture of experts)",
             )
         layer_types = [_NEMOTRON_PATTERN[c] for c in pattern]
     else:
@@ -637,13 +858,6 @@ def _parse_nemotron(r: _Reader, arch: str) -> ModelConfig:
     if len(layer_types) > MAX_LAYERS:
         raise r.error(
             field, f"{len(layer_types)} layers is beyond any supported model (at most {MAX_LAYERS})"
-        )
-    if "moe" in layer_types:
-        idx = [i for i, t in enumerate(layer_types) if t == "moe"]
-        raise r.error(
-            field,
-            f"layers {idx} are mixture-of-experts ('E' / 'moe'); MoE Nemotron-H models are not "
-            "supported yet",
         )
     eps = r.opt("layer_norm_epsilon", 1e-5, float)
     attn = None
@@ -681,6 +895,11 @@ def _parse_nemotron(r: _Reader, arch: str) -> ModelConfig:
             _activation(r, "mlp_hidden_act", "relu2"),
             r.opt("mlp_bias", False, bool),
         )
+    moe = None
+    if MOE in layer_types:
+        moe = _nemotron_moe(
+            r, _activation(r, "mlp_hidden_act", "relu2"), r.opt("mlp_bias", False, bool)
+        )
     bos, eos, pad = _token_ids(r)
     return ModelConfig(
         architecture=arch,
@@ -703,6 +922,8 @@ def _parse_nemotron(r: _Reader, arch: str) -> ModelConfig:
         eos_token_ids=eos,
         pad_token_id=pad,
         torch_dtype=_dtype_name(r),
+        moe=moe,
+        moe_layers=tuple(i for i, t in enumerate(layer_types) if t == MOE),
     )
 
 
@@ -842,34 +1063,23 @@ def _qwen_attention_params(r: _Reader) -> AttentionParams:
     )
 
 
-def _qwen_dense_mlp_check(r: _Reader, layer_types: tuple[str, ...]) -> None:
-    """Qwen3-Next: refuse the mixture-of-experts layers (where transformers builds a
-    sparse block): layer ``i`` is MoE unless ``i`` is in ``mlp_only_layers``, when
-    ``num_experts > 0`` and ``(i + 1) % decoder_sparse_step == 0``."""
-    experts = r.opt("num_experts", 512)
-    step = r.opt("decoder_sparse_step", 1)
-    only = r.opt("mlp_only_layers", [], list)
-    if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
-        raise r.error("mlp_only_layers", f"expected a list of layer indices, got {only!r}")
-    if experts <= 0:
-        return
-    if step <= 0:
-        raise r.error("decoder_sparse_step", f"must be positive, got {step}")
-    moe = [i for i in range(len(layer_types)) if i not in only and (i + 1) % step == 0]
-    if moe:
-        raise r.error(
-            "num_experts",
-            f"layers {moe} are mixture-of-experts ({experts} experts); MoE Qwen3-Next layers "
-            "are not supported yet: only dense models (num_experts: 0, or every layer in "
-            "mlp_only_layers) are",
-        )
-
-
-def _parse_qwen(r: _Reader, arch: str, *, fused: bool, default_model_type: str) -> ModelConfig:
+def _parse_qwen(
+    r: _Reader, arch: str, *, fused: bool, default_model_type: str, moe_everywhere: bool = False
+) -> ModelConfig:
+    """Qwen3.5 / Qwen3-Next text configs. ``fused``: Qwen3-Next (fused GDN projections,
+    sparse layers per ``decoder_sparse_step``); ``moe_everywhere``: Qwen3.5-MoE (every
+    layer's MLP is a mixture of experts, always renormalised; no dense MLP)."""
     hidden = r.req("hidden_size")
     layer_types = _qwen_layer_types(r)
-    if fused:
-        _qwen_dense_mlp_check(r, layer_types)
+    act = _activation(r, "hidden_act", "silu")
+    moe, moe_layers = None, ()
+    if fused:  # Qwen3-Next: sparse layers per decoder_sparse_step / mlp_only_layers
+        moe, moe_layers = _qwen_moe(r, len(layer_types), act=act, always_normalise=False)
+    elif moe_everywhere:
+        moe, moe_layers = _qwen_moe(r, len(layer_types), act=act, always_normalise=True)
+        if moe is None:
+            raise r.error("num_experts", "a Qwen3.5-MoE model needs num_experts > 0")
+    dense = None if moe_everywhere else MLPParams("gated", r.req("intermediate_size"), act, False)
     eps = r.opt("rms_norm_eps", 1e-6, float)
     attn = _qwen_attention_params(r) if ATTENTION in layer_types else None
     gdn = _qwen_gdn_params(r, fused, eps) if GDN in layer_types else None
@@ -883,8 +1093,7 @@ def _parse_qwen(r: _Reader, arch: str, *, fused: bool, default_model_type: str) 
         layer_has_mlp=True,
         attention=attn,
         mamba=None,
-        mlp=MLPParams("gated", r.req("intermediate_size"), _activation(r, "hidden_act", "silu"),
-                      False),
+        mlp=dense,
         norm_eps=eps,
         # (1 + weight) is formed and multiplied in float32, then cast once.
         norm_weight_in_fp32=True,
@@ -899,6 +1108,8 @@ def _parse_qwen(r: _Reader, arch: str, *, fused: bool, default_model_type: str) 
         torch_dtype=_dtype_name(r),
         gdn=gdn,
         norm_zero_centred=True,
+        moe=moe,
+        moe_layers=moe_layers,
     )
 
 
@@ -906,7 +1117,7 @@ def _parse_qwen3_5(r: _Reader, arch: str) -> ModelConfig:
     return _parse_qwen(r, arch, fused=False, default_model_type="qwen3_5_text")
 
 
-def _parse_qwen3_5_vl(r: _Reader, arch: str) -> ModelConfig:
+def _parse_qwen3_5_vl(r: _Reader, arch: str, moe_everywhere: bool = False) -> ModelConfig:
     """The vision-language wrapper: its language model is a ``text_config``; the vision
     tower's weights are skipped by the loader. Fields the wrapper sets itself (token ids,
     ``tie_word_embeddings``, the dtype) win over the text config's."""
@@ -920,8 +1131,18 @@ def _parse_qwen3_5_vl(r: _Reader, arch: str) -> ModelConfig:
             merged[key] = r.data[key]
     return _parse_qwen(
         _Reader(merged, f"{r.source} (text_config)"), arch, fused=False,
-        default_model_type="qwen3_5_text",
+        default_model_type="qwen3_5_moe_text" if moe_everywhere else "qwen3_5_text",
+        moe_everywhere=moe_everywhere,
     )
+
+
+def _parse_qwen3_5_moe(r: _Reader, arch: str) -> ModelConfig:
+    return _parse_qwen(r, arch, fused=False, default_model_type="qwen3_5_moe_text",
+                       moe_everywhere=True)
+
+
+def _parse_qwen3_5_moe_vl(r: _Reader, arch: str) -> ModelConfig:
+    return _parse_qwen3_5_vl(r, arch, moe_everywhere=True)
 
 
 def _parse_qwen3_next(r: _Reader, arch: str) -> ModelConfig:
@@ -935,4 +1156,6 @@ _PARSERS = {
     "Qwen3_5ForCausalLM": _parse_qwen3_5,
     "Qwen3_5ForConditionalGeneration": _parse_qwen3_5_vl,
     "Qwen3NextForCausalLM": _parse_qwen3_next,
+    "Qwen3_5MoeForCausalLM": _parse_qwen3_5_moe,
+    "Qwen3_5MoeForConditionalGeneration": _parse_qwen3_5_moe_vl,
 }

@@ -3,7 +3,10 @@
 A decoder layer is ``h += mixer(norm(h))`` followed, where the architecture has one, by
 ``h += mlp(norm2(h))`` (both scaled by Granite's ``residual_multiplier``). The mixer is a
 Mamba2 mixer, a Gated DeltaNet mixer, an attention layer (gated, with q/k norms, for
-Qwen3.5 / Qwen3-Next), or (Nemotron-H) a plain MLP. The architectures differ
+Qwen3.5 / Qwen3-Next), or (Nemotron-H) a plain MLP or a mixture-of-experts block. Where a
+layer has a mixture of experts beside its MLP (Granite's ``block_sparse_moe``) the second
+block is ``mlp(x) + moe(x)``; where the block replaces the MLP (Qwen) it is ``moe(x)``.
+The architectures differ
 only in module names (which must equal their checkpoints' weight names), their MLP
 flavour and a few multipliers; :class:`LayerNames` captures the names, the rest comes
 from :class:`~hybridserve.models.config.ModelConfig`.
@@ -26,12 +29,13 @@ from torch import nn
 from hybridserve.config import KernelPolicy
 from hybridserve.models.base import CacheSpec
 from hybridserve.models.batch import ForwardBatch, ModelCaches
-from hybridserve.models.config import ATTENTION, GDN, MAMBA, ModelConfig
+from hybridserve.models.config import ATTENTION, GDN, MAMBA, MOE, ModelConfig
 from hybridserve.models.layers.attention import Attention
 from hybridserve.models.layers.gated_attention import GatedAttention
 from hybridserve.models.layers.gated_deltanet import GatedDeltaNet
 from hybridserve.models.layers.mamba2 import Mamba2Mixer
 from hybridserve.models.layers.mlp import build_mlp
+from hybridserve.models.layers.moe import MoEBlock
 from hybridserve.models.layers.norm import RMSNorm, ZeroCentredRMSNorm
 from hybridserve.models.layers.recurrent import RecurrentLayer
 from hybridserve.models.step_plan import plan_states, uniform_q
@@ -53,10 +57,11 @@ class LayerNames:
     input_norm: str
     mamba: str
     attention: str
-    mlp_mixer: str  # a layer whose mixer is an MLP (Nemotron-H "-")
+    mlp_mixer: str  # a layer whose mixer is an MLP or MoE block (Nemotron-H "-" / "E")
     post_norm: str | None  # norm before the per-layer MLP, if the architecture has one
     mlp: str | None
     gdn: str = "linear_attn"  # a Gated DeltaNet mixer
+    moe: str | None = None  # the MoE block after the mixer (beside or instead of the MLP)
 
 
 class DecoderLayer(nn.Module):
@@ -85,13 +90,22 @@ class DecoderLayer(nn.Module):
             else:
                 attn = Attention(hidden, config.attention, policy)
             self.add_module(names.attention, attn)
+        elif self.kind == MOE:
+            self._mixer = names.mlp_mixer
+            self.add_module(names.mlp_mixer, MoEBlock(hidden, config.moe, policy))
         else:
             self._mixer = names.mlp_mixer
             self.add_module(names.mlp_mixer, build_mlp(hidden, config.mlp))
-        self.has_mlp = config.layer_has_mlp
-        if self.has_mlp:
+        self.has_mlp = config.layer_has_dense_mlp(index)
+        self.has_moe = self.kind != MOE and index in config.moe_layers
+        if self.has_moe and names.moe is None:
+            raise ValueError(f"{type(self).__name__}: layer {index} has experts but no name for them")
+        if self.has_mlp or self.has_moe:
             self.add_module(names.post_norm, build_norm(config, hidden, policy))
+        if self.has_mlp:
             self.add_module(names.mlp, build_mlp(hidden, config.mlp))
+        if self.has_moe:
+            self.add_module(names.moe, MoEBlock(hidden, config.moe, policy))
 
     def mixer_module(self) -> nn.Module:
         """The layer's mixer (its attribute name is the checkpoint's, "mixer" in some)."""
@@ -118,9 +132,13 @@ class DecoderLayer(nn.Module):
             x = mixer(x, batch, caches.kv[self.index])
         else:
             x = mixer(x)
-        if self.has_mlp:
+        if self.has_mlp or self.has_moe:
             h, x = getattr(self, self._names.post_norm).add_norm(h, x, self.residual_multiplier)
-            x = getattr(self, self._names.mlp)(x)
+            y = getattr(self, self._names.mlp)(x) if self.has_mlp else None
+            if self.has_moe:
+                moe = getattr(self, self._names.moe)(x)
+                y = moe if y is None else moe + y
+            x = y
         return h, x
 
 
@@ -227,6 +245,23 @@ class HybridForCausalLM(nn.Module):
         An unplanned ``batch`` (tests, reference code) is planned here first."""
         return self.model(input_ids, self.plan_step(batch, input_ids.device), caches)
 
+    def num_active_weights(self) -> int:
+        """Weights one token is multiplied by, embedding and LM head excluded: each MoE
+        block's routed experts count ``top_k / num_experts`` of theirs (the FLOPs of a
+        token are twice this, plus attention's products)."""
+        total = 0.0
+        for name, p in self.named_parameters():
+            if "embed" in name or "lm_head" in name:
+                continue
+            total += p.numel()
+        moe = self.config.moe
+        if moe is not None:
+            for module in self.modules():
+                if isinstance(module, MoEBlock):
+                    routed = sum(p.numel() for p in module.experts.parameters())
+                    total -= routed * (1.0 - moe.top_k / moe.num_experts)
+        return round(total)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` -> float32 ``[N, vocab_size]`` (divided by ``logits_scaling``)."""
         weight = self.model.embed.weight if self.lm_head is None else self.lm_head.weight
@@ -237,7 +272,8 @@ class HybridForCausalLM(nn.Module):
 
 
 class GraniteMoeHybridForCausalLM(HybridForCausalLM):
-    """IBM Granite 4.0-H (dense: ``num_local_experts == 0``)."""
+    """IBM Granite 4.0-H: dense (``num_local_experts == 0``) or with ``block_sparse_moe``
+    beside every layer's ``shared_mlp``."""
 
     names = LayerNames(
         embed="embed_tokens",
@@ -248,11 +284,12 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
         mlp_mixer="shared_mlp",
         post_norm="post_attention_layernorm",
         mlp="shared_mlp",
+        moe="block_sparse_moe",
     )
 
 
 class NemotronHForCausalLM(HybridForCausalLM):
-    """NVIDIA Nemotron-H (dense: M / * / - layers).
+    """NVIDIA Nemotron-H: M / * / - / E (mixture-of-experts) layers.
 
     Its checkpoints (and transformers' ``save_pretrained``) name the backbone
     ``backbone.*``; transformers renames it to ``model.*`` in memory, and so do we.
@@ -298,6 +335,7 @@ _QWEN_NAMES = LayerNames(
     post_norm="post_attention_layernorm",
     mlp="mlp",
     gdn="linear_attn",
+    moe="mlp",  # a sparse layer's block takes the dense MLP's place and name
 )
 
 
@@ -319,8 +357,19 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
     """The text part of the Qwen3.5 / Qwen3.6 vision-language checkpoints (text prompts)."""
 
 
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3.5-MoE text models: Qwen3.5's layers with a mixture of experts (gated shared
+    expert, always renormalised routing) as every layer's MLP."""
+
+
+class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):
+    """The text part of the Qwen3.5-MoE vision-language checkpoints (text prompts)."""
+
+
 class Qwen3NextForCausalLM(HybridForCausalLM):
-    """Qwen3-Next with dense MLPs (mixture-of-experts layers are refused by the config)."""
+    """Qwen3-Next: Gated DeltaNet and gated attention layers; the MLP of each sparse layer
+    (``decoder_sparse_step``, ``mlp_only_layers``) is a mixture of experts with a gated
+    shared expert."""
 
     names = _QWEN_NAMES
     ignored_weight_prefixes = ("mtp.",)

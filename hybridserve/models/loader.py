@@ -8,7 +8,12 @@ expected shape and nothing unknown may be present, except names a checkpoint may
 that the model does not use: ``lm_head.weight`` when embeddings are tied, and the prefixes
 a model class lists in ``ignored_weight_prefixes`` (multi-token-prediction ``mtp.*`` heads
 of Nemotron-H, Qwen3.5 and Qwen3-Next; the vision tower ``model.visual.*`` of the Qwen3.5
-vision-language checkpoints), each skipped with a note in the log.
+vision-language checkpoints), each skipped with a note in the log. Expert weights are
+accepted as the families publish them, fused (Granite's ``block_sparse_moe.input_linear``)
+or one tensor per expert (Nemotron-H's ``mixer.experts.N.up_proj``), as well as already
+stacked under the model's own names, and end up stacked ``[E, ...]`` for the grouped
+kernels.
+
 
 Before the model is built, the decoder layers the config describes are counted against
 the layers the weight names hold (a config claiming more is refused, however many it
@@ -23,6 +28,8 @@ import json
 import logging
 import os
 import re
+import time
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import torch
@@ -31,6 +38,7 @@ from safetensors import safe_open
 from hybridserve.config import KernelPolicy, resolve_dtype
 from hybridserve.models.config import ModelConfig
 from hybridserve.models.hybrid import HybridForCausalLM
+from hybridserve.models.layers.moe import FLOAT32_WEIGHTS, WeightSlot, checkpoint_slot
 from hybridserve.models.registry import model_class
 
 SINGLE_FILE = "model.safetensors"
@@ -145,6 +153,94 @@ def _finite(
     return t
 
 
+@dataclass(frozen=True)
+class LoadStats:
+    """What one :func:`load_model` read: bytes of tensors on disk, files, seconds."""
+
+    bytes_read: int
+    files: int
+    seconds: float
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes_read / 1e9 / max(self.seconds, 1e-9)
+
+
+def _slots(
+    cls: type[HybridForCausalLM],
+    config: ModelConfig,
+    files: dict[str, Path],
+    expected: dict[str, tuple[int, ...]],
+) -> tuple[dict[str, tuple[Path, WeightSlot]], list[str], list[str]]:
+    """Map every used checkpoint tensor to its slot; also return the unknown names and
+    the (model-side) names skipped as not used."""
+    slots: dict[str, tuple[Path, WeightSlot]] = {}
+    unexpected: list[str] = []
+    skipped: list[str] = []
+    for disk_name, file in files.items():
+        name = _model_name(cls, disk_name)
+        slot = WeightSlot(name) if name in expected else checkpoint_slot(name, expected)
+        if slot is None:
+            if _ignored(config, cls, name):
+                skipped.append(name)
+            else:
+                unexpected.append(disk_name)
+            continue
+        if slot.expert is not None and not 0 <= slot.expert < expected[slot.param][0]:
+            raise CheckpointError(
+                f"{file}: weight {disk_name!r} names expert {slot.expert}, but config.json has "
+                f"{expected[slot.param][0]} experts"
+            )
+        slots[disk_name] = (file, slot)
+    return slots, sorted(unexpected), skipped
+
+
+def _check_coverage(
+    slots: dict[str, tuple[Path, WeightSlot]], expected: dict[str, tuple[int, ...]], where: Path,
+    architecture: str,
+) -> None:
+    """Every parameter filled exactly once: whole, or each expert's rows once."""
+    whole: dict[str, list[str]] = {}
+    parts: dict[str, dict[int, list[tuple[int, int]]]] = {}
+    for disk_name, (_, slot) in slots.items():
+        if slot.expert is None:
+            whole.setdefault(slot.param, []).append(disk_name)
+        else:
+            rows = slot.rows or (0, expected[slot.param][1])
+            parts.setdefault(slot.param, {}).setdefault(slot.expert, []).append(rows)
+    missing = []
+    for param, shape in expected.items():
+        if len(whole.get(param, [])) + (param in parts) > 1:
+            raise CheckpointError(
+                f"{where}: weight {param!r} is given more than once "
+                f"({', '.join(whole.get(param, []))}{' and per expert' if param in parts else ''})"
+            )
+        if param in whole:
+            continue
+        if param not in parts:
+            missing.append(param)
+            continue
+        for expert in range(shape[0]):
+            rows = sorted(parts[param].get(expert, []))
+            covered = 0
+            for lo, hi in rows:
+                if lo != covered:
+                    break
+                covered = hi
+            if covered != shape[1]:
+                raise CheckpointError(
+                    f"{where}: expert {expert} of {param!r} is "
+                    + ("missing" if not rows else "incomplete or given twice")
+                    + f" (rows {rows} of {shape[1]}) for {architecture}"
+                )
+    if missing:
+        missing.sort()
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise CheckpointError(
+            f"{where}: missing weight(s) {missing[:5]}{more} required by {architecture}"
+        )
+
+
 def load_model(
     path: str | os.PathLike[str],
     dtype: torch.dtype | str = torch.float32,
@@ -154,9 +250,17 @@ def load_model(
 ) -> HybridForCausalLM:
     """Build the model described by ``path/config.json`` and load its weights.
 
+    Shards are read one after another, each memory-mapped (``safe_open``) and each tensor
+    moved to ``device`` (and ``dtype``) as it is read, so host memory beyond the model
+    itself stays at one tensor. Per-expert tensors are copied straight into their stacked
+    ``[E, ...]`` parameters (:func:`~hybridserve.models.layers.moe.checkpoint_slot`).
+    The load rate is logged (``hybridserve.models``, INFO) and kept as
+    ``model.load_stats`` (:class:`LoadStats`).
+
     Args:
         path: checkpoint directory.
-        dtype: parameter dtype (weights are converted on load).
+        dtype: parameter dtype (weights are converted on load; the few named in
+            :data:`~hybridserve.models.layers.moe.FLOAT32_WEIGHTS` stay float32).
         device: where the parameters live.
         config: use this config instead of reading ``config.json`` (e.g. one changed
             with :meth:`ModelConfig.with_overrides`); it must describe the same weights.
@@ -170,16 +274,17 @@ def load_model(
         ConfigError: the config is unsupported or invalid.
         CheckpointError: a weight is missing, unexpected, misshapen, or a file is unreadable.
     """
+    started = time.perf_counter()
     path = Path(path)
     dtype = resolve_dtype(dtype)
     if config is None:
         config = ModelConfig.from_pretrained(path)
     cls = model_class(config.architecture)
-    files: dict[str, tuple[Path, str]] = {}
-    for disk_name, file in checkpoint_files(path).items():
-        files[_model_name(cls, disk_name)] = (file, disk_name)
+    files = checkpoint_files(path)
     where = path / INDEX_FILE if (path / INDEX_FILE).exists() else path / SINGLE_FILE
-    present = _layers_in_weights([n for n in files if not _ignored(config, cls, n)])
+    # Counted before the model is built: a config claiming 10**9 layers must not allocate.
+    used = (_model_name(cls, n) for n in files)
+    present = _layers_in_weights([n for n in used if not _ignored(config, cls, n)])
     if config.num_layers > present:
         raise CheckpointError(
             f"{where}: config.json describes {config.num_layers} decoder layers "
@@ -189,50 +294,72 @@ def load_model(
     with torch.device("meta"):
         model = cls(config, policy)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-
-    missing = sorted(set(expected) - set(files))
-    if missing:
-        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise CheckpointError(
-            f"{where}: missing weight(s) {missing[:5]}{more} required by {config.architecture}"
-        )
-    skipped = sorted(n for n in files if n not in expected and _ignored(config, cls, n))
+    slots, unexpected, skipped = _slots(cls, config, files, expected)
+    _check_coverage(slots, expected, where, config.architecture)
     for prefix in cls.ignored_weight_prefixes:
         count = sum(1 for n in skipped if n.startswith(prefix))
         if count:
             log.info("%s: %d '%s*' weight(s) not used by this engine, skipped", where, count,
                      prefix)
-    unexpected = sorted(n for n in files if n not in expected and not _ignored(config, cls, n))
     if unexpected:
         more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
         raise CheckpointError(
-            f"{files[unexpected[0]][0]}: unexpected weight(s) "
-            f"{[files[n][1] for n in unexpected[:5]]}{more}, unknown to "
+            f"{files[unexpected[0]]}: unexpected weight(s) {unexpected[:5]}{more}, unknown to "
             f"{config.architecture} with this config.json (wrong architecture or layer layout?)"
         )
 
+    def dtype_of(param: str) -> torch.dtype:
+        return torch.float32 if param.rsplit(".", 1)[-1] in FLOAT32_WEIGHTS else dtype
+
     state: dict[str, torch.Tensor] = {}
-    by_file: dict[Path, list[str]] = {}
-    for name in expected:
-        by_file.setdefault(files[name][0], []).append(name)
+    by_file: dict[Path, list[tuple[str, WeightSlot]]] = {}
+    for disk_name, (file, slot) in slots.items():
+        by_file.setdefault(file, []).append((disk_name, slot))
+    nbytes = 0
     for file, names in by_file.items():
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in names:
-                    disk_name = files[name][1]
+                for disk_name, slot in names:
                     shape = tuple(f.get_slice(disk_name).get_shape())
-                    if shape != expected[name]:
+                    full = expected[slot.param]
+                    want = full if slot.expert is None else full[1:]
+                    if slot.rows is not None:
+                        want = (slot.rows[1] - slot.rows[0], *want[1:])
+                    if shape != want:
                         raise CheckpointError(
                             f"{file}: weight {disk_name!r} has shape {list(shape)}, expected "
-                            f"{list(expected[name])} from config.json"
+                            f"{list(want)} from config.json"
                         )
-                    state[name] = _finite(file, disk_name, f.get_tensor(disk_name), device, dtype)
+                    tensor = f.get_tensor(disk_name)
+                    nbytes += tensor.nbytes
+                    if slot.expert is None:
+                        state[slot.param] = _finite(
+                            file, disk_name, tensor, device, dtype_of(slot.param)
+                        )
+                        continue
+                    dest = state.get(slot.param)
+                    if dest is None:
+                        dest = torch.empty(full, dtype=dtype_of(slot.param), device=device)
+                        state[slot.param] = dest
+                    lo, hi = slot.rows or (0, full[1])
+                    dest[slot.expert, lo:hi].copy_(
+                        _finite(file, disk_name, tensor, device, dtype_of(slot.param))
+                    )
+                    del tensor
         except CheckpointError:
             raise
         except Exception as e:
             raise CheckpointError(f"{file}: unreadable or truncated safetensors file ({e})") from e
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    stats = LoadStats(nbytes, len(by_file), time.perf_counter() - started)
+    model.load_stats = stats
+    log.info(
+        "loaded %s: %.2f GB from %d file(s) in %.2f s (%.2f GB/s)",
+        path, nbytes / 1e9, stats.files, stats.seconds, stats.gb_per_s,
+    )
     return model.eval()
 
 

@@ -10,6 +10,8 @@ from hybridserve.models.hybrid import (
     NemotronHForCausalLM,
     Qwen3_5ForCausalLM,
     Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeForConditionalGeneration,
     Qwen3NextForCausalLM,
 )
 
@@ -20,6 +22,8 @@ MODEL_CLASSES: dict[str, type[HybridForCausalLM]] = {
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForConditionalGeneration,
 }
 
 

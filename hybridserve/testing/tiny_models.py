@@ -10,7 +10,10 @@ every parameter with well-spread random values, and writes it with ``save_pretra
 
 Defaults: vocab 256, hidden 64, 4 attention heads / 2 KV heads of width 16, Mamba2 with
 8 heads of width 16, 2 groups, d_state 16, d_conv 4, chunk_size 8 (so prompts of a few
-dozen tokens span several chunks), MLP width 128.
+dozen tokens span several chunks), MLP width 128. Mixture of experts: Granite gets experts
+in every layer with ``num_local_experts > 0`` (an override); Nemotron-H ``E`` layers get
+8 experts of width 32, top-2, a shared expert of width 48 (override any of these); Qwen3-Next
+gets experts of width 32, top-2, a shared expert of width 48 with ``num_experts > 0``.
 
 Values are chosen so that greedy decoding is not decided by near-ties: logits have a
 spread of a few units, every norm weight, conv bias, ``D``, ``A_log`` and ``dt_bias`` is
@@ -27,11 +30,14 @@ from typing import Any
 
 import torch
 
-ARCHITECTURES = ("granitemoehybrid", "nemotron_h", "bamba", "qwen3_5", "qwen3_5_vl", "qwen3_next")
+ARCHITECTURES = (
+    "granitemoehybrid", "nemotron_h", "bamba", "qwen3_5", "qwen3_5_vl", "qwen3_next",
+    "qwen3_5_moe",
+)
 
 # Gated DeltaNet architectures: ``M`` in a layer pattern is a Gated DeltaNet
 # (``linear_attention``) layer there.
-GDN_ARCHITECTURES = ("qwen3_5", "qwen3_5_vl", "qwen3_next")
+GDN_ARCHITECTURES = ("qwen3_5", "qwen3_5_vl", "qwen3_next", "qwen3_5_moe")
 
 DEFAULT_LAYERS = {
     "granitemoehybrid": "MAMMA",
@@ -40,21 +46,23 @@ DEFAULT_LAYERS = {
     "qwen3_5": "MMAM",
     "qwen3_5_vl": "MMAM",
     "qwen3_next": "MMAM",
+    "qwen3_5_moe": "MMAM",
 }
 
 
 def _layer_codes(arch: str, layers: str) -> list[str]:
-    """Normalise a pattern: ``M`` Mamba, ``A`` or ``*`` attention, ``-`` MLP (Nemotron-H only)."""
+    """Normalise a pattern: ``M`` Mamba, ``A`` or ``*`` attention, ``-`` MLP and ``E``
+    mixture of experts (Nemotron-H only)."""
     codes = []
     for c in layers:
         if c in "A*":
             codes.append("A")
-        elif c == "M" or (c == "-" and arch == "nemotron_h"):
+        elif c == "M" or (c in "-E" and arch == "nemotron_h"):
             codes.append(c)
         else:
             raise ValueError(
                 f"layer code {c!r} not valid for {arch}; use M, A (or *)"
-                + (", -" if arch == "nemotron_h" else "")
+                + (", -, E" if arch == "nemotron_h" else "")
             )
     if not codes:
         raise ValueError("layers must name at least one layer")
@@ -91,6 +99,13 @@ def _qwen_text_kwargs(codes: list[str]) -> dict[str, Any]:
 def _hf_config(arch: str, codes: list[str], overrides: dict[str, Any]) -> Any:
     import transformers
 
+    if arch == "qwen3_5_moe":  # every layer's MLP is a mixture of experts
+        kwargs = _qwen_text_kwargs(codes)
+        del kwargs["intermediate_size"]
+        kwargs.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48)
+        kwargs.update(overrides)
+        return transformers.Qwen3_5MoeTextConfig(**kwargs)
     if arch == "qwen3_5":
         kwargs = _qwen_text_kwargs(codes)
         kwargs.update(overrides)
@@ -104,7 +119,9 @@ def _hf_config(arch: str, codes: list[str], overrides: dict[str, Any]) -> Any:
         return transformers.Qwen3_5Config(text_config=text, vision_config=vision, **top)
     if arch == "qwen3_next":
         kwargs = _qwen_text_kwargs(codes)
-        kwargs.update(num_experts=0)  # dense MLPs unless a test asks for experts
+        # Dense MLPs unless a test asks for experts (num_experts > 0); then tiny ones.
+        kwargs.update(num_experts=0, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48)
         kwargs.update(overrides)
         return transformers.Qwen3NextConfig(**kwargs)
 
@@ -146,7 +163,9 @@ def _hf_config(arch: str, codes: list[str], overrides: dict[str, Any]) -> Any:
             num_attention_heads=4,
             num_key_value_heads=2,
             head_dim=16,
-            layers_block_type=[{"M": "mamba", "A": "attention", "-": "mlp"}[c] for c in codes],
+            layers_block_type=[
+                {"M": "mamba", "A": "attention", "-": "mlp", "E": "moe"}[c] for c in codes
+            ],
             mamba_num_heads=8,
             mamba_head_dim=16,
             n_groups=2,
@@ -158,6 +177,13 @@ def _hf_config(arch: str, codes: list[str], overrides: dict[str, Any]) -> Any:
             eos_token_id=2,
             pad_token_id=0,
         )
+        if "E" in codes:
+            kwargs.update(
+                n_routed_experts=8,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                moe_shared_expert_intermediate_size=48,
+            )
         kwargs.update(overrides)
         return transformers.NemotronHConfig(**kwargs)
     kwargs = dict(
@@ -192,6 +218,7 @@ def _model_class(arch: str) -> Any:
         "bamba": transformers.BambaForCausalLM,
         "qwen3_5": transformers.Qwen3_5ForCausalLM,
         "qwen3_5_vl": transformers.Qwen3_5ForConditionalGeneration,
+        "qwen3_5_moe": transformers.Qwen3_5MoeForCausalLM,
         "qwen3_next": transformers.Qwen3NextForCausalLM,
     }[arch]
 
@@ -234,9 +261,16 @@ def _randomize(
             value = normal(p.shape, 0.1, 1.0)
         elif p.dim() == 2:
             value = normal(p.shape, 1.0 / math.sqrt(p.shape[1]))
+        elif p.dim() == 3:  # stacked experts [E, out, in]
+            value = normal(p.shape, 1.0 / math.sqrt(p.shape[2]))
         else:
             raise AssertionError(f"no init rule for parameter {name} {tuple(p.shape)}")
         p.copy_(value)
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            # Non-zero and of the size of the score differences, so choosing with and
+            # without it differs.
+            b.copy_(normal(b.shape, 0.1))
 
 
 def tiny_config(arch: str, layers: str | None = None, **overrides: Any) -> Any:
@@ -263,10 +297,11 @@ def make_tiny_checkpoint(
         path: output directory (created if needed).
         seed: weights are a pure function of ``seed`` and the config.
         layers: layer pattern, one letter per decoder layer: ``M`` Mamba (Gated DeltaNet
-            for the Qwen architectures), ``A`` (or ``*``) attention, ``-`` MLP (Nemotron-H
-            only). Defaults: ``DEFAULT_LAYERS[arch]``.
+            for the Qwen architectures), ``A`` (or ``*``) attention, ``-`` MLP and ``E``
+            mixture of experts (Nemotron-H only). Defaults: ``DEFAULT_LAYERS[arch]``.
         **overrides: keyword arguments for the ``transformers`` config class of ``arch``
-            (e.g. ``mamba_n_groups=4``, ``tie_word_embeddings=True``, ``time_step_min=0.3``).
+            (e.g. ``mamba_n_groups=4``, ``tie_word_embeddings=True``, ``time_step_min=0.3``;
+            ``num_local_experts=6`` for a Granite MoE, ``n_group=4`` for grouped routing).
 
     Takes well under a second once ``transformers`` is imported.
     """

@@ -60,16 +60,22 @@ def _next(**changes):
     return base
 
 
-def test_qwen3_next_moe_layers_are_refused_and_dense_layers_accepted():
-    with pytest.raises(ConfigError, match=r"layers \[0, 1, 2, 3\] are mixture-of-experts"):
-        ModelConfig.from_dict(_next(num_experts=8))
-    with pytest.raises(ConfigError, match=r"layers \[1, 3\] are mixture-of-experts"):
-        ModelConfig.from_dict(_next(num_experts=8, mlp_only_layers=[0, 2]))
-    with pytest.raises(ConfigError, match=r"layers \[1\] are mixture-of-experts"):
-        ModelConfig.from_dict(_next(num_experts=8, decoder_sparse_step=2, mlp_only_layers=[3]))
-    c = ModelConfig.from_dict(_next(num_experts=8, mlp_only_layers=[0, 1, 2, 3]))
-    assert c.gdn.fused_projections and c.mlp.kind == "gated"
+def test_qwen3_next_sparse_layers_and_dense_layers():
+    """transformers' rule: layer i is sparse unless in mlp_only_layers, when num_experts > 0
+    and (i + 1) % decoder_sparse_step == 0; the others keep the dense MLP."""
+    assert ModelConfig.from_dict(_next(num_experts=8, num_experts_per_tok=2)).moe_layers == (0, 1, 2, 3)
+    c = ModelConfig.from_dict(_next(num_experts=8, num_experts_per_tok=2, mlp_only_layers=[0, 2]))
+    assert c.moe_layers == (1, 3)
+    assert [c.layer_has_dense_mlp(i) for i in range(4)] == [True, False, True, False]
+    c = ModelConfig.from_dict(_next(num_experts=8, num_experts_per_tok=2, decoder_sparse_step=2, mlp_only_layers=[3]))
+    assert c.moe_layers == (1,) and c.moe.routing == "softmax_then_topk" and c.moe.shared_gate
+    c = ModelConfig.from_dict(_next(num_experts=8, num_experts_per_tok=2, mlp_only_layers=[0, 1, 2, 3]))
+    assert c.moe is None and c.gdn.fused_projections and c.mlp.kind == "gated"
     assert ModelConfig.from_dict(_next()).layer_types == (GDN, GDN, GDN, ATTENTION)
+    with pytest.raises(ConfigError, match="decoder_sparse_step"):
+        ModelConfig.from_dict(_next(num_experts=8, num_experts_per_tok=2, decoder_sparse_step=0))
+    with pytest.raises(ConfigError, match="num_experts_per_tok"):
+        ModelConfig.from_dict(_next(num_experts=8, num_experts_per_tok=9))
 
 
 def test_bad_qwen_fields_name_the_field():

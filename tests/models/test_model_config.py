@@ -8,7 +8,18 @@ import math
 
 import pytest
 
-from hybridserve.models.config import ATTENTION, MAMBA, MLP, ConfigError, ModelConfig
+from hybridserve.models import config as config_module
+from hybridserve.models.config import (
+    ATTENTION,
+    MAMBA,
+    MLP,
+    MOE,
+    SIGMOID_GROUPED,
+    SOFTMAX_THEN_TOPK,
+    TOPK_THEN_SOFTMAX,
+    ConfigError,
+    ModelConfig,
+)
 from hybridserve.testing.tiny_models import make_tiny_checkpoint
 
 
@@ -105,6 +116,64 @@ def test_nemotron_pattern_and_dt_limit():
     assert listed.layer_types == c.layer_types
 
 
+def test_granite_experts():
+    c = ModelConfig.from_dict(_granite(num_local_experts=6, num_experts_per_tok=3, intermediate_size=40))
+    m = c.moe
+    assert (m.routing, m.num_experts, m.top_k, m.intermediate_size) == (TOPK_THEN_SOFTMAX, 6, 3, 40)
+    assert m.gated and m.activation == "silu" and m.shared_intermediate_size == 0
+    assert c.moe_layers == (0, 1, 2)
+    # shared_mlp stays each layer's dense MLP, beside the experts.
+    assert all(c.layer_has_dense_mlp(i) for i in range(3)) and c.mlp.intermediate_size == 48
+    # transformers' defaults when the keys are absent: 8 experts, top-2, width 11008.
+    d = ModelConfig.from_dict(_granite(num_local_experts=...)).moe
+    assert (d.num_experts, d.top_k, d.intermediate_size) == (8, 2, 11008)
+    assert ModelConfig.from_dict(_granite()).moe is None
+
+
+def test_nemotron_experts():
+    c = ModelConfig.from_dict(
+        _nemotron(
+            hybrid_override_pattern="ME*E-",
+            n_routed_experts=16,
+            num_experts_per_tok=4,
+            moe_intermediate_size=24,
+            moe_shared_expert_intermediate_size=40,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=False,
+            moe_latent_size=12,
+            mlp_bias=True,
+        )
+    )
+    assert c.layer_types == (MAMBA, MOE, ATTENTION, MOE, MLP) and c.moe_layers == (1, 3)
+    m = c.moe
+    assert (m.routing, m.num_experts, m.top_k, m.intermediate_size) == (SIGMOID_GROUPED, 16, 4, 24)
+    assert (m.n_group, m.topk_group, m.routed_scaling_factor) == (4, 2, 2.5)
+    assert not m.gated and m.activation == "relu2" and not m.norm_topk_prob
+    assert (m.shared_intermediate_size, m.latent_size, m.bias) == (40, 12, True)
+    assert not any(c.layer_has_dense_mlp(i) for i in range(5))
+    # The transformers attribute alias num_local_experts is read when n_routed_experts is absent.
+    alias = ModelConfig.from_dict(_nemotron(hybrid_override_pattern="ME", num_local_experts=4))
+    assert alias.moe.num_experts == 4 and alias.mlp is None
+
+
+def test_qwen_sparse_layers():
+    """The Qwen3-Next / Qwen3.5-MoE reading (for their architectures' parsers)."""
+    r = config_module._Reader(
+        {"num_experts": 8, "num_experts_per_tok": 2, "decoder_sparse_step": 2,
+         "mlp_only_layers": [3], "norm_topk_prob": False, "moe_intermediate_size": 16,
+         "shared_expert_intermediate_size": 24},
+        "x",
+    )
+    moe, layers = config_module._qwen_moe(r, 8, act="silu", always_normalise=False)
+    assert layers == (1, 5, 7)
+    assert (moe.routing, moe.shared_gate, moe.norm_topk_prob) == (SOFTMAX_THEN_TOPK, True, False)
+    assert moe.shared_intermediate_size == 24 and moe.gated
+    moe, layers = config_module._qwen_moe(r, 3, act="silu", always_normalise=True)
+    assert layers == (0, 1, 2) and moe.norm_topk_prob
+
+
 def test_bamba_partial_rotary_default_and_override(tmp_path):
     path = make_tiny_checkpoint("bamba", tmp_path / "b", layers="MAM")
     c = ModelConfig.from_pretrained(path)
@@ -131,8 +200,9 @@ def test_tiny_checkpoints_parse(arch, tmp_path):
     [
         (_granite(architectures=["LlamaForCausalLM"]), "architectures", "NemotronHForCausalLM"),
         (_granite(architectures=...), "architectures", "GraniteMoeHybridForCausalLM"),
-        (_granite(num_local_experts=4), "num_local_experts", "not supported"),
-        (_granite(num_local_experts=...), "num_local_experts", "not supported"),
+        (_granite(num_local_experts=4, num_experts_per_tok=5), "num_experts_per_tok", "num_local_experts (4)"),
+        (_granite(num_local_experts=-1), "num_local_experts", ">= 0"),
+        (_granite(num_local_experts=4, intermediate_size=0), "intermediate_size", "positive"),
         (_granite(hidden_size=...), "hidden_size", "missing"),
         (_granite(layer_types=["mamba", "mamba"]), "layer_types", "3 layer types"),
         (_granite(layer_types=["mamba", "conv", "mamba"]), "layer_types", "conv"),
@@ -141,16 +211,16 @@ def test_tiny_checkpoints_parse(arch, tmp_path):
         (_granite(time_step_limit=[1.0]), "time_step_limit", "[min, max]"),
         (_granite(hidden_act="tanh"), "hidden_act", "tanh"),
         (_granite(eos_token_id="x"), "eos_token_id", "integer"),
+        (_nemotron(hybrid_override_pattern="M*EM", n_group=3), "n_group", "n_routed_experts"),
+        (_nemotron(hybrid_override_pattern="ME", n_group=8), "n_group", "2 experts per group"),
+        (_nemotron(hybrid_override_pattern="ME", n_group=4, topk_group=5), "topk_group", "n_group"),
         (
-            _nemotron(hybrid_override_pattern="M*EM"),
-            "hybrid_override_pattern",
-            "mixture-of-experts",
+            _nemotron(hybrid_override_pattern="ME", n_group=4, topk_group=1, num_experts_per_tok=3),
+            "num_experts_per_tok",
+            "groups it may choose from",
         ),
-        (
-            _nemotron(hybrid_override_pattern=..., layers_block_type=["moe"]),
-            "layers_block_type",
-            "MoE",
-        ),
+        (_nemotron(hybrid_override_pattern="ME", moe_latent_size=0), "moe_latent_size", "positive"),
+        (_nemotron(hybrid_override_pattern="ME", mlp_hidden_act="tanh"), "mlp_hidden_act", "tanh"),
         (_nemotron(hybrid_override_pattern="M?"), "hybrid_override_pattern", "'?'"),
         (_nemotron(hybrid_override_pattern=...), "layers_block_type", "missing"),
         (_nemotron(mamba_num_heads=...), "mamba_num_heads", "missing"),
@@ -252,3 +322,22 @@ def test_a_billion_layers_is_refused_quickly(tmp_path):
     assert "NaN" in (tmp_path / "config.json").read_text()
     with pytest.raises(ConfigError, match="rms_norm_eps"):
         ModelConfig.from_pretrained(tmp_path)
+
+
+def test_qwen3_5_moe_every_layer_sparse_without_a_dense_mlp():
+    text = {"vocab_size": 100, "hidden_size": 32, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+            "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+            "linear_value_head_dim": 8, "num_experts": 16, "num_experts_per_tok": 4,
+            "moe_intermediate_size": 24, "shared_expert_intermediate_size": 40,
+            "norm_topk_prob": False}  # Qwen3.5-MoE renormalises whatever this says
+    for data in ({"architectures": ["Qwen3_5MoeForCausalLM"], **text},
+                 {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "text_config": text}):
+        c = ModelConfig.from_dict(data)
+        assert c.moe_layers == (0, 1, 2, 3) and c.mlp is None
+        m = c.moe
+        assert (m.routing, m.num_experts, m.top_k, m.norm_topk_prob, m.shared_gate) == (
+            SOFTMAX_THEN_TOPK, 16, 4, True, True)
+    with pytest.raises(ConfigError, match="num_experts"):
+        ModelConfig.from_dict({"architectures": ["Qwen3_5MoeForCausalLM"], **text,
+                               "num_experts": 0})

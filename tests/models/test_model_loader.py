@@ -153,18 +153,15 @@ def test_config_errors_surface_from_load_model(granite, tmp_path):
     with pytest.raises(ConfigError, match="supported: GraniteMoeHybridForCausalLM"):
         load_model(path)
     path = _copy(granite, tmp_path / "experts")
-    _edit_config(path, num_local_experts=8)
-    with pytest.raises(ConfigError, match="num_local_experts"):
+    _edit_config(path, num_local_experts=8, num_experts_per_tok=9)
+    with pytest.raises(ConfigError, match="num_experts_per_tok"):
         load_model(path)
 
 
-def test_nemotron_moe_layer_rejected(tmp_path):
-    path = make_tiny_checkpoint("nemotron_h", tmp_path / "n", layers="M*-")
-    data = json.loads((path / "config.json").read_text())
-    data.pop("layers_block_type")
-    data["hybrid_override_pattern"] = "M*E"
-    (path / "config.json").write_text(json.dumps(data))
-    with pytest.raises(ConfigError, match="mixture-of-experts"):
+def test_dense_checkpoint_with_expert_config_names_the_missing_experts(granite, tmp_path):
+    path = _copy(granite, tmp_path / "experts")
+    _edit_config(path, num_local_experts=8)
+    with pytest.raises(CheckpointError, match=r"missing weight\(s\).*block_sparse_moe"):
         load_model(path)
 
 
