@@ -155,8 +155,19 @@ class BlockPool:
                 n += 1
         return n
 
-    def check_integrity(self) -> None:
-        """Raise AssertionError if ref counts, the free queue or the hash index disagree."""
+    def check_integrity(self, writes: Sequence[int] = ()) -> None:
+        """Raise AssertionError if ref counts, the free queue or the hash index disagree,
+        or if a block of ``writes`` (blocks a step is about to write) is not its writer's
+        alone (``ref_count`` 1) or is registered in the prefix index: a registered block
+        is read by hits on its prefix and must never change."""
+        indexed = set(self.hash_to_block.values())
+        for block_id in writes:
+            block = self.blocks[block_id]
+            if block.ref_count != 1 or block.block_hash is not None or block_id in indexed:
+                raise AssertionError(
+                    f"KV block {block_id} is written by a step but has ref_count "
+                    f"{block.ref_count}, hash {block.block_hash} (index: {block_id in indexed})"
+                )
         for block in self.blocks:
             if block.ref_count < 0:
                 raise AssertionError(f"KV block {block.block_id} has ref_count {block.ref_count}")

@@ -260,6 +260,7 @@ class EngineCore:
                 )
             return []
         self.counters["steps"] += 1
+        self._check_integrity(sched)
         if self.async_scheduling and sched.plain_decode:
             pending = self._guarded(sched, lambda: self.runner.launch(sched))
             if pending is not None:
@@ -314,6 +315,7 @@ class EngineCore:
         nxt = self.scheduler.schedule_ahead(rows)
         if nxt is None:
             return None
+        self._check_integrity(nxt, in_flight=sched)
         launched = self._guarded(nxt, lambda: self.runner.launch(nxt, pending, sources))
         if launched is None:
             for row in nxt.rows:
@@ -424,12 +426,19 @@ class EngineCore:
                 self.drafter.forget(child.request_id)
         return group
 
-    def _check_integrity(self) -> None:
+    def _check_integrity(
+        self, sched: SchedulerOutput | None = None, in_flight: SchedulerOutput | None = None
+    ) -> None:
+        """With ``check_integrity_every_step``: every cache reference (after a step's
+        commit, or once ``sched`` is scheduled), and the KV blocks each row of ``sched``
+        is about to write. ``in_flight``: the launched, uncommitted step whose pages are
+        held too (by default the one launched ahead, if any)."""
         if self.check_integrity_every_step:
-            held = []
-            if self._inflight is not None:
-                held = [p for row in self._inflight[0].rows for p in row.state_outputs.values()]
-            self.scheduler.check_integrity(held)
+            if in_flight is None and self._inflight is not None:
+                in_flight = self._inflight[0]
+            steps = [s for s in (sched, in_flight) if s is not None]
+            held = [p for s in steps for row in s.rows for p in row.state_outputs.values()]
+            self.scheduler.check_integrity(held, sched.rows if sched is not None else [])
 
     def _commit_postprocess(
         self,

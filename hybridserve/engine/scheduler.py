@@ -555,9 +555,35 @@ class Scheduler:
         self.states.clear()
         self.blocks.clear_cache()
 
-    def check_integrity(self, step_pages: list[int] = ()) -> None:
-        """Raise AssertionError if any cache reference is lost, duplicated or negative."""
-        self.blocks.check_integrity()
+    def check_integrity(self, step_pages: list[int] = (), rows: list[ScheduledRow] = ()) -> None:
+        """Raise AssertionError if any cache reference is lost, duplicated or negative.
+
+        ``rows``: rows scheduled and not yet committed. Each may write only KV blocks
+        its request owns alone and that are not in the prefix index (the blocks of
+        ``[num_computed, num_computed + num_tokens)``), and a row's request has
+        registered exactly its full computed blocks (so an admission's hit blocks are
+        ``hit // kv_block_size``: none past the checkpoint it starts from).
+        """
+        bs = self.block_size
+        writes = []
+        for row in rows:
+            req = row.request
+            n, q = row.num_computed, row.num_tokens
+            last = (n + q - 1) // bs
+            if len(req.block_ids) <= last:
+                raise AssertionError(
+                    f"request {req.request_id} writes token {n + q - 1} but holds "
+                    f"{len(req.block_ids)} KV blocks"
+                )
+            writes += req.block_ids[n // bs : last + 1]
+            # A row scheduled ahead runs before its predecessor's tokens are committed.
+            full = min(n, req.num_tokens) // bs if self.cache_config.enable_prefix_caching else 0
+            if not row.ahead and req.num_registered_blocks != full:
+                raise AssertionError(
+                    f"request {req.request_id} at {n} computed tokens has "
+                    f"{req.num_registered_blocks} registered KV blocks, expected {full}"
+                )
+        self.blocks.check_integrity(writes)
         holders = list(step_pages)
         block_refs = [0] * self.blocks.num_blocks
         for req in self.running:

@@ -57,6 +57,7 @@ __all__ = [
     "OrderReport",
     "RaceReport",
     "Recorder",
+    "active_recorder",
     "assert_race_free",
     "check",
     "record_launches",
@@ -70,6 +71,8 @@ _READ, _WRITE, _ATOMIC = 0, 1, 2
 _ORDERS = ("forward", "reversed", "shuffled")
 _UNMAPPED = "<unmapped>"
 _lock = threading.Lock()
+# The recording in progress (at most one: ``_lock``), for :func:`active_recorder`.
+_active: list[Recorder] = []
 
 
 # --------------------------------------------------------------------------------------
@@ -602,10 +605,20 @@ def record_launches(
     patch = _Patch()
     try:
         recorder._install(patch)
+        _active.append(recorder)
         yield recorder
     finally:
+        _active.clear()
         patch.restore()
         _lock.release()
+
+
+def active_recorder() -> Recorder | None:
+    """The :class:`Recorder` of the recording in progress, or None.
+
+    Lets a test harness note which kernels ran under the checker and in which program
+    orders (the suite's guard that every kernel is race-checked reads it)."""
+    return _active[0] if _active else None
 
 
 def _require_interpreted(kernel: Any) -> None:

@@ -95,3 +95,87 @@ def test_flop_aware_eviction_prefers_cheap_prefixes():
     assert sorted(c.length for c in sc.checkpoints.values()) == [16, 256]
     with pytest.raises(ValueError, match="eviction_policy"):
         StateCache(4, 1, eviction_policy="mru")
+
+
+# --- which checkpoint goes first -------------------------------------------------------
+
+
+def _cache_with(lengths, policy="lru", alpha=1.0, pages=None, budget=None):
+    """A StateCache holding one checkpoint per length, admitted in order (key i + 1 for
+    ``lengths[i]``, the first the least recently used), every page held by the index
+    alone; ``flops_saved`` is the length itself."""
+    sc = StateCache(num_pages=pages or len(lengths), checkpoint_budget=budget or len(lengths),
+                    eviction_policy=policy, flops_saved=float, alpha=alpha)
+    for key, length in enumerate(lengths, start=1):
+        (page,) = sc.allocate(1)
+        assert sc.admit(key=key, length=length, page=page, prefix_hashes=[100 + key])
+        sc.release([page])
+    return sc
+
+
+def _evict_one(sc: StateCache) -> int:
+    """Make room for one live page; returns the key of the checkpoint that went."""
+    before = set(sc.checkpoints)
+    sc.allocate(1)
+    (gone,) = before - set(sc.checkpoints)
+    return gone
+
+
+def test_lru_evicts_the_least_recently_used_first():
+    sc = _cache_with([64, 16, 32])
+    assert [_evict_one(sc) for _ in range(3)] == [1, 2, 3]
+    assert sc.num_evicted == 3
+
+
+def test_flop_aware_scores_recency_plus_flops_saved():
+    # Candidates in LRU order 1 (64 tokens), 2 (16), 3 (32); alpha 1, max flops 64:
+    # scores 0 + 64/64 = 1.0, 0.5 + 16/64 = 0.75, 1 + 32/64 = 1.5 -> key 2 goes.
+    # Then 1 and 3: 0 + 1.0 = 1.0, 1 + 0.5 = 1.5 -> key 1 (LRU would take 1, then 2).
+    sc = _cache_with([64, 16, 32], policy="flop_aware")
+    assert _evict_one(sc) == 2
+    assert _evict_one(sc) == 1
+    # alpha weighs FLOPs against recency: with alpha 4 the long prefix outlives both
+    # (scores 4, 1.5, 3 -> key 2; then 4, 1 + 2 = 3 -> key 3).
+    sc = _cache_with([64, 16, 32], policy="flop_aware", alpha=4.0)
+    assert _evict_one(sc) == 2
+    assert _evict_one(sc) == 3
+
+
+@pytest.mark.parametrize("policy", ["lru", "flop_aware"])
+@pytest.mark.parametrize("pressure", ["live_pages", "budget"])
+def test_a_checkpoint_someone_else_holds_is_never_evicted(policy, pressure):
+    # Key 1 is the first to go under both policies (the oldest and the cheapest) ...
+    sc = _cache_with([16, 64, 64], policy=policy, pages=4 if pressure == "budget" else 3)
+    held = sc.checkpoints[1].page
+    sc.incref(held)  # ... but a request reads it as its state
+    if pressure == "live_pages":
+        assert _evict_one(sc) == 2
+    else:
+        (page,) = sc.allocate(1)  # the fourth page was free: nothing evicted for it
+        assert sc.num_evicted == 0
+        assert sc.admit(key=9, length=80, page=page, prefix_hashes=[109])  # over budget
+        assert set(sc.checkpoints) == {1, 3, 9}
+    assert 1 in sc.checkpoints and sc.checkpoints[1].page == held
+    assert sc.ref_count[held] == 2
+
+
+@pytest.mark.parametrize("policy", ["lru", "flop_aware"])
+def test_a_lookup_protects_its_checkpoint_from_the_next_eviction(policy):
+    sc = _cache_with([32, 32, 32], policy=policy)
+    assert sc.lookup(1).length == 32  # a prefix hit on the least recently used
+    assert _evict_one(sc) == 2
+    assert sc.lookup(404) is None
+    assert sc.has(1) and not sc.has(2)
+    assert _evict_one(sc) == 3
+
+
+def test_block_pool_integrity_rejects_writes_to_shared_or_indexed_blocks():
+    pool = BlockPool(num_blocks=4, block_size=2)
+    a, b = pool.allocate(2)
+    pool.register(a, block_hashes([5, 6], 2)[0], [5, 6])
+    pool.check_integrity(writes=[b])
+    with pytest.raises(AssertionError, match=f"KV block {a} is written"):
+        pool.check_integrity(writes=[a])  # registered: prefix hits read it
+    pool.acquire([b])
+    with pytest.raises(AssertionError, match=f"KV block {b} is written"):
+        pool.check_integrity(writes=[b])  # another request holds it too

@@ -214,3 +214,21 @@ def test_prompts_arriving_together_share_the_prefill(tiny_granite):
     # Without the junction policy the batch runs side by side and nothing hits.
     llm = LLM(tiny_granite, checkpoint_policies=("grid", "prompt_end", "finished"))
     assert [o.num_cached_tokens for o in llm.generate(prompts, GREEDY)] == [0, 0, 0, 0]
+
+
+def test_a_prefix_hit_protects_its_checkpoint_from_the_next_eviction(tiny_granite):
+    """Two checkpoints fill the budget; a hit on the older one makes the other the
+    least recently used, so the next admission evicts that one (LRU)."""
+    rng = random.Random(13)
+    first, second, third = (_rand(rng, 40) for _ in range(3))
+    llm = LLM(tiny_granite, max_checkpoint_pages=2, checkpoint_policies=("prompt_end",),
+              max_num_seqs=1)
+    llm.engine.check_integrity_every_step = True
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    # Each 40-token prompt leaves one checkpoint, at 32.
+    assert [llm.generate([p], one)[0].num_cached_tokens for p in (first, second)] == [0, 0]
+    assert llm.generate([first], one)[0].num_cached_tokens == 32  # the hit
+    assert llm.generate([third], one)[0].num_cached_tokens == 0  # evicts one checkpoint
+    assert llm.stats()["checkpoints_evicted"] == 1
+    assert llm.generate([first], one)[0].num_cached_tokens == 32
+    assert llm.generate([second], one)[0].num_cached_tokens == 0

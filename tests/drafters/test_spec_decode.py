@@ -70,7 +70,10 @@ def test_greedy_outputs_identical_with_speculation(tiny_granite, reference, d, c
     stats = llm.stats()
     assert stats["spec_accepted_tokens"] > 0
     assert stats["spec_draft_tokens"] >= stats["spec_accepted_tokens"]
-    assert stats["spec_mean_accepted_length"] > 1.0
+    # Greedy on fixed weights and prompts: measured 1.51 (d = 1, at most 2), 1.85
+    # (d = 3) and 1.88 (d = 5), with or without caching. 1.0 would mean no draft was
+    # ever accepted.
+    assert stats["spec_mean_accepted_length"] > {1: 1.3, 3: 1.6, 5: 1.6}[d]
     if caching:
         assert stats["prefix_hit_tokens"] > 0
 
@@ -159,6 +162,8 @@ def test_per_request_spec_metrics(tiny_granite):
     out = llm.generate([_workload(0)[0]], GREEDY)[0]
     m = out.metrics
     assert m["spec_draft_tokens"] >= m["spec_accepted_tokens"] > 0
-    assert 1.0 < m["spec_mean_accepted_length"] <= 4.0
+    # The motif prompt's greedy answer repeats: measured 3.0 (8 of 12 drafts accepted
+    # over 4 verify rows); 4.0 is every draft of every row.
+    assert 2.5 <= m["spec_mean_accepted_length"] <= 4.0
     stats = llm.stats()
     assert stats["spec_accepted_tokens"] == m["spec_accepted_tokens"]

@@ -16,11 +16,6 @@ from hybridserve.kernels.conv1d import (
 torch.set_num_threads(1)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_seed():
-    torch.manual_seed(torch.seed() % 2**31)
-
-
 def _full_history_conv(history: torch.Tensor, weight, bias, activation: bool) -> torch.Tensor:
     """Plain padded conv over [C, N] history -> [N, C]."""
     k = weight.shape[-1]

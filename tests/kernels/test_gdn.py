@@ -26,7 +26,7 @@ def _inputs(g: torch.Generator, length: int, hk: int, hv: int, dk: int, dv: int)
 @pytest.mark.parametrize("length,hk,hv,dk,dv", [(1, 1, 1, 4, 4), (13, 2, 4, 8, 6), (70, 2, 6, 16, 8)])
 @pytest.mark.parametrize("initial", [False, True])
 def test_matches_transformers_recurrence_and_chunked_form(length, hk, hv, dk, dv, initial):
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     q, k, v, gd, beta, state = _inputs(g, length, hk, hv, dk, dv)
     init = state if initial else None
     offsets = sorted({0, length // 2, length - 1})
@@ -48,7 +48,7 @@ def test_matches_transformers_recurrence_and_chunked_form(length, hk, hv, dk, dv
 
 
 def test_state_dtype_rounds_the_carried_state_after_every_token():
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     q, k, v, gd, beta, state = _inputs(g, 9, 2, 4, 8, 8)
     q, k = l2_normalize(q) * 8**-0.5, l2_normalize(k)
     state = state.to(torch.bfloat16)  # a state read from a bfloat16 page

@@ -127,7 +127,7 @@ def test_bad_operands_are_refused():
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
-def test_mixer_fast_path_matches_per_row_path(tmp_path, monkeypatch, arch):
+def test_mixer_fast_path_matches_per_row_path(tmp_path, monkeypatch, arch, count_calls):
     """A verify step through the decode plan (twins on the CPU) against the same step
     through the per-row path, from the same pages."""
     import sys
@@ -143,8 +143,14 @@ def test_mixer_fast_path_matches_per_row_path(tmp_path, monkeypatch, arch):
     torch.manual_seed(_seed())
     prompts = [torch.randint(3, 256, (n,)).tolist() for n in (7, 12)]
     drafts = [torch.randint(3, 256, (3,)).tolist() for _ in prompts]
-    results = []
+    from hybridserve.models.layers import gated_deltanet
+
+    decoded = count_calls(gated_deltanet.GatedDeltaNet, "_decode_rows")
+    per_row = count_calls(gated_deltanet, "causal_conv1d_reference")
+    results, paths = [], []
     for fast in (True, False):
+        decoded.clear()
+        per_row.clear()
         # Without the batched decode ops the step takes the per-row path.
         driver = PagedDriver(with_kernel_policy(model, KernelPolicy(uniform_decode=fast)))
         driver.step(list(enumerate(prompts)))
@@ -153,6 +159,12 @@ def test_mixer_fast_path_matches_per_row_path(tmp_path, monkeypatch, arch):
         results.append((logits, {(s, o): (driver.conv_state(layer, p), driver.ssm_state(layer, p))
                                  for s, offs in pages.items() for o, p in offs.items()
                                  for layer in driver.caches.conv}))
+        paths.append((len(decoded), len(per_row)))
+    # Which path each side took: the verify step through the decode plan (one call per
+    # layer) on the fast side, through the per-row path (two rows per layer) on the other.
+    (fast_decoded, fast_rows), (slow_decoded, slow_rows) = paths
+    assert fast_decoded > 0 and slow_decoded == 0, paths
+    assert slow_rows == fast_rows + 2 * fast_decoded, paths
     (fl, fs), (sl, ss) = results
     assert (fl - sl).abs().max() / sl.abs().max() < 1e-5
     for key in ss:

@@ -198,6 +198,25 @@ def test_kernels_independent_of_program_order():
         assert torch.equal(c.nan_to_num(0.0), results[0][1].nan_to_num(0.0))
 
 
+@pytest.mark.parametrize("act", ["silu", None])
+def test_conv_kernel_independent_of_program_order(act):
+    """Several rows and channel blocks (a 2-D grid): outputs and every window page are
+    bit-identical whatever order the programs run in."""
+    g = torch.Generator().manual_seed(_seed())
+    rows, q = 4, 3
+    xbc, weight, bias, cache, in_pages, out_pages = _conv_inputs(
+        g, rows, q, 300, 4, 3 * rows * q, torch.float32
+    )
+    report = racecheck.run_launcher_in_orders(
+        lambda xbc, weight, bias, cache, in_pages, out_pages: conv_decode_update(
+            xbc, weight, bias, cache, in_pages, out_pages, act
+        ),
+        lambda: (xbc, weight, bias, cache.nan_to_num(7.0), in_pages, out_pages),
+        seed=5,
+    )
+    assert report.consistent, str(report)
+
+
 def _batch(q_lens, in_pages, outs):
     qs = [0]
     for q in q_lens:
@@ -241,7 +260,7 @@ def test_decode_plan_qualifies_only_uniform_steps_from_stored_states():
 
 
 @pytest.mark.parametrize("q", [1, 3])
-def test_mixer_fast_path_matches_per_row_path(tmp_path, monkeypatch, q):
+def test_mixer_fast_path_matches_per_row_path(tmp_path, monkeypatch, q, mixer_paths):
     """A whole model step through the fast path equals the per-row path: logits and every
     written state page (rows continue from stored states; caches are NaN-poisoned)."""
     import sys
@@ -258,12 +277,13 @@ def test_mixer_fast_path_matches_per_row_path(tmp_path, monkeypatch, q):
     g = torch.Generator().manual_seed(_seed())
     prompts = {i: torch.randint(3, 256, (5 + 3 * i,), generator=g).tolist() for i in range(3)}
     nxt = {i: torch.randint(3, 256, (q,), generator=g).tolist() for i in range(3)}
-    results = []
+    results, paths = [], []
     for fast in (True, False):
         # Without the batched decode ops the step takes the per-row path.
         policy = KernelPolicy(uniform_decode=fast, short_rows="off", packed_prefill="off")
         model = load_model(path, dtype=torch.float64, policy=policy)
         d = PagedDriver(model)
+        mixer_paths.clear()
         d.step([(i, p) for i, p in prompts.items()])
         logits, pages = d.step([(i, t) for i, t in nxt.items()], {0: [0]} if q > 1 else None)
         states = {
@@ -273,6 +293,11 @@ def test_mixer_fast_path_matches_per_row_path(tmp_path, monkeypatch, q):
             for layer in model.cache_spec.mamba_layers
         }
         results.append((logits, states))
+        paths.append(dict(mixer_paths))
+    # The prompts take the per-row path on the CPU either way; the uniform step takes the
+    # decode kernels on the fast side only.
+    layers = len(model.cache_spec.mamba_layers)
+    assert paths == [{"per_row": 3 * layers, "decode": layers}, {"per_row": 6 * layers}], paths
     (fl, fs), (sl, ss) = results
     assert not fl.isnan().any()
     torch.testing.assert_close(fl, sl, rtol=1e-10, atol=1e-10)

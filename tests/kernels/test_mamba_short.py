@@ -192,7 +192,7 @@ def test_plan_lays_out_pages_per_token_and_qualifies_short_steps():
 
 
 @pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=interpreted)])
-def test_mixer_short_rows_match_per_row_path(tmp_path, kernels):
+def test_mixer_short_rows_match_per_row_path(tmp_path, kernels, mixer_paths):
     """Whole model steps of short rows (fresh prompts, continuations of several tokens and
     of one token, rows with extra state requests) through the short-row path equal the
     per-row path: logits and every written state page. The twins in float64 (tight), the
@@ -212,11 +212,12 @@ def test_mixer_short_rows_match_per_row_path(tmp_path, kernels):
     more = {0: torch.randint(3, 256, (6,), generator=g).tolist(),
             1: torch.randint(3, 256, (1,), generator=g).tolist(),
             2: torch.randint(3, 256, (9,), generator=g).tolist()}
-    results = []
+    results, paths = [], []
     # "triton": the interpreter runs the CUDA path's kernels on the CPU.
     for mode in ("triton" if kernels else "reference", "off"):
         policy = KernelPolicy(short_rows=mode, packed_prefill="off")
         model = load_model(path, dtype=dtype, policy=policy)
+        mixer_paths.clear()
         d = PagedDriver(model)
         first, pages1 = d.step([(i, p) for i, p in prompts.items()], {2: [0, 4]})
         second, pages2 = d.step([(i, t) for i, t in more.items()], {0: [2], 2: [0, 5]})
@@ -228,6 +229,11 @@ def test_mixer_short_rows_match_per_row_path(tmp_path, kernels):
             for layer in model.cache_spec.mamba_layers
         }
         results.append((torch.cat([first, second]), states))
+        paths.append(dict(mixer_paths))
+    # Neither step is a uniform decode step: two short-row calls per layer, or rows
+    # through the per-row path (three a step, per layer).
+    layers = len(model.cache_spec.mamba_layers)
+    assert paths == [{"short": 2 * layers}, {"per_row": 6 * layers}], paths
     (fl, fs), (sl, ss) = results
     assert not fl.isnan().any()
     tol = 1e-4 if kernels else 1e-10

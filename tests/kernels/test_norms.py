@@ -412,7 +412,9 @@ def test_fused_path_through_whole_model_matches_torch_path(request, arch, dtype)
 
     model = load_model(request.getfixturevalue(arch), dtype=dtype)
     seed = _seed()
-    want = _two_steps(model, seed)
+    with racecheck.record_launches(record=False) as rec:
+        want = _two_steps(model, seed)
+    assert rec.launches == 0  # the torch path launches nothing
     fused = with_kernel_policy(model, KernelPolicy(norms="triton"))
     with racecheck.record_launches(record=False) as rec:
         got = _two_steps(fused, seed)

@@ -193,7 +193,9 @@ def test_decode_graph_step_with_triton_attention_matches_eager(tiny_nemotron, mo
         results[name] = [o.outputs[0].token_ids for o in outs]
         if graphs:
             assert llm.engine.runner.graphs.counters["graph_steps"] > 0
-    assert calls  # the kernel ran inside the graph step
+            assert calls  # the kernel ran inside the graph step
+            launched = len(calls)
+    assert len(calls) == launched  # ... and never on the eager twin's side
     assert results["graph_triton"] == results["eager_twin"]
 
 

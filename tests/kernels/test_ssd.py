@@ -33,10 +33,10 @@ def _inputs(length, heads, head_dim, groups, d_state, *, initial: bool, dtype=to
 
 
 @pytest.fixture(autouse=True)
-def _fresh_seed():
-    seed = torch.seed() % 2**31
-    torch.manual_seed(seed)
-    return seed
+def _fresh_seed(test_seed):
+    # The suite's conftest seeded torch with this test's seed (reproducible from the
+    # session seed in the report header).
+    return test_seed
 
 
 @pytest.mark.parametrize("length", [1, 2, 7, 8, 9, 16, 23, 40])

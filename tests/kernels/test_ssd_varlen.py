@@ -305,7 +305,7 @@ def _run_steps(model, steps):
 
 
 @pytest.mark.parametrize("clamp_everywhere", [False, True])
-def test_mixer_packed_path_matches_per_row_path(tmp_path, clamp_everywhere):
+def test_mixer_packed_path_matches_per_row_path(tmp_path, clamp_everywhere, mixer_paths):
 
     torch.set_num_threads(1)
     model = _model(tmp_path, clamp_everywhere)
@@ -331,9 +331,15 @@ def test_mixer_packed_path_matches_per_row_path(tmp_path, clamp_everywhere):
         # off the grid (a cut), row ends.
         ([(7, toks(150)), (0, toks(130))], {7: [63, 127, 149], 0: [63, 100, 129]}),
     ]
-    results = {}
+    results, paths = {}, {}
     for mode in ("reference", "off"):
+        mixer_paths.clear()
         results[mode] = _run_steps(_with(model, packed_prefill=mode), steps)
+        paths[mode] = dict(mixer_paths)
+    # No step is a uniform decode step: one side is all packed, the other all per row.
+    layers = len(model.cache_spec.mamba_layers)
+    assert paths["reference"] == {"packed": layers * len(steps)}, paths
+    assert set(paths["off"]) == {"per_row"}, paths
     for (pl, pw, pb, pa), (rl, rw, _, ra) in zip(results["reference"], results["off"]):
         assert not pl.isnan().any()
         torch.testing.assert_close(pl, rl, rtol=1e-10, atol=1e-10)
@@ -531,10 +537,13 @@ def test_prefill_plan_lays_out_window_pages_and_refuses_steps_that_break_the_pag
     assert plan_states(twice, policy, cpu, torch.float64).kind is StepKind.ROWS
 
 
-def _packed_vs_per_row(tmp_path, packed_mode, device, dtype):
+def _packed_vs_per_row(tmp_path, mixer_paths, packed_mode, device, dtype):
     """One hand-built mixed step (a long prefill with grid points, one-token and
     multi-token continuations, an empty row, a fresh short prefill) through the packed
-    path and the per-row path, on random caches. Returns both results and the batch."""
+    path and the per-row path, on random caches. Returns both results and the batch.
+
+    Every row is short (at most 512 tokens), so the short-row path, which would take
+    such a step on the GPU, is switched off; each side asserts the path it took."""
     from hybridserve.models.loader import load_model
     from hybridserve.testing.tiny_models import make_tiny_checkpoint
 
@@ -557,8 +566,10 @@ def _packed_vs_per_row(tmp_path, packed_mode, device, dtype):
         k.copy_(torch.randn(k.shape, generator=g))
         v.copy_(torch.randn(v.shape, generator=g))
     results = {}
+    layers = len(spec.mamba_layers)
     for mode in (packed_mode, "off"):
         planned = _with(model, packed_prefill=mode)
+        mixer_paths.clear()
         caches = spec.allocate(64, 16, 16, dtype, ssm_dtype, device)
         for src, dst in ((start.conv, caches.conv), (start.ssm, caches.ssm)):
             for layer in src:
@@ -568,14 +579,17 @@ def _packed_vs_per_row(tmp_path, packed_mode, device, dtype):
             caches.kv[layer][1].copy_(v)
         with torch.no_grad():
             hidden = planned(ids, batch, caches)
+        # Four non-empty rows per layer on the per-row path; one packed call otherwise.
+        want = {"packed": layers} if mode != "off" else {"per_row": 4 * layers}
+        assert dict(mixer_paths) == want, (mode, dict(mixer_paths))
         results[mode] = (hidden, caches)
     return results[packed_mode], results["off"], start, batch, spec
 
 
-def test_mixer_hand_built_step_with_an_empty_row(tmp_path):
+def test_mixer_hand_built_step_with_an_empty_row(tmp_path, mixer_paths):
     torch.set_num_threads(1)
     (ph, pc), (rh, rc), start, batch, spec = _packed_vs_per_row(
-        tmp_path, "reference", "cpu", torch.float64
+        tmp_path, mixer_paths, "reference", "cpu", torch.float64
     )
     torch.testing.assert_close(ph, rh, rtol=1e-10, atol=1e-10)
     written = batch.state_out_page
@@ -590,15 +604,20 @@ def test_mixer_hand_built_step_with_an_empty_row(tmp_path):
 @gpu_test
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_mixer_packed_path_matches_per_row_path(tmp_path, monkeypatch, dtype,
-                                                    record_property):
+                                                    record_property, mixer_paths):
     _need_fla()
     (ph, pc), (rh, rc), start, batch, spec = _packed_vs_per_row(
-        tmp_path, "auto", "cuda", dtype
+        tmp_path, mixer_paths, "auto", "cuda", dtype
     )
     rel = _rel(ph, rh)
     record_property("mixer_packed_rel_err_hidden", rel)
     print(f"mixer packed vs per-row on the GPU, {dtype}: hidden relative error {rel:.3e}")
-    assert rel < (1e-2 if dtype == torch.float32 else 5e-2)
+    # Measured on an H200 (two runs, packed side on fla-core's scan): hidden 1.1e-3 /
+    # 1.2e-3 in float32 and 7.0e-3 / 1.0e-2 in bf16; written SSM states up to 1.1e-3 and
+    # 9.8e-3. Before the short-row path was switched off here both sides took it and
+    # every difference was exactly 0.
+    bound = 5e-3 if dtype == torch.float32 else 3e-2
+    assert rel < bound
     written = batch.state_out_page
     others = [p for p in range(16) if p not in written]
     for layer in spec.mamba_layers:
@@ -614,4 +633,4 @@ def test_gpu_mixer_packed_path_matches_per_row_path(tmp_path, monkeypatch, dtype
         rs = _rel(pc.ssm[layer][written], rc.ssm[layer][written])
         record_property(f"mixer_packed_rel_err_states_layer{layer}", rs)
         print(f"  layer {layer}: written SSM states relative error {rs:.3e}")
-        assert rs < 1e-2
+        assert rs < bound

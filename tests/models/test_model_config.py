@@ -202,7 +202,7 @@ def test_tiny_checkpoints_parse(arch, tmp_path):
         (_granite(architectures=...), "architectures", "GraniteMoeHybridForCausalLM"),
         (_granite(num_local_experts=4, num_experts_per_tok=5), "num_experts_per_tok", "num_local_experts (4)"),
         (_granite(num_local_experts=-1), "num_local_experts", ">= 0"),
-        (_granite(num_local_experts=4, intermediate_size=0), "intermediate_size", "positive"),
+        (_granite(num_local_experts=4, intermediate_size=0), "intermediate_size", "> 0"),
         (_granite(hidden_size=...), "hidden_size", "missing"),
         (_granite(layer_types=["mamba", "mamba"]), "layer_types", "3 layer types"),
         (_granite(layer_types=["mamba", "conv", "mamba"]), "layer_types", "conv"),

@@ -82,8 +82,12 @@ def test_low_precision_load(granite, dtype):
     low = _logits(model, tokens)
     full = _logits(load_model(granite), tokens)
     assert low.dtype == torch.float32
-    assert ((low - full).abs().max() / full.abs().max()).item() < 0.1
-    assert (low.argmax(-1) == full.argmax(-1)).float().mean() >= 0.8
+    # Measured over 15 prompts on each of three tiny checkpoints: the largest error
+    # relative to the largest logit 0.0097 (0.013 on another checkpoint) in bf16 and
+    # 0.0013 in float16; at most one of 20 argmaxes flips. Bounds about 3x those.
+    bound = 0.03 if want == torch.bfloat16 else 0.004
+    assert ((low - full).abs().max() / full.abs().max()).item() < bound
+    assert (low.argmax(-1) == full.argmax(-1)).float().mean() >= 0.9
 
 
 def test_rejects_unsupported_dtype(granite):

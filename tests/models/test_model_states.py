@@ -79,7 +79,6 @@ def _assert_states_close(got, ref, what: str) -> None:
 
 def test_chunked_prefill_matches_single_forward(any_model):
     model = any_model
-    torch.manual_seed(torch.seed() % 2**31)
     prompts = {0: _tokens(37), 1: _tokens(29)}
     # Chunks of 1 and 2 tokens are shorter than the conv window, 13 and 16 cross chunk edges.
     splits = {0: [5, 1, 2, 13, 16], 1: [12, 1, 3, 13]}
@@ -115,7 +114,6 @@ def test_chunked_prefill_matches_single_forward(any_model):
 @pytest.mark.parametrize("prefix_len", [0, 10])
 def test_states_at_offsets_equal_separate_runs(any_model, prefix_len):
     model = any_model
-    torch.manual_seed(torch.seed() % 2**31)
     prefix, body = _tokens(prefix_len), _tokens(25)
     # 0..2 are shorter than the conv window; 7/8 and 15/16 straddle chunk boundaries
     # (chunk_size 8); 24 is the last token.
@@ -134,7 +132,6 @@ def test_states_at_offsets_equal_separate_runs(any_model, prefix_len):
 
 def test_verify_row_equals_single_token_steps(any_model):
     model = any_model
-    torch.manual_seed(torch.seed() % 2**31)
     prompt, draft = _tokens(11), _tokens(4)
     spec = PagedDriver(model)
     spec.step([(0, prompt)])
@@ -154,7 +151,6 @@ def test_verify_row_equals_single_token_steps(any_model):
 
 def test_mixed_batch_rows_are_independent(model):
     """Decode rows, a verify row and a prefill row in one forward give each row's solo result."""
-    torch.manual_seed(torch.seed() % 2**31)
     prompts = [_tokens(n) for n in (9, 17, 4)]
     new = [_tokens(1), _tokens(4), _tokens(20)]
     together = PagedDriver(model)
@@ -172,7 +168,6 @@ def test_mixed_batch_rows_are_independent(model):
 def test_forward_writes_only_requested_pages_and_slots(model):
     """The caches start poisoned (NaN); after a step exactly the requested state pages and
     the step's KV slots hold finite values, and nothing else was touched."""
-    torch.manual_seed(torch.seed() % 2**31)
     driver = PagedDriver(model)
     _, pages = driver.step([(0, _tokens(6)), (1, _tokens(11))], extra_state_offsets={1: [2, 7]})
     written = {p for row in pages.values() for p in row.values()}

@@ -93,4 +93,7 @@ def test_speculative_counters(chat_model, server_factory) -> None:
         accepted = m["hybridserve_spec_accepted_tokens_total"]
         assert drafts > 0 and 0 <= accepted <= drafts
         assert m["hybridserve_spec_acceptance_rate"] == accepted / drafts
-        assert m["hybridserve_spec_mean_accepted_length"] >= 1.0
+        # 1.0 would hold with no draft ever accepted; this prompt's greedy answer falls
+        # into a loop the drafter predicts: measured 4.0 (every draft of every row).
+        assert m["hybridserve_spec_mean_accepted_length"] >= 3.0
+        assert accepted >= 9
