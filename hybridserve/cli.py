@@ -86,6 +86,21 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="which checkpoint to evict when the budget is full",
     )
     p.add_argument(
+        "--checkpoint-offload-gib", type=float, default=0.0,
+        help="host memory (GiB; pinned on CUDA) that evicted state checkpoints move to "
+        "instead of being dropped; 0 = off",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization", type=float, default=None,
+        help="size the caches from this share of the device's memory (as vLLM's flag; "
+        "max_model_len then defaults to the model's own); unset: sizes from max_num_seqs",
+    )
+    p.add_argument(
+        "--checkpoint-memory-fraction", type=float, default=0.2,
+        help="with --gpu-memory-utilization: the share of the cache memory left after live "
+        "state that goes to checkpoint pages",
+    )
+    p.add_argument(
         "--num-speculative-tokens", type=int, default=0,
         help="n-gram (prompt lookup) speculative decoding with this many draft tokens; 0 = off",
     )
@@ -124,6 +139,9 @@ def llm_from_args(args: argparse.Namespace):
         state_interval=args.state_interval,
         max_checkpoint_pages=args.max_checkpoint_pages,
         eviction_policy=args.eviction_policy,
+        checkpoint_offload_gib=args.checkpoint_offload_gib,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        checkpoint_memory_fraction=args.checkpoint_memory_fraction,
         speculative_config=spec,
         enforce_eager=True if args.enforce_eager else None,
         num_threads=args.num_threads,

@@ -58,6 +58,9 @@ class CacheConfig:
     the pool); beyond it checkpoints are evicted by ``eviction_policy``: ``lru`` or
     ``flop_aware`` (recency plus ``eviction_alpha`` (default 2) times the prefill FLOPs a hit saves;
     see :mod:`hybridserve.cache.state_cache`).
+    ``checkpoint_offload_gib`` (or, exactly, ``checkpoint_offload_pages``) sizes the host
+    tier that evicted checkpoints move to instead of being dropped (0: no tier; see
+    :mod:`hybridserve.cache.host_tier`).
     """
 
     kv_block_size: int = 16
@@ -70,6 +73,8 @@ class CacheConfig:
     ssm_state_dtype: torch.dtype = torch.float32
     eviction_policy: str = "lru"
     eviction_alpha: float = 2.0
+    checkpoint_offload_gib: float = 0.0
+    checkpoint_offload_pages: int | None = None
 
     def __post_init__(self) -> None:
         if self.kv_block_size < 1:
@@ -92,6 +97,17 @@ class CacheConfig:
             raise ValueError(
                 f"checkpoint_policies has unknown entries {bad}; choose from {CHECKPOINT_POLICIES}"
             )
+        if not self.checkpoint_offload_gib >= 0:
+            raise ValueError(
+                f"checkpoint_offload_gib must be >= 0, got {self.checkpoint_offload_gib}"
+            )
+        if self.checkpoint_offload_pages is not None:
+            if self.checkpoint_offload_pages < 0:
+                raise ValueError(
+                    f"checkpoint_offload_pages must be >= 0, got {self.checkpoint_offload_pages}"
+                )
+            if self.checkpoint_offload_gib:
+                raise ValueError("give checkpoint_offload_gib or checkpoint_offload_pages, not both")
         if self.max_checkpoint_pages is not None and not (
             0 <= self.max_checkpoint_pages < self.num_state_pages
         ):

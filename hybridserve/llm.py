@@ -86,8 +86,11 @@ class LLM:
     every Mamba layer's conv window and SSM state); by default sized so that
     ``max_num_seqs`` requests of ``max_model_len`` tokens fit, plus room for
     checkpoints. ``max_model_len`` defaults to the model's ``max_position_embeddings``,
-    capped at 4096. ``kernel_policy`` picks which implementation each op of the forward
-    takes (:class:`~hybridserve.config.KernelPolicy`; the defaults suit serving).
+    capped at 4096. With ``gpu_memory_utilization`` set, the caches take that share of the
+    device's memory instead (:mod:`hybridserve.engine.sizing` states the split) and
+    ``max_model_len`` defaults to the model's own, uncapped; explicit sizes still win.
+    ``kernel_policy`` picks which implementation each op of the forward takes
+    (:class:`~hybridserve.config.KernelPolicy`; the defaults suit serving).
 
     ``num_threads``: torch's CPU thread count, a process-wide setting that the
     constructor applies (see :func:`resolve_num_threads` for the default, 1).
@@ -114,6 +117,10 @@ class LLM:
         max_checkpoint_pages: int | None = None,
         ssm_state_dtype: str | torch.dtype = "float32",
         eviction_policy: str = "lru",
+        checkpoint_offload_gib: float = 0.0,
+        checkpoint_offload_pages: int | None = None,
+        gpu_memory_utilization: float | None = None,
+        checkpoint_memory_fraction: float = 0.2,
         enforce_eager: bool | None = None,
         speculative_config: dict[str, Any] | None = None,
         async_scheduling: bool | None = None,
@@ -144,7 +151,11 @@ class LLM:
         self.tokenizer = Tokenizer.maybe_load(path)
         speculative = SpecConfig.from_dict(speculative_config)
         if max_model_len is None:
-            max_model_len = min(mcfg.max_position_embeddings, 4096)
+            # Sized from the device, a model gets its own length; otherwise the caches
+            # are sized from max_model_len, so it is capped.
+            max_model_len = mcfg.max_position_embeddings
+            if gpu_memory_utilization is None:
+                max_model_len = min(max_model_len, 4096)
         if max_model_len > mcfg.max_position_embeddings:
             raise ValueError(
                 f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
@@ -158,6 +169,32 @@ class LLM:
             max_model_len=max_model_len,
         )
         d = speculative.num_speculative_tokens if speculative else 0
+        plan = None
+        if gpu_memory_utilization is not None:
+            from hybridserve.engine import sizing
+
+            ssm_dtype = resolve_dtype(ssm_state_dtype, "ssm_state_dtype")
+            plan = sizing.plan_memory(
+                capacity_bytes=sizing.device_capacity_bytes(device),
+                gpu_memory_utilization=gpu_memory_utilization,
+                weights_bytes=sizing.weights_bytes(self.model),
+                activation_peak_bytes=sizing.profile_activation_peak(
+                    self.model, max_num_batched_tokens, kv_block_size, torch_dtype, ssm_dtype, device
+                ),
+                kv_block_bytes=self.model.cache_spec.kv_block_bytes(kv_block_size, torch_dtype),
+                kv_block_size=kv_block_size,
+                state_page_bytes=self.model.cache_spec.state_page_bytes(torch_dtype, ssm_dtype),
+                max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs,
+                pages_per_seq=d + 4,
+                checkpoint_memory_fraction=checkpoint_memory_fraction,
+            )
+            log.info("%s", plan.log_line())
+            num_kv_blocks = plan.num_kv_blocks if num_kv_blocks is None else num_kv_blocks
+            num_state_pages = plan.num_state_pages if num_state_pages is None else num_state_pages
+            if max_checkpoint_pages is None:
+                max_checkpoint_pages = plan.max_checkpoint_pages
+        self.memory_plan = plan
         blocks_per_seq = -(-max_model_len // kv_block_size)
         if num_kv_blocks is None:
             num_kv_blocks = max(blocks_per_seq * min(max_num_seqs, 8), 256)
@@ -181,6 +218,8 @@ class LLM:
             max_checkpoint_pages=min(checkpoint_pages, num_state_pages - 1),
             ssm_state_dtype=resolve_dtype(ssm_state_dtype, "ssm_state_dtype"),
             eviction_policy=eviction_policy,
+            checkpoint_offload_gib=checkpoint_offload_gib,
+            checkpoint_offload_pages=checkpoint_offload_pages,
         )
         cache_spec = self.model.cache_spec
         page_bytes = cache_spec.state_page_bytes(torch_dtype, cache.ssm_state_dtype)
@@ -192,7 +231,7 @@ class LLM:
             str(cache.ssm_state_dtype).removeprefix("torch."),
             cache.num_state_pages, page_bytes * cache.num_state_pages / 2**30,
         )
-        if device.startswith("cuda"):
+        if device.startswith("cuda") and plan is None:
             check_cache_fits(
                 self.model.cache_spec, cache, torch_dtype,
                 free_bytes=torch.cuda.mem_get_info(torch.device(device))[0],

@@ -34,6 +34,7 @@ __all__ = [
     "SchedulerOutput",
     "StepResult",
     "PostprocessDecision",
+    "Transfers",
     "kv_slot",
 ]
 
@@ -189,9 +190,24 @@ class ScheduledRow:
 
 
 @dataclass
+class Transfers:
+    """The host-tier copies one step runs before its forward: ``offloads`` as
+    ``(device page, host page)`` and ``restores`` as ``(host page, device page)``
+    (:mod:`hybridserve.cache.host_tier` states their order)."""
+
+    offloads: list[tuple[int, int]] = field(default_factory=list)
+    restores: list[tuple[int, int]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.offloads or self.restores)
+
+
+@dataclass
 class SchedulerOutput:
     rows: list[ScheduledRow]
     preempted: list = field(default_factory=list)
+    # Host-tier copies the runner performs before this step's forward.
+    transfers: Transfers = field(default_factory=Transfers)
 
     @property
     def num_tokens(self) -> int:

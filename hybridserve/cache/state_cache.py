@@ -15,7 +15,9 @@ Ownership and invariants
   records the hashes of every block of its prefix: when any of those KV blocks is
   evicted the checkpoint can never be hit again and is dropped.
 - Checkpoints hold at most ``budget`` pages; beyond that, and whenever live requests
-  need pages, a checkpoint is evicted. ``lru``: the least recently used.
+  need pages, a checkpoint is evicted (and handed to ``on_evict`` first, which the host
+  tier uses to keep it: :mod:`hybridserve.cache.host_tier`; a checkpoint dropped because
+  its KV prefix is gone is not handed over). ``lru``: the least recently used.
   ``flop_aware`` (after Marconi, MLSys 2025): the lowest score
   ``recency + alpha * flops_saved / max_flops_saved``, where recency runs from 0 (least
   recent) to 1 (most recent) and ``flops_saved(length)`` is the prefill work a hit on
@@ -65,6 +67,8 @@ class StateCache:
         self.checkpoints: OrderedDict[int, Checkpoint] = OrderedDict()
         # block hash -> checkpoint keys whose prefix contains that block.
         self._dependents: dict[int, set[int]] = {}
+        # Called with (key, checkpoint) just before an eviction releases the page.
+        self.on_evict: Callable[[int, Checkpoint], None] | None = None
         self.num_admitted = 0
         self.num_evicted = 0
         self.num_dropped = 0
@@ -165,6 +169,8 @@ class StateCache:
             n = len(keys) - 1
             scores = [i / n + self.alpha * f / top for i, f in enumerate(flops)]
             key = keys[scores.index(min(scores))]
+        if self.on_evict is not None:
+            self.on_evict(key, self.checkpoints[key])
         self._remove(key)
         self.num_evicted += 1
 
@@ -173,6 +179,11 @@ class StateCache:
         for key in list(self._dependents.get(block_hash, ())):
             self._remove(key)
             self.num_dropped += 1
+
+    def drop(self, key: int) -> None:
+        """Forget checkpoint ``key`` (its page's data cannot be trusted)."""
+        self._remove(key)
+        self.num_dropped += 1
 
     def clear(self) -> None:
         """Drop every checkpoint."""

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridserve.cache.host_tier import HostStatePool, Transfers, host_pages_for
 from hybridserve.config import EngineConfig
 from hybridserve.detokenizer import IncrementalDetokenizer
 from hybridserve.drafters.ngram import NgramDrafter
@@ -100,8 +101,10 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
-        self.scheduler = Scheduler(config.scheduler, config.cache, prefill_flops(model))
         cc = config.cache
+        page_bytes = model.cache_spec.state_page_bytes(config.dtype, cc.ssm_state_dtype)
+        host_pages = host_pages_for(cc, page_bytes)
+        self.scheduler = Scheduler(config.scheduler, config.cache, prefill_flops(model), host_pages)
         if enforce_eager is None:
             enforce_eager = torch.device(config.device).type != "cuda"
         # Decode graphs pad steps with rows that write one KV block and read one state
@@ -117,6 +120,9 @@ class EngineCore:
             model, caches, cc.kv_block_size, config.scheduler.max_num_seqs, config.device,
             boundary_interval=self.scheduler.boundary_interval(),
         )
+        if self.scheduler.host.enabled:
+            # The host tier mirrors every state tensor of every recurrent layer.
+            self.runner.host_pool = HostStatePool(caches.states, host_pages)
         if not enforce_eager:
             self.runner.enable_decode_graphs(
                 max_blocks=-(-config.scheduler.max_model_len // cc.kv_block_size),
@@ -251,6 +257,10 @@ class EngineCore:
             self._propose_drafts()
         sched = self.scheduler.schedule()
         if not sched.rows:
+            if sched.transfers:
+                # Only host-tier copies this step (a restore the waiting head needs).
+                self._guarded(sched, lambda: self.runner.run_transfers(sched))
+                return []
             if self.scheduler.waiting and not self.scheduler.running:
                 # The oldest waiting request cannot fit even in an empty engine.
                 req = self.scheduler.waiting[0]
@@ -278,6 +288,10 @@ class EngineCore:
             # requests keep their caches and are scheduled again by the next step.
             for row in sched.rows:
                 self.scheduler.release_row(row)
+            if sched.transfers:
+                # The host-tier copies did not (all) happen: forget what they carried.
+                self.scheduler.abandon_transfers(sched.transfers)
+                sched.transfers = Transfers()
             raise
 
     def _advance(self, sched: SchedulerOutput, pending: PendingStep) -> list[RequestOutput]:
@@ -420,7 +434,7 @@ class EngineCore:
         for child in group.children:
             # A child whose own finish raised may be marked finished and still hold caches.
             holds = child.block_ids or child.state_page >= 0 or child.boundary_page >= 0
-            if not child.status.finished or holds or child.slot >= 0:
+            if not child.status.finished or holds or child.seat >= 0:
                 self.scheduler.finish(child, RequestStatus.FINISHED_ERROR)
             if self.drafter is not None:
                 self.drafter.forget(child.request_id)
@@ -633,6 +647,12 @@ class EngineCore:
         c["checkpoints_admitted"] = s.states.num_admitted
         c["checkpoints_evicted"] = s.states.num_evicted
         c["checkpoints_dropped"] = s.states.num_dropped
+        c["host_checkpoint_pages"] = len(s.host.checkpoints)
+        c["host_checkpoint_pages_total"] = s.host.num_pages
+        c["host_checkpoints_offloaded"] = s.host.num_offloaded
+        c["host_checkpoints_restored"] = s.host.num_restored
+        c["host_checkpoints_evicted"] = s.host.num_evicted
+        c["host_checkpoints_dropped"] = s.host.num_dropped
         c["kv_blocks_free"] = s.blocks.num_free
         c["kv_blocks_total"] = s.blocks.num_blocks
         c["state_pages_free"] = s.states.num_free

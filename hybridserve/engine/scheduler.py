@@ -12,6 +12,10 @@ One step
    KV blocks and a state checkpoint (DESIGN.md section 3) and starts there. A request
    whose prompt shares a longer prefix with one still being prefilled waits for the
    checkpoint that request is asked to leave at their junction.
+   A hit whose checkpoint sits on the host tier (:mod:`hybridserve.cache.host_tier`)
+   takes a fresh page, queues the copy into it, makes it a device checkpoint again and
+   waits one step (the copy overlaps that step's forward); the next step admits the
+   request on the device hit. The step's copies travel in ``SchedulerOutput.transfers``.
 
 Which state each row writes (the pages come from :class:`StateCache`)
 -------------------------------------------------------------------
@@ -40,10 +44,11 @@ from collections import deque
 from collections.abc import Callable
 
 from hybridserve.cache.block_pool import BlockPool, chain_hash
+from hybridserve.cache.host_tier import HostCheckpointIndex
 from hybridserve.cache.state_cache import StateCache
 from hybridserve.config import CacheConfig, SchedulerConfig
 from hybridserve.engine.request import Request, RequestStatus
-from hybridserve.step import ScheduledRow, SchedulerOutput
+from hybridserve.step import ScheduledRow, SchedulerOutput, Transfers
 
 __all__ = ["ScheduledRow", "Scheduler", "SchedulerOutput"]
 
@@ -56,9 +61,11 @@ class Scheduler:
         sched: SchedulerConfig,
         cache: CacheConfig,
         flops_saved: Callable[[int], float] | None = None,
+        num_host_pages: int = 0,
     ) -> None:
         """``flops_saved(length)``: prefill work a checkpoint of that length saves
-        (used by the ``flop_aware`` eviction policy)."""
+        (used by the ``flop_aware`` eviction policy). ``num_host_pages``: pages of the
+        host checkpoint tier (0: evicted checkpoints are dropped)."""
         self.config = sched
         self.cache_config = cache
         self.block_size = cache.kv_block_size
@@ -69,6 +76,14 @@ class Scheduler:
             cache.num_state_pages, budget, cache.eviction_policy, flops_saved, cache.eviction_alpha
         )
         self.blocks.on_evict.append(self.states.on_block_evicted)
+        host_pages = num_host_pages if cache.enable_prefix_caching else 0
+        self.host = HostCheckpointIndex(host_pages, cache.eviction_policy, flops_saved, cache.eviction_alpha)
+        self.blocks.on_evict.append(self.host.on_block_evicted)
+        if self.host.enabled:
+            self.states.on_evict = self._offload
+        # Waiting requests whose host hit is being restored: request id -> the fresh
+        # page (one reference held until the request is admitted or finished).
+        self._restoring: dict[str, int] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_seats = list(range(sched.max_num_seqs - 1, -1, -1))
@@ -78,6 +93,7 @@ class Scheduler:
             "prefix_hit_tokens": 0,
             "prefix_hits": 0,
             "preemptions": 0,
+            "host_hits": 0,
         }
 
     def _check_fits_one_request(self) -> None:
@@ -116,6 +132,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status
+        self._drop_restore_hold(req)
         # A failed request, like an aborted one, leaves no checkpoint behind.
         if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
             self._admit_boundary_checkpoint(req)
@@ -176,13 +193,16 @@ class Scheduler:
 
     # ---- admission ---------------------------------------------------------------
 
-    def _probe(self, tokens: list[int], hashes: list[int]) -> tuple[int, list[int], int, int]:
-        """What the cache holds for ``tokens`` (whose full-block hashes are ``hashes``):
-        the longest usable hit length, its KV blocks, its checkpoint page, and the
-        length of the longest cached KV prefix (checkpoint or not)."""
+    def _probe(
+        self, tokens: list[int], hashes: list[int]
+    ) -> tuple[int, list[int], int, int, int | None]:
+        """What the caches hold for ``tokens`` (whose full-block hashes are ``hashes``):
+        the longest usable device hit's length, its KV blocks and checkpoint page; the
+        length of the longest cached KV prefix (checkpoint or not); and the key of a
+        longer hit whose checkpoint is on the host tier (None if there is none)."""
         bs = self.block_size
         hit_blocks: list[int] = []
-        best_len, best_page = 0, -1
+        best_len, best_page, host_key = 0, -1, None
         for i, h in enumerate(hashes):
             block_id = self.blocks.lookup(h, tokens[i * bs : (i + 1) * bs])
             if block_id is None:
@@ -191,17 +211,63 @@ class Scheduler:
             if self.states.has(h):
                 best_len = (i + 1) * bs
                 best_page = self.states.lookup(h).page
-        return best_len, hit_blocks[: best_len // bs], best_page, len(hit_blocks) * bs
+                host_key = None
+            elif self.host.has(h):
+                host_key = h
+        return best_len, hit_blocks[: best_len // bs], best_page, len(hit_blocks) * bs, host_key
 
-    def _lookup_prefix(self, req: Request) -> tuple[int, list[int], int]:
-        """Longest usable hit (length h, its KV blocks, checkpoint page); records the
-        junction, where the prompt leaves the cached path, as a checkpoint position."""
+    def _lookup_prefix(self, req: Request) -> tuple[int, list[int], int, int | None]:
+        """Longest usable device hit (length h, its KV blocks, checkpoint page) and the
+        key of a longer host-tier hit; records the junction, where the prompt leaves the
+        cached path, as a checkpoint position."""
         tokens = req.all_token_ids
         hashes = self._hashes(req, (len(tokens) - 1) // self.block_size)
-        best_len, hit_blocks, best_page, junction = self._probe(tokens, hashes)
+        best_len, hit_blocks, best_page, junction, host_key = self._probe(tokens, hashes)
         if junction > best_len and "junction" in self.cache_config.checkpoint_policies:
             req.extra_checkpoints.add(junction)
-        return best_len, hit_blocks, best_page
+        return best_len, hit_blocks, best_page, host_key
+
+    # ---- the host tier -----------------------------------------------------------
+
+    def _offload(self, key: int, ckpt) -> None:
+        """A device checkpoint is being evicted: keep it on the host tier. A page that a
+        queued restore still writes cannot be copied from yet: that one is dropped."""
+        if ckpt.page in self.host.restoring_into():
+            return
+        self.host.offload(key, ckpt.length, ckpt.page, ckpt.prefix_hashes)
+
+    def _start_restore(self, req: Request, key: int) -> bool:
+        """Bring host checkpoint ``key`` back into a fresh device page for ``req``
+        (which waits a step). False when no device page can be had."""
+        if not self.states.can_allocate(1):
+            return False
+        ckpt, page = self.host.restore(key, lambda: self.states.allocate(1)[0])
+        self.states.admit(key, ckpt.length, page, ckpt.prefix_hashes)
+        self._restoring[req.request_id] = page
+        self.counters["host_hits"] += 1
+        return True
+
+    def _drop_restore_hold(self, req: Request) -> None:
+        page = self._restoring.pop(req.request_id, None)
+        if page is not None:
+            self.states.release([page])
+
+    def abandon_transfers(self, transfers: Transfers) -> None:
+        """A step's host-tier copies failed (some may not have run): drop the host
+        checkpoints its offloads were to fill and the device checkpoints its restores
+        were to fill, so that no hit ever reads a page whose data never arrived."""
+        filled = {hp for _, hp in transfers.offloads}
+        for key, ckpt in list(self.host.checkpoints.items()):
+            if ckpt.host_page in filled:
+                self.host.drop(key)
+        restored = {page for _, page in transfers.restores}
+        for key, ckpt in list(self.states.checkpoints.items()):
+            if ckpt.page in restored:
+                self.states.drop(key)
+
+    def _drain(self, out: SchedulerOutput) -> SchedulerOutput:
+        out.transfers = self.host.drain()
+        return out
 
     def _wait_for_shared_prefill(self, req: Request, rows: list[ScheduledRow]) -> bool:
         """In-flight junctions: should ``req`` wait for a prefix being prefilled now?
@@ -222,7 +288,7 @@ class Scheduler:
             return False
         bs = self.block_size
         mine = self._hashes(req, (req.num_tokens - 1) // bs)
-        cached, _, _, _ = self._probe(req.all_token_ids, mine)
+        cached, _, _, _, _ = self._probe(req.all_token_ids, mine)
         for other in self.running:
             theirs = self._hashes(other, other.num_prompt_tokens // bs)
             shared = 0
@@ -253,7 +319,7 @@ class Scheduler:
         lengths whose state that chunk writes.
         """
         caching = self.cache_config.enable_prefix_caching
-        h, hit_blocks, hit_page = 0, [], -1
+        h, hit_blocks, hit_page, host_key = 0, [], -1, None
         if caching and req.num_computed_tokens == 0:
             if "prompt_end" in self.cache_config.checkpoint_policies:
                 # The prompt's end serves a prompt that extends it; the last boundary
@@ -263,7 +329,16 @@ class Scheduler:
                 for end in (req.num_prompt_tokens // bs * bs, (req.num_prompt_tokens - 1) // bs * bs):
                     if end > 0:
                         req.extra_checkpoints.add(end)
-            h, hit_blocks, hit_page = self._lookup_prefix(req)
+            h, hit_blocks, hit_page, host_key = self._lookup_prefix(req)
+        # One restore per admission: a request that already waited for one takes the
+        # device hit it finds now (a longer one may have gone to the host since).
+        if (
+            host_key is not None
+            and req.request_id not in self._restoring
+            and self._start_restore(req, host_key)
+        ):
+            req.extra_checkpoints.clear()
+            return 0, []
         q = min(req.num_tokens - h, budget)
         new_blocks = self._blocks_needed(h + q) - len(hit_blocks)
         # Hit blocks on the free queue are taken off it by acquire(): count them as used.
@@ -271,6 +346,7 @@ class Scheduler:
         # Hold the hit checkpoint before counting reclaimable pages: it must not be one.
         if hit_page >= 0:
             self.states.incref(hit_page)
+        self._drop_restore_hold(req)
         if new_blocks + hit_free > self.blocks.num_free or not self.states.can_allocate(1):
             self.states.release([hit_page])
             req.extra_checkpoints.clear()
@@ -385,7 +461,7 @@ class Scheduler:
             self.running.append(req)
             rows.append(self._make_row(req, q, 0, positions, decode=False))
             budget -= q
-        return SchedulerOutput(rows=rows, preempted=preempted)
+        return self._drain(SchedulerOutput(rows=rows, preempted=preempted))
 
     def schedule_ahead(self, rows: list[ScheduledRow]) -> SchedulerOutput | None:
         """The plain decode step after ``rows`` (plain decode rows of the step in flight,
@@ -415,7 +491,7 @@ class Scheduler:
                 state_in_page=prev.state_outputs[n], is_decode=True,
                 state_outputs={n + 1: self.states.allocate(1)[0]}, ahead=True,
             ))
-        return SchedulerOutput(rows=out, preempted=[])
+        return self._drain(SchedulerOutput(rows=out, preempted=[]))
 
     def drop_ahead_row(self, row: ScheduledRow) -> None:
         """Release what a row scheduled ahead holds when its request finished meanwhile
@@ -553,6 +629,7 @@ class Scheduler:
     def clear_prefix_cache(self) -> None:
         """Drop every checkpoint and forget every free block's hash."""
         self.states.clear()
+        self.host.clear()
         self.blocks.clear_cache()
 
     def check_integrity(self, step_pages: list[int] = (), rows: list[ScheduledRow] = ()) -> None:
@@ -584,7 +661,7 @@ class Scheduler:
                     f"{req.num_registered_blocks} registered KV blocks, expected {full}"
                 )
         self.blocks.check_integrity(writes)
-        holders = list(step_pages)
+        holders = list(step_pages) + list(self._restoring.values())
         block_refs = [0] * self.blocks.num_blocks
         for req in self.running:
             holders += [req.state_page, req.boundary_page]
@@ -599,6 +676,10 @@ class Scheduler:
             if req.block_ids or req.state_page >= 0 or req.boundary_page >= 0:
                 raise AssertionError(f"waiting request {req.request_id} holds caches")
         self.states.check_integrity(holders)
+        self.host.check_integrity()
+        waiting_ids = {r.request_id for r in self.waiting}
+        if not set(self._restoring) <= waiting_ids:
+            raise AssertionError("a restore hold belongs to no waiting request")
         used_seats = [r.seat for r in self.running]
         if len(set(used_seats)) != len(used_seats) or len(used_seats) + len(self.free_seats) != self.config.max_num_seqs:
             raise AssertionError("request seats are lost or shared")

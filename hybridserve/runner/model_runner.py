@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridserve.cache.host_tier import HostStatePool
 from hybridserve.kernels.state_postprocess import (
     max_checkpoints_per_row,
     state_postprocess,
@@ -48,6 +49,7 @@ from hybridserve.step import (
     RowResult,
     SchedulerOutput,
     StepResult,
+    Transfers,
     kv_slot,
 )
 
@@ -91,6 +93,19 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.boundary_interval = boundary_interval
         self.graphs: DecodeGraphs | None = None
+        # The host tier's tensors (set by the engine when the tier is on).
+        self.host_pool: HostStatePool | None = None
+
+    def run_transfers(self, sched: SchedulerOutput) -> None:
+        """Perform the host-tier copies a step carries (once), before its forward, and
+        order the forward after any restore whose page it reads."""
+        if self.host_pool is None:
+            return
+        # Cleared only once the copies are queued: a step whose copies raised keeps
+        # them, so the engine can forget what they were to carry.
+        self.host_pool.run(sched.transfers)
+        sched.transfers = Transfers()
+        self.host_pool.before_forward([row.state_in_page for row in sched.rows])
 
     def enable_decode_graphs(
         self, max_blocks: int, scratch_block: int, scratch_page: int, capture: bool | None = None
@@ -168,7 +183,11 @@ class ModelRunner:
         ``after``: the step in flight that ``sched`` was scheduled ahead of (its rows are
         all ``ahead`` rows, row ``i`` continuing ``after``'s row ``sources[i]``): their
         input tokens are that step's choices, copied on the device.
+
+        The step's host-tier copies run first (:meth:`run_transfers`), whether or not a
+        graph replays it: they stay ahead of the forward.
         """
+        self.run_transfers(sched)
         if self.graphs is None:
             return None
         tokens = None
