@@ -117,15 +117,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def llm_from_args(args: argparse.Namespace):
-    """Build an :class:`~hybridserve.LLM` from parsed :func:`add_engine_arguments` options."""
-    from hybridserve import LLM
-
+def llm_kwargs_from_args(args: argparse.Namespace) -> dict:
+    """The :class:`~hybridserve.LLM` keyword arguments of parsed :func:`add_engine_arguments`
+    options (``model`` included)."""
     spec = None
     if args.num_speculative_tokens > 0:
         spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
-    return LLM(
-        args.model,
+    return dict(
+        model=args.model,
         dtype=args.dtype,
         device=args.device,
         seed=args.seed,
@@ -146,6 +145,13 @@ def llm_from_args(args: argparse.Namespace):
         enforce_eager=True if args.enforce_eager else None,
         num_threads=args.num_threads,
     )
+
+
+def llm_from_args(args: argparse.Namespace):
+    """Build an :class:`~hybridserve.LLM` from parsed :func:`add_engine_arguments` options."""
+    from hybridserve import LLM
+
+    return LLM(**llm_kwargs_from_args(args))
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
@@ -304,6 +310,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_serve_arguments(serve)
     add_engine_arguments(serve)
+    serve.add_argument(
+        "--replicas", type=int, default=1,
+        help="engine replicas on a local Ray Serve cluster, routed by where their "
+        "checkpoints are (needs the 'ray' extra; docs/scale-out.md)",
+    )
+    serve.add_argument(
+        "--router-max-queue", type=int, default=8,
+        help="with --replicas: a replica with more requests in flight than this is "
+        "passed over even if it holds the deepest checkpoint",
+    )
     return parser
 
 
@@ -316,6 +332,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from hybridserve.demo import run_demo
 
             return run_demo(args)
+        if args.replicas > 1:
+            from hybridserve.routing.ray_app import serve_replicas_main
+
+            return serve_replicas_main(args)
         from hybridserve.server.cli import serve_main
 
         return serve_main(args)

@@ -21,10 +21,19 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from hybridserve.cache.events import CacheEvent, EventSink
+
 
 def chain_hash(parent: int | None, token_ids: Sequence[int], extra_key: object = None) -> int:
-    """Hash of a full block given its parent block's hash (None for the first block)."""
-    return hash((parent, tuple(token_ids), extra_key))
+    """Hash of a full block given its parent block's hash (None for the first block).
+
+    The same in every process, so a router elsewhere computes the same chain: built
+    only from ints (whose hashes do not depend on the process, unlike ``hash(None)``
+    and string hashes). ``extra_key`` must be an int (or a tuple of ints) for that to
+    hold. CPython's ``hash`` never returns -1, so -1 cannot be a real parent.
+    """
+    key = (-1 if parent is None else parent, tuple(token_ids))
+    return hash(key if extra_key is None else (*key, extra_key))
 
 
 def block_hashes(
@@ -59,6 +68,8 @@ class BlockPool:
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
         self.on_evict: list[Callable[[int], None]] = []
+        # Publishes block_stored / block_removed (hybridserve.cache.events); None: off.
+        self.event_sink: EventSink | None = None
         self.num_evicted = 0
 
     @property
@@ -89,6 +100,8 @@ class BlockPool:
         if self.hash_to_block.get(h) == block.block_id:
             del self.hash_to_block[h]
             self.num_evicted += 1
+            if self.event_sink is not None:
+                self.event_sink(CacheEvent("block_removed", h))
             for fn in self.on_evict:
                 fn(h)
         block.block_hash = None
@@ -143,7 +156,9 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         # Keep the first block registered under a hash: it may already be shared.
-        self.hash_to_block.setdefault(block_hash, block_id)
+        stored = self.hash_to_block.setdefault(block_hash, block_id) == block_id
+        if stored and self.event_sink is not None:
+            self.event_sink(CacheEvent("block_stored", block_hash))
 
     def clear_cache(self) -> int:
         """Forget every hash of a free block. Returns how many were forgotten."""

@@ -59,6 +59,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridserve.cache.events import CacheEvent, EventSink
 from hybridserve.step import Transfers
 
 __all__ = ["HostCheckpoint", "HostCheckpointIndex", "HostStatePool", "Transfers", "host_pages_for"]
@@ -95,6 +96,8 @@ class HostCheckpointIndex:
         self.checkpoints: OrderedDict[int, HostCheckpoint] = OrderedDict()
         self._dependents: dict[int, set[int]] = {}
         self._pending = Transfers()
+        # Publishes host_checkpoint_stored / _removed (hybridserve.cache.events); None: off.
+        self.event_sink: EventSink | None = None
         self.num_offloaded = 0
         self.num_restored = 0
         self.num_evicted = 0
@@ -119,6 +122,8 @@ class HostCheckpointIndex:
             self._evict()
         host_page = self.free.pop()
         self.checkpoints[key] = HostCheckpoint(host_page, length, tuple(prefix_hashes))
+        if self.event_sink is not None:
+            self.event_sink(CacheEvent("host_checkpoint_stored", key, length))
         for h in prefix_hashes:
             self._dependents.setdefault(h, set()).add(key)
         self._pending.offloads.append((device_page, host_page))
@@ -153,6 +158,8 @@ class HostCheckpointIndex:
 
     def _remove(self, key: int, quarantine: bool = False) -> HostCheckpoint:
         ckpt = self.checkpoints.pop(key)
+        if self.event_sink is not None:
+            self.event_sink(CacheEvent("host_checkpoint_removed", key, ckpt.length))
         for h in ckpt.prefix_hashes:
             deps = self._dependents.get(h)
             if deps is not None:

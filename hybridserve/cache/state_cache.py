@@ -24,6 +24,8 @@ Ownership and invariants
   the checkpoint saves. Every checkpoint holds one page, so FLOPs saved per byte is
   proportional to FLOPs saved; long prefixes, whose attention cost grows
   quadratically, outlive short ones that were touched a little more recently.
+- Every admission, lookup hit and removal is published to ``event_sink`` when one is
+  set (:mod:`hybridserve.cache.events`), so a router can mirror the index.
 
 Only the scheduler calls into this class.
 """
@@ -34,12 +36,15 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from hybridserve.cache.events import CacheEvent, EventSink
+
 
 @dataclass(slots=True)
 class Checkpoint:
     page: int
     length: int  # prefix length in tokens; a multiple of kv_block_size
     prefix_hashes: tuple[int, ...]
+    last_used: int = 0  # the index's LRU clock at admission or the last lookup
 
 
 class StateCache:
@@ -72,6 +77,10 @@ class StateCache:
         self.num_admitted = 0
         self.num_evicted = 0
         self.num_dropped = 0
+        # Ticks on every admission and lookup; published so routers can tell LRU age.
+        self.clock = 0
+        # Publishes checkpoint events (hybridserve.cache.events); None: off.
+        self.event_sink: EventSink | None = None
 
     # ---- pages -------------------------------------------------------------------
 
@@ -124,7 +133,14 @@ class StateCache:
         ckpt = self.checkpoints.get(key)
         if ckpt is not None:
             self.checkpoints.move_to_end(key)
+            self.clock += 1
+            ckpt.last_used = self.clock
+            self._emit("checkpoint_used", key, ckpt)
         return ckpt
+
+    def _emit(self, kind: str, key: int, ckpt: Checkpoint) -> None:
+        if self.event_sink is not None:
+            self.event_sink(CacheEvent(kind, key, ckpt.length, ckpt.last_used, self.clock))
 
     def has(self, key: int) -> bool:
         return key in self.checkpoints
@@ -140,14 +156,18 @@ class StateCache:
         if len(self.checkpoints) >= self.checkpoint_budget:
             self._evict_lru()
         self.incref(page)
-        self.checkpoints[key] = Checkpoint(page, length, tuple(prefix_hashes))
+        self.clock += 1
+        ckpt = Checkpoint(page, length, tuple(prefix_hashes), self.clock)
+        self.checkpoints[key] = ckpt
+        self._emit("checkpoint_admitted", key, ckpt)
         for h in prefix_hashes:
             self._dependents.setdefault(h, set()).add(key)
         self.num_admitted += 1
         return True
 
-    def _remove(self, key: int) -> None:
+    def _remove(self, key: int, kind: str = "checkpoint_dropped") -> None:
         ckpt = self.checkpoints.pop(key)
+        self._emit(kind, key, ckpt)
         for h in ckpt.prefix_hashes:
             deps = self._dependents.get(h)
             if deps is not None:
@@ -171,7 +191,7 @@ class StateCache:
             key = keys[scores.index(min(scores))]
         if self.on_evict is not None:
             self.on_evict(key, self.checkpoints[key])
-        self._remove(key)
+        self._remove(key, "checkpoint_evicted")
         self.num_evicted += 1
 
     def on_block_evicted(self, block_hash: int) -> None:

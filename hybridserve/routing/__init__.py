@@ -1,0 +1,1 @@
+"""Routing requests across engine replicas (see docs/scale-out.md)."""
