@@ -44,9 +44,20 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}``: transformers' marker of the assistant
+    tokens (for training masks); rendering passes its body through unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> Any:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationTag]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
@@ -76,18 +87,30 @@ def render_chat(
     messages: list[dict[str, Any]],
     *,
     add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
     bos_token: str | None = None,
     eos_token: str | None = None,
     max_chars: int | None = None,
+    **context: Any,
 ) -> str:
     """The prompt text for ``messages``; raises ChatTemplateError if the template
-    refuses the conversation, fails on it, or its output passes ``max_chars``."""
+    refuses the conversation, fails on it, or its output passes ``max_chars``.
+
+    ``context`` holds further template variables (``tools``, ``documents``, a
+    request's ``chat_template_kwargs`` such as ``enable_thinking``), as transformers'
+    ``apply_chat_template(**kwargs)`` passes them. ``continue_final_message``: the text
+    ends where the last message's content ends (what the template writes after it,
+    an end-of-turn tag, is cut), so the model continues that message."""
     pieces: list[str] = []
     size = 0
     try:
         # Piece by piece, so a runaway template stops at the cap instead of filling
         # memory first.
+        # The fixed variables win over same-named ones from the request.
+        reserved = ("messages", "add_generation_prompt", "bos_token", "eos_token")
+        context = {k: v for k, v in context.items() if k not in reserved}
         for piece in template.generate(
+            **context,
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=bos_token or "",
@@ -111,4 +134,25 @@ def render_chat(
         raise ChatTemplateError(
             f"the chat template failed on the messages: {type(e).__name__}: {e}"
         ) from e
-    return "".join(pieces)
+    text = "".join(pieces)
+    if continue_final_message:
+        text = _cut_after_final(text, messages[-1].get("content"))
+    return text
+
+
+def _cut_after_final(text: str, content: Any) -> str:
+    # As transformers does: cut after the last occurrence of the final message's text.
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    final = content or ""
+    if not final.strip():
+        raise ChatTemplateError("continue_final_message needs a last message with content")
+    at = text.rfind(final.strip())
+    if at < 0:
+        raise ChatTemplateError(
+            "continue_final_message: the chat template does not write the last message's "
+            "content verbatim, so it cannot be continued"
+        )
+    if text[at : at + len(final.lstrip())] == final.lstrip():
+        return text[: at + len(final.lstrip())]
+    return text[: at + len(final.strip())]

@@ -7,6 +7,8 @@ answer at once; each command imports what it needs when it runs.
 from __future__ import annotations
 
 import argparse
+import difflib
+import json
 import sys
 import warnings
 from collections.abc import Sequence
@@ -54,6 +56,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "(default: the embedded model)",
     )
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    p.add_argument(
+        "--mamba-ssm-cache-dtype", default="float32",
+        help="dtype of the recurrent (SSM) state cache: float32, bfloat16 or float16",
+    )
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
     p.add_argument(
@@ -75,7 +81,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "--num-state-pages", type=int, default=None,
         help="recurrent-state pages (default: sized from --max-num-seqs and the checkpoint budget)",
     )
-    p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    p.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+        help="prefix caching of KV blocks and recurrent-state checkpoints",
+    )
+    p.add_argument(
+        "--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+        help=argparse.SUPPRESS,
+    )
     p.add_argument("--state-interval", type=int, default=64, help="checkpoint grid in tokens")
     p.add_argument(
         "--max-checkpoint-pages", type=int, default=None,
@@ -104,6 +117,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "--num-speculative-tokens", type=int, default=0,
         help="n-gram (prompt lookup) speculative decoding with this many draft tokens; 0 = off",
     )
+    p.add_argument(
+        "--speculative-config", type=_json_object, default=None, metavar="JSON",
+        help='speculative decoding as vLLM spells it, e.g. \'{"method": "mtp", '
+        '"num_speculative_tokens": 3}\' (methods: ngram, mtp, draft_model with "model": PATH)',
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed of sampling")
     p.add_argument(
         "--enforce-eager", action="store_true",
@@ -120,8 +138,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 def llm_kwargs_from_args(args: argparse.Namespace) -> dict:
     """The :class:`~hybridserve.LLM` keyword arguments of parsed :func:`add_engine_arguments`
     options (``model`` included)."""
-    spec = None
+    spec = args.speculative_config
     if args.num_speculative_tokens > 0:
+        if spec is not None:
+            raise ValueError("give --speculative-config or --num-speculative-tokens, not both")
         spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
     return dict(
         model=args.model,
@@ -134,7 +154,8 @@ def llm_kwargs_from_args(args: argparse.Namespace) -> dict:
         kv_block_size=args.kv_block_size,
         num_kv_blocks=args.num_kv_blocks,
         num_state_pages=args.num_state_pages,
-        enable_prefix_caching=not args.no_prefix_caching,
+        enable_prefix_caching=args.enable_prefix_caching,
+        ssm_state_dtype=args.mamba_ssm_cache_dtype,
         state_interval=args.state_interval,
         max_checkpoint_pages=args.max_checkpoint_pages,
         eviction_policy=args.eviction_policy,
@@ -152,6 +173,47 @@ def llm_from_args(args: argparse.Namespace):
     from hybridserve import LLM
 
     return LLM(**llm_kwargs_from_args(args))
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+_VLLM_FLAGS = {
+    "--block-size": "--kv-block-size",
+    "--tensor-parallel-size": "none: one device per server",
+    "--pipeline-parallel-size": "none: one device per server",
+    "--trust-remote-code": "none: the supported model families are built in",
+    "--tokenizer": "none: the checkpoint's tokenizer.json is used",
+    "--kv-cache-dtype": "--dtype (the KV cache has the model's dtype)",
+    "--uvicorn-log-level": "--log-level",
+}
+"""vLLM flags without a same-named counterpart, and what to use here instead."""
+
+
+def _reject_unknown(sub: argparse.ArgumentParser, extra: list[str]) -> None:
+    """Exit with an error naming each unknown option and the nearest one we have (a
+    vLLM flag without a counterpart here gets told so, not silently dropped)."""
+    known = [o for a in sub._actions for o in a.option_strings if a.help != argparse.SUPPRESS]
+    lines = []
+    for arg in extra:
+        flag = arg.split("=", 1)[0]
+        if not flag.startswith("-"):
+            lines.append(f"unexpected argument {arg!r}")
+            continue
+        near = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+        if flag in _VLLM_FLAGS:
+            hint = f"; use instead: {_VLLM_FLAGS[flag]}"
+        else:
+            hint = f"; the nearest option is {near[0]}" if near else ""
+        lines.append(f"unknown option {flag}{hint} (see {sub.prog} --help)")
+    sub.error("; ".join(lines))
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
@@ -320,11 +382,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --replicas: a replica with more requests in flight than this is "
         "passed over even if it holds the deepest checkpoint",
     )
+    parser.commands = {"generate": gen, "demo": demo, "serve": serve}
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    command = parser.commands[args.command]
+    if extra:
+        _reject_unknown(command, extra)
     try:
         if args.command == "generate":
             return _generate(args)

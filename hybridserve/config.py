@@ -143,6 +143,9 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
 
+SPEC_METHODS = ("ngram", "draft_model", "mtp")
+
+
 @dataclass(frozen=True, slots=True)
 class SpecConfig:
     """Speculative decoding, spelled as vLLM users write ``speculative_config``.
@@ -150,17 +153,28 @@ class SpecConfig:
     ``method="ngram"``: prompt lookup; the last ``prompt_lookup_max`` down to
     ``prompt_lookup_min`` tokens are matched against earlier text and the tokens that
     followed the match are proposed, up to ``num_speculative_tokens`` of them.
+
+    ``method="draft_model"``: a second, smaller checkpoint at ``model`` (any supported
+    architecture with the target's vocabulary) proposes ``num_speculative_tokens``
+    tokens autoregressively, with KV blocks and state pages of its own
+    (:mod:`hybridserve.drafters.draft_model`).
+
+    ``method="mtp"``: the target checkpoint's own multi-token-prediction head
+    (``mtp.*`` weights, Qwen3.5 / Qwen3-Next) proposes them from the target's last
+    hidden state.
     """
 
     method: str = "ngram"
     num_speculative_tokens: int = 3
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    model: str | None = None
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
+        if self.method not in SPEC_METHODS:
             raise ValueError(
-                f"speculative_config.method={self.method!r} is not supported; use 'ngram'"
+                f"speculative_config.method={self.method!r} is not supported; use one of "
+                f"{list(SPEC_METHODS)}"
             )
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(
@@ -172,6 +186,16 @@ class SpecConfig:
                 "speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
             )
+        if self.method == "draft_model" and not self.model:
+            raise ValueError(
+                "speculative_config.model is required with method='draft_model' (the draft "
+                "checkpoint's path)"
+            )
+        if self.method != "draft_model" and self.model is not None:
+            raise ValueError(
+                f"speculative_config.model is only used with method='draft_model', not "
+                f"method={self.method!r}"
+            )
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SpecConfig | None:
@@ -181,10 +205,12 @@ class SpecConfig:
             return d
         if not isinstance(d, dict):
             raise TypeError("speculative_config must be a dict such as {'method': 'ngram', ...}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"speculative_config has unsupported keys {unknown}; known: {sorted(known)}")
+        if "model" in d and d["model"] is not None:
+            d = {**d, "model": str(d["model"])}
         return cls(**d)
 
 

@@ -24,6 +24,7 @@ from hybridserve.config import (
 )
 from hybridserve.engine.engine_core import EngineCore
 from hybridserve.engine.request import RequestOutput, SamplingParams
+from hybridserve.generation_config import load_generation_config
 from hybridserve.hub import resolve_model
 from hybridserve.models.base import CacheSpec
 from hybridserve.tokenizer import Tokenizer
@@ -149,6 +150,7 @@ class LLM:
         mcfg = self.model.config
         self.model_config = mcfg
         self.tokenizer = Tokenizer.maybe_load(path)
+        self.generation_config = load_generation_config(path)
         speculative = SpecConfig.from_dict(speculative_config)
         if max_model_len is None:
             # Sized from the device, a model gets its own length; otherwise the caches
@@ -244,6 +246,8 @@ class LLM:
         eos = tuple(mcfg.eos_token_ids)
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = (self.tokenizer.eos_token_id,)
+        # generation_config.json may name more (a chat model's end-of-turn token).
+        eos += tuple(e for e in self.generation_config.eos_token_ids if e not in eos)
         # enforce_eager: None replays uniform greedy decode steps from CUDA graphs on
         # CUDA and runs eagerly elsewhere; True always runs eagerly (as vLLM's flag).
         # async_scheduling: None pipelines plain decode steps wherever graphs run and

@@ -48,7 +48,9 @@ class SamplingParams:
     token, the ``k`` most likely tokens plus the sampled one. ``structured_outputs``
     constrains the output to a JSON schema, regex, choice or grammar
     (:class:`~hybridserve.structured.StructuredOutputsParams`; a dict of its fields is
-    accepted too).
+    accepted too). ``min_tokens``: EOS and ``stop_token_ids`` cannot be sampled, and
+    stop strings do not end the output, before that many tokens (as vLLM's).
+    ``allowed_token_ids``: only these tokens can be sampled.
     """
 
     n: int = 1
@@ -68,6 +70,8 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    min_tokens: int = 0
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
@@ -119,6 +123,24 @@ class SamplingParams:
             self.structured_outputs, StructuredOutputsParams
         ):
             raise ValueError("structured_outputs must be a StructuredOutputsParams (or a dict of its fields)")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})"
+            )
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
+            ):
+                raise ValueError("allowed_token_ids must be a non-empty list of non-negative integers")
+            self.allowed_token_ids = list(ids)
+
+    @property
+    def token_masked(self) -> bool:
+        """Whether sampling masks tokens for reasons other than a grammar."""
+        return self.min_tokens > 0 or self.allowed_token_ids is not None
 
     @property
     def greedy(self) -> bool:
@@ -153,6 +175,7 @@ class ScheduledRequest(Protocol):
     params: SamplingParams
     sample_seed: int | None
     grammar: object | None  # the structured-outputs matcher, when the params ask for one
+    eos_token_ids: tuple[int, ...]  # banned before the params' min_tokens (unless ignore_eos)
 
 
 def kv_slot(block_ids: Sequence[int], pos: int, block_size: int) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import time
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +27,7 @@ import torch
 from hybridserve.cache.host_tier import HostStatePool, Transfers, host_pages_for
 from hybridserve.config import EngineConfig
 from hybridserve.detokenizer import IncrementalDetokenizer
-from hybridserve.drafters.ngram import NgramDrafter
+from hybridserve.drafters.base import DraftRequest, build_drafter
 from hybridserve.engine.request import (
     CompletionOutput,
     Request,
@@ -123,13 +124,18 @@ class EngineCore:
         if self.scheduler.host.enabled:
             # The host tier mirrors every state tensor of every recurrent layer.
             self.runner.host_pool = HostStatePool(caches.states, host_pages)
+        self.drafter = build_drafter(config, model)
+        # A drafter that reads the target's hidden states runs beside eager steps only.
+        self._observe = getattr(self.drafter, "observe", None)
+        if self._observe is not None:
+            self.runner.keep_hidden = True
+            enforce_eager = True
         if not enforce_eager:
             self.runner.enable_decode_graphs(
                 max_blocks=-(-config.scheduler.max_model_len // cc.kv_block_size),
                 scratch_block=cc.num_kv_blocks,
                 scratch_page=cc.num_state_pages,
             )
-        self.drafter = NgramDrafter(config.speculative) if config.speculative is not None else None
         if async_scheduling is None:
             async_scheduling = not enforce_eager and self.drafter is None
         if async_scheduling and (enforce_eager or self.drafter is not None):
@@ -148,6 +154,7 @@ class EngineCore:
             "spec_draft_tokens": 0,
             "spec_accepted_tokens": 0,
             "spec_verify_rows": 0,
+            "spec_drafter_seconds": 0.0,
         }
         self.check_integrity_every_step = False
         self._grammars = None  # the GrammarBackend, built on the first constrained request
@@ -192,6 +199,8 @@ class EngineCore:
                 f"prompt has {len(prompt_token_ids)} tokens but max_model_len is {max_len}: "
                 "shorten the prompt or raise max_model_len (the model must have room to generate)"
             )
+        if params.allowed_token_ids is not None and max(params.allowed_token_ids) >= self.vocab_size:
+            raise ValueError(f"allowed_token_ids must be token ids in [0, {self.vocab_size})")
         so = params.structured_outputs
         if so is not None:
             # Compiling is what can fail on the user's input: before anything is queued.
@@ -383,6 +392,8 @@ class EngineCore:
                 for row, _, _ in decode_rows:
                     if id(row) not in skip:
                         failed.setdefault(self.group_id(row.request), e)
+        if self._observe is not None:
+            self._hand_over_hidden(sched, results, dropped)
         for row in sched.rows:
             req = row.request
             if id(row) in dropped or self.group_id(req) in failed:
@@ -440,6 +451,20 @@ class EngineCore:
                 self.drafter.forget(child.request_id)
         return group
 
+    def _hand_over_hidden(self, sched: SchedulerOutput, results: list, dropped: set[int]) -> None:
+        """Give the drafter the target's hidden states of the positions this step
+        computed on true tokens: a prefill chunk's all, a verify row's accepted ones."""
+        hidden = self.runner.last_hidden
+        self.runner.last_hidden = None
+        if hidden is None:
+            return
+        start = 0
+        for row, res in zip(sched.rows, results):
+            valid = len(res.new_tokens) if row.is_decode else row.num_tokens
+            if id(row) not in dropped and row.request.status is RequestStatus.RUNNING:
+                self._observe(row.request.request_id, row.num_computed, hidden[start : start + valid])
+            start += row.num_tokens
+
     def _check_integrity(
         self, sched: SchedulerOutput | None = None, in_flight: SchedulerOutput | None = None
     ) -> None:
@@ -453,6 +478,9 @@ class EngineCore:
             steps = [s for s in (sched, in_flight) if s is not None]
             held = [p for s in steps for row in s.rows for p in row.state_outputs.values()]
             self.scheduler.check_integrity(held, sched.rows if sched is not None else [])
+            check_drafter = getattr(self.drafter, "check_integrity", None)
+            if check_drafter is not None:
+                check_drafter()
 
     def _commit_postprocess(
         self,
@@ -490,16 +518,29 @@ class EngineCore:
 
     def _propose_drafts(self) -> None:
         d = self.config.speculative.num_speculative_tokens
+        decoding, asks = [], []
         for req in self.scheduler.running:
+            req.draft_token_ids = []
             if req.is_prefill:
-                req.draft_token_ids = []
                 continue
             room = min(
                 d,
                 self._max_tokens(req) - len(req.output_token_ids) - 1,
                 req.max_model_len - req.num_tokens - 1,
             )
-            drafts = self.drafter.propose(req.all_token_ids, room, key=req.request_id) if room > 0 else []
+            if room > 0:
+                decoding.append(req)
+                temperature = 0.0 if req.params.greedy else req.params.temperature
+                asks.append(DraftRequest(req.request_id, req.all_token_ids, room, temperature,
+                                         req.sample_seed, len(req.output_token_ids)))
+        started = time.perf_counter()
+        proposals = self.drafter.propose_batch(asks) if asks else []
+        # Host wall time of drafting (on CUDA the drafter's forwards are mostly
+        # synchronous: its argmax is read back for the next draft).
+        self.counters["spec_drafter_seconds"] += time.perf_counter() - started
+        # Drafts sampled from the drafter's own distribution travel with it to the sampler.
+        self.runner.draft_logq = getattr(self.drafter, "draft_logq", {})
+        for req, drafts in zip(decoding, proposals):
             if drafts and req.grammar is not None:
                 # A draft the grammar rejects could never be emitted: the run the
                 # verifier may accept ends before it.
@@ -537,7 +578,12 @@ class EngineCore:
             if p.stop_token_ids and tok in p.stop_token_ids:
                 self._mark_stop(req, tok)
                 break
-            if p.stop and self.tokenizer is not None and self._check_stop_strings(req):
+            if (
+                p.stop
+                and self.tokenizer is not None
+                and len(req.output_token_ids) >= p.min_tokens
+                and self._check_stop_strings(req)
+            ):
                 break
             if self._length_capped(req):
                 break

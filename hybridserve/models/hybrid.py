@@ -344,8 +344,9 @@ class Qwen3_5ForCausalLM(HybridForCausalLM):
 
     Published checkpoints are the vision-language wrapper's: the language model's weights
     sit under ``model.language_model.*``, which maps to ``model.*`` (a text-only
-    checkpoint's names load as they are). ``mtp.*`` (the multi-token-prediction head)
-    and ``model.visual.*`` are not used.
+    checkpoint's names load as they are). ``mtp.*`` (the multi-token-prediction head) is
+    loaded by the MTP drafter (:mod:`hybridserve.drafters.mtp`), not here; ``model.visual.*``
+    is not used.
     """
 
     names = _QWEN_NAMES

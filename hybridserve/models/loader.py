@@ -352,6 +352,8 @@ def load_model(
             raise CheckpointError(f"{file}: unreadable or truncated safetensors file ({e})") from e
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)
+    # Where the weights came from: drafters that read more of the checkpoint (an MTP head).
+    model.checkpoint_path = path
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
     stats = LoadStats(nbytes, len(by_file), time.perf_counter() - started)

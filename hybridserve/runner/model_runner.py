@@ -93,6 +93,12 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.boundary_interval = boundary_interval
         self.graphs: DecodeGraphs | None = None
+        # Keep the last eager step's final hidden states ``[T, hidden]`` in ``last_hidden``.
+        self.keep_hidden = False
+        # Per request id: the drafter's log-probabilities ``[drafts, vocab]`` of the
+        # drafts it sampled (none for point-mass drafts), set by the engine each step.
+        self.draft_logq: dict[str, torch.Tensor] = {}
+        self.last_hidden: torch.Tensor | None = None
         # The host tier's tensors (set by the engine when the tier is on).
         self.host_pool: HostStatePool | None = None
 
@@ -237,6 +243,9 @@ class ModelRunner:
         # The step plan, once for the whole forward (every layer reads it).
         batch = self.model.plan_step(batch, self.device)
         hidden = self.model.forward(input_ids, batch, self.caches)
+        if self.keep_hidden:
+            # A drafter that reads the target's hidden states (MTP) takes them from here.
+            self.last_hidden = hidden
         # Gather the positions whose logits are needed: every token of a verify row,
         # the last token of a prefill row that completes its sequence.
         gather: list[int] = []
@@ -398,12 +407,36 @@ class ModelRunner:
                     output_ids=req.output_token_ids,
                     drafts=req.draft_token_ids[: row.num_drafts],
                     grammar=req.grammar,
+                    eos_token_ids=() if req.params.ignore_eos else req.eos_token_ids,
                 )
             )
         plan = sampler.plan_draw(rows, logits.shape[-1])
         packed = upload(plan.packed, logits.device)
         # The choices come first in the output, then the logprobs payload: one read.
+        drafted = self._drafted_positions(sched, sampling, logits.device)
         values, decisions = self._read_back(
-            sched, sampler.sample_step(logits, plan, packed), starts
+            sched, sampler.sample_step(logits, plan, packed, drafted), starts
         )
         return (*sampler.read_step(values, plan), decisions)
+
+    def _drafted_positions(self, sched: SchedulerOutput, sampling: list[int], device):
+        """``(positions, logq, drafts)`` of the step's draft positions whose drafter
+        sampled them from its own distribution (``draft_logq``), for the sampler."""
+        pos, logqs, drafts = [], [], []
+        start = 0
+        for i in sampling:
+            row = sched.rows[i]
+            req = row.request
+            logq = self.draft_logq.get(req.request_id)
+            if logq is not None and row.num_drafts and not req.params.greedy:
+                pos += range(start, start + row.num_drafts)
+                logqs.append(logq[: row.num_drafts])
+                drafts += req.draft_token_ids[: row.num_drafts]
+            start += row.num_drafts + 1
+        if not pos:
+            return None
+        return (
+            torch.tensor(pos, dtype=torch.long, device=device),
+            torch.cat(logqs).to(device),
+            torch.tensor(drafts, dtype=torch.long, device=device),
+        )

@@ -196,6 +196,7 @@ def samples_by_argmax(params: SamplingParams) -> bool:
         and not params.frequency_penalty
         and params.logprobs is None
         and params.structured_outputs is None
+        and not params.token_masked
     )
 
 
@@ -292,6 +293,7 @@ class SampleRow:
     output_ids: Sequence[int]
     drafts: Sequence[int]
     grammar: GrammarMatcher | None = None
+    eos_token_ids: Sequence[int] = ()  # banned with stop_token_ids before min_tokens
 
 
 # Columns of the per-position parameter block of the packed buffer.
@@ -326,6 +328,7 @@ def graph_samplable(params: SamplingParams) -> bool:
         and not params.frequency_penalty
         and params.logprobs is None
         and params.structured_outputs is None
+        and not params.token_masked
     )
 
 
@@ -397,15 +400,18 @@ def plan_draw(rows: Sequence[SampleRow], vocab_size: int) -> DrawPlan:
     any_sampled = any_top_p = any_min_p = False
     masked_pos: list[int] = []
     constrained: list[tuple[GrammarMatcher, Sequence[int]]] = []
+    masked_rows: list[SampleRow] = []
     words = bitmask_words(vocab_size)
     for row in rows:
-        if row.grammar is not None:
-            if row.grammar.words != words:
-                raise ValueError(
-                    f"the grammar's vocabulary ({row.grammar.vocab_size}) is not the logits' ({vocab_size})"
-                )
+        if row.grammar is not None and row.grammar.words != words:
+            raise ValueError(
+                f"the grammar's vocabulary ({row.grammar.vocab_size}) is not the logits' ({vocab_size})"
+            )
+        if row.grammar is not None or row.params.token_masked:
             masked_pos += range(len(params_rows), len(params_rows) + len(row.drafts) + 1)
-            constrained.append((row.grammar, row.drafts))
+            masked_rows.append(row)
+            if row.grammar is not None:
+                constrained.append((row.grammar, row.drafts))
         p = row.params
         lo, hi = seed_words(row.sample_seed)
         greedy = p.greedy
@@ -438,14 +444,18 @@ def plan_draw(rows: Sequence[SampleRow], vocab_size: int) -> DrawPlan:
     flat += [v for e in penalties for v in e]
     flat += lp_pos
     flat += masked_pos
-    if constrained:
+    if masked_rows:
         # The mask words ride in the float64 buffer as raw bits, two per slot, filled
         # in place by the matchers.
         mask_slots = -(-len(masked_pos) * words // 2)
         buf = np.zeros(len(flat) + mask_slots, dtype=np.float64)
         buf[: len(flat)] = flat
         tail = buf[len(flat):].view(np.int32)
-        fill_step_bitmasks(constrained, tail[: len(masked_pos) * words].reshape(len(masked_pos), words))
+        masks = tail[: len(masked_pos) * words].reshape(len(masked_pos), words)
+        if len(constrained) == len(masked_rows):
+            fill_step_bitmasks(constrained, masks)
+        else:
+            _fill_masks(masked_rows, constrained, masks, vocab_size)
         packed = torch.from_numpy(buf)
     else:
         packed = torch.tensor(flat, dtype=torch.float64)
@@ -461,8 +471,49 @@ def plan_draw(rows: Sequence[SampleRow], vocab_size: int) -> DrawPlan:
         any_top_p=any_top_p,
         any_min_p=any_min_p,
         num_masked=len(masked_pos),
-        mask_words=words if constrained else 0,
+        mask_words=words if masked_rows else 0,
     )
+
+
+def _token_bits(ids: Sequence[int], words: int) -> np.ndarray:
+    """The int32 bitmask words with the bits of ``ids`` set."""
+    bits = np.zeros(words * 32, dtype=np.uint8)
+    bits[np.asarray(list(ids), dtype=np.int64)] = 1
+    return np.packbits(bits, bitorder="little").view(np.int32)
+
+
+def _fill_masks(
+    rows: Sequence[SampleRow],
+    constrained: list[tuple[GrammarMatcher, Sequence[int]]],
+    out: np.ndarray,
+    vocab_size: int,
+) -> None:
+    """Masks of a step whose masked rows are not all grammar rows: the grammar rows'
+    from their matchers, then every row's ``allowed_token_ids`` and, before its
+    ``min_tokens``, EOS and ``stop_token_ids`` taken out (positions in row order)."""
+    words = out.shape[1]
+    grammar_masks = np.empty((sum(len(d) + 1 for _, d in constrained), words), dtype=np.int32)
+    if constrained:
+        fill_step_bitmasks(constrained, grammar_masks)
+    at = g = 0
+    for row in rows:
+        n = len(row.drafts) + 1
+        if row.grammar is not None:
+            out[at : at + n] = grammar_masks[g : g + n]
+            g += n
+        else:
+            out[at : at + n] = -1
+        p = row.params
+        if p.allowed_token_ids is not None:
+            out[at : at + n] &= _token_bits([t for t in p.allowed_token_ids if t < vocab_size], words)
+        if p.min_tokens:
+            banned = [t for t in (*row.eos_token_ids, *(p.stop_token_ids or ())) if t < vocab_size]
+            if banned:
+                ban = ~_token_bits(banned, words)
+                for j in range(n):
+                    if row.first_index + j < p.min_tokens:
+                        out[at + j] &= ban
+        at += n
 
 
 def _columns(plan: DrawPlan, packed: torch.Tensor) -> torch.Tensor:
@@ -531,21 +582,35 @@ def apply_bitmasks(x: torch.Tensor, plan: DrawPlan, packed: torch.Tensor) -> tor
     return x.index_put((pos,), x[pos].masked_fill(~allowed, float("-inf")))
 
 
-def sample_step(logits: torch.Tensor, plan: DrawPlan, packed: torch.Tensor) -> torch.Tensor:
+def sample_step(
+    logits: torch.Tensor,
+    plan: DrawPlan,
+    packed: torch.Tensor,
+    drafted: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Sample every position of a step: ``logits [num_positions, vocab]`` (raw),
     ``packed`` the plan's buffer on the logits' device. Returns int64 on that device:
     the chosen token per position, then ``payload_width`` entries per logprob position
-    (float32 values travel as their bit patterns). Reads nothing back to the host."""
+    (float32 values travel as their bit patterns). Reads nothing back to the host.
+
+    ``drafted``: ``(positions [M], logq [M, vocab], drafts [M])`` for draft positions
+    whose drafter sampled from a distribution ``q`` of its own: their choice is
+    :func:`speculative_choices` instead of the point-mass coupling of :func:`draw`."""
     n, ncol = plan.num_positions, len(_COLS)
     cols = _columns(plan, packed)
+    logp = process_step(logits, plan, packed)
+    seed_lo, seed_hi = cols[:, _C["seed_lo"]].long(), cols[:, _C["seed_hi"]].long()
+    index = cols[:, _C["index"]].long()
     choices = draw(
-        process_step(logits, plan, packed),
-        cols[:, _C["temperature"]] == 0,
-        cols[:, _C["seed_lo"]].long(),
-        cols[:, _C["seed_hi"]].long(),
-        cols[:, _C["index"]].long(),
+        logp, cols[:, _C["temperature"]] == 0, seed_lo, seed_hi, index,
         any_sampled=plan.any_sampled,
     )
+    if drafted is not None:
+        pos, logq, drafts = drafted
+        choices = choices.index_put(
+            (pos,),
+            speculative_choices(logp[pos], logq, drafts, seed_lo[pos], seed_hi[pos], index[pos]),
+        )
     if not plan.logprob_positions:
         return choices
     start = n * ncol + 3 * plan.num_penalties
@@ -587,3 +652,51 @@ def read_step(values: Sequence[int], plan: DrawPlan) -> tuple[list[int], dict[in
             out[token] = Logprob(logprob=v, rank=int(payload[row, 2 * m + 1]))
         logprobs[pos] = out
     return choices, logprobs
+
+
+# --- speculative sampling with a drafter's distribution -----------------------------
+#
+# A drafter with a distribution of its own (a draft model, an MTP head) samples draft x
+# at a position from q; the target accepts it with probability min(1, p(x) / q(x)) and
+# otherwise emits a sample of the residual max(0, p - q), normalised: every emitted
+# token is then distributed as p. Both draws are counter based like :func:`draw`, from
+# the same (seed, index, token) hash with salted seed words, so the drafter's sample,
+# the acceptance test and the residual sample are independent streams and a seeded
+# request stays reproducible. The accepted-or-residual token becomes the position's
+# choice: rejection means p(x) < q(x), where the residual is 0, so the choice equals the
+# draft exactly when it is accepted and the walk of :func:`verify_choices` applies.
+
+_DRAFT_SALT = 0x2545F491
+_ACCEPT_SALT = 0x5851F42D
+
+
+def draft_draw(
+    logq: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor, index: torch.Tensor
+) -> torch.Tensor:
+    """The drafter's sample from ``logq [N, vocab]`` (log-probabilities) -> ``[N]``."""
+    u = uniforms(seed_lo ^ _DRAFT_SALT, seed_hi, index, logq.shape[-1])
+    return torch.argmax(logq.double() - torch.log(-torch.log(u)), dim=-1)
+
+
+def speculative_choices(
+    logp: torch.Tensor,
+    logq: torch.Tensor,
+    drafts: torch.Tensor,
+    seed_lo: torch.Tensor,
+    seed_hi: torch.Tensor,
+    index: torch.Tensor,
+) -> torch.Tensor:
+    """Per draft position: the draft ``drafts[i]`` if accepted (``u < p(x) / q(x)``), else
+    a sample of the normalised residual ``max(0, p - q)``. ``logp`` / ``logq``: the
+    target's processed and the drafter's log-probabilities ``[N, vocab]``."""
+    vocab = logp.shape[-1]
+    p, q = logp.double().exp(), logq.double().exp()
+    x = drafts.long()[:, None]
+    u = uniforms(seed_lo ^ _ACCEPT_SALT, seed_hi, index, vocab).gather(1, x)[:, 0]
+    px, qx = p.gather(1, x)[:, 0], q.gather(1, x)[:, 0]
+    accept = u * qx < px
+    residual = (p - q).clamp_min(0.0)
+    # All-zero residual only when p == q, where acceptance is certain: any fallback works.
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
+    keys = torch.log(residual) - torch.log(-torch.log(uniforms(seed_lo, seed_hi, index, vocab)))
+    return torch.where(accept, drafts.long(), torch.argmax(keys, dim=-1))

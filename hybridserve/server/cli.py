@@ -54,6 +54,26 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="Jinja2 chat template file, replacing the checkpoint's own",
     )
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
+        help="how the model writes tool calls: hermes, granite4, qwen3_coder (nemotron_v3), "
+        "nemotron_nano_v2; needed for tool_choice other than 'none'",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="let tool_choice='auto' (the default with tools) parse tool calls out of the "
+        "output; needs --tool-call-parser",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        metavar="NAME",
+        help="split reasoning_content out of chat replies: qwen3, deepseek_r1, "
+        "nemotron_v3, granite_thinking, granite",
+    )
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log verbosity")
     p.add_argument(
         "--graceful-shutdown-timeout",
@@ -102,6 +122,19 @@ def read_chat_template(path: str | None) -> str | None:
         return Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise ValueError(f"--chat-template: cannot read {path}: {e.strerror or e}") from e
+
+
+def check_parsers(args: argparse.Namespace) -> None:
+    """ValueError for an unknown parser name or auto tool choice without a parser."""
+    from hybridserve.reasoning import get_reasoning_parser
+    from hybridserve.tools.parsers import get_tool_parser
+
+    if args.tool_call_parser is not None:
+        get_tool_parser(args.tool_call_parser)
+    if args.reasoning_parser is not None:
+        get_reasoning_parser(args.reasoning_parser)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
 
 
 def is_loopback(host: str) -> bool:
@@ -176,6 +209,7 @@ def serve_main(args: argparse.Namespace) -> int:
         graceful_shutdown_timeout=args.graceful_shutdown_timeout,
     )
     template = read_chat_template(args.chat_template)
+    check_parsers(args)  # before the model loads, which takes a while
     llm = llm_from_args(args)
     app = create_app(
         llm,
@@ -183,6 +217,9 @@ def serve_main(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         chat_template=template,
         max_request_body_bytes=args.max_request_body_bytes,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        reasoning_parser=args.reasoning_parser,
     )
     name = app.state.server.serving.config.model_name
     log.info("%s", startup_line(llm, name, args.host, args.port))

@@ -68,8 +68,9 @@ def error_body(
 
 
 def param_from_message(message: str, fields: set[str]) -> str | None:
-    """The field a validation message starts with (``"top_p must be ..."`` -> ``top_p``)."""
-    head = message.split(" ", 1)[0].split("=", 1)[0]
+    """The field a validation message starts with (``"top_p must be ..."`` -> ``top_p``;
+    ``"structured_outputs.regex does not ..."`` -> ``structured_outputs``)."""
+    head = message.split(" ", 1)[0].split("=", 1)[0].split(".", 1)[0]
     return head if head in fields else None
 
 

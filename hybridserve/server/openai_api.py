@@ -2,8 +2,9 @@
 lifetime.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize``, ``GET /version``,
 ``GET|HEAD /health``, ``GET /metrics`` (and FastAPI's ``/docs``, ``/redoc``,
-``/openapi.json``). With an API key set, every route but ``/health`` and ``/metrics``
+``/openapi.json``). A client's ``X-Request-Id`` header is echoed on the response. With an API key set, every route but ``/health`` and ``/metrics``
 needs ``Authorization: Bearer <key>``: those two stay open for probes and scrapers.
 
 A request body larger than ``max_request_body_bytes`` gets a 413 before the
@@ -36,7 +37,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from hybridserve import __version__
 from hybridserve.chat_template import compile_chat_template, pick_template
+from hybridserve.engine.request import SamplingParams
+from hybridserve.reasoning import get_reasoning_parser
 from hybridserve.server import metrics
 from hybridserve.server.async_engine import AsyncEngine
 from hybridserve.server.errors import (
@@ -47,8 +51,14 @@ from hybridserve.server.errors import (
     handle_validation_error,
 )
 from hybridserve.server.http import DEFAULT_MAX_REQUEST_BODY_BYTES
-from hybridserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from hybridserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from hybridserve.server.serving import OpenAIServing, ServingConfig
+from hybridserve.tools.parsers import get_tool_parser
 
 log = logging.getLogger("hybridserve.server")
 
@@ -74,11 +84,19 @@ def create_app(
     api_key: str | None = None,
     chat_template: str | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """An application serving ``llm`` (an :class:`~hybridserve.LLM`).
 
-    ``chat_template`` is Jinja2 source that replaces the checkpoint's own; a template
+    ``chat_template`` is Jinja2 source that replaces the checkpoint's own (else the
+    checkpoint's ``chat_template.jinja``, else ``tokenizer_config.json``'s); a template
     that does not compile raises ValueError here, not on the first chat request.
+    ``tool_call_parser`` / ``reasoning_parser`` name the parsers
+    (:mod:`hybridserve.tools.parsers`, :mod:`hybridserve.reasoning`; an unknown name
+    is a ValueError); ``enable_auto_tool_choice`` lets ``tool_choice="auto"`` parse
+    calls, and needs a tool parser.
     ``api_key`` None means no check; an empty key is refused (ValueError), since it
     would let anyone in while looking like protection. The engine thread runs while
     the application's lifespan is active.
@@ -89,12 +107,22 @@ def create_app(
         raise ValueError(
             f"max_request_body_bytes must be an integer >= 1024, got {max_request_body_bytes!r}"
         )
+    if tool_call_parser is not None:
+        get_tool_parser(tool_call_parser)
+    if reasoning_parser is not None:
+        get_reasoning_parser(reasoning_parser)
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     cfg = llm.config
     tokenizer = llm.tokenizer
     source = chat_template
     if source is None and tokenizer is not None:
-        source = pick_template(tokenizer.chat_template)
+        source = checkpoint_chat_template(Path(str(cfg.model)), tokenizer.chat_template)
     template = compile_chat_template(source) if source is not None else None
+    if tokenizer is not None:
+        # The grammar tokenizer takes about a second at a 32k vocabulary: built now,
+        # not on the step loop when the first constrained request comes.
+        llm.engine.grammar_backend()
     model_path = str(cfg.model)
     name = served_model_name or Path(model_path).name or model_path
     serving_cfg = ServingConfig(
@@ -103,7 +131,17 @@ def create_app(
         max_model_len=cfg.scheduler.max_model_len,
         tokenizer=tokenizer,
         chat_template=template,
+        tool_call_parser=tool_call_parser,
+        enable_auto_tool_choice=enable_auto_tool_choice,
+        reasoning_parser=reasoning_parser,
+        default_sampling=dict(llm.generation_config.sampling),
     )
+    try:
+        SamplingParams(**serving_cfg.default_sampling)
+    except ValueError as e:
+        raise ValueError(f"generation_config.json of {model_path}: {e}") from None
+    if serving_cfg.default_sampling:
+        log.info("default sampling from generation_config.json: %s", serving_cfg.default_sampling)
     engine = AsyncEngine(llm.engine)
     state = ServerState(
         engine=engine,
@@ -146,6 +184,14 @@ def create_app(
                 ).response()
         return await call_next(request)
 
+    @app.middleware("http")
+    async def echo_request_id(request: Request, call_next: Any) -> Response:
+        response = await call_next(request)
+        given = request.headers.get("x-request-id")
+        if given:
+            response.headers["X-Request-Id"] = given
+        return response
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         return await state.serving.completions(body, request.receive)
@@ -154,20 +200,37 @@ def create_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         return await state.serving.chat(body, request.receive)
 
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "hybridserve",
+            "root": model_path,
+            "parent": None,
+            "max_model_len": serving_cfg.max_model_len,
+        }
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": state.created,
-                    "owned_by": "hybridserve",
-                    "max_model_len": serving_cfg.max_model_len,
-                }
-            ],
-        }
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        state.serving.check_model(model_id)
+        return model_card()
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        return await state.serving.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        return await state.serving.detokenize(body)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
 
     @app.get("/health")
     async def health() -> Response:
@@ -188,6 +251,15 @@ def create_app(
     # Added last, so it runs first: no route, key check or handler sees an oversized body.
     app.add_middleware(BodyLimit, max_bytes=max_request_body_bytes)
     return app
+
+
+def checkpoint_chat_template(path: Path, from_config: Any) -> str | None:
+    """The checkpoint's chat template: ``chat_template.jinja`` beside the weights (what
+    transformers' ``save_pretrained`` writes), else ``tokenizer_config.json``'s."""
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    return pick_template(from_config)
 
 
 async def _handle_unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -41,15 +41,24 @@ from starlette.types import Receive
 
 from hybridserve.chat_template import ChatTemplateError, render_chat
 from hybridserve.engine.request import CompletionOutput, Logprob, RequestOutput, SamplingParams
+from hybridserve.reasoning import get_reasoning_parser
 from hybridserve.server.async_engine import AsyncEngine, EngineError, EngineStopped, RequestStream
+from hybridserve.server.chat_output import ChoiceSplitter, OutputSplit, SplitDelta
 from hybridserve.server.errors import APIError, error_body, param_from_message
 from hybridserve.server.protocol import (
     SAMPLING_FIELDS,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     sampling_params,
+    unknown_fields,
+    unsupported_field,
 )
+from hybridserve.structured.params import StructuredOutputsParams
 from hybridserve.tokenizer import Tokenizer
+from hybridserve.tools.grammar import tool_call_grammar
+from hybridserve.tools.parsers import get_tool_parser
 
 log = logging.getLogger("hybridserve.server")
 
@@ -76,6 +85,10 @@ class ServingConfig:
     max_model_len: int
     tokenizer: Tokenizer | None
     chat_template: jinja2.Template | None
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None
+    default_sampling: dict[str, Any] = field(default_factory=dict)
 
     @property
     def max_prompt_chars(self) -> int:
@@ -119,11 +132,12 @@ class OpenAIServing:
     # ---- endpoints ---------------------------------------------------------------
 
     async def completions(self, req: CompletionRequest, receive: Receive) -> Any:
-        self._check_model(req.model)
+        _warn_unknown(req, "/v1/completions")
+        self.check_model(req.model)
         _check_stream_options(req)
         if req.logprobs is not None and not isinstance(req.logprobs, int):
             raise APIError(400, "logprobs must be an integer", param="logprobs")
-        params = self._params(req, req.logprobs)
+        params = self._params(req, req.logprobs, self._constraint(req))
         prompts = await self._completion_prompts(req.prompt)
         for text_and_ids in prompts:
             self._check_length(text_and_ids[1], params.max_tokens, "prompt")
@@ -132,7 +146,8 @@ class OpenAIServing:
         return await self._respond(rid, prompts, params, req, fmt, receive)
 
     async def chat(self, req: ChatCompletionRequest, receive: Receive) -> Any:
-        self._check_model(req.model)
+        _warn_unknown(req, "/v1/chat/completions")
+        self.check_model(req.model)
         _check_stream_options(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
@@ -143,16 +158,150 @@ class OpenAIServing:
                 "give max_tokens or max_completion_tokens, not both",
                 param="max_completion_tokens",
             )
-        params = self._params(req, top if req.logprobs else None)
-        prompt = await self._chat_prompt(req)
+        tools = [t.to_dict() for t in req.tools or []]
+        constraint = self._constraint(req)
+        split, constraint = self._tool_choice(req, tools, constraint)
+        params = self._params(req, top if req.logprobs else None, constraint)
+        prompt = await self._chat_prompt(req, tools)
         self._check_length(prompt[1], params.max_tokens, "messages")
+        if self.config.reasoning_parser is not None:
+            split.reasoning = get_reasoning_parser(self.config.reasoning_parser)
+        split.constrained = constraint is not None
+        split.prompt = prompt[0] or ""
+        split.chat_template_kwargs = req.chat_template_kwargs
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        fmt = _ChatFormat(self, rid, req.n, top if req.logprobs else None)
+        fmt = _ChatFormat(self, rid, req.n, top if req.logprobs else None, split=split)
         return await self._respond(rid, [prompt], params, req, fmt, receive)
+
+    async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        _warn_unknown(req, "/tokenize")
+        self.check_model(req.model)
+        tok = self._need_tokenizer("prompt")
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give prompt or messages (one of them)", param="prompt")
+        if req.messages is not None:
+            chat = ChatCompletionRequest.model_validate(
+                {
+                    k: getattr(req, k)
+                    for k in ("messages", "add_generation_prompt", "continue_final_message",
+                              "chat_template_kwargs", "tools", "documents")
+                    if getattr(req, k) is not None
+                }
+            )
+            tools = [t.to_dict() for t in chat.tools or []]
+            text, ids = await self._chat_prompt(chat, tools)
+            if req.add_special_tokens:
+                ids = tok.encode(text)
+        else:
+            self._check_text(req.prompt, "prompt")
+            special = True if req.add_special_tokens is None else req.add_special_tokens
+            text = req.prompt
+            ids = await self._offload(lambda: tok.encode_batch([text], special)[0])
+        out: dict[str, Any] = {
+            "count": len(ids),
+            "max_model_len": self.config.max_model_len,
+            "tokens": ids,
+            "token_strs": None,
+        }
+        if req.return_token_strs:
+            out["token_strs"] = [tok.id_to_token(i) for i in ids]
+        return out
+
+    async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+        _warn_unknown(req, "/detokenize")
+        self.check_model(req.model)
+        tok = self._need_tokenizer("tokens")
+        vocab = tok.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(
+                400, f"tokens: {bad} is not a token id of this model (0 to {vocab - 1})",
+                param="tokens", code="invalid_value",
+            )
+        ids = list(req.tokens)
+        return {"prompt": await self._offload(lambda: tok.decode(ids, skip_special_tokens=False))}
+
+    def _need_tokenizer(self, param: str) -> Tokenizer:
+        if self.config.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer", param=param)
+        return self.config.tokenizer
+
+    def _constraint(
+        self, req: CompletionRequest | ChatCompletionRequest
+    ) -> StructuredOutputsParams | None:
+        try:
+            return req.constraint()
+        except ValueError as e:
+            message = str(e)
+            head = message.split(" ", 1)[0].rstrip(":")
+            param = head if head.split(".", 1)[0] in type(req).model_fields else None
+            raise APIError(
+                400, message, param=param or "structured_outputs", code="invalid_value"
+            ) from None
+
+    def _tool_choice(
+        self,
+        req: ChatCompletionRequest,
+        tools: list[dict[str, Any]],
+        constraint: StructuredOutputsParams | None,
+    ) -> tuple[OutputSplit, StructuredOutputsParams | None]:
+        """How the request's tools are used: the parsing of its outputs and, for
+        ``required`` or a named function, the grammar forcing the call."""
+        cfg = self.config
+        choice = req.tool_choice
+        if choice is None:
+            choice = "auto" if tools else "none"
+        split = OutputSplit(parallel_tool_calls=req.parallel_tool_calls, tools=tools)
+        if choice == "none":
+            return split, constraint
+        if not tools:
+            raise APIError(
+                400,
+                f"tool_choice={_choice_text(choice)} needs tools, and the request has none",
+                param="tool_choice",
+                code="invalid_value",
+            )
+        if cfg.tool_call_parser is None:
+            raise APIError(
+                400,
+                f"tool_choice={_choice_text(choice)} needs the server started with "
+                "--tool-call-parser (and --enable-auto-tool-choice for 'auto')",
+                param="tool_choice",
+                code="invalid_value",
+            )
+        if choice == "auto":
+            if not cfg.enable_auto_tool_choice:
+                raise APIError(
+                    400,
+                    "tool_choice='auto' (the default with tools) needs the server started "
+                    "with --enable-auto-tool-choice; or send tool_choice 'none', 'required' "
+                    "or a named function",
+                    param="tool_choice",
+                    code="invalid_value",
+                )
+            split.tool_parser = get_tool_parser(cfg.tool_call_parser)
+            return split, constraint
+        if constraint is not None:
+            raise APIError(
+                400,
+                "tool_choice 'required' or a named function forces a tool call; it cannot "
+                "be combined with response_format or structured_outputs",
+                param="tool_choice",
+                code="invalid_value",
+            )
+        wanted = choice if isinstance(choice, str) else choice.model_dump()
+        try:
+            forced = tool_call_grammar(
+                cfg.tool_call_parser, tools, wanted, parallel_tool_calls=req.parallel_tool_calls
+            )
+        except ValueError as e:
+            raise APIError(400, str(e), param="tool_choice", code="invalid_value") from None
+        split.tool_parser = get_tool_parser(cfg.tool_call_parser)
+        return split, forced
 
     # ---- validation --------------------------------------------------------------
 
-    def _check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.config.model_aliases:
             raise APIError(
                 404,
@@ -163,10 +312,13 @@ class OpenAIServing:
             )
 
     def _params(
-        self, req: CompletionRequest | ChatCompletionRequest, logprobs: int | None
+        self,
+        req: CompletionRequest | ChatCompletionRequest,
+        logprobs: int | None,
+        constraint: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         try:
-            params = sampling_params(req, logprobs)
+            params = sampling_params(req, logprobs, constraint, self.config.default_sampling)
         except (ValueError, TypeError) as e:
             raise APIError(
                 400,
@@ -247,7 +399,9 @@ class OpenAIServing:
             (item, next(encoded)) if isinstance(item, str) else (None, list(item)) for item in items
         ]
 
-    async def _chat_prompt(self, req: ChatCompletionRequest) -> Prompt:
+    async def _chat_prompt(
+        self, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None
+    ) -> Prompt:
         cfg = self.config
         if cfg.chat_template is None:
             raise APIError(
@@ -272,20 +426,49 @@ class OpenAIServing:
             else:
                 _check_unicode(content, f"messages.{i}.content")
             msg: dict[str, Any] = {"role": m.role, "content": content}
-            if m.name is not None:
-                _check_unicode(m.name, f"messages.{i}.name")
-                msg["name"] = m.name
+            for key in ("name", "tool_call_id", "reasoning_content"):
+                value = getattr(m, key)
+                if value is not None:
+                    total += len(value)
+                    _check_unicode(value, f"messages.{i}.{key}")
+                    msg[key] = value
+            if m.tool_calls:
+                msg["tool_calls"] = [_history_call(c) for c in m.tool_calls]
+                total += sum(len(c.function.arguments) for c in m.tool_calls)
+            self._check_chars(total, "messages")
             messages.append(msg)
+        if req.continue_final_message and req.add_generation_prompt:
+            raise APIError(
+                400,
+                "continue_final_message continues the last message, so it needs "
+                "add_generation_prompt=false",
+                param="continue_final_message",
+                code="invalid_value",
+            )
+        if req.continue_final_message and messages[-1]["role"] != "assistant":
+            raise APIError(
+                400,
+                "continue_final_message needs an assistant message last",
+                param="continue_final_message",
+                code="invalid_value",
+            )
+        extra: dict[str, Any] = dict(req.chat_template_kwargs or {})
+        if tools:
+            extra["tools"] = tools
+        if req.documents is not None:
+            extra["documents"] = req.documents
         template, tok = cfg.chat_template, cfg.tokenizer
 
         def render() -> tuple[str, list[int]]:
             text = render_chat(
                 template,
                 messages,
-                add_generation_prompt=True,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
                 bos_token=tok.bos_token,
                 eos_token=tok.eos_token,
                 max_chars=cfg.max_prompt_chars,
+                **extra,
             )
             _check_unicode(text, "messages")  # a template can build surrogates too
             return text, tok.encode_batch([text], add_special_tokens=False)[0]
@@ -323,7 +506,8 @@ class OpenAIServing:
         headers = {"X-Request-Id": rid}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = self._sse(rid, streams, fmt, params, include_usage)
+            continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+            body = self._sse(rid, streams, fmt, params, include_usage, continuous)
             return StreamingResponse(body, media_type="text/event-stream", headers=headers)
         finals = await _unless_disconnected(self._collect(rid, streams), receive)
         if finals is None:
@@ -363,7 +547,8 @@ class OpenAIServing:
                 raise APIError(
                     400,
                     str(e),
-                    param=param_from_message(str(e), {"prompt"}) or "prompt",
+                    param=param_from_message(str(e), {"prompt", "structured_outputs", "allowed_token_ids"})
+                    or "prompt",
                     code="invalid_value",
                 ) from None
             if isinstance(e, EngineStopped):
@@ -419,7 +604,10 @@ class OpenAIServing:
         fmt: _Format,
         params: SamplingParams,
         include_usage: bool,
+        continuous_usage: bool = False,
     ) -> AsyncIterator[str]:
+        """``continuous_usage``: every chunk carries the usage so far (vLLM's
+        ``stream_options.continuous_usage_stats``) instead of ``null``."""
         hold_back = max((len(s) for s in params.stop or ()), default=1) - 1
         cursors = [[_Cursor(hold_back) for _ in range(params.n)] for _ in streams]
         latest: dict[int, RequestOutput] = {}
@@ -434,7 +622,11 @@ class OpenAIServing:
                             continue  # sent its finish chunk; later outputs repeat it
                         chunk = fmt.delta(i * params.n + j, comp, cursors[i][j])
                         if chunk is not None:
-                            yield _event(chunk, include_usage)
+                            if continuous_usage:
+                                chunk["usage"] = usage(list(latest.values()))
+                                yield _sse_line(chunk)
+                            else:
+                                yield _event(chunk, include_usage)
             if include_usage:
                 yield _event(fmt.usage_chunk([latest[i] for i in range(len(streams))]), False)
             _log_finished(rid, [latest[i] for i in range(len(streams))])
@@ -466,6 +658,47 @@ async def _engine_call(rid: str, aw: Awaitable[RequestOutput]) -> RequestOutput:
         ) from None
     except EngineStopped as e:
         raise APIError(503, str(e), code="engine_unavailable") from None
+
+
+def _history_call(call: Any) -> dict[str, Any]:
+    """An assistant message's tool call as chat templates expect it: ``arguments`` as
+    an object where it is JSON text of one (templates write it with ``tojson``)."""
+    args: Any = call.function.arguments
+    try:
+        parsed = json.loads(args)
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict):
+        args = parsed
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.function.name, "arguments": args},
+    }
+
+
+def _choice_text(choice: Any) -> str:
+    return repr(choice) if isinstance(choice, str) else repr(choice.function.name)
+
+
+def _warn_unknown(req: Any, route: str) -> None:
+    """Refuse a field we do not implement but whose value changes the answer; log the
+    other unknown fields, which are ignored."""
+    refused = unsupported_field(req)
+    if refused is not None:
+        raise APIError(
+            400,
+            f"{refused} is not supported by this server (only its default value is accepted)",
+            param=refused,
+            code="unsupported_field",
+        )
+    unknown = unknown_fields(req)
+    if unknown:
+        log.warning(
+            "%s: ignoring field(s) this server does not know: %s",
+            route,
+            ", ".join(_quote(f) for f in unknown[:16]),
+        )
 
 
 def _quote(text: str | None, limit: int = 64) -> str:
@@ -657,6 +890,7 @@ class _CompletionFormat(_Format):
                         "text": comp.text,
                         "logprobs": self.legacy_logprobs(comp, 0, len(comp.token_ids), 0),
                         "finish_reason": comp.finish_reason,
+                        "stop_reason": comp.stop_reason,
                     }
                 )
         return {**self.header("text_completion"), "choices": choices, "usage": usage(outs)}
@@ -673,6 +907,8 @@ class _CompletionFormat(_Format):
             "logprobs": lps,
             "finish_reason": comp.finish_reason,
         }
+        if comp.finish_reason is not None:
+            choice["stop_reason"] = comp.stop_reason
         return {**self.header("text_completion"), "choices": [choice]}
 
     def usage_chunk(self, outs: list[RequestOutput]) -> dict[str, Any]:
@@ -680,6 +916,14 @@ class _CompletionFormat(_Format):
 
 
 class _ChatFormat(_Format):
+    """Chat replies; ``split`` parses reasoning and tool calls out of the text (one
+    :class:`ChoiceSplitter` per streamed choice)."""
+
+    def __init__(self, *args: Any, split: OutputSplit | None = None) -> None:
+        super().__init__(*args)
+        self.split = split or OutputSplit()
+        self.splitters: dict[int, ChoiceSplitter] = {}
+
     def content_logprobs(
         self, comp: CompletionOutput, start: int, end: int
     ) -> dict[str, Any] | None:
@@ -703,17 +947,35 @@ class _ChatFormat(_Format):
         text = self.token_text(token_id)
         return {"token": text, "logprob": _finite(lp.logprob), "bytes": list(text.encode())}
 
+    def message(self, comp: CompletionOutput) -> tuple[dict[str, Any], str | None]:
+        """The reply message and the finish reason of one choice."""
+        msg: dict[str, Any] = {"role": "assistant", "content": comp.text}
+        reason = comp.finish_reason
+        if self.split.active:
+            parts = self.split.new().whole(comp.text)
+            msg["content"] = parts.content
+            if self.split.reports_reasoning:
+                msg["reasoning_content"] = parts.reasoning
+            if parts.tool_calls:
+                msg["tool_calls"] = parts.tool_calls
+                if reason == "stop":
+                    reason = "tool_calls"
+        return msg, reason
+
     def whole(self, outs: list[RequestOutput]) -> dict[str, Any]:
         (out,) = outs
-        choices = [
-            {
-                "index": j,
-                "message": {"role": "assistant", "content": comp.text},
-                "logprobs": self.content_logprobs(comp, 0, len(comp.token_ids)),
-                "finish_reason": comp.finish_reason,
-            }
-            for j, comp in enumerate(out.outputs)
-        ]
+        choices = []
+        for j, comp in enumerate(out.outputs):
+            msg, reason = self.message(comp)
+            choices.append(
+                {
+                    "index": j,
+                    "message": msg,
+                    "logprobs": self.content_logprobs(comp, 0, len(comp.token_ids)),
+                    "finish_reason": reason,
+                    "stop_reason": comp.stop_reason,
+                }
+            )
         return {**self.header("chat.completion"), "choices": choices, "usage": usage(outs)}
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
@@ -735,16 +997,28 @@ class _ChatFormat(_Format):
     def delta(self, index: int, comp: CompletionOutput, cursor: _Cursor) -> dict[str, Any] | None:
         text, start, end = cursor.advance(comp)
         lps = self.content_logprobs(comp, start, end) if end > start else None
-        if not text and comp.finish_reason is None and lps is None:
+        reason = comp.finish_reason
+        if self.split.active:
+            splitter = self.splitters.get(index)
+            if splitter is None:
+                splitter = self.splitters[index] = self.split.new()
+            d = splitter.feed(text) if text else SplitDelta()
+            if reason is not None:
+                last = splitter.finish()
+                d = SplitDelta(
+                    d.reasoning + last.reasoning, d.content + last.content, d.tool_calls + last.tool_calls
+                )
+                if splitter.called and reason == "stop":
+                    reason = "tool_calls"
+            delta = d.to_openai()
+        else:
+            delta = {"content": text} if text else {}
+        if not delta and reason is None and lps is None:
             return None
-        return self._chunk(
-            {
-                "index": index,
-                "delta": {"content": text} if text else {},
-                "logprobs": lps,
-                "finish_reason": comp.finish_reason,
-            }
-        )
+        choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": reason}
+        if reason is not None:
+            choice["stop_reason"] = comp.stop_reason
+        return self._chunk(choice)
 
     def usage_chunk(self, outs: list[RequestOutput]) -> dict[str, Any]:
         return {**self.header("chat.completion.chunk"), "choices": [], "usage": usage(outs)}

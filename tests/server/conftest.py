@@ -29,15 +29,38 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<assistant>{% endif %}"
 )
 
+# A Qwen-like template: tools in a system turn, calls as <tool_call> JSON, tool results
+# as <tool_response>, and <think> opened by the generation prompt with enable_thinking.
+TOOL_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}<system>Tools:{% for t in tools %} {{ t | tojson }}{% endfor %}{{ eos_token }}\n{% endif %}"
+    "{% if documents %}<documents>{% for d in documents %}[{{ d.title }}] {{ d.text }}{% endfor %}\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'tool' %}<tool_response id={{ m.tool_call_id }}>{{ m.content }}</tool_response>\n"
+    "{% elif m.tool_calls %}<assistant>{{ m.content or '' }}"
+    "{% for c in m.tool_calls %}<tool_call>\n"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}'
+    "\n</tool_call>{% endfor %}{{ eos_token }}\n"
+    "{% else %}<{{ m.role }}>{% generation %}{{ m.content }}{% endgeneration %}{{ eos_token }}\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% if enable_thinking %}<think>\n{% endif %}{% endif %}"
+)
 
-def write_byte_tokenizer(path: Path, chat_template: str | None = None, eos_id: int = 2) -> None:
-    """A tokenizer whose 256 ids are the 256 bytes (the tiny models' vocabulary)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+def write_byte_tokenizer(
+    path: Path, chat_template: str | None = None, eos_id: int = 2, eos_special: bool = False
+) -> None:
+    """A tokenizer whose 256 ids are the 256 bytes (the tiny models' vocabulary).
+    ``eos_special``: the EOS byte is a special token, so decoding skips it (as a real
+    tokenizer's EOS), instead of showing its byte in the text."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    if eos_special:
+        tok.add_special_tokens([AddedToken(alphabet[eos_id], special=True)])
     tok.save(str(path / "tokenizer.json"))
     cfg: dict[str, Any] = {"eos_token": alphabet[eos_id]}
     if chat_template is not None:
@@ -128,13 +151,14 @@ class ServerThread:
 def start_server(model: Path, **kwargs: Any) -> ServerThread:
     """Load ``model`` and serve it; ``kwargs`` go to LLM (engine), create_app (server)
     or HTTPOptions (connections)."""
+    import inspect
     from dataclasses import fields
 
     from hybridserve import LLM
     from hybridserve.server import create_app
     from hybridserve.server.http import HTTPOptions
 
-    app_keys = {"served_model_name", "api_key", "chat_template", "max_request_body_bytes"}
+    app_keys = set(inspect.signature(create_app).parameters) - {"llm"}
     app_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in app_keys}
     http_keys = {f.name for f in fields(HTTPOptions)}
     http_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in http_keys}
@@ -176,3 +200,39 @@ def reference_llm(chat_model: Path) -> Any:
     from hybridserve import LLM
 
     return LLM(chat_model, max_num_seqs=64)
+
+
+@pytest.fixture(scope="package")
+def launch() -> Any:
+    """:func:`start_server` for fixtures of any scope (the caller stops the server)."""
+    return start_server
+
+
+@pytest.fixture(scope="package")
+def byte_tokenizer() -> Any:
+    """:func:`write_byte_tokenizer`, for fixtures that build their own checkpoint."""
+    return write_byte_tokenizer
+
+
+@pytest.fixture(scope="package")
+def tool_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint with :data:`TOOL_TEMPLATE` and an EOS that decoding skips."""
+    path = make_tiny_checkpoint("granitemoehybrid", tmp_path_factory.mktemp("tools"), seed=3)
+    write_byte_tokenizer(path, TOOL_TEMPLATE, eos_special=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tool_server(tool_model: Path) -> Iterator[ServerThread]:
+    """``tool_model`` served with the hermes tool parser (auto tool choice on) and the
+    qwen3 reasoning parser, as ``tiny``."""
+    srv = start_server(
+        tool_model,
+        served_model_name="tiny",
+        tool_call_parser="hermes",
+        enable_auto_tool_choice=True,
+        reasoning_parser="qwen3",
+        max_model_len=2048,
+    )
+    yield srv
+    srv.stop()
