@@ -63,7 +63,7 @@ def _check_end_state(llm) -> None:
     stats = llm.stats()
     assert stats["preemptions"] > 0 and stats["prefix_hit_tokens"] > 0
     assert stats["spec_accepted_tokens"] > 0
-    assert not engine.drafter._indexes  # finished and aborted requests leave no index
+    assert not engine.drafter.inner._indexes  # finished and aborted requests leave no index
     llm.reset_prefix_cache()
     engine.scheduler.check_integrity()
     assert engine.scheduler.states.num_free == engine.scheduler.states.num_pages
