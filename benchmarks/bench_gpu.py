@@ -63,13 +63,13 @@ from provenance import git_commit, portable_path  # noqa: E402
 
 import hybridserve.models.loader as loader  # noqa: E402
 from hybridserve import LLM, SamplingParams  # noqa: E402
+from hybridserve.config import runs_triton  # noqa: E402
 from hybridserve.engine.engine_core import EngineCore, prefill_flops  # noqa: E402
 from hybridserve.kernels import (  # noqa: E402
     conv_varlen,
     gdn_decode,
     gdn_varlen,
     mamba_decode,
-    mamba_short,
     moe,
     norms,
     paged_attention,
@@ -80,8 +80,7 @@ from hybridserve.kernels import (  # noqa: E402
 )
 from hybridserve.models.batch import ForwardBatch  # noqa: E402
 from hybridserve.models.config import ModelConfig  # noqa: E402
-from hybridserve.models.layers import attention as attention_layer  # noqa: E402
-from hybridserve.models.layers import mamba2 as mamba_layer  # noqa: E402
+from hybridserve.models.loader import with_kernel_policy  # noqa: E402
 from hybridserve.models.registry import model_class  # noqa: E402
 from hybridserve.runner import sampler  # noqa: E402
 from hybridserve.runner.cuda_graph import StepShape  # noqa: E402
@@ -232,41 +231,36 @@ def engine_with(model):
         loader.load_model = original
 
 
+def with_policy(model, **fields):
+    """``model``'s weights (shared, not copied) under its kernel policy with ``fields``
+    changed: how a comparison picks other paths."""
+    return with_kernel_policy(model, dataclasses.replace(model.kernel_policy, **fields))
+
+
 @contextlib.contextmanager
-def reference_paths():
-    """Turn the decode fast paths off: per-row Mamba and attention, host-side sampling."""
-    saved = (mamba_decode.decode_plan, attention_layer._uniform_rows, sampler.samples_by_argmax)
-    mamba_decode.decode_plan = lambda batch, device: None
-    attention_layer._uniform_rows = lambda batch: False
+def host_sampling():
+    """Host-side sampling for every step (the batched sampler, no greedy argmax)."""
+    saved = sampler.samples_by_argmax
     sampler.samples_by_argmax = lambda params: False
     try:
         yield
     finally:
-        (mamba_decode.decode_plan, attention_layer._uniform_rows,
-         sampler.samples_by_argmax) = saved
+        sampler.samples_by_argmax = saved
 
 
-@contextlib.contextmanager
-def per_row_prefill():
+def reference_paths(model):
+    """The decode fast paths off: per-row Mamba and attention (with host sampling)."""
+    return with_policy(model, uniform_decode=False)
+
+
+def per_row_prefill(model):
     """Prefill and mixed steps on the per-row reference paths (Mamba and attention)."""
-    saved = (mamba_layer.PACKED_PREFILL, paged_attention_prefill.TRITON_PREFILL)
-    mamba_layer.PACKED_PREFILL = "off"
-    paged_attention_prefill.TRITON_PREFILL = False
-    try:
-        yield
-    finally:
-        mamba_layer.PACKED_PREFILL, paged_attention_prefill.TRITON_PREFILL = saved
+    return with_policy(model, packed_prefill="off", prefill_attention="reference")
 
 
-@contextlib.contextmanager
-def torch_norms():
+def torch_norms(model):
     """RMS norms, residual adds and the gated norm on their torch twins."""
-    saved = norms.TRITON_NORMS
-    norms.TRITON_NORMS = "never"
-    try:
-        yield
-    finally:
-        norms.TRITON_NORMS = saved
+    return with_policy(model, norms="reference")
 
 
 # --------------------------------------------------------------------------------------
@@ -325,9 +319,8 @@ def decode_step_bytes(model, batch: int, context: int, ssm_bytes: int) -> int:
     elem = next(model.parameters()).element_size()
     weights = mb["total"] - mb["embedding"] + batch * hidden * elem
     kv = batch * context * spec.kv_block_bytes(1, next(model.parameters()).dtype)
-    conv = spec.conv_dim * (spec.d_conv - 1) * elem
-    ssm = spec.num_ssm_heads * spec.ssm_head_dim * spec.d_state * ssm_bytes
-    state = 2 * batch * len(spec.mamba_layers) * (conv + ssm)
+    state_dtype = {4: torch.float32, 2: torch.bfloat16}[ssm_bytes]
+    state = 2 * batch * spec.state_page_bytes(next(model.parameters()).dtype, state_dtype)
     return weights + kv + state
 
 
@@ -343,7 +336,7 @@ def make_llm(model, path, device, dtype, batch, max_len, enforce_eager=None, **k
     with engine_with(model):
         llm = LLM(
             str(path), dtype=dtype, device=device, max_num_seqs=batch,
-            max_model_len=max_len, **kw,
+            max_model_len=max_len, kernel_policy=model.kernel_policy, **kw,
         )
     return with_engine(llm, enforce_eager, device)
 
@@ -399,7 +392,7 @@ def engine_decode(model, path, device, dtype, batch, prompt_len, warmup, steps, 
     # on the device) plus the host's commit of the decisions read back with them.
     post_times: list[float] = []
     launch_s = [0.0]
-    original_launch, original_commit = runner.on_verify, eng._commit_postprocess
+    original_launch, original_commit = runner._postprocess, eng._commit_postprocess
 
     def timed_launch(*args):
         t = time.perf_counter()
@@ -413,7 +406,7 @@ def engine_decode(model, path, device, dtype, batch, prompt_len, warmup, steps, 
         post_times.append(launch_s[0] + time.perf_counter() - t)
         launch_s[0] = 0.0
 
-    runner.on_verify = timed_launch
+    runner._postprocess = timed_launch
     eng._commit_postprocess = timed_commit
     times = {m: [] for m in modes}
     post = {m: [] for m in modes}
@@ -612,12 +605,11 @@ def profile_graph_step(graphs, device: str, step_s: float, reps: int = 20) -> di
     out["static_forward_eager"] = {
         "wall_s": statistics.median(wall(lambda: graphs._forward(st, shape), device)
                                     for _ in range(5)), **eager}
-    saved_entry, saved_pool, saved_flag = graphs._graphs.pop(key), graphs._pool, \
-        paged_attention.TRITON_DECODE
+    saved_entry, saved_pool, saved_model = graphs._graphs.pop(key), graphs._pool, graphs.model
     saved_counters, saved_enabled = dict(graphs.counters), graphs.enabled
     try:
         graphs._pool = None
-        paged_attention.TRITON_DECODE = False
+        graphs.model = with_policy(saved_model, decode_attention="reference")
         entry = graphs._capture(st, shape)
         if entry is None:
             out["twin_attention"] = {"error": "; ".join(graphs.capture_errors[-1:])}
@@ -626,7 +618,7 @@ def profile_graph_step(graphs, device: str, step_s: float, reps: int = 20) -> di
             graphs._graphs.pop(key, None)
             entry = None
     finally:
-        paged_attention.TRITON_DECODE = saved_flag
+        graphs.model = saved_model
         graphs._graphs[key] = saved_entry
         graphs._pool = saved_pool
         graphs.counters.clear()
@@ -743,7 +735,7 @@ def ttft(model, path, device, dtype, prompt_len, cached_len, interval, vocab, se
          tails=(64, 128, 256, 512)):
     """First token of a ``prompt_len`` prompt, cold and with ``cached_len`` tokens cached,
     then, over the same cached prefix, tails of ``tails`` new tokens through the short-row
-    path and through the chunked scan (``mamba2.SHORT_ROWS`` "auto" / "off"), each warmed
+    path and through the chunked scan (``KernelPolicy.short_rows`` "auto" / "off"), each warmed
     once first."""
     max_len = max(prompt_len, cached_len + max(tails, default=0)) + 16
     pages = cached_len // interval + 16 + 4 * len(tails)
@@ -789,10 +781,12 @@ def ttft(model, path, device, dtype, prompt_len, cached_len, interval, vocab, se
     by_tail = []
     # "short": every tail on the short-row path (its length limit lifted for the sweep);
     # "off": every tail on the chunked scan.
+    runner = llm.engine.runner
+    base = runner.model
+    limit = max(base.kernel_policy.max_short_tokens, *tails)
     for mode in ("short", "off"):
-        saved = mamba_layer.SHORT_ROWS, mamba_short.MAX_SHORT_TOKENS
-        mamba_layer.SHORT_ROWS = "auto" if mode == "short" else "off"
-        mamba_short.MAX_SHORT_TOKENS = max(saved[1], *tails)
+        runner.model = with_policy(base, short_rows="auto" if mode == "short" else "off",
+                                   max_short_tokens=limit)
         try:
             for tail in tails:
                 run(prompt(prefix, tail))  # warm-up: first use of this shape and path
@@ -800,13 +794,13 @@ def ttft(model, path, device, dtype, prompt_len, cached_len, interval, vocab, se
                 by_tail.append({"short_rows": mode, "tail": tail, "runs": runs,
                                 "s": statistics.median(t for t, _ in runs)})
         finally:
-            mamba_layer.SHORT_ROWS, mamba_short.MAX_SHORT_TOKENS = saved
+            runner.model = base
     llm = None  # noqa: F841
     free_memory(device)
     cold_s = statistics.median(t for t, _ in cold)
     warm_s = statistics.median(t for t, _ in warm)
     return {"prompt_len": prompt_len, "cached_len": cached_len, "state_interval": interval,
-            "max_short_tokens": mamba_short.MAX_SHORT_TOKENS,
+            "max_short_tokens": limit,
             "cold_s": cold_s, "cached_s": warm_s, "speedup": cold_s / warm_s,
             "cold_runs": cold, "cached_runs": warm, "cached_profile": cached_profile,
             "cached_syncs": cached_syncs, "cached_by_tail": by_tail}
@@ -989,8 +983,8 @@ def layer_kernels(model, device, batches):
         rec = {"batch": b, "ssm_state_bytes": ssm_bytes, "conv_bytes": conv_bytes}
         fast = device.startswith("cuda")
         for name, ssm, conv in (
-            ("triton", mamba_decode.ssm_decode_update, mamba_decode.conv_decode_update),
-            ("torch_twin", mamba_decode.ssm_decode_update_reference,
+            ("triton", mamba_decode.ssm_update, mamba_decode.conv_decode_update),
+            ("torch_twin", mamba_decode.ssm_update_reference,
              mamba_decode.conv_decode_update_reference),
         ):
             if name == "triton" and not fast:
@@ -1003,9 +997,9 @@ def layer_kernels(model, device, batches):
                          "conv_s": tc, "conv_bytes_per_s": conv_bytes / tc}
         if fast:
             want_cache = ssm_cache.clone()
-            want = mamba_decode.ssm_decode_update_reference(
+            want = mamba_decode.ssm_update_reference(
                 x, dt, A, B, C, mixer.D, want_cache, in_pages, out_pages)
-            got = mamba_decode.ssm_decode_update(
+            got = mamba_decode.ssm_update(
                 x, dt, A, B, C, mixer.D, ssm_cache, in_pages, out_pages)
             rec["triton_vs_twin_rel_err"] = float((got - want).norm() / want.norm())
         out.append(rec)
@@ -1143,7 +1137,7 @@ def check_conv_decode(shape, step, dtype, device, seed, verify):
 
 
 def check_ssm_decode(shape, step, dtype, device, seed, verify):
-    """``ssm_decode_update`` against its twin on a decode or verify step: outputs and the
+    """``ssm_update`` (uniform rows) against its twin on a decode or verify step: outputs and the
     float32 states written to the output pages."""
     g, h = _generators(seed, device)
     q = step["verify_q"] if verify else 1
@@ -1164,15 +1158,15 @@ def check_ssm_decode(shape, step, dtype, device, seed, verify):
     others = _pages_except(pages, written)
     untouched = cache[others].clone()
     twin_cache = cache.clone()
-    want = mamba_decode.ssm_decode_update_reference(
+    want = mamba_decode.ssm_update_reference(
         x, dt, A, B, C, D, twin_cache, in_pages, out_pages)
     cache64 = cache.double()
-    ref = mamba_decode.ssm_decode_update_reference(
+    ref = mamba_decode.ssm_update_reference(
         *(t.double() for t in (x, dt, A, B, C, D)), cache64, in_pages, out_pages)
     args = (x, dt, A, B, C, D, cache, in_pages, out_pages)
-    got = mamba_decode.ssm_decode_update(*args)
+    got = mamba_decode.ssm_update(*args)
     out = {
-        "kernel": "ssm_decode_update", "twin": "ssm_decode_update_reference",
+        "kernel": "ssm_update", "twin": "ssm_update_reference",
         "shapes": {"rows": rows, "q": q, "heads": heads, "head_dim": head_dim,
                    "groups": groups, "d_state": d_state, "pages": pages,
                    "states_written": int(written.numel()), "state_dtype": "torch.float32"},
@@ -1182,7 +1176,7 @@ def check_ssm_decode(shape, step, dtype, device, seed, verify):
                                         cache64[written], 1e-4)},
         "invariants": {"states_written": not bool(cache[written].isnan().any()),
                        "other_pages_unchanged": torch.equal(cache[others], untouched)},
-        "kernel_s": kernel_time(lambda: mamba_decode.ssm_decode_update(*args), device),
+        "kernel_s": kernel_time(lambda: mamba_decode.ssm_update(*args), device),
     }
     out["state_bytes_per_s"] = 2 * tokens * heads * head_dim * d_state * 4 / out["kernel_s"]
     return out
@@ -1303,13 +1297,15 @@ def check_attention_prefill(shape, step, dtype, device, seed):
     queries, k_cache, v_cache, batch = _kv_step(g, h, specs, shape, step, dtype, device)
     scale = shape["head_dim"] ** -0.5
     ref_fn = paged_attention_prefill.paged_attention_reference
-    want = ref_fn(queries, k_cache, v_cache, batch, scale)
-    ref = ref_fn(queries.double(), k_cache.double(), v_cache.double(), batch, scale)
+    rows = (batch.query_start, batch.context_lens, batch.block_tables, batch.positions)
+    want = ref_fn(queries, k_cache, v_cache, *rows, scale)
+    ref = ref_fn(queries.double(), k_cache.double(), v_cache.double(), *rows, scale)
     out = torch.full_like(queries, float("nan"))
 
     def kern():
         return paged_attention_prefill.paged_attention_prefill_triton(
-            queries, k_cache, v_cache, batch, scale, out=out)
+            queries, k_cache, v_cache, batch.query_start, batch.num_computed,
+            batch.block_tables, batch.positions, scale, out=out)
 
     got = kern()
     # bf16 caches: probabilities rounded to bf16 before the value product (flash
@@ -1431,7 +1427,7 @@ def check_conv_varlen_windows(shape, step, dtype, device, seed):
 
 
 def check_ssm_short(shape, step, dtype, device, seed):
-    """``ssm_short_update`` against its twin on a step of short rows (a cached prompt's
+    """``ssm_update`` (rows of any length) against its twin on a step of short rows (a cached prompt's
     128-token tail, decode rows, fresh short prompts): outputs and float32 states."""
     g, h = _generators(seed, device)
     m = _mamba_shapes(shape)
@@ -1449,15 +1445,15 @@ def check_ssm_short(shape, step, dtype, device, seed):
     written = out_pages[out_pages >= 0].long()
     others = _pages_except(pages, written)
     twin_cache = cache.clone()
-    want = mamba_short.ssm_short_update_reference(
-        x, dt, A, B, C, D, twin_cache, qs, in_pages, out_pages)
+    want = mamba_decode.ssm_update_reference(
+        x, dt, A, B, C, D, twin_cache, in_pages, out_pages, qs)
     cache64 = cache.double()
-    ref = mamba_short.ssm_short_update_reference(
-        *(t.double() for t in (x, dt, A, B, C, D)), cache64, qs, in_pages, out_pages)
-    args = (x, dt, A, B, C, D, cache, qs, in_pages, out_pages)
-    got = mamba_short.ssm_short_update(*args)
+    ref = mamba_decode.ssm_update_reference(
+        *(t.double() for t in (x, dt, A, B, C, D)), cache64, in_pages, out_pages, qs)
+    args = (x, dt, A, B, C, D, cache, in_pages, out_pages, qs)
+    got = mamba_decode.ssm_update(*args)
     return {
-        "kernel": "ssm_short_update", "twin": "ssm_short_update_reference",
+        "kernel": "ssm_update", "twin": "ssm_update_reference",
         "shapes": {"rows": lens, "heads": heads, "head_dim": head_dim, "groups": groups,
                    "d_state": d_state, "states_written": int(written.numel()),
                    "state_dtype": "torch.float32"},
@@ -1467,7 +1463,7 @@ def check_ssm_short(shape, step, dtype, device, seed):
         "invariants": {"states_written": not bool(cache[written].isnan().any()),
                        "other_pages_unchanged": torch.equal(cache[others].nan_to_num(7.0),
                                                             twin_cache[others].nan_to_num(7.0))},
-        "kernel_s": kernel_time(lambda: mamba_short.ssm_short_update(*args), device),
+        "kernel_s": kernel_time(lambda: mamba_decode.ssm_update(*args), device),
     }
 
 
@@ -1733,7 +1729,7 @@ def check_state_postprocess(shape, step, dtype, device, seed):
         out_pages=out_pages.to(torch.int32).to(device),
         state_page=state_page.to(torch.int32).to(device),
         release_prev=(torch.rand(rows, generator=h) < 0.7).to(device),
-        state_interval=interval,
+        boundary_interval=interval,
     )
     want = state_postprocess.state_postprocess_reference(**step_args)
     out = state_postprocess.PostprocessResult(
@@ -1946,8 +1942,8 @@ def check_moe_experts(shape, step, dtype, device, seed):
 KERNEL_CHECKS = [
     ("conv_decode_update (decode)", "mamba_decode", check_conv_decode, {"verify": False}),
     ("conv_decode_update (verify)", "mamba_decode", check_conv_decode, {"verify": True}),
-    ("ssm_decode_update (decode)", "mamba_decode", check_ssm_decode, {"verify": False}),
-    ("ssm_decode_update (verify)", "mamba_decode", check_ssm_decode, {"verify": True}),
+    ("ssm_update (decode)", "mamba_decode", check_ssm_decode, {"verify": False}),
+    ("ssm_update (verify)", "mamba_decode", check_ssm_decode, {"verify": True}),
     ("paged_attention_decode (decode)", "paged_attention", check_attention_decode,
      {"verify": False}),
     ("paged_attention_decode (verify)", "paged_attention", check_attention_decode,
@@ -1955,7 +1951,7 @@ KERNEL_CHECKS = [
     ("paged_attention_prefill", "paged_attention_prefill", check_attention_prefill, {}),
     ("conv_varlen", "conv_varlen", check_conv_varlen, {}),
     ("conv_varlen (windows)", "conv_varlen", check_conv_varlen_windows, {}),
-    ("ssm_short_update", "mamba_short", check_ssm_short, {}),
+    ("ssm_update (short rows)", "mamba_decode", check_ssm_short, {}),
     ("ssd_scan_varlen_fla", "ssd_varlen", check_ssd_scan, {}),
     ("ssd_prefill", "ssd_varlen", check_ssd_prefill, {}),
     ("ssd_prefill (chunk states)", "ssd_varlen", check_ssd_prefill, {"chunk_states": True}),
@@ -2270,13 +2266,14 @@ def main(argv=None) -> int:
         r = attention_kernel(model, device, batches, args.prompt + args.warmup_steps + args.steps)
         bad = [x for x in r if x.get("triton_vs_twin_rel_err", 0.0) > 2e-2]
         if bad:  # a wrong kernel must not time the decode steps: back to the twin
-            paged_attention.TRITON_DECODE = False
             result["attention_kernel_disabled"] = f"relative error {bad[0]}"
         return r
 
     result["attention_kernel"] = section("attention_kernel", attention)
+    if "attention_kernel_disabled" in result:
+        model = with_policy(model, decode_attention="reference")
     result["attention_decode_path"] = (
-        "triton" if paged_attention.triton_enabled(torch.device(device)) else "torch twin")
+        "triton" if runs_triton(model.kernel_policy.decode_attention, device) else "torch twin")
     # Fresh inputs every run unless a seed is given (to rerun a failure).
     kernel_seed = (args.kernel_seed if args.kernel_seed is not None
                    else int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF)
@@ -2315,22 +2312,21 @@ def main(argv=None) -> int:
                     {"batch": b, **r["modes"]["eager"],
                      "roofline_tokens_per_s": r["roofline_tokens_per_s"]})
 
-    def prefill():
+    def prefill(m=None):
         rate = mm["flops_per_s"] if mm else float("nan")
-        return prefill_throughput(model, path, device, dtype, args.prefill_prompts,
+        return prefill_throughput(m or model, path, device, dtype, args.prefill_prompts,
                                   args.prefill_len, vocab, 3, rate, args.prefill_max_s)
 
     result["prefill"] = section("prefill", prefill)
     result["prefill_paths"] = {
         "mamba": "packed (fla-core scan)" if ssd_varlen.fla_available() and device == "cuda"
         else "per-row",
-        "attention": "triton" if paged_attention_prefill.triton_enabled(torch.device(device))
+        "attention": "triton" if runs_triton(model.kernel_policy.prefill_attention, device)
         else "per-row",
     }
 
     def prefill_per_row():
-        with per_row_prefill():
-            return prefill()
+        return prefill(per_row_prefill(model))
 
     result["prefill_per_row"] = section("prefill_per_row", prefill_per_row)
     if result["prefill"] and result["prefill_per_row"]:
@@ -2339,9 +2335,9 @@ def main(argv=None) -> int:
 
     def decode_torch_norms():
         b = args.profile_batch
-        with torch_norms():
-            return engine_decode(model, path, device, dtype, b, args.prompt, args.warmup_steps,
-                                 args.steps, vocab, seed=b, enforce_eager=graphs_mode)
+        return engine_decode(torch_norms(model), path, device, dtype, b, args.prompt,
+                             args.warmup_steps, args.steps, vocab, seed=b,
+                             enforce_eager=graphs_mode)
 
     result["decode_torch_norms"] = section(
         f"decode_torch_norms_b{args.profile_batch}", decode_torch_norms)
@@ -2359,9 +2355,9 @@ def main(argv=None) -> int:
                                        workdir))
     for b in [int(x) for x in args.ref_batches.split(",") if x]:
         def ref(b=b):
-            with reference_paths():
-                return engine_decode(model, path, device, dtype, b, args.prompt, 1,
-                                     max(2, args.steps // 4), vocab, seed=b,
+            with host_sampling():
+                return engine_decode(reference_paths(model), path, device, dtype, b,
+                                     args.prompt, 1, max(2, args.steps // 4), vocab, seed=b,
                                      enforce_eager=True)
         r = section(f"decode_reference_paths_b{b}", ref)
         if r:
@@ -2491,7 +2487,7 @@ def main(argv=None) -> int:
         for row in t.get("cached_syncs", [])[:12]:
             print(f"  sync x{row['count']} at {row['site']}: {row['message']}")
         for row in t.get("cached_by_tail", []):
-            print(f"  cached + {row['tail']} new tokens, SHORT_ROWS={row['short_rows']}: "
+            print(f"  cached + {row['tail']} new tokens, short_rows={row['short_rows']}: "
                   f"{1e3 * row['s']:.1f} ms")
         cp = t.get("cached_profile")
         if cp:

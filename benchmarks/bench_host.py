@@ -45,9 +45,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # engine attribute path -> name in the breakdown (those present in this version)
 TIMED = {
     ("scheduler", "schedule"): "schedule",
-    ("runner.graphs", "plan"): "graph_plan",
+    ("runner.graphs", "shape_of"): "graph_plan",
     ("runner.graphs", "fill"): "graph_fill",
-    ("", "_launch_postprocess"): "postprocess_launch",
+    ("runner", "_postprocess"): "postprocess_launch",
     ("", "_commit_postprocess"): "postprocess_commit",
     ("", "_append_tokens"): "append_tokens",
     ("", "_make_output"): "make_output",
@@ -82,9 +82,6 @@ def measure(path: Path, batch: int, prompt: int, warmup: int, steps: int,
             owner = getattr(owner, part)
         if hasattr(owner, name):
             wrap(owner, name, key)
-    # The postprocess launch is handed to the runner at construction: re-point it.
-    if hasattr(eng, "_launch_postprocess"):
-        eng.runner.on_verify = eng._launch_postprocess
     wrap(eng.runner.graphs, "_forward", "forward")
 
     g = torch.Generator().manual_seed(batch)

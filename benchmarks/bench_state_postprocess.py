@@ -74,7 +74,7 @@ class Config:
     conv_dim: int = 10240
     d_conv: int = 4
     draft: int = 3
-    state_interval: int = 64
+    boundary_interval: int = 64
     dtype: str = "bfloat16"
     pool_pages: int = 768
     variants: int = 8
@@ -91,7 +91,7 @@ class Config:
 
 
 SMOKE = Config(rows=8, layers=2, ssm_heads=2, ssm_head_dim=4, d_state=8, conv_dim=16,
-               d_conv=4, draft=3, state_interval=16, dtype="float32", pool_pages=48,
+               d_conv=4, draft=3, boundary_interval=16, dtype="float32", pool_pages=48,
                variants=2, warmup_ms=1, rep_ms=1)
 
 
@@ -110,7 +110,7 @@ def _git_commit() -> str:
 def _make_step(cfg: Config, num_crossing: int, g: torch.Generator, device: str) -> dict:
     """A decode step of cfg.rows requests, exactly ``num_crossing`` of which cross a grid
     point, on pages drawn at random from the pool; slots non-contiguous."""
-    q, interval = cfg.draft + 1, cfg.state_interval
+    q, interval = cfg.draft + 1, cfg.boundary_interval
     num_slots = 4 * cfg.rows
     slots = torch.randperm(num_slots, generator=g)[: cfg.rows].to(torch.int32)
     crossing = torch.zeros(cfg.rows, dtype=torch.bool)
@@ -134,7 +134,7 @@ def _make_step(cfg: Config, num_crossing: int, g: torch.Generator, device: str) 
     state_page[slots.long()] = pages[cfg.rows * q: cfg.rows * (q + 1)]
     step = dict(idx_mapping=slots, num_computed=num_computed, num_accepted=num_accepted,
                 out_pages=out_pages.contiguous(), state_page=state_page,
-                release_prev=torch.ones(cfg.rows, dtype=torch.bool), state_interval=interval)
+                release_prev=torch.ones(cfg.rows, dtype=torch.bool), boundary_interval=interval)
     decided = state_postprocess_reference(**step)
     src = decided.ckpt_page[:, 0].contiguous()
     assert int((src >= 0).sum()) == num_crossing
@@ -209,7 +209,7 @@ def run(cfg: Config, device: str) -> dict:
     q = cfg.draft + 1
     # Bookkeeping traffic of (a) per row: 4 x int32 reads, 1 bool, q page ids read,
     # 2 per-slot int32 writes, 2K + q int32 list writes (see the kernel docstring).
-    k = -(-q // cfg.state_interval)
+    k = -(-q // cfg.boundary_interval)
     ids_bytes = cfg.rows * (4 * 4 + 1 + 4 * q + 8 + 4 * (2 * k + q))
 
     cases = {"one_crossing": 1, "all_crossing": cfg.rows, "none_crossing": 0}

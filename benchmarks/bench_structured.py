@@ -5,7 +5,7 @@ For each batch size and constrained fraction (0, a half, all), every request dec
 greedily for ``--tokens`` tokens (free requests ignore EOS; constrained ones follow a
 schema with long bounded strings, so they rarely finish early). The script reports
 the median ``EngineCore.step`` time over the steps after the warm-up, the median host
-time the step spends filling the grammar bitmasks (``sampler.plan_step``, which calls
+time the step spends filling the grammar bitmasks (``sampler.plan_draw``, which calls
 every constrained row's matcher), and the tokens per second. A step with a constrained
 row runs eagerly and through the batched sampler (no decode graph, no argmax fast
 path), so on CUDA the difference to the fraction-0 row includes the graphs it loses.
@@ -68,7 +68,7 @@ def run(llm: LLM, batch: int, fraction: float, tokens: int, warmup: int) -> dict
     steps: list[float] = []
     masks: list[float] = []
     real_step = timed(engine, "step", steps)
-    real_plan = timed(sampler, "plan_step", masks)
+    real_plan = timed(sampler, "plan_draw", masks)
     try:
         if engine.runner.device.type == "cuda":
             torch.cuda.synchronize()
@@ -77,7 +77,7 @@ def run(llm: LLM, batch: int, fraction: float, tokens: int, warmup: int) -> dict
         wall = time.perf_counter() - t0
     finally:
         engine.step = real_step
-        sampler.plan_step = real_plan
+        sampler.plan_draw = real_plan
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     body = steps[warmup:] or steps
     return {

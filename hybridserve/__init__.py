@@ -13,10 +13,10 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "LLM": "hybridserve.llm",
-    "CompletionOutput": "hybridserve.engine.request",
-    "Logprob": "hybridserve.engine.request",
-    "RequestOutput": "hybridserve.engine.request",
-    "SamplingParams": "hybridserve.engine.request",
+    "CompletionOutput": "hybridserve.step",
+    "Logprob": "hybridserve.step",
+    "RequestOutput": "hybridserve.step",
+    "SamplingParams": "hybridserve.step",
     "StructuredOutputsParams": "hybridserve.structured",
 }
 
@@ -30,8 +30,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from hybridserve.engine.request import CompletionOutput, Logprob, RequestOutput, SamplingParams
     from hybridserve.llm import LLM
+    from hybridserve.step import CompletionOutput, Logprob, RequestOutput, SamplingParams
     from hybridserve.structured import StructuredOutputsParams
 
 

@@ -2,7 +2,8 @@
 
 The model's own configuration (parsed from a checkpoint's ``config.json``) lives in
 :mod:`hybridserve.models.config` beside the code that interprets it; this module holds
-what the engine decides: cache sizes, scheduling budgets and speculative decoding.
+what the engine decides: cache sizes, scheduling budgets, speculative decoding and which
+kernels run (:class:`KernelPolicy`).
 """
 
 from __future__ import annotations
@@ -156,7 +157,7 @@ class SpecConfig:
     ``method="draft_model"``: a second, smaller checkpoint at ``model`` (any supported
     architecture with the target's vocabulary) proposes ``num_speculative_tokens``
     tokens autoregressively, with KV blocks and state pages of its own
-    (:mod:`hybridserve.spec.draft_model`).
+    (:mod:`hybridserve.drafters.draft_model`).
 
     ``method="mtp"``: the target checkpoint's own multi-token-prediction head
     (``mtp.*`` weights, Qwen3.5 / Qwen3-Next) proposes them from the target's last
@@ -213,6 +214,87 @@ class SpecConfig:
         return cls(**d)
 
 
+KERNEL_MODES = ("auto", "triton", "reference")
+PATH_MODES = ("auto", "triton", "reference", "off")
+
+
+def runs_triton(mode: str, device: torch.device | str) -> bool:
+    """Whether an op in ``mode`` (a :class:`KernelPolicy` field) takes its Triton kernel on
+    ``device``: ``"triton"`` everywhere (the CPU interpreter too), ``"auto"`` on CUDA."""
+    return mode == "triton" or (mode == "auto" and torch.device(device).type == "cuda")
+
+
+@dataclass(frozen=True, slots=True)
+class KernelPolicy:
+    """Which implementation each op of a forward takes. One per engine: the model gets it
+    at load (:func:`hybridserve.models.loader.load_model`) and its layers and step plans
+    read nothing else; tests and benchmarks pick paths by constructing one.
+
+    Kernel fields take ``"auto"`` (the Triton kernel on CUDA, the torch twin elsewhere),
+    ``"triton"`` (the Triton kernel on any device: the CPU interpreter in tests) or
+    ``"reference"`` (the torch twin everywhere). Path fields take those or ``"off"``
+    (the path is never taken). A kernel the device cannot run still falls back to its
+    twin under ``"auto"`` (float64, tensors a kernel cannot read).
+
+    - ``uniform_decode`` (bool): steps whose rows all run the same few tokens (decode,
+      uniform verify rows) take the batched decode ops of attention and the recurrent
+      layers; False sends them to the general paths (a benchmark's comparison).
+    - ``decode_attention``: the batched decode attention.
+    - ``prefill_attention``: the attention of every other step (prefill, mixed).
+    - ``short_rows`` (path): steps whose rows are all at most ``max_short_tokens``
+      long run the recurrence token by token; ``"auto"`` takes it on CUDA for a float32
+      scan only. A row of L tokens is L dependent steps of about a microsecond each on
+      the GPU, against the chunked scan's fixed cost of about 2 ms of host work per
+      Mamba layer: on an H200 at 8B shapes (the first token after 8,064 cached tokens,
+      ``gpu_ttft_1ab47c5.json``) 28 ms against 50 ms for a 512-token tail, 53 against
+      56 ms at 1,024 tokens, where the two meet; hence 512.
+    - ``packed_prefill`` (path): every other step runs all rows through one
+      variable-length conv and the segmented chunked scan; ``"auto"`` on CUDA with
+      fla-core and a float32 scan, ``"reference"`` with the torch-twin scan anywhere,
+      ``"triton"`` is ``"auto"`` (the scan is fla-core's). Otherwise rows go one by one
+      (the oracle).
+    - ``norms``: the RMS norms.
+    - ``moe``: the routed experts of mixture-of-experts layers (grouped kernels or the
+      per-expert loop).
+    - ``gdn_rows``: Gated DeltaNet steps that are not uniform decode steps: ``"auto"``,
+      ``"triton"``, ``"reference"``, ``"chunked"``, ``"fla"`` or ``"off"``
+      (:func:`hybridserve.models.layers.gated_deltanet.packed_rows_mode`);
+      ``gdn_chunk`` the chunk length of its chunked form (fla-core's is 64).
+    """
+
+    uniform_decode: bool = True
+    decode_attention: str = "auto"
+    prefill_attention: str = "auto"
+    short_rows: str = "auto"
+    max_short_tokens: int = 512
+    packed_prefill: str = "auto"
+    norms: str = "auto"
+    moe: str = "auto"
+    gdn_rows: str = "auto"
+    gdn_chunk: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("decode_attention", "prefill_attention", "norms", "moe"):
+            value = getattr(self, name)
+            if value not in KERNEL_MODES:
+                raise ValueError(f"kernel_policy.{name}={value!r}: choose from {KERNEL_MODES}")
+        for name in ("short_rows", "packed_prefill"):
+            value = getattr(self, name)
+            if value not in PATH_MODES:
+                raise ValueError(f"kernel_policy.{name}={value!r}: choose from {PATH_MODES}")
+        gdn_modes = ("auto", "triton", "reference", "chunked", "fla", "off")
+        if self.gdn_rows not in gdn_modes:
+            raise ValueError(f"kernel_policy.gdn_rows={self.gdn_rows!r}: choose from {gdn_modes}")
+        if self.gdn_chunk < 1 or self.gdn_chunk & (self.gdn_chunk - 1):
+            raise ValueError(f"kernel_policy.gdn_chunk must be a power of two, got {self.gdn_chunk}")
+        if not isinstance(self.uniform_decode, bool):
+            raise ValueError(f"kernel_policy.uniform_decode must be a bool, got {self.uniform_decode!r}")
+        if not 1 <= self.max_short_tokens <= 1 << 20:
+            raise ValueError(
+                f"kernel_policy.max_short_tokens must be in [1, 2**20], got {self.max_short_tokens}"
+            )
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything the engine core needs besides the model."""
@@ -223,4 +305,5 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    spec: SpecConfig | None = None
+    speculative: SpecConfig | None = None
+    kernels: KernelPolicy = field(default_factory=KernelPolicy)

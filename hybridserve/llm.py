@@ -17,6 +17,7 @@ from hybridserve.config import (
     CHECKPOINT_POLICIES,
     CacheConfig,
     EngineConfig,
+    KernelPolicy,
     SchedulerConfig,
     SpecConfig,
     resolve_dtype,
@@ -61,11 +62,13 @@ def resolve_num_threads(num_threads: int | None) -> int | None:
     return num_threads
 
 
-def check_cache_fits(spec: CacheSpec, cache: CacheConfig, dtype: torch.dtype, free_bytes: int) -> int:
+def check_cache_fits(
+    cache_spec: CacheSpec, cache: CacheConfig, dtype: torch.dtype, free_bytes: int
+) -> int:
     """Bytes the caches of ``cache`` take; raises ValueError naming the knobs to lower
     when that exceeds 95% of ``free_bytes`` (better than failing inside an allocation)."""
-    kv = spec.kv_block_bytes(cache.kv_block_size, dtype) * cache.num_kv_blocks
-    state = spec.state_page_bytes(dtype, cache.ssm_state_dtype) * cache.num_state_pages
+    kv = cache_spec.kv_block_bytes(cache.kv_block_size, dtype) * cache.num_kv_blocks
+    state = cache_spec.state_page_bytes(dtype, cache.ssm_state_dtype) * cache.num_state_pages
     if kv + state > 0.95 * free_bytes:
         raise ValueError(
             f"the caches need {(kv + state) / 2**30:.1f} GiB (KV {kv / 2**30:.1f} GiB in "
@@ -87,6 +90,8 @@ class LLM:
     capped at 4096. With ``gpu_memory_utilization`` set, the caches take that share of the
     device's memory instead (:mod:`hybridserve.engine.sizing` states the split) and
     ``max_model_len`` defaults to the model's own, uncapped; explicit sizes still win.
+    ``kernel_policy`` picks which implementation each op of the forward takes
+    (:class:`~hybridserve.config.KernelPolicy`; the defaults suit serving).
 
     ``num_threads``: torch's CPU thread count, a process-wide setting that the
     constructor applies (see :func:`resolve_num_threads` for the default, 1).
@@ -121,9 +126,11 @@ class LLM:
         speculative_config: dict[str, Any] | None = None,
         async_scheduling: bool | None = None,
         num_threads: int | None = None,
+        kernel_policy: KernelPolicy | None = None,
     ) -> None:
         from hybridserve.models.loader import load_model
 
+        kernel_policy = kernel_policy or KernelPolicy()
         threads = resolve_num_threads(num_threads)
         if threads is not None:
             torch.set_num_threads(threads)
@@ -139,12 +146,12 @@ class LLM:
         torch_dtype = resolve_dtype(dtype)
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={device!r} was asked for but this machine has no CUDA device")
-        self.model = load_model(path, dtype=torch_dtype, device=device)
+        self.model = load_model(path, dtype=torch_dtype, device=device, policy=kernel_policy)
         mcfg = self.model.config
         self.model_config = mcfg
         self.tokenizer = Tokenizer.maybe_load(path)
         self.generation_config = load_generation_config(path)
-        spec = SpecConfig.from_dict(speculative_config)
+        speculative = SpecConfig.from_dict(speculative_config)
         if max_model_len is None:
             # Sized from the device, a model gets its own length; otherwise the caches
             # are sized from max_model_len, so it is capped.
@@ -163,7 +170,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
         )
-        d = spec.num_speculative_tokens if spec else 0
+        d = speculative.num_speculative_tokens if speculative else 0
         plan = None
         if gpu_memory_utilization is not None:
             from hybridserve.engine import sizing
@@ -233,7 +240,8 @@ class LLM:
             )
         self.config = EngineConfig(
             model=name, dtype=torch_dtype, device=device, seed=seed,
-            cache=cache, scheduler=sched, spec=spec,
+            cache=cache, scheduler=sched, speculative=speculative,
+            kernels=kernel_policy,
         )
         eos = tuple(mcfg.eos_token_ids)
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:

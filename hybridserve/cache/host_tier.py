@@ -12,9 +12,13 @@ Two halves, one per layer of the engine
 - :class:`HostCheckpointIndex` (the scheduler's): host page ids, the host checkpoints
   under their chained block hashes, eviction, and the queue of copies the next step must
   run. It never touches a tensor.
-- :class:`HostStatePool` (the runner's): per recurrent layer, a host copy of the device
-  ``conv`` and ``ssm`` tensors (same shapes after the page dimension, same dtypes), and
-  :meth:`HostStatePool.run`, which performs a step's copies before that step's forward.
+- :class:`HostStatePool` (the runner's): per recurrent layer, a host copy of every state
+  tensor the layer's family declares (``ModelCaches.states``: Mamba2's and Gated
+  DeltaNet's ``conv`` and ``ssm``, or any other family's; same shapes after the page
+  dimension, same dtypes), and :meth:`HostStatePool.run`, which performs a step's copies
+  before that step's forward. The copies of a step are described by
+  :class:`~hybridserve.step.Transfers` (the step contract, which the scheduler hands the
+  runner).
 
 Rules
 -----
@@ -44,18 +48,21 @@ Rules
   reads a page being restored, and every later batch of copies waits for it before it
   starts (so a restored page is complete before it can be offloaded again or reused).
 - **Bit-exact.** Copies are plain tensor copies between tensors of the same dtype: a
-  restored state equals the evicted one in every layer, conv and recurrent tensor.
+  restored state equals the evicted one in every layer and every state tensor.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from hybridserve.cache.events import CacheEvent, EventSink
+from hybridserve.step import Transfers
+
+__all__ = ["HostCheckpoint", "HostCheckpointIndex", "HostStatePool", "Transfers", "host_pages_for"]
 
 
 @dataclass(slots=True)
@@ -63,18 +70,6 @@ class HostCheckpoint:
     host_page: int
     length: int
     prefix_hashes: tuple[int, ...]
-
-
-@dataclass
-class Transfers:
-    """The copies one step runs before its forward: ``offloads`` as
-    ``(device page, host page)`` and ``restores`` as ``(host page, device page)``."""
-
-    offloads: list[tuple[int, int]] = field(default_factory=list)
-    restores: list[tuple[int, int]] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.offloads or self.restores)
 
 
 class HostCheckpointIndex:
@@ -227,22 +222,26 @@ class HostCheckpointIndex:
 class HostStatePool:
     """Host copies of the device state tensors, and the copies between them.
 
-    ``conv`` / ``ssm``: per recurrent layer, ``[num_pages, ...]`` with the device
-    tensor's trailing shape and dtype; pinned when the device tensors are on CUDA.
+    ``device_states``: ``ModelCaches.states``, per recurrent layer ``{name: [pages,
+    *shape]}`` as the layer's family declares
+    (:class:`~hybridserve.models.layers.recurrent.StateTensor`). ``states`` mirrors it on
+    the host: ``[num_pages, *shape]`` in the device tensor's dtype, for every layer and
+    every named tensor; pinned when the device tensors are on CUDA.
     """
 
-    def __init__(self, device_conv: dict[int, torch.Tensor], device_ssm: dict[int, torch.Tensor], num_pages: int) -> None:
-        self.device_conv = device_conv
-        self.device_ssm = device_ssm
-        some = next(iter(device_conv.values()), None)
+    def __init__(self, device_states: dict[int, dict[str, torch.Tensor]], num_pages: int) -> None:
+        self.device_states = device_states
+        some = next((t for s in device_states.values() for t in s.values()), None)
         self.cuda = some is not None and some.is_cuda
         pin = self.cuda
 
         def host_like(t: torch.Tensor) -> torch.Tensor:
             return torch.empty((num_pages, *t.shape[1:]), dtype=t.dtype, device="cpu", pin_memory=pin)
 
-        self.conv = {layer: host_like(t) for layer, t in device_conv.items()}
-        self.ssm = {layer: host_like(t) for layer, t in device_ssm.items()}
+        self.states = {
+            layer: {name: host_like(t) for name, t in tensors.items()}
+            for layer, tensors in device_states.items()
+        }
         self.num_pages = num_pages
         self.stream = torch.cuda.Stream(device=some.device) if self.cuda else None
         # Recorded on the side stream after the last batch of restores.
@@ -250,14 +249,16 @@ class HostStatePool:
         self.restoring: set[int] = set()
 
     @staticmethod
-    def page_bytes(device_conv: dict[int, torch.Tensor], device_ssm: dict[int, torch.Tensor]) -> int:
-        return sum(t[0].numel() * t.element_size() for t in (*device_conv.values(), *device_ssm.values()))
+    def page_bytes(device_states: dict[int, dict[str, torch.Tensor]]) -> int:
+        """Bytes of one page over every layer's state tensors."""
+        return sum(
+            t[0].numel() * t.element_size() for s in device_states.values() for t in s.values()
+        )
 
     def _pairs(self):
-        for layer, dev in self.device_conv.items():
-            yield dev, self.conv[layer]
-        for layer, dev in self.device_ssm.items():
-            yield dev, self.ssm[layer]
+        for layer, tensors in self.device_states.items():
+            for name, dev in tensors.items():
+                yield dev, self.states[layer][name]
 
     def run(self, transfers: Transfers) -> None:
         """Run one step's copies: offloads, then restores (module docstring). On CUDA the

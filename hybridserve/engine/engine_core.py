@@ -27,6 +27,7 @@ import torch
 from hybridserve.cache.host_tier import HostStatePool, Transfers, host_pages_for
 from hybridserve.config import EngineConfig
 from hybridserve.detokenizer import IncrementalDetokenizer
+from hybridserve.drafters.base import DraftRequest, build_drafter
 from hybridserve.engine.request import (
     CompletionOutput,
     Request,
@@ -35,9 +36,8 @@ from hybridserve.engine.request import (
     SamplingParams,
 )
 from hybridserve.engine.scheduler import ScheduledRow, Scheduler, SchedulerOutput
-from hybridserve.kernels.state_postprocess import state_postprocess, state_postprocess_reference
 from hybridserve.runner.model_runner import ModelRunner, PendingStep
-from hybridserve.spec.base import DraftRequest, build_drafter
+from hybridserve.step import PostprocessDecision, RowResult, StepResult
 from hybridserve.tokenizer import Tokenizer
 
 log = logging.getLogger("hybridserve.engine")
@@ -73,13 +73,6 @@ class _Group:
     error: str | None = None
 
 
-def _plain_decode(sched: SchedulerOutput) -> bool:
-    """Every row decodes one token with no drafts (the steps async scheduling pipelines)."""
-    return all(
-        row.is_verify and row.num_tokens == 1 and row.num_drafts == 0 for row in sched.rows
-    )
-
-
 class EngineCore:
     def __init__(
         self,
@@ -99,6 +92,12 @@ class EngineCore:
         current one's tokens are read back, so the host's work for a step overlaps the
         device's work on the step before (:meth:`step`). Needs decode graphs and no
         speculative decoding; None (the default) turns it on wherever both hold."""
+        policy = getattr(model, "kernel_policy", config.kernels)
+        if policy != config.kernels:
+            raise ValueError(
+                "config.kernels differs from the model's kernel_policy: load the model with "
+                "load_model(..., policy=config.kernels)"
+            )
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -116,12 +115,15 @@ class EngineCore:
             cc.num_kv_blocks + scratch, cc.kv_block_size, cc.num_state_pages + scratch,
             config.dtype, cc.ssm_state_dtype, config.device,
         )
-        self.runner = ModelRunner(model, caches, cc.kv_block_size, config.scheduler.max_num_seqs, config.device)
+        # The runner launches the state postprocess as soon as a step's choices exist on
+        # the device; its decisions come back with the choices, in the step's result.
+        self.runner = ModelRunner(
+            model, caches, cc.kv_block_size, config.scheduler.max_num_seqs, config.device,
+            boundary_interval=self.scheduler.boundary_interval(),
+        )
         if self.scheduler.host.enabled:
-            self.runner.host_pool = HostStatePool(caches.conv, caches.ssm, host_pages)
-        # The state postprocess launches as soon as the step's choices exist on the
-        # device, and its decisions come back in the same read as the choices.
-        self.runner.on_verify = self._launch_postprocess
+            # The host tier mirrors every state tensor of every recurrent layer.
+            self.runner.host_pool = HostStatePool(caches.states, host_pages)
         self.drafter = build_drafter(config, model)
         # A drafter that reads the target's hidden states runs beside eager steps only.
         self._observe = getattr(self.drafter, "observe", None)
@@ -278,7 +280,7 @@ class EngineCore:
             return []
         self.counters["steps"] += 1
         self._check_integrity(sched)
-        if self.async_scheduling and _plain_decode(sched):
+        if self.async_scheduling and sched.plain_decode:
             pending = self._guarded(sched, lambda: self.runner.launch(sched))
             if pending is not None:
                 return self._advance(sched, pending)
@@ -317,7 +319,7 @@ class EngineCore:
         are on the host, or None: when requests wait (they are admitted by an ordinary
         step), when a row is not plain decode, or when the caches or the graphs cannot
         take it. A request that ``sched`` surely finishes (its length cap) gets no row."""
-        if self.scheduler.waiting or not _plain_decode(sched):
+        if self.scheduler.waiting or not sched.plain_decode:
             return None
         rows, sources = [], []
         for i, row in enumerate(sched.rows):
@@ -345,12 +347,13 @@ class EngineCore:
         self.counters["steps"] += 1
         return nxt, launched
 
-    def _process(self, sched: SchedulerOutput, results: list) -> list[RequestOutput]:
+    def _process(self, sched: SchedulerOutput, step: StepResult) -> list[RequestOutput]:
         """Commit a step that ran: its tokens, state pages, finished requests; outputs.
 
         A request whose commit raises fails with its group (:meth:`_fail`); the others
         are committed as if it had not been in the step.
         """
+        results = step.rows
         touched: dict[str, _Group] = {}
         failed: dict[str, Exception] = {}
         dropped: set[int] = set()
@@ -367,7 +370,7 @@ class EngineCore:
             try:
                 if res.new_tokens:
                     self._append_tokens(req, res.new_tokens, res.logprobs)
-                if not row.is_verify:
+                if not row.is_decode:
                     self.scheduler.commit_prefill_row(row)
             except Exception as e:
                 failed[gid] = e
@@ -375,16 +378,18 @@ class EngineCore:
             group = self.groups.get(gid)
             if group is not None:
                 touched[group.request_id] = group
-        verify_rows = [(row, res) for row, res in zip(sched.rows, results) if row.is_verify]
-        if verify_rows:
+        decode_rows = [
+            (row, res, step.decisions.get(i))
+            for i, (row, res) in enumerate(zip(sched.rows, results)) if row.is_decode
+        ]
+        if decode_rows:
             skip = dropped | {
-                id(row) for row, _ in verify_rows if self.group_id(row.request) in failed
+                id(row) for row, _, _ in decode_rows if self.group_id(row.request) in failed
             }
             try:
-                self._commit_postprocess(sched, verify_rows, skip, failed)
+                self._commit_postprocess(decode_rows, skip, failed)
             except Exception as e:
-                self.runner.verify_readback = None
-                for row, _ in verify_rows:
+                for row, _, _ in decode_rows:
                     if id(row) not in skip:
                         failed.setdefault(self.group_id(row.request), e)
         if self._observe is not None:
@@ -440,7 +445,7 @@ class EngineCore:
         for child in group.children:
             # A child whose own finish raised may be marked finished and still hold caches.
             holds = child.block_ids or child.state_page >= 0 or child.boundary_page >= 0
-            if not child.status.finished or holds or child.slot >= 0:
+            if not child.status.finished or holds or child.seat >= 0:
                 self.scheduler.finish(child, RequestStatus.FINISHED_ERROR)
             if self.drafter is not None:
                 self.drafter.forget(child.request_id)
@@ -455,7 +460,7 @@ class EngineCore:
             return
         start = 0
         for row, res in zip(sched.rows, results):
-            valid = len(res.new_tokens) if row.is_verify else row.num_tokens
+            valid = len(res.new_tokens) if row.is_decode else row.num_tokens
             if id(row) not in dropped and row.request.status is RequestStatus.RUNNING:
                 self._observe(row.request.request_id, row.num_computed, hidden[start : start + valid])
             start += row.num_tokens
@@ -477,109 +482,42 @@ class EngineCore:
             if check_drafter is not None:
                 check_drafter()
 
-    def _launch_postprocess(
-        self, sched: SchedulerOutput, verify: list[int], accepted: torch.Tensor
-    ) -> torch.Tensor:
-        """Decide every verify row's surviving state page and checkpoints in one launch.
-
-        ``verify``: indices of the step's verify rows; ``accepted``: their accepted
-        counts, on the device (the runner computes them from the choices there). On CUDA
-        this is the fused Triton kernel; elsewhere its torch twin. The per-slot tables
-        (``slot_num_computed``, ``slot_state_page``) are the kernel's read-only decision
-        inputs; its per-slot outputs land in fresh buffers that replace them after the
-        launch, ordered on the same stream (DESIGN.md section 5). Returns, as one int64
-        device tensor for the step's single read-back, per row: the accepted count, the
-        new state page, the checkpoint pages, their prefix lengths, the released pages.
-        """
-        runner = self.runner
-        device = runner.slot_num_computed.device
-        rows = [sched.rows[i] for i in verify]
-        max_q = max(r.num_tokens for r in rows)
-        slots, computed, state_in, pages = [], [], [], []
-        for row in rows:
-            n = row.num_computed
-            slots.append(row.request.slot)
-            computed.append(n)
-            state_in.append(row.state_in_page)
-            pages += [row.state_outputs[n + 1 + j] for j in range(row.num_tokens)]
-            pages += [-1] * (max_q - row.num_tokens)
-        # Every host-side input of the launch travels in one int32 transfer (pinned on
-        # CUDA, so it does not block the host); the tensors below are views of it.
-        b = len(rows)
-        packed = torch.tensor(slots + computed + state_in + pages, dtype=torch.int32)
-        if device.type == "cuda":
-            packed = packed.pin_memory()
-        packed = packed.to(device, non_blocking=True)
-        idx, computed_d, state_in_d = packed[: 3 * b].view(3, b)
-        out_pages = packed[3 * b :].view(b, max_q)
-        idx_long = idx.long()
-        # Prefill rows advance the host's counts only; refresh the decision tables of
-        # this step's slots before the launch reads them.
-        runner.slot_num_computed[idx_long] = computed_d
-        runner.slot_state_page[idx_long] = state_in_d
-        decide = state_postprocess if device.type == "cuda" else state_postprocess_reference
-        accepted = accepted.to(device=device, dtype=torch.int32)
-        result = decide(
-            idx_mapping=idx,
-            num_computed=runner.slot_num_computed,
-            num_accepted=accepted,
-            out_pages=out_pages,
-            state_page=runner.slot_state_page,
-            # The request holds a reference on whatever page it read, a checkpoint too.
-            release_prev=state_in_d >= 0,
-            state_interval=self.scheduler.verify_interval(),
-        )
-        runner.slot_num_computed = result.new_num_computed
-        runner.slot_state_page = result.new_state_page
-        sched.postprocess_k = result.ckpt_page.shape[1]
-        return torch.cat(
-            [accepted[:, None], result.new_state_page[idx_long][:, None], result.ckpt_page,
-             result.ckpt_len, result.release_pages], dim=1,
-        ).reshape(-1).long()
-
     def _commit_postprocess(
         self,
-        sched: SchedulerOutput,
-        rows: list[tuple[ScheduledRow, object]],
+        rows: list[tuple[ScheduledRow, RowResult, PostprocessDecision | None]],
         dropped: set[int],
         failed: dict[str, Exception],
     ) -> None:
-        """The host's page bookkeeping from the postprocess decisions of this step.
-
-        The decisions came back with the step's choices (``runner.verify_readback``:
-        the runner calls :meth:`_launch_postprocess` in every step with verify rows).
-        The accepted counts the device decided with must equal the tokens the host
-        appended: a mismatch is a bug, and fails the row before any of its pages
-        changes hands. Rows in ``dropped`` (ids of rows whose result was dropped or
-        whose request failed) change nothing. A row that cannot be committed has its
-        exception recorded in ``failed`` under its group's id; the others commit.
+        """The host's page bookkeeping from the postprocess decisions of this step (the
+        runner decided them on the device, from the step's choices, and returned them in
+        its result). The accepted counts the device decided with must equal the tokens
+        the host appended: a mismatch is a bug, and fails the row before any of its pages
+        changes hands. Rows in ``dropped`` (ids of rows whose result was dropped or whose
+        request failed) change nothing. A row that cannot be committed has its exception
+        recorded in ``failed`` under its group's id; the others commit.
         """
-        host = self.runner.verify_readback
-        self.runner.verify_readback = None
-        if host is None:
-            raise RuntimeError("a step with verify rows read back no postprocess decisions")
-        k = sched.postprocess_k
-        width = len(host) // len(rows)
-        decided = [
-            (row, res, host[i * width : (i + 1) * width])
-            for i, (row, res) in enumerate(rows)
-            if id(row) not in dropped
-        ]
-        for row, res, h in decided:
+        for row, res, d in rows:
+            if id(row) in dropped:
+                continue
             try:
-                if h[0] != len(res.new_tokens):
+                if d is None:
                     raise RuntimeError(
-                        f"request {row.request.request_id}: the device accepted {h[0]} "
-                        f"tokens, the host {len(res.new_tokens)}"
+                        f"request {row.request.request_id}: a decode row came back without "
+                        "a postprocess decision"
                     )
-                ckpts = [(p, page) for p, page in zip(h[2 + k : 2 + 2 * k], h[2 : 2 + k]) if page >= 0]
-                released = [p for p in h[2 + 2 * k :] if p >= 0]
-                self.scheduler.commit_verify_row(row, h[0], h[1], ckpts, released)
+                if d.num_accepted != len(res.new_tokens):
+                    raise RuntimeError(
+                        f"request {row.request.request_id}: the device accepted "
+                        f"{d.num_accepted} tokens, the host {len(res.new_tokens)}"
+                    )
+                self.scheduler.commit_decode_row(
+                    row, d.num_accepted, d.state_page, list(d.checkpoints), list(d.released)
+                )
             except Exception as e:
                 failed[self.group_id(row.request)] = e
 
     def _propose_drafts(self) -> None:
-        d = self.config.spec.num_speculative_tokens
+        d = self.config.speculative.num_speculative_tokens
         decoding, asks = [], []
         for req in self.scheduler.running:
             req.draft_token_ids = []

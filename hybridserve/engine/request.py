@@ -1,127 +1,21 @@
-"""Requests, sampling parameters and outputs, in vLLM's shape so users can switch."""
+"""Requests: the scheduler's per-sequence state. The values users see (sampling
+parameters, outputs, logprobs) live in :mod:`hybridserve.step` and are re-exported here."""
 
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
 
-from hybridserve.structured.params import StructuredOutputsParams
+from hybridserve.step import CompletionOutput, Logprob, RequestOutput, SamplingParams
 
-
-@dataclass(slots=True)
-class SamplingParams:
-    """How to sample one request. Validated on construction; errors name the field.
-
-    ``temperature == 0`` is greedy. ``seed`` makes sampling reproducible for this request
-    regardless of batching or preemption. ``logprobs=k`` returns, for every generated
-    token, the ``k`` most likely tokens plus the sampled one. ``structured_outputs``
-    constrains the output to a JSON schema, regex, choice or grammar
-    (:class:`~hybridserve.structured.StructuredOutputsParams`; a dict of its fields is
-    accepted too). ``min_tokens``: EOS and ``stop_token_ids`` cannot be sampled, and
-    stop strings do not end the output, before that many tokens (as vLLM's).
-    ``allowed_token_ids``: only these tokens can be sampled.
-    """
-
-    n: int = 1
-    max_tokens: int | None = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    stop: list[str] | str | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    logprobs: int | None = None
-    skip_special_tokens: bool = True
-    structured_outputs: StructuredOutputsParams | None = None
-    min_tokens: int = 0
-    allowed_token_ids: list[int] | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if self.max_tokens is not None and (
-            not isinstance(self.max_tokens, int) or self.max_tokens < 1
-        ):
-            raise ValueError(f"max_tokens must be an integer >= 1 (or None), got {self.max_tokens!r}")
-        if not _finite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if self.temperature < _GREEDY_BELOW:
-            # Dividing float32 logits by a vanishing temperature overflows; the limit of
-            # sampling as temperature -> 0 is greedy decoding, so use that.
-            self.temperature = 0.0
-        if not _finite(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        # Below float32's resolution top_p would round to 0 and drop every token; any
-        # top_p this small keeps just the most likely token, as 1e-6 does.
-        self.top_p = max(self.top_p, 1e-6)
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be an integer >= 0 (0 or -1 disables it), got {self.top_k!r}")
-        if not _finite(self.min_p) or not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not _finite(self.repetition_penalty) or not 0.01 <= self.repetition_penalty <= 100:
-            raise ValueError(
-                f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty!r}"
-            )
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if not _finite(v) or not -2 <= v <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
-        if self.stop_token_ids is not None and not all(
-            isinstance(t, int) and t >= 0 for t in self.stop_token_ids
-        ):
-            raise ValueError("stop_token_ids must be a list of non-negative integers")
-        if self.logprobs is not None and (
-            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20
-        ):
-            raise ValueError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
-        if isinstance(self.structured_outputs, dict):
-            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
-        if self.structured_outputs is not None and not isinstance(
-            self.structured_outputs, StructuredOutputsParams
-        ):
-            raise ValueError("structured_outputs must be a StructuredOutputsParams (or a dict of its fields)")
-        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})"
-            )
-        if self.allowed_token_ids is not None:
-            ids = self.allowed_token_ids
-            if not isinstance(ids, (list, tuple)) or not ids or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
-            ):
-                raise ValueError("allowed_token_ids must be a non-empty list of non-negative integers")
-            self.allowed_token_ids = list(ids)
-
-    @property
-    def token_masked(self) -> bool:
-        """Whether sampling masks tokens for reasons other than a grammar."""
-        return self.min_tokens > 0 or self.allowed_token_ids is not None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-
-_GREEDY_BELOW = 1e-5
-
-
-def _finite(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+__all__ = [
+    "CompletionOutput",
+    "Logprob",
+    "Request",
+    "RequestOutput",
+    "RequestStatus",
+    "SamplingParams",
+]
 
 
 class RequestStatus(enum.Enum):
@@ -141,15 +35,6 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_ABORTED,
             RequestStatus.FINISHED_ERROR,
         )
-
-
-@dataclass(slots=True)
-class Logprob:
-    """One candidate token's log probability and its 1-based rank in the vocabulary."""
-
-    logprob: float
-    rank: int
-    decoded_token: str | None = None
 
 
 @dataclass
@@ -185,7 +70,7 @@ class Request:
     # Positions (prefix lengths) at which this request's prefill must leave checkpoints
     # besides the grid: the junction and the prompt end.
     extra_checkpoints: set[int] = field(default_factory=set)
-    slot: int = -1
+    seat: int = -1  # its seat among max_num_seqs (admission accounting), -1 for none
     # Chained hashes of the full blocks of all_token_ids, extended as blocks fill
     # (tokens are only ever appended, so computed hashes stay valid), and how many of
     # the request's current blocks are registered in the prefix index.
@@ -224,36 +109,3 @@ class Request:
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
-
-
-@dataclass
-class CompletionOutput:
-    """One generated sequence of a request (``n`` of them per request)."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    cumulative_logprob: float | None
-    logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class RequestOutput:
-    """What ``LLM.generate`` returns per prompt, and the engine streams per step."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    num_cached_tokens: int = 0
-    # Per-request counters: spec_draft_tokens, spec_accepted_tokens,
-    # spec_mean_accepted_length (tokens per verify step), num_preemptions.
-    metrics: dict[str, float] = field(default_factory=dict)
-    # Why the request failed (its outputs finish with reason "error"), else None.
-    error: str | None = None

@@ -42,54 +42,15 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from hybridserve.cache.block_pool import BlockPool, chain_hash
-from hybridserve.cache.host_tier import HostCheckpointIndex, Transfers
+from hybridserve.cache.host_tier import HostCheckpointIndex
 from hybridserve.cache.state_cache import StateCache
 from hybridserve.config import CacheConfig, SchedulerConfig
 from hybridserve.engine.request import Request, RequestStatus
+from hybridserve.step import ScheduledRow, SchedulerOutput, Transfers
 
-
-@dataclass
-class ScheduledRow:
-    """One row of a step: ``request`` computes ``all_token_ids[n : n + num_tokens]``.
-
-    ``num_drafts`` of those tokens are speculative (a decode/verify row). ``samples``
-    says whether the row's logits produce new tokens. ``state_outputs`` maps a prefix
-    length p in (n, n + num_tokens] to the page that receives the state after it.
-    """
-
-    request: Request
-    num_computed: int
-    num_tokens: int
-    num_drafts: int
-    samples: bool
-    state_in_page: int
-    # A decode/verify row: its surviving state depends on the acceptance count.
-    is_verify: bool = False
-    state_outputs: dict[int, int] = field(default_factory=dict)
-    # Scheduled one step ahead (:meth:`Scheduler.schedule_ahead`): the row's input token
-    # is the previous step's choice, still on the device, and the request's host state
-    # (tokens, output count, state page) lags the row by that one token.
-    ahead: bool = False
-    # The step's references on ``state_outputs`` were released or handed on (by a
-    # commit or a drop); until then :meth:`Scheduler.release_row` gives them back.
-    settled: bool = False
-
-
-@dataclass
-class SchedulerOutput:
-    rows: list[ScheduledRow]
-    preempted: list[Request]
-    # Checkpoint columns per row of the step's postprocess read-back (set at its launch).
-    postprocess_k: int = 0
-    # Host-tier copies the runner performs before this step's forward.
-    transfers: Transfers = field(default_factory=Transfers)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(r.num_tokens for r in self.rows)
+__all__ = ["ScheduledRow", "Scheduler", "SchedulerOutput"]
 
 
 class Scheduler:
@@ -125,7 +86,7 @@ class Scheduler:
         self._restoring: dict[str, int] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.free_slots = list(range(sched.max_num_seqs - 1, -1, -1))
+        self.free_seats = list(range(sched.max_num_seqs - 1, -1, -1))
         self.counters = {
             "prefix_queries": 0,
             "prefix_query_tokens": 0,
@@ -185,9 +146,9 @@ class Scheduler:
         req.state_page = -1
         req.boundary_page = -1
         req.boundary_len = 0
-        if req.slot >= 0:
-            self.free_slots.append(req.slot)
-            req.slot = -1
+        if req.seat >= 0:
+            self.free_seats.append(req.seat)
+            req.seat = -1
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -403,7 +364,7 @@ class Scheduler:
             self.counters["prefix_hits"] += int(h > 0)
         if req.num_preemptions == 0:
             req.num_cached_tokens = h
-        req.slot = self.free_slots.pop()
+        req.seat = self.free_seats.pop()
         req.status = RequestStatus.RUNNING
         return q, outputs
 
@@ -479,7 +440,7 @@ class Scheduler:
                 need_blocks = self._blocks_needed(n + q) - len(req.block_ids)
             if need_blocks > 0:
                 req.block_ids += self.blocks.allocate(need_blocks)
-            rows.append(self._make_row(req, q, drafts, positions, verify=not req.is_prefill))
+            rows.append(self._make_row(req, q, drafts, positions, decode=not req.is_prefill))
             budget -= q
             i += 1
 
@@ -487,7 +448,7 @@ class Scheduler:
             self.waiting
             and budget > 0
             and len(rows) < self.config.max_num_seqs
-            and self.free_slots
+            and self.free_seats
             and not preempted
         ):
             req = self.waiting[0]
@@ -498,7 +459,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(req)
-            rows.append(self._make_row(req, q, 0, positions, verify=False))
+            rows.append(self._make_row(req, q, 0, positions, decode=False))
             budget -= q
         return self._drain(SchedulerOutput(rows=rows, preempted=preempted))
 
@@ -527,7 +488,7 @@ class Scheduler:
                 req.block_ids += self.blocks.allocate(extra)
             out.append(ScheduledRow(
                 request=req, num_computed=n, num_tokens=1, num_drafts=0, samples=True,
-                state_in_page=prev.state_outputs[n], is_verify=True,
+                state_in_page=prev.state_outputs[n], is_decode=True,
                 state_outputs={n + 1: self.states.allocate(1)[0]}, ahead=True,
             ))
         return self._drain(SchedulerOutput(rows=out, preempted=[]))
@@ -545,7 +506,7 @@ class Scheduler:
             row.settled = True
 
     def _make_row(
-        self, req: Request, q: int, drafts: int, positions: list[int], verify: bool
+        self, req: Request, q: int, drafts: int, positions: list[int], decode: bool
     ) -> ScheduledRow:
         """A row of ``q`` tokens whose states at ``positions`` go to freshly taken pages."""
         n = req.num_computed_tokens
@@ -557,7 +518,7 @@ class Scheduler:
             num_drafts=drafts,
             samples=n + q >= req.num_tokens,
             state_in_page=req.state_page,
-            is_verify=verify,
+            is_decode=decode,
             state_outputs=dict(zip(positions, pages)),
         )
 
@@ -577,7 +538,7 @@ class Scheduler:
         self.states.release(list(row.state_outputs.values()))
         row.settled = True
 
-    def commit_verify_row(
+    def commit_decode_row(
         self,
         row: ScheduledRow,
         num_accepted: int,
@@ -590,7 +551,7 @@ class Scheduler:
         ``new_state_page`` (S_{a-1}) takes over the step's reference as the request's
         state. ``checkpoints`` are the ``(prefix length, page)`` pairs the postprocess
         kept at boundaries crossed by the accepted tokens; the index (or the request's
-        boundary slot) takes its own reference and the step's is dropped, unless the
+        boundary page) takes its own reference and the step's is dropped, unless the
         page is also the new state. ``released`` are the unused S_j (the step's
         references) and the previous state page (the request's reference).
         """
@@ -612,7 +573,7 @@ class Scheduler:
         req.num_computed_tokens = row.num_computed + num_accepted
         self._register_full_blocks(req)
 
-    def verify_interval(self) -> int:
+    def boundary_interval(self) -> int:
         """The boundary interval the state postprocess reports crossings of."""
         if not self.cache_config.enable_prefix_caching:
             return 1 << 30
@@ -719,6 +680,6 @@ class Scheduler:
         waiting_ids = {r.request_id for r in self.waiting}
         if not set(self._restoring) <= waiting_ids:
             raise AssertionError("a restore hold belongs to no waiting request")
-        used_slots = [r.slot for r in self.running]
-        if len(set(used_slots)) != len(used_slots) or len(used_slots) + len(self.free_slots) != self.config.max_num_seqs:
-            raise AssertionError("request slots are lost or shared")
+        used_seats = [r.seat for r in self.running]
+        if len(set(used_seats)) != len(used_seats) or len(used_seats) + len(self.free_seats) != self.config.max_num_seqs:
+            raise AssertionError("request seats are lost or shared")

@@ -2,7 +2,7 @@
 
 The fast path for uniform steps (every row runs the same ``Q`` tokens from a stored
 state: plain decode ``Q = 1``, uniform verify rows ``Q = 1 + d``;
-:func:`~hybridserve.kernels.mamba_decode.decode_plan` decides). The conv step is
+the step plan's ``DECODE`` kind decides). The conv step is
 Mamba2's (:func:`~hybridserve.kernels.mamba_decode.conv_decode_update`: channels are
 channels); this module is the recurrence. :func:`gdn_decode_update` reads each row's state
 from page ``in_pages[r]``, runs the gated delta rule of :mod:`hybridserve.kernels.gdn`

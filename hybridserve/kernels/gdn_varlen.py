@@ -14,31 +14,26 @@ pass, at any offset: no cut, no second scan. The conv of the same step is
 Cost: a row of ``L`` tokens is ``L`` dependent steps (about a microsecond each on an
 H200, estimated), so long prompts want the chunked delta rule
 (:mod:`hybridserve.kernels.gdn_chunked`); this path is exact for any length, and the right
-one for short rows (launch-bound), as for Mamba2 (:mod:`~hybridserve.kernels.mamba_short`).
+one for short rows (launch-bound), as for Mamba2's short rows (:func:`~hybridserve.kernels.mamba_decode.ssm_update`).
 It also runs the chunked prefill's tails, from dense initial states (chunk states).
 
 Race rule (DESIGN.md section 5): a program touches only its own slice of its row's input
 page and output pages; output pages never repeat and are never input pages (the plan
-checks, :func:`varlen_plan`), so no program reads or writes what another writes.
+checks, the step plan), so no program reads or writes what another writes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-from hybridserve.kernels.conv_varlen import token_rows
 from hybridserve.kernels.gdn import gated_delta_rule_reference
 from hybridserve.kernels.gdn_decode import _check_operands
 
-if TYPE_CHECKING:  # annotations only: importing models here would be circular
-    from hybridserve.models.batch import ForwardBatch
-
-__all__ = ["VarlenPlan", "gdn_varlen_update", "gdn_varlen_update_reference", "varlen_plan"]
+__all__ = ["VarlenPlan", "gdn_varlen_update", "gdn_varlen_update_reference"]
 
 
 @dataclass(frozen=True)
@@ -55,43 +50,6 @@ class VarlenPlan:
     # The same values on the host (the chunked prefill plans its chunk states from them).
     query_start_host: tuple[int, ...] = ()
     token_out_pages_host: tuple[int, ...] = ()
-
-
-_PLAN_ATTR = "_gdn_varlen_plan_memo"
-
-
-def varlen_plan(batch: ForwardBatch, device: torch.device) -> VarlenPlan | None:
-    """The :class:`VarlenPlan` of ``batch``, or None for a step without tokens or one whose
-    output pages repeat or include an input page (the per-row path computes those).
-    Built once per batch and device and shared by every GDN layer of the step."""
-    memo = batch.__dict__.setdefault(_PLAN_ATTR, {})
-    key = str(device)
-    if key not in memo:
-        memo[key] = _build_plan(batch, device)
-    return memo[key]
-
-
-def _build_plan(batch: ForwardBatch, device: torch.device) -> VarlenPlan | None:
-    rows, tokens = batch.num_rows, batch.num_tokens
-    if tokens == 0 or not batch.writes_only_unread_pages():
-        return None
-    host = torch.tensor(
-        [*batch.query_start, *batch.state_in_page, *batch.token_out_pages()], dtype=torch.int32
-    )
-    if device.type == "cuda":
-        # Pinned: a copy from pageable memory would stall the host until the device drains.
-        host = host.pin_memory()
-    flat = host.to(device, non_blocking=True)
-    query_start, in_pages, out_pages = flat.split([rows + 1, rows, tokens])
-    return VarlenPlan(
-        num_rows=rows,
-        query_start=query_start,
-        in_pages=in_pages,
-        token_out_pages=out_pages,
-        token_row=token_rows(query_start, tokens),
-        query_start_host=tuple(batch.query_start),
-        token_out_pages_host=tuple(batch.token_out_pages()),
-    )
 
 
 def _check_initial(initial_states, rows, ssm_cache) -> None:

@@ -1,34 +1,34 @@
-"""Batched Mamba2 decode over state pages: conv-window update and selective-state update.
+"""Mamba2 over state pages, token by token: the conv-window update and the recurrence.
 
-The fast path for steps whose rows all run the same small number of tokens ``Q`` (plain
-decode, ``Q = 1``, or uniform speculative verify rows, ``Q = 1 + d``) and all continue
-from a stored state. Instead of the per-row loop of the reference mixer, every row of
-the step is processed by one launch per op:
+The ops of steps dominated by launches rather than arithmetic: decode and verify rows
+(every row the same small number of tokens ``Q``) and short rows of any length (a
+prompt's tail after a cached prefix, a short chunk beside decode rows). Instead of the
+per-row loop of the reference mixer, every row of the step is processed by one launch
+per op:
 
-- :func:`conv_decode_update`: causal depthwise conv of the rows' ``Q`` new inputs,
-  starting from the conv window on page ``in_pages[r]``;
-- :func:`ssm_decode_update`: the recurrence ``S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t``,
-  ``y_t = S_t . C_t + D x_t`` starting from the SSM state on page ``in_pages[r]``.
+- :func:`conv_decode_update`: causal depthwise conv of uniform rows' ``Q`` new inputs,
+  starting from the conv window on page ``in_pages[r]`` (short rows of any length take
+  :func:`~hybridserve.kernels.conv_varlen.conv_varlen`, which writes windows the same
+  way);
+- :func:`ssm_update`: the recurrence ``S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t``,
+  ``y_t = S_t . C_t + D x_t`` from the state on page ``in_pages[r]`` (zeros for -1), over
+  uniform rows (``query_start`` None: the row length is unrolled, the form CUDA graphs
+  capture) or rows of any length (``query_start``). One kernel, one twin, for both.
 
-Both write the window / state *after* token ``t`` of row ``r`` to page
-``out_pages[r, t]`` when that entry is ``>= 0`` and never write an input page (the
-caller guarantees the output pages are disjoint from every input page, DESIGN.md
-section 4), so no program of a launch reads what another writes (section 5): a
-program owns one (row, channel block) or (row, head, head-dim block) slice of its
-row's pages and touches nothing else.
+Both write the window / state *after* packed token ``t`` to page ``out_pages[t]`` when
+that entry is ``>= 0`` and never write an input page (the caller guarantees the output
+pages are disjoint from every input page, DESIGN.md section 4), so no program of a launch
+reads what another writes (section 5): a program owns one (row, channel block) or (row,
+head, head-dim block) slice of its row's pages and touches nothing else.
 
-Layout (token-major, packed): token ``r * Q + t`` is row ``r``'s token ``t``. Every op has
-a torch twin (``*_reference``) computing the same function, the CPU path and the test
-oracle; the Triton kernels run on CUDA (and under the CPU interpreter in tests).
-
-:func:`decode_plan` decides whether a :class:`~hybridserve.models.batch.ForwardBatch`
-qualifies and turns its host lists into the index tensors both ops take.
+Layout (token-major, packed): uniform rows put row ``r``'s token ``t`` at ``r * Q + t``.
+Every op has a torch twin (``*_reference``) computing the same function, the CPU path and
+the test oracle; the Triton kernels run on CUDA (and under the CPU interpreter in tests).
+A row of ``L`` tokens costs ``L`` dependent steps, so the step plan sends only rows up to
+``KernelPolicy.max_short_tokens`` here; longer rows take the chunked scan.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -36,116 +36,13 @@ import triton.language as tl
 
 from hybridserve.kernels.conv1d import apply_activation
 
-if TYPE_CHECKING:  # annotations only: importing models here would be circular
-    from hybridserve.models.batch import ForwardBatch
-
 __all__ = [
-    "MAX_DECODE_TOKENS",
-    "DecodePlan",
-    "attach_decode_plan",
     "check_ssm_operands",
     "conv_decode_update",
     "conv_decode_update_reference",
-    "decode_plan",
-    "ssm_decode_update",
-    "ssm_decode_update_reference",
-    "ssm_token_step",
+    "ssm_update",
+    "ssm_update_reference",
 ]
-
-# Rows longer than this are prefill chunks: the chunked scan serves them better.
-MAX_DECODE_TOKENS = 16
-
-
-@dataclass(frozen=True)
-class DecodePlan:
-    """A uniform step: ``num_rows`` rows of ``q`` tokens, every row with an input page.
-
-    ``in_pages [R]`` and ``out_pages [R, q]`` (int32, -1 = no output) live on the model's
-    device; the host lists keep the same values for launchers that need no device read.
-    They are None for a plan whose pages exist only on the device (a step replayed from
-    a CUDA graph, :func:`attach_decode_plan`).
-    """
-
-    num_rows: int
-    q: int
-    in_pages: torch.Tensor
-    out_pages: torch.Tensor
-    in_pages_host: tuple[int, ...] | None = None
-    out_pages_host: tuple[tuple[int, ...], ...] | None = None
-
-
-_PLAN_ATTR = "_decode_plan_memo"
-
-
-def decode_plan(batch: ForwardBatch, device: torch.device) -> DecodePlan | None:
-    """The :class:`DecodePlan` of ``batch``, or None when the step needs the per-row path.
-
-    Qualifies: at least one row, every row runs the same ``q <= MAX_DECODE_TOKENS``
-    tokens, every row reads a stored state (``state_in_page >= 0``: a sequence's first
-    token takes the zero-state prefill path), and no output page is also an input page
-    of any row. The plan is built once per batch and device (memoised on the batch, which
-    is not modified during a forward) so every Mamba layer of a step shares its tensors.
-    """
-    memo = batch.__dict__.setdefault(_PLAN_ATTR, {})
-    key = str(device)
-    if key in memo:
-        return memo[key]
-    plan = _build_plan(batch, device)
-    memo[key] = plan
-    return plan
-
-
-def attach_decode_plan(
-    batch: ForwardBatch, in_pages: torch.Tensor, out_pages: torch.Tensor
-) -> DecodePlan:
-    """Give ``batch`` a plan over page tensors already on the model's device (no host copy).
-
-    For a batch built over static device buffers (the CUDA-graph decode step): its host
-    page lists are placeholders, and the pages a replay reads are whatever the buffers
-    hold then. The caller vouches that the step qualifies (uniform rows of ``q`` tokens,
-    every row with an input page, no output page that is an input page).
-    """
-    rows, q = out_pages.shape
-    if in_pages.shape != (rows,) or rows != batch.num_rows or rows * q != batch.num_tokens:
-        raise ValueError(
-            f"pages [{tuple(in_pages.shape)}], [{tuple(out_pages.shape)}] do not fit a batch of "
-            f"{batch.num_rows} rows and {batch.num_tokens} tokens"
-        )
-    plan = DecodePlan(num_rows=rows, q=q, in_pages=in_pages, out_pages=out_pages)
-    batch.__dict__.setdefault(_PLAN_ATTR, {})[str(in_pages.device)] = plan
-    return plan
-
-
-def _build_plan(batch: ForwardBatch, device: torch.device) -> DecodePlan | None:
-    rows = batch.num_rows
-    if rows == 0:
-        return None
-    q = batch.query_len(0)
-    if not 1 <= q <= MAX_DECODE_TOKENS:
-        return None
-    if any(batch.query_len(i) != q for i in range(rows)):
-        return None
-    if any(page < 0 for page in batch.state_in_page):
-        return None
-    if not batch.writes_only_unread_pages():
-        return None
-    out = [[-1] * q for _ in range(rows)]
-    for r, off, page in zip(batch.state_out_row, batch.state_out_offset, batch.state_out_page):
-        out[r][off] = page
-    host = torch.tensor([[page, *o] for page, o in zip(batch.state_in_page, out)], dtype=torch.int32)
-    # One asynchronous host-to-device copy for both index tensors: a copy from pageable
-    # memory would stall the host until the device drained its queue, once per step.
-    if device.type == "cuda":
-        host = host.pin_memory()
-    both = host.to(device, non_blocking=True)
-    return DecodePlan(
-        num_rows=rows,
-        q=q,
-        in_pages=both[:, 0].contiguous(),
-        out_pages=both[:, 1:].contiguous(),
-        in_pages_host=tuple(batch.state_in_page),
-        out_pages_host=tuple(tuple(o) for o in out),
-    )
 
 
 # --------------------------------------------------------------------------------------
@@ -224,7 +121,34 @@ def conv_decode_update_reference(
     return out.to(xbc.dtype)
 
 
-def ssm_decode_update_reference(
+def _rows(
+    x: torch.Tensor,
+    in_pages: torch.Tensor,
+    out_pages: torch.Tensor,
+    query_start: torch.Tensor | None,
+) -> tuple[int, int, torch.Tensor]:
+    """``(rows, uniform q or 0, out_pages [T])``; raises ValueError on pages that do not
+    fit ``x``'s tokens."""
+    tokens = x.shape[0]
+    rows = in_pages.shape[0]
+    if in_pages.dim() != 1:
+        raise ValueError(f"in_pages must be [R], got {tuple(in_pages.shape)}")
+    if query_start is None:
+        if rows == 0 or tokens % rows or out_pages.numel() != tokens:
+            raise ValueError(
+                f"{tokens} packed tokens and out_pages {tuple(out_pages.shape)} do not make "
+                f"{rows} rows of equal length"
+            )
+        return rows, tokens // rows, out_pages.reshape(tokens)
+    if query_start.shape != (rows + 1,) or out_pages.shape != (tokens,):
+        raise ValueError(
+            f"query_start must be [R + 1], in_pages [R] and out_pages [T={tokens}], got "
+            f"{tuple(query_start.shape)}, {tuple(in_pages.shape)}, {tuple(out_pages.shape)}"
+        )
+    return rows, 0, out_pages
+
+
+def ssm_update_reference(
     x: torch.Tensor,
     dt: torch.Tensor,
     A: torch.Tensor,
@@ -234,36 +158,58 @@ def ssm_decode_update_reference(
     ssm_cache: torch.Tensor,
     in_pages: torch.Tensor,
     out_pages: torch.Tensor,
+    query_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Torch twin of :func:`ssm_decode_update` (same arguments, same result)."""
+    """Torch twin of :func:`ssm_update` (same arguments, same result): token index by
+    token index, every row that has a token there at once. Every input state is read
+    before any page is written."""
     tokens, heads, head_dim = x.shape
-    rows, q = _check_pages(in_pages, out_pages, tokens)
-    groups, d_state = B.shape[-2:]
+    rows, q, outs = _rows(x, in_pages, out_pages, query_start)
+    groups, d_state = check_ssm_operands(x, dt, B, C, ssm_cache)
+    if query_start is None:
+        starts = [r * q for r in range(rows + 1)]
+    else:
+        starts = query_start.tolist()
+        if starts[0] != 0 or starts[-1] != tokens:
+            raise ValueError(f"query_start must run from 0 to T={tokens}, got {starts}")
+    lens = [starts[r + 1] - starts[r] for r in range(rows)]
     compute = torch.promote_types(x.dtype, torch.float32)
     rep = heads // groups
-    x = x.to(compute).view(rows, q, heads, head_dim)
-    dt = dt.to(compute).view(rows, q, heads)
-    Bh = B.to(compute).view(rows, q, groups, d_state).repeat_interleave(rep, dim=2)
-    Ch = C.to(compute).view(rows, q, groups, d_state).repeat_interleave(rep, dim=2)
+    pages = in_pages.long()
+    state = torch.where(
+        (pages >= 0)[:, None, None, None],
+        ssm_cache[pages.clamp(min=0)].to(compute),
+        torch.zeros((), dtype=compute, device=x.device),
+    )  # [R, H, P, N]
     A = A.to(compute)
-    state = ssm_cache[in_pages.long()].to(compute)  # [R, H, P, N]
-    y = torch.empty(rows, q, heads, head_dim, dtype=compute, device=x.device)
-    for t in range(q):
-        decay = torch.exp(dt[:, t] * A)  # [R, H]
+    y = torch.empty(tokens, heads, head_dim, dtype=compute, device=x.device)
+    writes = []
+    for t in range(max(lens, default=0)):
+        active = [r for r in range(rows) if lens[r] > t]
+        tok = torch.tensor([starts[r] + t for r in active], device=x.device)
+        idx = torch.tensor(active, device=x.device)
+        xt = x[tok].to(compute)
+        dtt = dt[tok].to(compute)
+        Bh = B[tok].to(compute).repeat_interleave(rep, dim=1)  # [R', H, N]
+        Ch = C[tok].to(compute).repeat_interleave(rep, dim=1)
+        decay = torch.exp(dtt * A)  # [R', H]
         # Same association as the per-token reference step: (dt * B) first, then x.
-        dBx = (dt[:, t, :, None] * Bh[:, t])[:, :, None, :] * x[:, t, :, :, None]
-        state = state * decay[:, :, None, None] + dBx
+        dBx = (dtt[:, :, None] * Bh)[:, :, None, :] * xt[:, :, :, None]
+        st = state[idx] * decay[:, :, None, None] + dBx
+        state[idx] = st
         yt = torch.bmm(
-            state.reshape(rows * heads, head_dim, d_state),
-            Ch[:, t].reshape(rows * heads, d_state, 1),
-        ).view(rows, heads, head_dim)
+            st.reshape(-1, head_dim, d_state), Ch.reshape(-1, d_state, 1)
+        ).view(len(active), heads, head_dim)
         if D is not None:
-            yt = yt + x[:, t] * D.to(compute)[:, None]
-        y[:, t] = yt
-        keep = out_pages[:, t] >= 0
+            yt = yt + xt * D.to(compute)[:, None]
+        y[tok] = yt
+        page = outs[tok].long()
+        keep = page >= 0
         if bool(keep.any()):
-            ssm_cache[out_pages[keep, t].long()] = state[keep].to(ssm_cache.dtype)
-    return y.view(tokens, heads, head_dim)
+            writes.append((page[keep], st[keep]))
+    for page, st in writes:
+        ssm_cache[page] = st.to(ssm_cache.dtype)
+    return y
 
 
 # --------------------------------------------------------------------------------------
@@ -421,8 +367,8 @@ def ssm_token_step(
 ):
     """One token of the recurrence for a program's (head ``h``, head-dim rows ``p``) slice:
     updates ``state`` (returned), stores ``y`` of packed token ``tok`` and, when
-    ``out_pages[tok] >= 0``, the new state to that page. Shared by the decode kernel and
-    :mod:`~hybridserve.kernels.mamba_short` (inlined into each)."""
+    ``out_pages[tok] >= 0``, the new state to that page. Inlined into both loops of
+    :func:`_ssm_kernel` (unrolled uniform rows, rows of any length)."""
     x = tl.load(x_ptr + tok * x_stride + h * head_dim + p, mask=pmask, other=0.0).to(tl.float32)
     dt = tl.load(dt_ptr + tok * dt_stride + h).to(tl.float32)
     b = tl.load(B_ptr + tok * B_stride + g * d_state + n, mask=nmask, other=0.0).to(tl.float32)
@@ -443,7 +389,7 @@ def ssm_token_step(
 
 
 @triton.jit
-def _ssm_decode_kernel(
+def _ssm_kernel(
     x_ptr,
     x_stride,
     dt_ptr,
@@ -456,6 +402,7 @@ def _ssm_decode_kernel(
     D_ptr,
     ssm_ptr,
     page_stride,
+    query_start_ptr,
     in_pages_ptr,
     out_pages_ptr,
     y_ptr,
@@ -478,23 +425,38 @@ def _ssm_decode_kernel(
     nmask = n < d_state
     smask = pmask[:, None] & nmask[None, :]
     g = h // heads_per_group
-    in_page = tl.load(in_pages_ptr + r).to(tl.int64)
+    in_page = tl.load(in_pages_ptr + r)
     offs = h * head_dim * d_state + p[:, None] * d_state + n[None, :]
-    state = tl.load(ssm_ptr + in_page * page_stride + offs, mask=smask, other=0.0).to(tl.float32)
+    # A row without a page starts from zeros (page 0 is never dereferenced for it).
+    state = tl.load(
+        ssm_ptr + tl.maximum(in_page, 0).to(tl.int64) * page_stride + offs,
+        mask=smask & ((offs * 0 + in_page) >= 0),
+        other=0.0,
+    ).to(tl.float32)
     a = tl.load(A_ptr + h).to(tl.float32)
     d_skip = 0.0
     if HAS_D:
         d_skip = tl.load(D_ptr + h).to(tl.float32)
-    for t in tl.static_range(Q):
-        # out_pages is [R, Q], row-major: row r's entry t is that of packed token r * Q + t.
-        state = ssm_token_step(
-            state, r * Q + t, h, g, p, n, pmask, nmask, smask, offs, a, d_skip,
-            x_ptr, x_stride, dt_ptr, dt_stride, B_ptr, B_stride, C_ptr, C_stride,
-            ssm_ptr, page_stride, out_pages_ptr, y_ptr, heads, head_dim, d_state,
-        )
+    if Q > 0:
+        # Uniform rows: the row length is unrolled (what a CUDA graph captures).
+        for t in tl.static_range(Q):
+            state = ssm_token_step(
+                state, r * Q + t, h, g, p, n, pmask, nmask, smask, offs, a, d_skip,
+                x_ptr, x_stride, dt_ptr, dt_stride, B_ptr, B_stride, C_ptr, C_stride,
+                ssm_ptr, page_stride, out_pages_ptr, y_ptr, heads, head_dim, d_state,
+            )
+    else:
+        start = tl.load(query_start_ptr + r)
+        end = tl.load(query_start_ptr + r + 1)
+        for i in range(0, end - start):
+            state = ssm_token_step(
+                state, start.to(tl.int64) + i, h, g, p, n, pmask, nmask, smask, offs, a,
+                d_skip, x_ptr, x_stride, dt_ptr, dt_stride, B_ptr, B_stride, C_ptr, C_stride,
+                ssm_ptr, page_stride, out_pages_ptr, y_ptr, heads, head_dim, d_state,
+            )
 
 
-def ssm_decode_update(
+def ssm_update(
     x: torch.Tensor,
     dt: torch.Tensor,
     A: torch.Tensor,
@@ -504,35 +466,43 @@ def ssm_decode_update(
     ssm_cache: torch.Tensor,
     in_pages: torch.Tensor,
     out_pages: torch.Tensor,
+    query_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Selective-state update of every row of a uniform step, from and to state pages.
+    """Selective-state recurrence of every row of a step, from and to state pages.
 
     Args:
-        x: ``[R * Q, H, P]`` (token-major; the head and head-dim axes contiguous).
-        dt: ``[R * Q, H]`` already discretised (:func:`~hybridserve.kernels.ssd.discretize_dt`).
+        x: ``[T, H, P]`` packed tokens (the head and head-dim axes contiguous).
+        dt: ``[T, H]`` already discretised (:func:`~hybridserve.kernels.ssd.discretize_dt`;
+            head axis contiguous).
         A: ``[H]`` (negative); D: ``[H]`` or None.
-        B, C: ``[R * Q, G, N]`` (group and state axes contiguous).
+        B, C: ``[T, G, N]`` (group and state axes contiguous).
         ssm_cache: ``[pages, H, P, N]`` states, contiguous (any float dtype; the
             recurrence runs in float32 and each written state is cast to it).
-        in_pages: ``[R]`` int32 page of each row's state before its first token.
-        out_pages: ``[R, Q]`` int32; the state after token ``t`` of row ``r`` goes to
-            page ``out_pages[r, t]`` when it is ``>= 0``. Must not repeat a page or name
-            an input page.
+        in_pages: ``[R]`` int32 page of each row's state before its first token, -1 for
+            zeros.
+        out_pages: ``[T]`` int32 (``[R, Q]`` for uniform rows also accepted); the state
+            after token ``t`` goes to page ``out_pages[t]`` when it is ``>= 0``. Must not
+            repeat a page or name an input page.
+        query_start: ``[R + 1]`` int32, row ``r`` owns tokens
+            ``query_start[r] .. query_start[r + 1]`` (rows may be empty); None for uniform
+            rows of ``T / R`` tokens each.
 
     Returns:
-        ``y [R * Q, H, P]`` float32 (the D skip included, before the gated norm).
+        ``y [T, H, P]`` float32 (the D skip included, before the gated norm).
     """
     tokens, heads, head_dim = x.shape
-    rows, q = _check_pages(in_pages, out_pages, tokens)
+    rows, q, outs = _rows(x, in_pages, out_pages, query_start)
     groups, d_state = check_ssm_operands(x, dt, B, C, ssm_cache, kernel=True)
     y = torch.empty(tokens, heads, head_dim, dtype=torch.float32, device=x.device)
-    if rows == 0:
+    if rows == 0 or tokens == 0:
         return y
     block_n = triton.next_power_of_2(d_state)
-    # About 2K state elements per program: enough programs to fill the chip at batch 1.
-    block_p = max(1, min(triton.next_power_of_2(head_dim), 2048 // block_n))
+    # State elements per program: about 2K for uniform rows (enough programs to fill the
+    # chip at batch 1), 1K for rows of any length (a single long row still spreads).
+    block_p = max(1, min(triton.next_power_of_2(head_dim), (2048 if q else 1024) // block_n))
     grid = (rows, heads, triton.cdiv(head_dim, block_p))
-    _ssm_decode_kernel[grid](
+    in_pages = in_pages.to(torch.int32).contiguous()
+    _ssm_kernel[grid](
         x,
         x.stride(0),
         dt,
@@ -545,8 +515,9 @@ def ssm_decode_update(
         D.contiguous() if D is not None else A,
         ssm_cache,
         ssm_cache.stride(0),
-        in_pages.contiguous(),
-        out_pages.contiguous(),
+        query_start.to(torch.int32).contiguous() if query_start is not None else in_pages,
+        in_pages,
+        outs.to(torch.int32).contiguous(),
         y,
         heads,
         head_dim,

@@ -38,8 +38,8 @@ batched product; :func:`moe_experts_reference` is the whole path that way, and
 :func:`moe_experts_loop` a loop over the experts present (one host sync per step), the
 shape of the Hugging Face reference and the CPU path of the model layer.
 
-:func:`triton_enabled` decides where the model layers take the kernels; the module
-constant :data:`TRITON_MOE` overrides it for tests and benchmarks.
+:func:`triton_enabled` decides where the model layers take the kernels, for the engine's
+``KernelPolicy.moe`` (tests and benchmarks pick the path by constructing a policy).
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ import triton.language as tl
 
 __all__ = [
     "ACTIVATIONS",
-    "TRITON_MOE",
     "ExpertBlocks",
     "grouped_down",
     "grouped_down_reference",
@@ -66,29 +65,29 @@ __all__ = [
     "triton_enabled",
 ]
 
-# "cuda" (CUDA tensors only, the default), "always" (CPU tensors too, through the
-# interpreter: tests force the grouped path through a whole model this way) or "never"
-# (the per-expert loop everywhere: a baseline for benchmarks).
-TRITON_MOE = "cuda"
-
 # Activations the kernels apply in-register; others take the loop.
 ACTIVATIONS = {"silu": 0, "relu": 1, "relu2": 2}
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def triton_enabled(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: str) -> bool:
+def triton_enabled(
+    mode: str, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: str
+) -> bool:
     """Whether :func:`moe_experts` (the kernels) should run for these operands.
 
-    Besides :data:`TRITON_MOE`: float32 / bfloat16 / float16 operands of one dtype (float64
-    models take the loop), a supported activation, and no gradient needed.
+    ``mode`` (``KernelPolicy.moe``): ``"auto"`` (CUDA tensors only, the default),
+    ``"triton"`` (CPU tensors too, through the interpreter: tests force the grouped path
+    through a whole model this way) or ``"reference"`` (the per-expert loop everywhere: a
+    baseline for benchmarks). Besides that: float32 / bfloat16 / float16 operands of one
+    dtype (float64 models take the loop), a supported activation, and no gradient needed.
     """
-    if TRITON_MOE == "never":
+    if mode not in ("auto", "triton", "reference"):
+        raise ValueError(f"moe mode must be 'auto', 'triton' or 'reference', got {mode!r}")
+    if mode == "reference":
         return False
-    if TRITON_MOE not in ("cuda", "always"):
-        raise ValueError(f"TRITON_MOE must be 'cuda', 'always' or 'never', got {TRITON_MOE!r}")
     tensors = (x, w1, w2)
-    if TRITON_MOE == "cuda" and not all(t.is_cuda for t in tensors):
+    if mode == "auto" and not all(t.is_cuda for t in tensors):
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False

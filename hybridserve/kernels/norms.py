@@ -34,8 +34,8 @@ Numerics (the contract with the twins):
 Programs touch only their own row (or row group) of every output, so no program reads
 what another writes (the race rule, docs/racecheck.md).
 
-:func:`triton_enabled` decides where the model layers take the kernels; the module
-constant :data:`TRITON_NORMS` overrides it for tests and benchmarks.
+:func:`triton_enabled` decides where the model layers take the kernels, given the
+engine's choice (``KernelPolicy.norms``: ``"auto"``, ``"triton"`` or ``"reference"``).
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ import triton.language as tl
 
 __all__ = [
     "MAX_ROW",
-    "TRITON_NORMS",
     "add_rms_norm",
     "add_rms_norm_reference",
     "gated_rms_norm",
@@ -56,12 +55,6 @@ __all__ = [
     "rms_norm_reference",
     "triton_enabled",
 ]
-
-# Where the model layers take the Triton kernels: "cuda" (CUDA tensors only, the
-# default), "always" (CPU tensors too, through the interpreter: tests force the fused
-# path through a whole model this way) or "never" (the torch twins everywhere: for
-# comparisons in benchmarks).
-TRITON_NORMS = "cuda"
 
 # A program holds one whole row (or group) in registers; wider rows take the twin.
 MAX_ROW = 65536
@@ -73,19 +66,22 @@ _TL_DTYPES = {
 }
 
 
-def triton_enabled(*tensors: torch.Tensor) -> bool:
+def triton_enabled(mode: str, *tensors: torch.Tensor) -> bool:
     """Whether the layers should compute a norm over ``tensors`` with the Triton kernels.
 
-    Besides :data:`TRITON_NORMS`: every tensor must be float32 / bfloat16 / float16
-    (float64 models take the twin), at most :data:`MAX_ROW` wide with a unit stride on
-    its last axis, and none may need a gradient (the kernels have no backward).
+    ``mode``: ``"auto"`` (CUDA tensors only), ``"triton"`` (CPU tensors too, through the
+    interpreter: tests force the fused path through a whole model this way) or
+    ``"reference"`` (the torch twins everywhere: for comparisons in benchmarks). Besides
+    that, every tensor must be float32 / bfloat16 / float16 (float64 models take the
+    twin), at most :data:`MAX_ROW` wide with a unit stride on its last axis, and none may
+    need a gradient (the kernels have no backward).
     """
-    if TRITON_NORMS == "never":
+    if mode not in ("auto", "triton", "reference"):
+        raise ValueError(f"norms mode must be 'auto', 'triton' or 'reference', got {mode!r}")
+    if mode == "reference":
         return False
-    if TRITON_NORMS == "cuda" and not all(t.is_cuda for t in tensors):
+    if mode == "auto" and not all(t.is_cuda for t in tensors):
         return False
-    if TRITON_NORMS not in ("cuda", "always"):
-        raise ValueError(f"TRITON_NORMS must be 'cuda', 'always' or 'never', got {TRITON_NORMS!r}")
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
     return all(

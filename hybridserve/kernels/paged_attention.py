@@ -12,7 +12,7 @@ blocks are masked out.
 - :func:`paged_attention_decode_triton`: one Triton launch, one program per (row, KV
   head), reading keys and values straight through the block tables with an online
   softmax in float32. The attention layer takes it for uniform steps on CUDA (and so
-  inside the decode graphs); :func:`triton_enabled` says when;
+  inside the decode graphs), as the engine's ``KernelPolicy.decode_attention`` says;
 - :func:`paged_attention_decode_reference`: its torch twin, float32 (float64) scores and
   softmax over the gathered, padded keys; the path uniform steps take on the CPU, and
   the test oracle;
@@ -34,23 +34,11 @@ import triton
 import triton.language as tl
 
 __all__ = [
-    "TRITON_DECODE",
     "gather_paged_kv",
     "paged_attention_decode",
     "paged_attention_decode_reference",
     "paged_attention_decode_triton",
-    "triton_enabled",
 ]
-
-# Uniform steps on CUDA take the Triton kernel; False sends them to the torch twin (for
-# comparisons in benchmarks).
-TRITON_DECODE = True
-
-
-def triton_enabled(device: torch.device) -> bool:
-    """Whether uniform decode / verify steps on ``device`` take the Triton kernel."""
-    return TRITON_DECODE and device.type == "cuda"
-
 
 def gather_paged_kv(
     k_cache: torch.Tensor,

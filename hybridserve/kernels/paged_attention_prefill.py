@@ -15,8 +15,8 @@ here use no logit softcapping and no sliding window.
   gathered keys. It is the CPU path of prefill and mixed steps and the oracle of the
   tests (of the decode kernel's too).
 - :func:`paged_attention_prefill_triton`: every row of the step in one launch. The
-  attention layer takes it for non-uniform steps on CUDA; :func:`triton_enabled` says
-  when.
+  attention layer takes it for non-uniform steps on CUDA (the engine's
+  ``KernelPolicy.prefill_attention``).
 
 Decomposition: the host cuts every row's tokens into tiles of ``block_m // group``
 tokens (:func:`prefill_tiles`, the tile -> row map), and the grid is (tile, KV head).
@@ -41,30 +41,19 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridserve.models.batch import ForwardBatch
+from hybridserve.kernels.transfer import upload
 
 __all__ = [
     "PV_PRECISIONS",
-    "TRITON_PREFILL",
     "paged_attention_prefill_triton",
     "paged_attention_reference",
     "prefill_tiles",
-    "triton_enabled",
 ]
-
-# Non-uniform steps on CUDA take the Triton kernel; False sends them to the per-row twin
-# (for comparisons in benchmarks).
-TRITON_PREFILL = True
 
 # How the probability-value product multiplies (see paged_attention_prefill_triton).
 PV_PRECISIONS = ("half", "tf32", "ieee")
 
 _HALF = (torch.bfloat16, torch.float16)
-
-
-def triton_enabled(device: torch.device) -> bool:
-    """Whether prefill and mixed steps on ``device`` take the Triton kernel."""
-    return TRITON_PREFILL and device.type == "cuda"
 
 
 # --------------------------------------------------------------------------------------
@@ -76,13 +65,19 @@ def paged_attention_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    batch: ForwardBatch,
+    query_start: Sequence[int],
+    context_lens: Sequence[int],
+    block_tables: torch.Tensor,
+    positions: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     """Attend ``q [T, H, D]`` over the paged cache (already holding this step's keys).
 
-    ``k_cache, v_cache``: ``[num_blocks, block_size, KV, D]``. Returns ``[T, H, D]`` in
-    ``q.dtype``; scores and softmax are computed in float32 (or float64 for float64 input).
+    ``k_cache, v_cache``: ``[num_blocks, block_size, KV, D]``; row ``i`` owns queries
+    ``query_start[i] .. query_start[i + 1]`` (host) and attends over its first
+    ``context_lens[i]`` keys (host) through ``block_tables[i]``, causally by ``positions
+    [T]``. Returns ``[T, H, D]`` in ``q.dtype``; scores and softmax are computed in
+    float32 (or float64 for float64 input).
     """
     num_heads = q.shape[1]
     block_size, num_kv = k_cache.shape[1], k_cache.shape[2]
@@ -92,19 +87,19 @@ def paged_attention_reference(
     flat_v = v_cache.reshape(-1, num_kv, v_cache.shape[-1])
     out = torch.empty_like(q)
     offsets = torch.arange(block_size, device=q.device)
-    for i in range(batch.num_rows):
-        s, e = batch.query_start[i], batch.query_start[i + 1]
+    for i in range(len(query_start) - 1):
+        s, e = query_start[i], query_start[i + 1]
         if e == s:
             continue
-        ctx = batch.context_lens[i]
+        ctx = context_lens[i]
         n_blocks = -(-ctx // block_size)
-        blocks = batch.block_tables[i, :n_blocks].to(device=q.device, dtype=torch.int64)
+        blocks = block_tables[i, :n_blocks].to(device=q.device, dtype=torch.int64)
         slots = (blocks[:, None] * block_size + offsets[None, :]).reshape(-1)[:ctx]
         keys = flat_k[slots].to(compute).repeat_interleave(group, dim=1)  # [ctx, H, D]
         values = flat_v[slots].to(compute).repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[s:e].to(compute), keys) * scale
         key_pos = torch.arange(ctx, device=q.device)
-        visible = key_pos[None, :] <= batch.positions[s:e, None].to(q.device)  # [q, ctx]
+        visible = key_pos[None, :] <= positions[s:e, None].to(q.device)  # [q, ctx]
         scores = scores.masked_fill(~visible[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[s:e] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
@@ -326,7 +321,10 @@ def paged_attention_prefill_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    batch: ForwardBatch,
+    query_start: Sequence[int],
+    num_computed: Sequence[int],
+    block_tables: torch.Tensor,
+    positions: torch.Tensor,
     scale: float,
     *,
     block_m: int | None = None,
@@ -338,12 +336,12 @@ def paged_attention_prefill_triton(
 ) -> torch.Tensor:
     """:func:`paged_attention_reference` as one Triton launch over every row of the step.
 
-    ``q [T, H, D]`` (packed as ``batch.query_start`` says; the head-dim axis contiguous),
+    ``q [T, H, D]`` (packed as ``query_start`` says; the head-dim axis contiguous),
     ``k_cache, v_cache [num_blocks, block_size, KV, D]`` of one dtype and layout (the
-    head-dim axis contiguous). From ``batch``: ``query_start`` and ``num_computed`` (host,
-    for the tile map), ``block_tables [B, W]`` (int32 or int64, -1 padded, a row's keys
-    in its first ``W`` blocks) and ``positions [T]`` (moved to the cache's device without
-    blocking). ``context_lens`` is not read: a query's keys end at its own position.
+    head-dim axis contiguous); ``query_start`` and ``num_computed`` (host, for the tile
+    map), ``block_tables [B, W]`` (int32 or int64, -1 padded, a row's keys in its first
+    ``W`` blocks) and ``positions [T]`` (moved to the cache's device without blocking).
+    No context lengths: a query's keys end at its own position.
     Returns ``[T, H, D]`` in ``q.dtype`` (written into ``out`` when given: that shape and
     dtype, head-dim axis contiguous).
 
@@ -367,10 +365,10 @@ def paged_attention_prefill_triton(
     """
     tokens, heads, dim = q.shape
     num_blocks, block_size, num_kv, kdim = k_cache.shape
-    rows = batch.num_rows
-    if heads % num_kv or kdim != dim or batch.num_tokens != tokens:
+    rows = len(query_start) - 1
+    if heads % num_kv or kdim != dim or query_start[-1] != tokens:
         raise ValueError(
-            f"q {tuple(q.shape)} does not match a step of {batch.num_tokens} tokens over "
+            f"q {tuple(q.shape)} does not match a step of {query_start[-1]} tokens over "
             f"a cache of {num_kv} KV heads of {kdim}"
         )
     if (
@@ -408,7 +406,7 @@ def paged_attention_prefill_triton(
     block_d = max(16, triton.next_power_of_2(dim))
     d_m, d_n, d_warps, d_stages = _default_tiles(block_d, dot_16bit, pv_precision == "half")
     if block_m is None:
-        longest = max(batch.query_len(i) for i in range(rows))
+        longest = max(query_start[i + 1] - query_start[i] for i in range(rows))
         block_m = min(d_m, max(16, triton.next_power_of_2(longest * group)))
         block_m = max(block_m, triton.next_power_of_2(group))
     if block_m < max(16, group) or block_m & (block_m - 1):
@@ -416,17 +414,15 @@ def paged_attention_prefill_triton(
     block_n = d_n if block_n is None else block_n
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
-    tiles = prefill_tiles(batch.query_start, batch.num_computed, block_m // group)
+    tiles = prefill_tiles(query_start, num_computed, block_m // group)
     if tiles.shape[0] == 0:
         return out
     device = k_cache.device
-    if device.type == "cuda":
-        tiles = tiles.pin_memory()
-    tiles = tiles.to(device=device, non_blocking=True)
-    tables = batch.block_tables.to(device=device, non_blocking=True)
+    tiles = upload(tiles, device)
+    tables = block_tables.to(device=device, non_blocking=True)
     if tables.stride(-1) != 1:
         tables = tables.contiguous()
-    positions = batch.positions.to(device=device, non_blocking=True).reshape(-1)
+    positions = positions.to(device=device, non_blocking=True).reshape(-1)
     log2e = 1.4426950408889634
     _paged_attention_prefill_kernel[(tiles.shape[0], num_kv)](
         q,

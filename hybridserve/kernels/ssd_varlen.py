@@ -4,7 +4,7 @@ The prefill / mixed-step counterpart of the per-row scan of the reference mixer.
 owns tokens ``query_start[i] .. query_start[i + 1]`` of the packed inputs (rows may be
 empty), starts from an initial state (its page's, or zeros) and must deliver the state
 *after* its token at every requested offset (grid points, junctions, the row end: the
-``state_out_*`` fields of :class:`~hybridserve.models.batch.ForwardBatch`). Layout as in
+``state_out_*`` fields of a step's batch). Layout as in
 :mod:`hybridserve.kernels.ssd`: ``x [T, H, P]``, ``dt [T, H]`` (discretised), ``A [H]``,
 ``B, C [T, G, N]``; states ``[H, P, N]``, the layout of an ``ssm_state`` page.
 
@@ -59,8 +59,8 @@ steps on ``[rows, H, P, N]``; cutting at offsets also restarts the library's chu
 segment starts, so with checkpoints on a grid as fine as its chunk the scans do little
 extra work.
 
-:func:`prefill_plan` turns a :class:`ForwardBatch` into the index tensors of the packed
-path (conv and scan), once per step and device; :func:`discretize_dt_varlen` applies the
+:func:`plan_segments` turns a step's host lists into the scan's index tensors (the model's
+step plan calls it once per step); :func:`discretize_dt_varlen` applies the
 dt discretisation with the per-row clamp exception of single-token continuation rows.
 """
 
@@ -73,19 +73,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hybridserve.kernels.conv_varlen import token_rows
 from hybridserve.kernels.ssd import discretize_dt, heads_from_groups, ssd_chunked_reference
 from hybridserve.kernels.ssd_tails import ssd_tail_states, ssd_tail_states_reference
-from hybridserve.models.batch import ForwardBatch
+from hybridserve.kernels.transfer import upload_lists
 
 __all__ = [
-    "PrefillPlan",
     "ScanFn",
     "Segments",
     "discretize_dt_varlen",
     "fla_available",
     "plan_segments",
-    "prefill_plan",
     "ssd_prefill",
     "ssd_scan_varlen_fla",
     "ssd_scan_varlen_reference",
@@ -284,7 +281,7 @@ def chunk_states_supported(scan: ScanFn) -> bool:
 
 
 # --------------------------------------------------------------------------------------
-# Segments and the step plan
+# Segments
 # --------------------------------------------------------------------------------------
 
 
@@ -328,13 +325,7 @@ class Segments:
 
 def _to_device(lists: Sequence[Sequence[int]], device: torch.device) -> list[torch.Tensor]:
     """Host int lists -> int64 tensors on ``device`` with one asynchronous copy."""
-    sizes = [len(v) for v in lists]
-    host = torch.tensor([i for v in lists for i in v], dtype=torch.int64)
-    if device.type == "cuda":
-        # Pinned: a copy from pageable memory would stall the host until the device drains.
-        host = host.pin_memory()
-    flat = host.to(device, non_blocking=True)
-    return list(flat.split(sizes))
+    return upload_lists(lists, torch.int64, device)
 
 
 def _segment_lists(
@@ -447,86 +438,6 @@ def plan_segments(
     or a *tail* of fewer than ``chunk`` tokens from the chunk state before it."""
     device = torch.device(device)
     return _segments(_segment_lists(query_start, state_rows, state_offsets, chunk), device)
-
-
-@dataclass(frozen=True)
-class PrefillPlan:
-    """The index tensors of the packed prefill path for one step (int64 on its device).
-
-    ``query_start [B + 1]``, ``token_row [T]``, ``in_pages [B]`` and ``token_out_pages
-    [T]`` (the page of the window after each token, -1 for none) feed the conv;
-    ``init_rows`` / ``init_pages`` list the non-empty rows that start from a stored state
-    and their pages; ``unclamped [T]`` (bool, or None when there are none) marks the
-    tokens of one-token rows that continue from a stored state; ``out_pages [K]`` are the
-    state requests' pages in the batch's order; ``segments`` cuts the rows for the scan.
-    """
-
-    query_start: torch.Tensor
-    token_row: torch.Tensor
-    in_pages: torch.Tensor
-    init_rows: torch.Tensor
-    init_pages: torch.Tensor
-    unclamped: torch.Tensor | None
-    token_out_pages: torch.Tensor
-    out_pages: torch.Tensor
-    segments: Segments
-
-
-_PLAN_ATTR = "_prefill_plan_memo"
-
-
-def prefill_plan(
-    batch: ForwardBatch, device: torch.device, chunk: int | None = None
-) -> PrefillPlan | None:
-    """The :class:`PrefillPlan` of ``batch`` on ``device``, built once per step, device and
-    ``chunk`` (:func:`plan_segments`; memoised on the batch, which a forward does not
-    modify) and shared by every layer. None when an output page repeats or is an input
-    page (the engine never plans that, DESIGN.md section 4): the conv writes its windows
-    while it reads the input pages, so such a step needs the per-row path."""
-    memo = batch.__dict__.setdefault(_PLAN_ATTR, {})
-    key = (str(device), chunk)
-    if key not in memo:
-        memo[key] = _build_plan(batch, device, chunk)
-    return memo[key]
-
-
-def _build_plan(
-    batch: ForwardBatch, device: torch.device, chunk: int | None
-) -> PrefillPlan | None:
-    if not batch.writes_only_unread_pages():
-        return None
-    qs = list(batch.query_start)
-    rows = batch.num_rows
-    segments = _segments(
-        _segment_lists(qs, batch.state_out_row, batch.state_out_offset, chunk), device
-    )
-    init_rows = [i for i in range(rows) if batch.state_in_page[i] >= 0 and qs[i + 1] > qs[i]]
-    single = [qs[i] for i in init_rows if qs[i + 1] - qs[i] == 1]
-    lists = [
-        qs,
-        batch.state_in_page,
-        init_rows,
-        [batch.state_in_page[i] for i in init_rows],
-        single,
-        batch.token_out_pages(),
-        batch.state_out_page,
-    ]
-    t = _to_device(lists, device)
-    unclamped = None
-    if single:
-        unclamped = torch.zeros(batch.num_tokens, dtype=torch.bool, device=device)
-        unclamped[t[4]] = True
-    return PrefillPlan(
-        query_start=t[0],
-        token_row=token_rows(t[0], batch.num_tokens),
-        in_pages=t[1],
-        init_rows=t[2],
-        init_pages=t[3],
-        unclamped=unclamped,
-        token_out_pages=t[5],
-        out_pages=t[6],
-        segments=segments,
-    )
 
 
 # --------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ Semantics (DESIGN.md section 4, fixed). For batch row ``r`` of a step:
 - verification accepted ``a = num_accepted[r]`` tokens, ``1 <= a <= q_r``.
 
 Then the request's state becomes ``S_{a-1}`` and its computed count ``n + a``; for every
-grid point ``p`` (a multiple of ``state_interval``) with ``n < p <= n + a`` the
+grid point ``p`` (a multiple of ``boundary_interval``) with ``n < p <= n + a`` the
 checkpoint for prefix length ``p`` is ``S_{p-1-n}``; every other ``S_j`` page is
 released, and so is the page the step read its initial state from (``state_page[s]``)
 when the request owns it (``release_prev[r]``; a checkpoint page read on a prefix hit
@@ -68,9 +68,9 @@ class PostprocessResult:
     release_pages: torch.Tensor
 
 
-def max_checkpoints_per_row(max_query_len: int, state_interval: int) -> int:
+def max_checkpoints_per_row(max_query_len: int, boundary_interval: int) -> int:
     """Most grid points ``a <= max_query_len`` accepted tokens can cross: ceil(q / interval)."""
-    return -(-max_query_len // state_interval)
+    return -(-max_query_len // boundary_interval)
 
 
 # --------------------------------------------------------------------------------------
@@ -85,7 +85,7 @@ def state_postprocess_reference(
     out_pages: torch.Tensor,
     state_page: torch.Tensor,
     release_prev: torch.Tensor,
-    state_interval: int,
+    boundary_interval: int,
 ) -> PostprocessResult:
     """Torch twin of :func:`state_postprocess`, written straight from DESIGN.md section 4.
 
@@ -93,10 +93,10 @@ def state_postprocess_reference(
     host and validates every precondition the kernel assumes, raising ``ValueError``
     naming the row and field.
     """
-    if state_interval < 1:
-        raise ValueError(f"state_interval must be >= 1, got {state_interval}")
+    if boundary_interval < 1:
+        raise ValueError(f"boundary_interval must be >= 1, got {boundary_interval}")
     num_rows, max_q = out_pages.shape
-    max_k = max_checkpoints_per_row(max_q, state_interval)
+    max_k = max_checkpoints_per_row(max_q, boundary_interval)
     slots = idx_mapping.tolist()
     computed = num_computed.tolist()
     accepted = num_accepted.tolist()
@@ -124,7 +124,7 @@ def state_postprocess_reference(
         kept = {a - 1}
         k = 0
         for p in range(n + 1, n + a + 1):
-            if p % state_interval == 0:
+            if p % boundary_interval == 0:
                 j = p - 1 - n
                 ckpt_page[r][k] = row[j]
                 ckpt_len[r][k] = p
@@ -171,7 +171,7 @@ def _state_postprocess_kernel(
     ckpt_stride,
     release_ptr,
     release_stride,
-    state_interval,
+    boundary_interval,
     max_q,
     max_k,
     BLOCK_Q: tl.constexpr,
@@ -192,8 +192,8 @@ def _state_postprocess_kernel(
     q = tl.sum((pages >= 0).to(tl.int32), axis=0)
 
     # First grid point after n, and the S index that summarizes it.
-    j0 = (n // state_interval + 1) * state_interval - 1 - n
-    is_ckpt = (j < a) & (j >= j0) & ((j - j0) % state_interval == 0)
+    j0 = (n // boundary_interval + 1) * boundary_interval - 1 - n
+    is_ckpt = (j < a) & (j >= j0) & ((j - j0) % boundary_interval == 0)
     kept = is_ckpt | (j == a - 1)
     released = (j < q) & (kept == 0)
     # Released pages are compacted to the front of the row: S_j goes to slot
@@ -209,7 +209,7 @@ def _state_postprocess_kernel(
     tl.store(release_ptr + r * release_stride + j, rel, mask=j < max_q)
 
     k = tl.arange(0, BLOCK_K)
-    jk = j0 + k * state_interval
+    jk = j0 + k * boundary_interval
     has_ckpt = (jk < a) & (k < max_k)
     ck_page = tl.load(row_ptr + jk, mask=has_ckpt, other=-1)
     ck_len = tl.where(has_ckpt, n + 1 + jk, -1)
@@ -242,7 +242,7 @@ def state_postprocess(
     out_pages: torch.Tensor,
     state_page: torch.Tensor,
     release_prev: torch.Tensor,
-    state_interval: int,
+    boundary_interval: int,
     *,
     out: PostprocessResult | None = None,
 ) -> PostprocessResult:
@@ -251,13 +251,13 @@ def state_postprocess(
     Inputs (one device, int32 unless said): ``idx_mapping [B]`` (unique slots),
     ``num_computed [S]`` and ``state_page [S]`` (per slot), ``num_accepted [B]``,
     ``out_pages [B, Q]`` (unit stride along Q, -1 beyond each row's q tokens),
-    ``release_prev [B]`` bool, ``state_interval`` a host int >= 1. Preconditions not
+    ``release_prev [B]`` bool, ``boundary_interval`` a host int >= 1. Preconditions not
     checked on the device (checking them would need a host sync):
     ``1 <= num_accepted[r] <= q_r``, unique ``idx_mapping``, pages ``>= 0`` in the first
     ``q_r`` columns. :func:`state_postprocess_reference` checks them all.
 
     Returns a :class:`PostprocessResult` with the same values as the twin; ``ckpt_*``
-    have ``max_checkpoints_per_row(Q, state_interval)`` columns, ``release_pages`` has Q.
+    have ``max_checkpoints_per_row(Q, boundary_interval)`` columns, ``release_pages`` has Q.
     With ``out`` given, results are written into its tensors (which must not overlap
     any input) and it is returned; slots not in the batch are then left untouched.
 
@@ -276,7 +276,7 @@ def state_postprocess(
     inputs, and every output goes to a buffer no program reads. No host sync: the
     launch only enqueues device work.
     """
-    _check(state_interval >= 1, f"state_interval must be >= 1, got {state_interval}")
+    _check(boundary_interval >= 1, f"boundary_interval must be >= 1, got {boundary_interval}")
     _check(out_pages.dim() == 2, f"out_pages must be [B, Q], got {tuple(out_pages.shape)}")
     num_rows, max_q = out_pages.shape
     num_slots = num_computed.shape[0] if num_computed.dim() == 1 else -1
@@ -296,7 +296,7 @@ def state_postprocess(
         _check(t.dim() != 1 or t.stride(0) == 1 or t.numel() <= 1, f"{name} must be contiguous")
     _check(max_q >= 1, "out_pages needs at least one column")
     _check(out_pages.stride(1) == 1 or max_q == 1, "out_pages must have unit stride along Q")
-    max_k = max_checkpoints_per_row(max_q, state_interval)
+    max_k = max_checkpoints_per_row(max_q, boundary_interval)
 
     if out is None:
         # Slots outside the batch keep their values, so the caller can swap buffers.
@@ -339,7 +339,7 @@ def state_postprocess(
         out.ckpt_page.stride(0),
         out.release_pages,
         out.release_pages.stride(0),
-        state_interval,
+        boundary_interval,
         max_q,
         max_k,
         BLOCK_Q=triton.next_power_of_2(max(max_q, 2)),

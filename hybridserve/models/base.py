@@ -7,7 +7,9 @@ A model is a ``torch.nn.Module`` with:
 - ``forward(input_ids, batch, caches) -> hidden``: ``input_ids`` is ``[T]`` int64
   (packed rows, see :mod:`hybridserve.models.batch`), ``hidden`` is ``[T, hidden_size]``
   (after the final norm). It writes K/V to ``caches.kv`` at ``batch.slot_mapping`` and
-  the requested states to ``caches.conv`` / ``caches.ssm`` pages; nothing else.
+  the requested states to their pages of ``caches.states``; nothing else.
+- ``plan_step(batch) -> batch``: the step plan, once per step
+  (:mod:`hybridserve.models.step_plan`).
 - ``compute_logits(hidden) -> logits``: ``[N, hidden_size] -> [N, vocab_size]`` float32,
   with any architecture scaling applied (Granite's ``logits_scaling``).
 """
@@ -20,35 +22,33 @@ from typing import Protocol
 import torch
 
 from hybridserve.models.batch import ForwardBatch, ModelCaches
+from hybridserve.models.layers.recurrent import StateTensor
 
 
 @dataclass(frozen=True)
 class CacheSpec:
-    """Which decoder layers hold which cache, and the shapes of one entry."""
+    """Which decoder layers hold which cache, and the shapes of one entry.
+
+    Attention: ``attention_layers`` each hold K and V blocks of ``[kv_block_size,
+    num_kv_heads, head_dim]``. Recurrent layers: ``recurrent_layers`` each hold, per
+    state page, the tensors their family declares (``state_tensors``, one declaration a
+    layer; :class:`~hybridserve.models.layers.recurrent.RecurrentLayer`), all in the same
+    page ids.
+    """
 
     attention_layers: tuple[int, ...]
     num_kv_heads: int
     head_dim: int
-    mamba_layers: tuple[int, ...]
-    conv_dim: int
-    d_conv: int
-    num_ssm_heads: int
-    ssm_head_dim: int
-    d_state: int
-    # Gated DeltaNet layers: conv window [gdn_conv_dim, gdn_d_conv - 1] and recurrent
-    # state [gdn_value_heads, gdn_key_head_dim, gdn_value_head_dim] per page, in the same
-    # conv / ssm dicts (and page ids) as the Mamba layers'.
+    recurrent_layers: tuple[int, ...]
+    # One declaration per recurrent layer, in the order of recurrent_layers.
+    state_tensors: tuple[tuple[StateTensor, ...], ...] = ()
+    # The recurrent layers of each family (for reports and family-specific plans).
+    mamba_layers: tuple[int, ...] = ()
     gdn_layers: tuple[int, ...] = ()
-    gdn_conv_dim: int = 0
-    gdn_d_conv: int = 1
-    gdn_value_heads: int = 0
-    gdn_key_head_dim: int = 0
-    gdn_value_head_dim: int = 0
 
-    @property
-    def recurrent_layers(self) -> tuple[int, ...]:
-        """Every layer that keeps state in state pages (Mamba2 and GDN), in order."""
-        return tuple(sorted(self.mamba_layers + self.gdn_layers))
+    def __post_init__(self) -> None:
+        if len(self.state_tensors) != len(self.recurrent_layers):
+            raise ValueError("CacheSpec.state_tensors needs one declaration per recurrent layer")
 
     def kv_block_bytes(self, kv_block_size: int, dtype: torch.dtype) -> int:
         """Bytes of one KV block across all attention layers (keys and values)."""
@@ -62,17 +62,12 @@ class CacheSpec:
             * elem
         )
 
-    def state_page_bytes(self, conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> int:
-        """Bytes of one state page across all recurrent layers (conv window + SSM state)."""
-        conv_elem = torch.empty((), dtype=conv_dtype).element_size()
-        ssm_elem = torch.empty((), dtype=ssm_dtype).element_size()
-        conv = self.conv_dim * (self.d_conv - 1) * conv_elem
-        ssm = self.num_ssm_heads * self.ssm_head_dim * self.d_state * ssm_elem
-        gdn_conv = self.gdn_conv_dim * (self.gdn_d_conv - 1) * conv_elem
-        gdn_ssm = (
-            self.gdn_value_heads * self.gdn_key_head_dim * self.gdn_value_head_dim * ssm_elem
+    def state_page_bytes(self, dtype: torch.dtype, state_dtype: torch.dtype) -> int:
+        """Bytes of one state page across all recurrent layers (every declared tensor;
+        ``dtype`` the model's, ``state_dtype`` the recurrent state's)."""
+        return sum(
+            t.page_bytes(dtype, state_dtype) for layer in self.state_tensors for t in layer
         )
-        return len(self.mamba_layers) * (conv + ssm) + len(self.gdn_layers) * (gdn_conv + gdn_ssm)
 
     def allocate(
         self,
@@ -84,54 +79,24 @@ class CacheSpec:
         device: torch.device | str,
     ) -> ModelCaches:
         """Allocate every cache tensor. Contents are undefined until written."""
-        kv = {
-            layer: (
-                torch.empty(
-                    num_kv_blocks,
-                    kv_block_size,
-                    self.num_kv_heads,
-                    self.head_dim,
-                    dtype=dtype,
-                    device=device,
-                ),
-                torch.empty(
-                    num_kv_blocks,
-                    kv_block_size,
-                    self.num_kv_heads,
-                    self.head_dim,
-                    dtype=dtype,
-                    device=device,
-                ),
+
+        def blocks() -> torch.Tensor:
+            return torch.empty(
+                num_kv_blocks, kv_block_size, self.num_kv_heads, self.head_dim,
+                dtype=dtype, device=device,
             )
-            for layer in self.attention_layers
+
+        kv = {layer: (blocks(), blocks()) for layer in self.attention_layers}
+        states = {
+            layer: {
+                t.name: torch.empty(
+                    num_state_pages, *t.shape, dtype=t.dtype(dtype, ssm_dtype), device=device
+                )
+                for t in tensors
+            }
+            for layer, tensors in zip(self.recurrent_layers, self.state_tensors)
         }
-        conv = {
-            layer: torch.empty(
-                num_state_pages, self.conv_dim, self.d_conv - 1, dtype=dtype, device=device
-            )
-            for layer in self.mamba_layers
-        }
-        ssm = {
-            layer: torch.empty(
-                num_state_pages,
-                self.num_ssm_heads,
-                self.ssm_head_dim,
-                self.d_state,
-                dtype=ssm_dtype,
-                device=device,
-            )
-            for layer in self.mamba_layers
-        }
-        for layer in self.gdn_layers:
-            conv[layer] = torch.empty(
-                num_state_pages, self.gdn_conv_dim, self.gdn_d_conv - 1, dtype=dtype,
-                device=device,
-            )
-            ssm[layer] = torch.empty(
-                num_state_pages, self.gdn_value_heads, self.gdn_key_head_dim,
-                self.gdn_value_head_dim, dtype=ssm_dtype, device=device,
-            )
-        return ModelCaches(kv=kv, conv=conv, ssm=ssm)
+        return ModelCaches(kv=kv, states=states)
 
 
 class HybridModel(Protocol):

@@ -38,35 +38,54 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridserve.models.step_plan import StatePlan
+
 
 @dataclass
 class ForwardBatch:
     """Per-step metadata for one packed forward (see the module docstring)."""
 
     # Packing. Host lists mirror the tensors so CPU reference code can loop
-    # without device syncs; GPU kernels use the tensors.
-    query_start: list[int]  # len B + 1, query_start[0] == 0
-    num_computed: list[int]  # len B, tokens already in the caches before this step
+    # without device syncs; GPU kernels use the tensors. None only in a graph step.
+    query_start: list[int] | None  # len B + 1, query_start[0] == 0
+    num_computed: list[int] | None  # len B, tokens already in the caches before this step
     positions: torch.Tensor  # [T] int64, absolute position of every packed token
 
     # Attention.
-    context_lens: list[int]  # len B, num_computed[i] + q_i
+    context_lens: list[int] | None  # len B, num_computed[i] + q_i
     block_tables: torch.Tensor  # [B, max_blocks] int32, -1 padded
     slot_mapping: torch.Tensor  # [T] int64
 
     # Recurrent state.
-    state_in_page: list[int]  # len B, -1 = zero state
-    state_out_row: list[int]  # len K
-    state_out_offset: list[int]  # len K
-    state_out_page: list[int]  # len K
+    state_in_page: list[int] | None  # len B, -1 = zero state
+    state_out_row: list[int] | None  # len K
+    state_out_offset: list[int] | None  # len K
+    state_out_page: list[int] | None  # len K
+
+    # The plan (module docstring).
+    planned: bool = False
+    uniform_q: int = 0  # every row runs this many tokens (attention's decode path); 0: not
+    states: StatePlan | None = None  # None: the model has no recurrent layers, or unplanned
+    max_context: int = 0  # a graph step's key-axis size (no host context_lens)
 
     @property
     def num_rows(self) -> int:
+        if self.query_start is None:
+            return self.block_tables.shape[0]
         return len(self.query_start) - 1
 
     @property
     def num_tokens(self) -> int:
+        if self.query_start is None:
+            return self.positions.numel()
         return self.query_start[-1]
+
+    @property
+    def longest_context(self) -> int:
+        """The longest row context: what sizes a padded gather of keys."""
+        if self.context_lens is None:
+            return self.max_context
+        return max(self.context_lens, default=0)
 
     def query_len(self, row: int) -> int:
         return self.query_start[row + 1] - self.query_start[row]
@@ -126,12 +145,26 @@ class ForwardBatch:
 class ModelCaches:
     """The cache tensors a forward reads and writes, indexed by decoder layer index.
 
-    ``kv[layer] = (k_cache, v_cache)`` for attention layers; ``conv[layer]`` and
-    ``ssm[layer]`` for recurrent layers, Mamba2 and Gated DeltaNet (shapes in the module
-    docstring). The runner
-    allocates them from the model's :class:`CacheSpec`.
+    ``kv[layer] = (k_cache, v_cache)`` for attention layers; ``states[layer]`` for
+    recurrent layers, ``{name: [num_state_pages, *shape]}`` as the layer's family declares
+    (:class:`~hybridserve.models.layers.recurrent.StateTensor`; Mamba2: ``conv`` and
+    ``ssm``, shapes in the module docstring). The runner allocates them from the model's
+    :class:`~hybridserve.models.base.CacheSpec`.
     """
 
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]]
-    conv: dict[int, torch.Tensor]
-    ssm: dict[int, torch.Tensor]
+    states: dict[int, dict[str, torch.Tensor]]
+
+    @property
+    def conv(self) -> dict[int, torch.Tensor]:
+        """Mamba2's conv windows by layer (``states[layer]["conv"]``)."""
+        return {layer: s["conv"] for layer, s in self.states.items() if "conv" in s}
+
+    @property
+    def ssm(self) -> dict[int, torch.Tensor]:
+        """Mamba2's SSM states by layer (``states[layer]["ssm"]``)."""
+        return {layer: s["ssm"] for layer, s in self.states.items() if "ssm" in s}
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every state tensor of every recurrent layer."""
+        return [t for s in self.states.values() for t in s.values()]

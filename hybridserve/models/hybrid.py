@@ -20,12 +20,13 @@ and roundings are the same ones in the same order as adding first and normalisin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
 from torch import nn
 
+from hybridserve.config import KernelPolicy
 from hybridserve.models.base import CacheSpec
 from hybridserve.models.batch import ForwardBatch, ModelCaches
 from hybridserve.models.config import ATTENTION, GDN, MAMBA, MOE, ModelConfig
@@ -36,13 +37,15 @@ from hybridserve.models.layers.mamba2 import Mamba2Mixer
 from hybridserve.models.layers.mlp import build_mlp
 from hybridserve.models.layers.moe import MoEBlock
 from hybridserve.models.layers.norm import RMSNorm, ZeroCentredRMSNorm
+from hybridserve.models.layers.recurrent import RecurrentLayer
+from hybridserve.models.step_plan import plan_states, uniform_q
 
 
-def build_norm(config: ModelConfig, hidden_size: int) -> RMSNorm:
+def build_norm(config: ModelConfig, hidden_size: int, policy: KernelPolicy) -> RMSNorm:
     """The model's RMSNorm flavour (zero-centred weights for Qwen3.5 / Qwen3-Next)."""
     if config.norm_zero_centred:
-        return ZeroCentredRMSNorm(hidden_size, config.norm_eps)
-    return RMSNorm(hidden_size, config.norm_eps, config.norm_weight_in_fp32)
+        return ZeroCentredRMSNorm(hidden_size, config.norm_eps, policy.norms)
+    return RMSNorm(hidden_size, config.norm_eps, config.norm_weight_in_fp32, policy.norms)
 
 
 @dataclass(frozen=True)
@@ -64,30 +67,32 @@ class LayerNames:
 class DecoderLayer(nn.Module):
     """One decoder layer; see the module docstring."""
 
-    def __init__(self, config: ModelConfig, index: int, names: LayerNames) -> None:
+    def __init__(
+        self, config: ModelConfig, index: int, names: LayerNames, policy: KernelPolicy
+    ) -> None:
         super().__init__()
         self.index = index
         self.kind = config.layer_types[index]
         self.residual_multiplier = config.residual_multiplier
         hidden = config.hidden_size
         self._names = names
-        self.add_module(names.input_norm, build_norm(config, hidden))
+        self.add_module(names.input_norm, build_norm(config, hidden, policy))
         if self.kind == MAMBA:
             self._mixer = names.mamba
-            self.add_module(names.mamba, Mamba2Mixer(hidden, config.mamba))
+            self.add_module(names.mamba, Mamba2Mixer(hidden, config.mamba, policy))
         elif self.kind == GDN:
             self._mixer = names.gdn
-            self.add_module(names.gdn, GatedDeltaNet(hidden, config.gdn))
+            self.add_module(names.gdn, GatedDeltaNet(hidden, config.gdn, policy))
         elif self.kind == ATTENTION:
             self._mixer = names.attention
             if config.attention.output_gate:
-                attn = GatedAttention(hidden, config.attention, config.norm_eps)
+                attn = GatedAttention(hidden, config.attention, config.norm_eps, policy)
             else:
-                attn = Attention(hidden, config.attention)
+                attn = Attention(hidden, config.attention, policy)
             self.add_module(names.attention, attn)
         elif self.kind == MOE:
             self._mixer = names.mlp_mixer
-            self.add_module(names.mlp_mixer, MoEBlock(hidden, config.moe))
+            self.add_module(names.mlp_mixer, MoEBlock(hidden, config.moe, policy))
         else:
             self._mixer = names.mlp_mixer
             self.add_module(names.mlp_mixer, build_mlp(hidden, config.mlp))
@@ -96,11 +101,15 @@ class DecoderLayer(nn.Module):
         if self.has_moe and names.moe is None:
             raise ValueError(f"{type(self).__name__}: layer {index} has experts but no name for them")
         if self.has_mlp or self.has_moe:
-            self.add_module(names.post_norm, build_norm(config, hidden))
+            self.add_module(names.post_norm, build_norm(config, hidden, policy))
         if self.has_mlp:
             self.add_module(names.mlp, build_mlp(hidden, config.mlp))
         if self.has_moe:
-            self.add_module(names.moe, MoEBlock(hidden, config.moe))
+            self.add_module(names.moe, MoEBlock(hidden, config.moe, policy))
+
+    def mixer_module(self) -> nn.Module:
+        """The layer's mixer (its attribute name is the checkpoint's, "mixer" in some)."""
+        return getattr(self, self._mixer)
 
     def forward(
         self,
@@ -116,9 +125,9 @@ class DecoderLayer(nn.Module):
             x = norm(h)
         else:
             h, x = norm.add_norm(h, pending, self.residual_multiplier)
-        mixer = getattr(self, self._mixer)
-        if self.kind in (MAMBA, GDN):
-            x = mixer(x, batch, caches.conv[self.index], caches.ssm[self.index])
+        mixer = self.mixer_module()
+        if isinstance(mixer, RecurrentLayer):
+            x = mixer(x, batch, caches.states[self.index])
         elif self.kind == ATTENTION:
             x = mixer(x, batch, caches.kv[self.index])
         else:
@@ -136,16 +145,16 @@ class DecoderLayer(nn.Module):
 class HybridBackbone(nn.Module):
     """Embedding, decoder layers and final norm (the checkpoint's ``model.*``)."""
 
-    def __init__(self, config: ModelConfig, names: LayerNames) -> None:
+    def __init__(self, config: ModelConfig, names: LayerNames, policy: KernelPolicy) -> None:
         super().__init__()
         self._names = names
         self.embedding_multiplier = config.embedding_multiplier
         self.residual_multiplier = config.residual_multiplier
         self.add_module(names.embed, nn.Embedding(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, names) for i in range(config.num_layers)
+            DecoderLayer(config, i, names, policy) for i in range(config.num_layers)
         )
-        self.add_module(names.final_norm, build_norm(config, config.hidden_size))
+        self.add_module(names.final_norm, build_norm(config, config.hidden_size, policy))
 
     @property
     def embed(self) -> nn.Embedding:
@@ -171,7 +180,9 @@ class HybridForCausalLM(nn.Module):
 
     Subclasses set :attr:`names` (and the registry maps ``config.architecture`` to them).
     ``forward`` only reads ``batch`` and writes the caches named in
-    :mod:`hybridserve.models.batch`; it keeps no state between calls.
+    :mod:`hybridserve.models.batch`; it keeps no state between calls. ``policy`` (the
+    engine's :class:`~hybridserve.config.KernelPolicy`, fixed for the model's life) says
+    which implementation each op takes.
     """
 
     names: ClassVar[LayerNames]
@@ -182,39 +193,57 @@ class HybridForCausalLM(nn.Module):
     # skipped with a note in the log): multi-token-prediction heads, vision towers.
     ignored_weight_prefixes: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, policy: KernelPolicy | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = HybridBackbone(config, self.names)
+        self.kernel_policy = policy or KernelPolicy()
+        self.model = HybridBackbone(config, self.names, self.kernel_policy)
         self.lm_head = (
             None
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
-        m, a, gd = config.mamba, config.attention, config.gdn
+        a = config.attention
+        recurrent = [
+            layer for layer in self.model.layers
+            if isinstance(layer.mixer_module(), RecurrentLayer)
+        ]
         self.cache_spec = CacheSpec(
             attention_layers=config.attention_layers,
             num_kv_heads=a.num_kv_heads if a else 0,
             head_dim=a.head_dim if a else 0,
+            recurrent_layers=tuple(layer.index for layer in recurrent),
+            # Each recurrent layer's page state, as its family declares it.
+            state_tensors=tuple(layer.mixer_module().state_tensors() for layer in recurrent),
             mamba_layers=config.mamba_layers,
-            conv_dim=m.conv_dim if m else 0,
-            d_conv=m.d_conv if m else 1,
-            num_ssm_heads=m.n_heads if m else 0,
-            ssm_head_dim=m.head_dim if m else 0,
-            d_state=m.d_state if m else 0,
             gdn_layers=config.gdn_layers,
-            gdn_conv_dim=gd.conv_dim if gd else 0,
-            gdn_d_conv=gd.d_conv if gd else 1,
-            gdn_value_heads=gd.num_value_heads if gd else 0,
-            gdn_key_head_dim=gd.key_head_dim if gd else 0,
-            gdn_value_head_dim=gd.value_head_dim if gd else 0,
         )
+
+    def plan_step(self, batch: ForwardBatch, device: torch.device | str | None = None) -> ForwardBatch:
+        """``batch`` with its plan (:mod:`hybridserve.models.step_plan`), for ``device``
+        (default: the parameters'). The runner calls this once per step; a batch that is
+        already planned is returned as it is."""
+        if batch.planned:
+            return batch
+        param = self.model.embed.weight
+        device = torch.device(device) if device is not None else param.device
+        q = uniform_q(batch.query_start) if self.kernel_policy.uniform_decode else 0
+        states = None
+        if self.cache_spec.recurrent_layers:
+            # The scan's compute dtype: float32 at least, as every Mamba layer computes.
+            compute = torch.promote_types(param.dtype, torch.float32)
+            # Gated DeltaNet layers run rows of any length token by token: they need the
+            # per-token index tensors of every step whose pages qualify.
+            varlen = bool(self.cache_spec.gdn_layers)
+            states = plan_states(batch, self.kernel_policy, device, compute, varlen)
+        return replace(batch, planned=True, uniform_q=q, states=states)
 
     def forward(
         self, input_ids: torch.Tensor, batch: ForwardBatch, caches: ModelCaches
     ) -> torch.Tensor:
-        """``input_ids [T]`` (packed rows) -> hidden ``[T, hidden_size]`` after the final norm."""
-        return self.model(input_ids, batch, caches)
+        """``input_ids [T]`` (packed rows) -> hidden ``[T, hidden_size]`` after the final norm.
+        An unplanned ``batch`` (tests, reference code) is planned here first."""
+        return self.model(input_ids, self.plan_step(batch, input_ids.device), caches)
 
     def num_active_weights(self) -> int:
         """Weights one token is multiplied by, embedding and LM head excluded: each MoE
@@ -316,7 +345,7 @@ class Qwen3_5ForCausalLM(HybridForCausalLM):
     Published checkpoints are the vision-language wrapper's: the language model's weights
     sit under ``model.language_model.*``, which maps to ``model.*`` (a text-only
     checkpoint's names load as they are). ``mtp.*`` (the multi-token-prediction head) is
-    loaded by the MTP drafter (:mod:`hybridserve.spec.mtp`), not here; ``model.visual.*``
+    loaded by the MTP drafter (:mod:`hybridserve.drafters.mtp`), not here; ``model.visual.*``
     is not used.
     """
 

@@ -35,7 +35,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 import torch
 from safetensors import safe_open
 
-from hybridserve.config import resolve_dtype
+from hybridserve.config import KernelPolicy, resolve_dtype
 from hybridserve.models.config import ModelConfig
 from hybridserve.models.hybrid import HybridForCausalLM
 from hybridserve.models.layers.moe import FLOAT32_WEIGHTS, WeightSlot, checkpoint_slot
@@ -246,6 +246,7 @@ def load_model(
     dtype: torch.dtype | str = torch.float32,
     device: torch.device | str = "cpu",
     config: ModelConfig | None = None,
+    policy: KernelPolicy | None = None,
 ) -> HybridForCausalLM:
     """Build the model described by ``path/config.json`` and load its weights.
 
@@ -263,6 +264,8 @@ def load_model(
         device: where the parameters live.
         config: use this config instead of reading ``config.json`` (e.g. one changed
             with :meth:`ModelConfig.with_overrides`); it must describe the same weights.
+        policy: which kernels the model's ops take (the engine's
+            :class:`~hybridserve.config.KernelPolicy`; default: its defaults).
 
     Returns:
         The model in eval mode with gradients disabled.
@@ -289,7 +292,7 @@ def load_model(
             "fix num_hidden_layers or the layer list"
         )
     with torch.device("meta"):
-        model = cls(config)
+        model = cls(config, policy)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     slots, unexpected, skipped = _slots(cls, config, files, expected)
     _check_coverage(slots, expected, where, config.architecture)
@@ -360,3 +363,14 @@ def load_model(
         path, nbytes / 1e9, stats.files, stats.seconds, stats.gb_per_s,
     )
     return model.eval()
+
+
+def with_kernel_policy(model: HybridForCausalLM, policy: KernelPolicy) -> HybridForCausalLM:
+    """The same model (sharing every parameter tensor: nothing is copied) built with
+    another :class:`~hybridserve.config.KernelPolicy`, for tests and benchmarks that
+    compare paths on one set of weights."""
+    with torch.device("meta"):
+        other = type(model)(model.config, policy)
+    other.load_state_dict(model.state_dict(keep_vars=True), strict=True, assign=True)
+    other.eval()
+    return other

@@ -109,7 +109,7 @@ class SimReplica:
         self.scheduler = s = Scheduler(sched, cache, num_host_pages=num_host_pages)
         self.events = EventLog().attach(s.blocks, s.states, s.host)
         self.cost = cost
-        self.interval = self.scheduler.verify_interval()
+        self.interval = self.scheduler.boundary_interval()
         self.replies: dict[str, list[int]] = {}
         self.busy_until = 0.0
         self._n = 0
@@ -138,11 +138,11 @@ class SimReplica:
                 if not req.output_token_ids:
                     first.append(req.request_id)
                 req.append_output(self.replies[req.request_id][len(req.output_token_ids)])
-            if row.is_verify:
+            if row.is_decode:
                 n = row.num_computed
                 page = row.state_outputs[n + 1]
                 ckpts = [(n + 1, page)] if (n + 1) % self.interval == 0 else []
-                s.commit_verify_row(row, 1, page, ckpts, [row.state_in_page] if row.state_in_page >= 0 else [])
+                s.commit_decode_row(row, 1, page, ckpts, [row.state_in_page] if row.state_in_page >= 0 else [])
             else:
                 s.commit_prefill_row(row)
         for row in sched.rows:

@@ -4,7 +4,7 @@ A decode step of the fast path launches about a thousand small kernels; at batch
 on an H200 their launch costs dominate the step. This module captures the whole step
 (the model forward, the logits and the draw) once per shape and replays it.
 
-Which steps (:meth:`DecodeGraphs.plan`): decode and verify rows (``1 + d`` tokens for a
+Which steps (:meth:`DecodeGraphs.shape_of`): decode and verify rows (``1 + d`` tokens for a
 row carrying ``d`` drafts; the step runs the longest row's count ``q`` and pads the
 shorter rows, see :meth:`DecodeGraphs.fill`), every row continuing from a stored state
 page and writing its states to pages that are not input pages, no row asking for
@@ -50,10 +50,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hybridserve.engine.scheduler import SchedulerOutput
-from hybridserve.kernels import mamba_decode
 from hybridserve.models.batch import ForwardBatch, ModelCaches
+from hybridserve.models.step_plan import MAX_DECODE_TOKENS, StatePlan, StepKind
 from hybridserve.runner import sampler
+from hybridserve.step import SchedulerOutput, kv_slot
 
 __all__ = [
     "BATCH_BUCKETS",
@@ -204,6 +204,10 @@ class DecodeGraphs:
         buckets: Sequence[int] = BATCH_BUCKETS,
     ) -> None:
         self.model = model
+        self.model_dtype = next(model.parameters()).dtype
+        # A policy without the batched decode ops sends every step to the eager paths.
+        policy = getattr(model, "kernel_policy", None)
+        self.uniform_decode = policy is None or policy.uniform_decode
         self.caches = caches
         self.block_size = block_size
         self.device = torch.device(device)
@@ -216,7 +220,7 @@ class DecodeGraphs:
         self.max_blocks = max_blocks
         self.scratch_block = scratch_block
         self.scratch_page = scratch_page
-        self.max_q = min(mamba_decode.MAX_DECODE_TOKENS, block_size)
+        self.max_q = min(MAX_DECODE_TOKENS, block_size)
         self._static: dict[int, _Static] = {}
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
         self._pool = None
@@ -231,20 +235,18 @@ class DecodeGraphs:
         # The scratch page and block start as zeros: padding rows then compute on finite
         # values (their results are dropped either way).
         with torch.no_grad():
-            for conv in caches.conv.values():
-                conv[scratch_page].zero_()
-            for ssm in caches.ssm.values():
-                ssm[scratch_page].zero_()
+            for state in caches.state_tensors():
+                state[scratch_page].zero_()
             for k, v in caches.kv.values():
                 k[scratch_block].zero_()
                 v[scratch_block].zero_()
 
     # ---- which steps ---------------------------------------------------------------
 
-    def plan(self, sched: SchedulerOutput) -> StepShape | None:
+    def shape_of(self, sched: SchedulerOutput) -> StepShape | None:
         """The graph key of ``sched``, or None when the step must run eagerly."""
         rows = sched.rows
-        if not self.enabled or not rows:
+        if not self.enabled or not rows or not self.uniform_decode:
             return None
         batch = batch_bucket(len(rows), self.buckets)
         if batch is None:
@@ -304,7 +306,7 @@ class DecodeGraphs:
         output (row ``i``'s choices at ``[i * q, i * q + num_tokens)``) and ``q``, or
         None (then nothing ran). ``tokens`` (device, one per row): the input tokens of a
         step of one-token rows scheduled ahead, which the host does not have yet."""
-        shape = self.plan(sched)
+        shape = self.shape_of(sched)
         if tokens is not None and (shape is None or shape.q != 1):
             return None
         if shape is None:
@@ -352,7 +354,7 @@ class DecodeGraphs:
             ]
             h[: len(rows), 1] = n
             h[: len(rows), 2] = [
-                row.request.block_ids[c // bs] * bs + c % bs for row, c in zip(rows, n)
+                kv_slot(row.request.block_ids, c, bs) for row, c in zip(rows, n)
             ]
             h[: len(rows), 3] = [row.state_in_page for row in rows]
             h[: len(rows), 4] = [row.state_outputs[c + 1] for row, c in zip(rows, n)]
@@ -372,7 +374,7 @@ class DecodeGraphs:
                 for t in range(rq):
                     pos = n + t
                     line[q + t] = pos
-                    line[2 * q + t] = blocks[pos // bs] * bs + pos % bs
+                    line[2 * q + t] = kv_slot(blocks, pos, bs)
                     line[3 * q + 1 + t] = row.state_outputs[pos + 1]
                 # Padding positions of a row shorter than q: they come after the row's
                 # real tokens, so neither the recurrence nor the causal attention of a
@@ -411,30 +413,41 @@ class DecodeGraphs:
         """The step over the static buffer: ``[B * q]`` chosen ids (what is captured)."""
         b, q, w = shape.batch, shape.q, shape.width
         m = st.meta[:b]
+        # The step plan of a DECODE step over the static buffer, built directly: no host
+        # lists (what a replay reads exists only on the device), pages from the buffer.
+        states = None
+        if self.caches.states:
+            compute = torch.promote_types(self.model_dtype, torch.float32)
+            states = StatePlan(
+                StepKind.DECODE, b, q,
+                in_pages=m[:, 3 * q].to(torch.int32),
+                token_out_pages=m[:, 3 * q + 1 : 4 * q + 1].to(torch.int32).reshape(-1),
+                triton=self.device.type == "cuda" and compute == torch.float32,
+            )
         batch = ForwardBatch(
-            query_start=[i * q for i in range(b + 1)],
-            num_computed=[0] * b,
+            query_start=None,
+            num_computed=None,
             positions=m[:, q : 2 * q].reshape(-1),
-            # Sizes the attention's key axis only: W blocks for every row; the true
-            # context of a row comes from its positions on the device.
-            context_lens=[w * self.block_size] * b,
+            context_lens=None,
             block_tables=m[:, st.tables : st.tables + w].to(torch.int32),
             slot_mapping=m[:, 2 * q : 3 * q].reshape(-1),
-            # Placeholders: the Mamba layers take their pages from the attached plan.
-            state_in_page=[0] * b,
-            state_out_row=[],
-            state_out_offset=[],
-            state_out_page=[],
-        )
-        mamba_decode.attach_decode_plan(
-            batch, m[:, 3 * q].to(torch.int32), m[:, 3 * q + 1 : 4 * q + 1].to(torch.int32)
+            state_in_page=None,
+            state_out_row=None,
+            state_out_offset=None,
+            state_out_page=None,
+            planned=True,
+            uniform_q=q,
+            states=states,
+            # Sizes the attention's key axis only: W blocks for every row; the true
+            # context of a row comes from its positions on the device.
+            max_context=w * self.block_size,
         )
         hidden = self.model.forward(m[:, 0:q].reshape(-1), batch, self.caches)
         logits = self.model.compute_logits(hidden)
         sm = shape.sampling
         if sm == GREEDY:
             return sampler.argmax_ids(logits)
-        plan = sampler.StepPlan(
+        plan = sampler.DrawPlan(
             packed=st.params, num_positions=b * q, num_penalties=0, logprob_positions=[],
             logprob_k=[], max_logprobs=0, max_top_k=sm.top_k, any_sampled=sm.any_sampled,
             any_top_p=sm.any_top_p, any_min_p=sm.any_min_p,

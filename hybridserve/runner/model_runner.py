@@ -1,8 +1,16 @@
-"""The model runner: turns a scheduled step into a forward, then samples and verifies.
+"""The model runner: turns a scheduled step into a forward, then samples, verifies and
+decides the state pages of verify rows; it owns every device launch of a step.
 
-It owns the cache tensors and the persistent per-slot metadata (``slot_num_computed``,
-``slot_state_page``: indexed by request slot, as the state postprocess reads them
-through ``idx_mapping``). It never decides what to run; the scheduler does.
+It owns the cache tensors. It never decides what to run (the scheduler does) and never
+changes host bookkeeping: it returns a :class:`~hybridserve.step.StepResult` (every row's
+new tokens, and for each verify row the state postprocess's decision) that the engine
+commits.
+
+Per step: the forward's inputs (:meth:`ModelRunner.build_batch`), the step plan
+(``model.plan_step``, once), the forward, the logits of the positions that sample, the
+draw, the verify rows' accepted counts on the device, then the state postprocess
+(:mod:`hybridserve.kernels.state_postprocess`: the fused Triton kernel on CUDA, its twin
+elsewhere) from per-row inputs, and one read-back of the choices and the decisions.
 
 With decode graphs enabled (:meth:`ModelRunner.enable_decode_graphs`, the engine's
 default on CUDA), a greedy decode or verify step replays a captured CUDA graph
@@ -20,26 +28,30 @@ the logprobs payload). The host then walks each row's drafts.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from hybridserve.cache.host_tier import HostStatePool, Transfers
-from hybridserve.engine.request import Logprob
-from hybridserve.engine.scheduler import SchedulerOutput
+from hybridserve.cache.host_tier import HostStatePool
+from hybridserve.kernels.state_postprocess import (
+    max_checkpoints_per_row,
+    state_postprocess,
+    state_postprocess_reference,
+)
+from hybridserve.kernels.transfer import upload, upload_lists
 from hybridserve.models.batch import ForwardBatch, ModelCaches
 from hybridserve.runner import sampler
 from hybridserve.runner.cuda_graph import DecodeGraphs
-
-
-@dataclass
-class RowResult:
-    """What one row of a step produced: ``new_tokens`` (accepted drafts, then one
-    token from the target model; empty for a prefill chunk that does not sample)."""
-
-    new_tokens: list[int]
-    logprobs: list[dict[int, Logprob]]
+from hybridserve.step import (
+    Logprob,
+    PostprocessDecision,
+    RowResult,
+    SchedulerOutput,
+    StepResult,
+    Transfers,
+    kv_slot,
+)
 
 
 @dataclass
@@ -62,6 +74,9 @@ class PendingStep:
 
 
 class ModelRunner:
+    """``boundary_interval``: the boundary interval the state postprocess reports crossings
+    of (the scheduler's ``boundary_interval()``)."""
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -69,21 +84,15 @@ class ModelRunner:
         kv_block_size: int,
         max_num_seqs: int,
         device: torch.device | str = "cpu",
+        boundary_interval: int = 1 << 30,
     ) -> None:
         self.model = model
         self.caches = caches
         self.block_size = kv_block_size
         self.device = torch.device(device)
-        self.slot_num_computed = torch.zeros(max_num_seqs, dtype=torch.int32, device=self.device)
-        self.slot_state_page = torch.full((max_num_seqs,), -1, dtype=torch.int32, device=self.device)
         self.max_num_seqs = max_num_seqs
+        self.boundary_interval = boundary_interval
         self.graphs: DecodeGraphs | None = None
-        # Set by the engine: called once the step's choices exist on the device, with the
-        # verify rows (indices into the step's rows) and their accepted counts as a
-        # device tensor; returns a device tensor to read back in the same transfer as
-        # the choices. Its host values land in ``verify_readback``.
-        self.on_verify: Callable[[SchedulerOutput, list[int], torch.Tensor], torch.Tensor] | None = None
-        self.verify_readback: list[int] | None = None
         # Keep the last eager step's final hidden states ``[T, hidden]`` in ``last_hidden``.
         self.keep_hidden = False
         # Per request id: the drafter's log-probabilities ``[drafts, vocab]`` of the
@@ -139,7 +148,7 @@ class ModelRunner:
             ids += toks
             for pos in range(n, n + q):
                 positions.append(pos)
-                slots.append(req.block_ids[pos // bs] * bs + pos % bs)
+                slots.append(kv_slot(req.block_ids, pos, bs))
             query_start.append(query_start[-1] + q)
             num_computed.append(n)
             context_lens.append(n + q)
@@ -149,21 +158,16 @@ class ModelRunner:
                 out_row.append(i)
                 out_off.append(p - 1 - n)
                 out_page.append(page)
-        # Ids, positions and slots travel in one transfer, the block table in another;
-        # both from pinned memory on CUDA, so the host does not wait for the device (a
-        # copy from pageable memory synchronises).
-        tokens = len(ids)
-        flat = torch.tensor(ids + positions + slots, dtype=torch.long)
-        if self.device.type == "cuda":
-            flat, tables = flat.pin_memory(), tables.pin_memory()
-        flat = flat.to(self.device, non_blocking=True)
-        input_ids, positions_d, slots_d = flat.split([tokens, tokens, tokens])
+        # Ids, positions and slots travel in one transfer, the block table in another.
+        input_ids, positions_d, slots_d = upload_lists(
+            [ids, positions, slots], torch.long, self.device
+        )
         batch = ForwardBatch(
             query_start=query_start,
             num_computed=num_computed,
             positions=positions_d,
             context_lens=context_lens,
-            block_tables=tables.to(self.device, non_blocking=True),
+            block_tables=upload(tables, self.device),
             slot_mapping=slots_d,
             state_in_page=state_in,
             state_out_row=out_row,
@@ -185,6 +189,9 @@ class ModelRunner:
         ``after``: the step in flight that ``sched`` was scheduled ahead of (its rows are
         all ``ahead`` rows, row ``i`` continuing ``after``'s row ``sources[i]``): their
         input tokens are that step's choices, copied on the device.
+
+        The step's host-tier copies run first (:meth:`run_transfers`), whether or not a
+        graph replays it: they stay ahead of the forward.
         """
         self.run_transfers(sched)
         if self.graphs is None:
@@ -192,11 +199,7 @@ class ModelRunner:
         tokens = None
         if after is not None:
             src = torch.tensor([j * after.q for j in sources], dtype=torch.int64)
-            if after.choices.is_cuda:
-                src = src.pin_memory()
-            tokens = after.choices.index_select(
-                0, src.to(after.choices.device, non_blocking=True)
-            )
+            tokens = after.choices.index_select(0, upload(src, after.choices.device))
         replayed = self.graphs.replay(sched, tokens)
         if replayed is None:
             return None
@@ -204,7 +207,7 @@ class ModelRunner:
         choices = out[: len(sched.rows) * q].clone()
         # Row i's choices sit at [i * q, i * q + num_tokens).
         starts = [i * q for i in range(len(sched.rows))]
-        tail = self._verify_tail(sched, choices, starts)
+        tail = self._postprocess(sched, choices, starts)
         values = choices if tail is None else torch.cat([choices, tail])
         pending = PendingStep(sched, q, choices, values, choices.numel())
         if values.is_cuda:
@@ -214,31 +217,31 @@ class ModelRunner:
             pending.done.record()
         return pending
 
-    def collect(self, pending: PendingStep) -> list[RowResult]:
-        """Wait for a launched step's read-back; its rows' results (and the postprocess
-        decisions in :attr:`verify_readback`)."""
+    def collect(self, pending: PendingStep) -> StepResult:
+        """Wait for a launched step's read-back: its rows' results and decisions."""
         if pending.done is not None:
             pending.done.synchronize()
             host = pending.host.tolist()
         else:
             host = pending.values.tolist()
         n = pending.num_choices
-        self.verify_readback = host[n:] if len(host) > n else None
         results = []
         for i, row in enumerate(pending.sched.rows):
             drafts = row.request.draft_token_ids[: row.num_drafts]
             choices = host[i * pending.q : i * pending.q + row.num_tokens]
             results.append(RowResult(sampler.verify_choices(choices, drafts), []))
-        return results
+        return StepResult(results, self._decisions(pending.sched, host[n:]))
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> list[RowResult]:
-        """Run the forward of a step, then sample (and verify drafts) for every row."""
-        self.verify_readback = None
+    def execute(self, sched: SchedulerOutput) -> StepResult:
+        """Run the forward of a step, then sample (and verify drafts) for every row, and
+        decide the verify rows' state pages."""
         pending = self.launch(sched)
         if pending is not None:
             return self.collect(pending)
         input_ids, batch = self.build_batch(sched)
+        # The step plan, once for the whole forward (every layer reads it).
+        batch = self.model.plan_step(batch, self.device)
         hidden = self.model.forward(input_ids, batch, self.caches)
         if self.keep_hidden:
             # A drafter that reads the target's hidden states (MTP) takes them from here.
@@ -256,23 +259,19 @@ class ModelRunner:
             spans.append((len(gather), k))
             gather += range(end - k, end)
         if not gather:
-            return [RowResult([], []) for _ in sched.rows]
-        index = torch.tensor(gather, dtype=torch.long)
-        if hidden.is_cuda:
-            # Asynchronous copy: the host keeps queueing work instead of waiting here for
-            # the forward to finish.
-            index = index.pin_memory()
-        index = index.to(hidden.device, non_blocking=True)
+            return StepResult([RowResult([], []) for _ in sched.rows])
+        # Asynchronous: the host keeps queueing work instead of waiting for the forward.
+        index = upload(torch.tensor(gather, dtype=torch.long), hidden.device)
         logits = self.model.compute_logits(hidden[index])
         sampling = [i for i, (_, k) in enumerate(spans) if k > 0]
         starts = [start for start, _ in spans]
         if all(sampler.samples_by_argmax(sched.rows[i].request.params) for i in sampling):
             # Only plain greedy rows: the choice is the argmax of the raw logits, one id
             # per position read back, no parameters to send.
-            choices = self._read_back(sched, sampler.argmax_ids(logits), starts)
+            choices, decisions = self._read_back(sched, sampler.argmax_ids(logits), starts)
             lps: dict[int, dict[int, Logprob]] = {}
         else:
-            choices, lps = self._sample(sched, sampling, logits, starts)
+            choices, lps, decisions = self._sample(sched, sampling, logits, starts)
         results = []
         for row, (start, k) in zip(sched.rows, spans):
             if k == 0:
@@ -282,54 +281,108 @@ class ModelRunner:
             tokens = sampler.verify_choices(choices[start : start + k], drafts)
             logprobs = [lps[start + j] for j in range(len(tokens))] if start in lps else []
             results.append(RowResult(tokens, logprobs))
-        return results
+        return StepResult(results, decisions)
 
     def _read_back(
         self, sched: SchedulerOutput, values: torch.Tensor, starts: Sequence[int]
-    ) -> list[int]:
+    ) -> tuple[list[int], dict[int, PostprocessDecision]]:
         """The step's one device-to-host read: ``values`` (int64; the choices first,
         row ``i``'s from ``starts[i]``, then anything else the step reads), followed by
-        what :attr:`on_verify` returns for the step's verify rows, whose host values go
-        to :attr:`verify_readback`."""
+        the state postprocess's decisions for the step's verify rows."""
         n = values.numel()
-        tail = self._verify_tail(sched, values, starts)
+        tail = self._postprocess(sched, values, starts)
         if tail is None:
-            return values.tolist()
+            return values.tolist(), {}
         host = torch.cat([values, tail]).tolist()
-        self.verify_readback = host[n:]
-        return host[:n]
+        return host[:n], self._decisions(sched, host[n:])
 
-    def _verify_tail(
+    def _postprocess(
         self, sched: SchedulerOutput, choices: torch.Tensor, starts: Sequence[int]
     ) -> torch.Tensor | None:
-        """Accepted counts of the verify rows computed on the device (a draft is
-        accepted while it equals the choice at its position: the greedy rule, and the
-        sampled one, since a draw is coupled to its position; see
-        :mod:`~hybridserve.runner.sampler`), handed to :attr:`on_verify`."""
-        if self.on_verify is None:
-            return None
-        verify = [i for i, row in enumerate(sched.rows) if row.is_verify]
+        """Launch the state postprocess of the step's verify rows as soon as their choices
+        exist on the device; None when the step has none.
+
+        The accepted counts are computed on the device (a draft is accepted while it
+        equals the choice at its position: the greedy rule, and the sampled one, since a
+        draw is coupled to its position; see :mod:`~hybridserve.runner.sampler`). The
+        postprocess reads per-row inputs (row ``r`` is its own slot: ``idx_mapping`` is
+        the identity), uploaded with the draft comparison in one transfer. Returns, as one
+        int64 device tensor for the step's single read-back, per row: the accepted count,
+        the new state page, the checkpoint pages, their prefix lengths, the released
+        pages (:meth:`_decisions` reads it back).
+        """
+        verify = [i for i, row in enumerate(sched.rows) if row.is_decode]
         if not verify:
             return None
-        width = max(sched.rows[i].num_drafts for i in verify)
-        if width == 0:
-            accepted = torch.ones(len(verify), dtype=torch.int64, device=choices.device)
-        else:
+        device = choices.device
+        rows = [sched.rows[i] for i in verify]
+        b = len(rows)
+        max_q = max(r.num_tokens for r in rows)
+        width = max(r.num_drafts for r in rows)
+        computed, state_in, pages, pos, drafts = [], [], [], [], []
+        for i, row in zip(verify, rows):
+            n, d = row.num_computed, row.num_drafts
+            computed.append(n)
+            state_in.append(row.state_in_page)
+            pages += [row.state_outputs[n + 1 + j] for j in range(row.num_tokens)]
+            pages += [-1] * (max_q - row.num_tokens)
             # [rows, width] positions of the choices to compare and the drafts (-1 pads,
-            # which no choice equals), in one upload.
-            pos, drafts = [], []
-            for i in verify:
-                row = sched.rows[i]
-                d = row.num_drafts
-                pos += [starts[i] + j for j in range(d)] + [0] * (width - d)
-                drafts += row.request.draft_token_ids[:d] + [-1] * (width - d)
-            host = torch.tensor(pos + drafts, dtype=torch.int64)
-            if choices.is_cuda:
-                host = host.pin_memory()
-            both = host.to(choices.device, non_blocking=True).view(2, len(verify), width)
+            # which no choice equals).
+            pos += [starts[i] + j for j in range(d)] + [0] * (width - d)
+            drafts += row.request.draft_token_ids[:d] + [-1] * (width - d)
+        # Every host-side input of the launch travels in one transfer; the tensors below
+        # are views of it.
+        packed = upload(
+            torch.tensor(computed + state_in + pages + pos + drafts, dtype=torch.int64), device
+        )
+        computed_d, state_in_d = packed[: 2 * b].to(torch.int32).view(2, b)
+        out_pages = packed[2 * b : 2 * b + b * max_q].to(torch.int32).view(b, max_q)
+        if width == 0:
+            accepted = torch.ones(b, dtype=torch.int64, device=device)
+        else:
+            both = packed[2 * b + b * max_q :].view(2, b, width)
             match = (choices[both[0]] == both[1]).long()
             accepted = 1 + match.cumprod(dim=1).sum(dim=1)
-        return self.on_verify(sched, verify, accepted)
+        decide = state_postprocess if device.type == "cuda" else state_postprocess_reference
+        result = decide(
+            idx_mapping=torch.arange(b, dtype=torch.int32, device=device),
+            num_computed=computed_d.contiguous(),
+            num_accepted=accepted.to(torch.int32),
+            out_pages=out_pages,
+            state_page=state_in_d.contiguous(),
+            # The request holds a reference on whatever page it read, a checkpoint too.
+            release_prev=state_in_d >= 0,
+            boundary_interval=self.boundary_interval,
+        )
+        return torch.cat(
+            [accepted[:, None], result.new_state_page[:, None].long(), result.ckpt_page.long(),
+             result.ckpt_len.long(), result.release_pages.long()], dim=1,
+        ).reshape(-1)
+
+    def _decisions(self, sched: SchedulerOutput, host: list[int]) -> dict[int, PostprocessDecision]:
+        """The verify rows' :class:`~hybridserve.step.PostprocessDecision` from the host values
+        of :meth:`_postprocess`'s tensor, keyed by row index."""
+        verify = [i for i, row in enumerate(sched.rows) if row.is_decode]
+        if not verify:
+            return {}
+        if not host:
+            raise RuntimeError("a step with verify rows read back no postprocess decisions")
+        max_q = max(sched.rows[i].num_tokens for i in verify)
+        k = max_checkpoints_per_row(max_q, self.boundary_interval)
+        width = 2 + 2 * k + max_q
+        if len(host) != width * len(verify):
+            raise RuntimeError(
+                f"postprocess read-back of {len(host)} values for {len(verify)} rows of {width}"
+            )
+        out = {}
+        for j, i in enumerate(verify):
+            h = host[j * width : (j + 1) * width]
+            ckpts = tuple(
+                (p, page) for p, page in zip(h[2 + k : 2 + 2 * k], h[2 : 2 + k]) if page >= 0
+            )
+            released = tuple(p for p in h[2 + 2 * k :] if p >= 0)
+            out[i] = PostprocessDecision(h[0], h[1], ckpts, released)
+        return out
 
     def _sample(
         self,
@@ -337,9 +390,10 @@ class ModelRunner:
         sampling: list[int],
         logits: torch.Tensor,
         starts: Sequence[int],
-    ) -> tuple[list[int], dict[int, dict[int, Logprob]]]:
+    ) -> tuple[list[int], dict[int, dict[int, Logprob]], dict[int, PostprocessDecision]]:
         """Every sampling row of the step through the batched sampler: parameters up in
-        one transfer, the chosen tokens (and the logprobs payload) back in one."""
+        one transfer, the chosen tokens (and the logprobs payload, and the decisions)
+        back in one."""
         rows = []
         for i in sampling:
             row = sched.rows[i]
@@ -356,15 +410,14 @@ class ModelRunner:
                     eos_token_ids=() if req.params.ignore_eos else req.eos_token_ids,
                 )
             )
-        plan = sampler.plan_step(rows, logits.shape[-1])
-        packed = plan.packed
-        if logits.is_cuda:
-            packed = packed.pin_memory()
-        packed = packed.to(logits.device, non_blocking=True)
+        plan = sampler.plan_draw(rows, logits.shape[-1])
+        packed = upload(plan.packed, logits.device)
         # The choices come first in the output, then the logprobs payload: one read.
         drafted = self._drafted_positions(sched, sampling, logits.device)
-        values = self._read_back(sched, sampler.sample_step(logits, plan, packed, drafted), starts)
-        return sampler.read_step(values, plan)
+        values, decisions = self._read_back(
+            sched, sampler.sample_step(logits, plan, packed, drafted), starts
+        )
+        return (*sampler.read_step(values, plan), decisions)
 
     def _drafted_positions(self, sched: SchedulerOutput, sampling: list[int], device):
         """``(positions, logq, drafts)`` of the step's draft positions whose drafter

@@ -1,6 +1,6 @@
 """Token sampling, speculative verification and logprobs, batched in torch ops.
 
-One step, one draw, one read-back. :func:`plan_step` builds on the host, once per
+One step, one draw, one read-back. :func:`plan_draw` builds on the host, once per
 step, the per-position parameters of every sampling position (temperature, top-k,
 top-p, min-p, the request's ``sample_seed``, the generated-token index of the
 position, the penalties and the tokens they apply to, which positions want logprobs)
@@ -41,7 +41,7 @@ row's positions is :func:`verify_choices`, for greedy and sampled rows alike.
 Structured outputs: a row whose request is constrained (``SampleRow.grammar``) gets,
 for each of its positions, the bitmask of the tokens its grammar allows after the
 row's committed output plus the drafts before that position, filled on the host by
-the row's matcher in :func:`plan_step` and carried in the same float64 buffer as the
+the row's matcher in :func:`plan_draw` and carried in the same float64 buffer as the
 other parameters (two int32 mask words per float64 slot, their bits untouched), so the
 step still makes one upload. :func:`process_step` sets the disallowed tokens' logits to
 ``-inf`` before anything else; rows without a grammar are not touched, and a step
@@ -62,7 +62,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hybridserve.engine.request import Logprob, SamplingParams
+from hybridserve.step import Logprob, SamplingParams
 from hybridserve.structured.backend import GrammarMatcher, bitmask_words, fill_step_bitmasks
 
 # --- the counter-based RNG ---------------------------------------------------------
@@ -349,8 +349,8 @@ def position_params(
 
 
 @dataclass
-class StepPlan:
-    """The host's description of one step's sampling (:func:`plan_step`).
+class DrawPlan:
+    """The host's description of one step's sampling (:func:`plan_draw`).
 
     ``packed``: one float64 host buffer (every value in it is an integer below 2^53 or
     a float64 parameter, so nothing rounds): ``[num_positions, len(_COLS)]`` parameters,
@@ -388,7 +388,7 @@ class StepPlan:
         return 2 * self.max_logprobs + 2
 
 
-def plan_step(rows: Sequence[SampleRow], vocab_size: int) -> StepPlan:
+def plan_draw(rows: Sequence[SampleRow], vocab_size: int) -> DrawPlan:
     """Build the per-position parameters of a step's sampling rows (in position order:
     the rows' positions are consecutive rows of the logits that :func:`sample_step`
     gets)."""
@@ -459,7 +459,7 @@ def plan_step(rows: Sequence[SampleRow], vocab_size: int) -> StepPlan:
         packed = torch.from_numpy(buf)
     else:
         packed = torch.tensor(flat, dtype=torch.float64)
-    return StepPlan(
+    return DrawPlan(
         packed=packed,
         num_positions=len(params_rows),
         num_penalties=len(penalties),
@@ -516,12 +516,12 @@ def _fill_masks(
         at += n
 
 
-def _columns(plan: StepPlan, packed: torch.Tensor) -> torch.Tensor:
+def _columns(plan: DrawPlan, packed: torch.Tensor) -> torch.Tensor:
     n = plan.num_positions
     return packed[: n * len(_COLS)].view(n, len(_COLS))
 
 
-def process_step(logits: torch.Tensor, plan: StepPlan, packed: torch.Tensor) -> torch.Tensor:
+def process_step(logits: torch.Tensor, plan: DrawPlan, packed: torch.Tensor) -> torch.Tensor:
     """:func:`process_logits` for every position of a step at once: ``logits
     [num_positions, vocab]`` raw, ``packed`` the plan's buffer on the logits' device.
     Returns the float32 log-probabilities to draw from."""
@@ -569,7 +569,7 @@ def process_step(logits: torch.Tensor, plan: StepPlan, packed: torch.Tensor) -> 
     return logp
 
 
-def apply_bitmasks(x: torch.Tensor, plan: StepPlan, packed: torch.Tensor) -> torch.Tensor:
+def apply_bitmasks(x: torch.Tensor, plan: DrawPlan, packed: torch.Tensor) -> torch.Tensor:
     """``x`` with the tokens each constrained position's bitmask excludes set to
     ``-inf`` (out of place; other rows unchanged)."""
     m, w = plan.num_masked, plan.mask_words
@@ -584,7 +584,7 @@ def apply_bitmasks(x: torch.Tensor, plan: StepPlan, packed: torch.Tensor) -> tor
 
 def sample_step(
     logits: torch.Tensor,
-    plan: StepPlan,
+    plan: DrawPlan,
     packed: torch.Tensor,
     drafted: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
@@ -628,7 +628,7 @@ def sample_step(
     return torch.cat([choices, torch.cat(parts, dim=1).reshape(-1)])
 
 
-def read_step(values: Sequence[int], plan: StepPlan) -> tuple[list[int], dict[int, dict[int, Logprob]]]:
+def read_step(values: Sequence[int], plan: DrawPlan) -> tuple[list[int], dict[int, dict[int, Logprob]]]:
     """Decode :func:`sample_step`'s output, read back as a list: the choice per
     position, and per logprob position its ``{token: Logprob}`` (the ``k`` most likely
     tokens and the chosen one, as :func:`token_logprobs` gives them)."""

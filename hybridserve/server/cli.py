@@ -173,7 +173,7 @@ def startup_line(llm, name: str, host: str, port: int) -> str:
         f"state_interval={cache.state_interval} max_checkpoint_pages={cache.checkpoint_budget} "
         f"host_checkpoint_pages={llm.engine.scheduler.host.num_pages} "
         f"prefix_caching={'on' if cache.enable_prefix_caching else 'off'} "
-        f"speculative_tokens={cfg.spec.num_speculative_tokens if cfg.spec else 0} "
+        f"speculative_tokens={cfg.speculative.num_speculative_tokens if cfg.speculative else 0} "
         f"on http://{host}:{port}"
     )
 

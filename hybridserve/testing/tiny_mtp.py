@@ -1,7 +1,7 @@
 """Tiny random MTP heads for tests: ``mtp.*`` weights added to a tiny checkpoint.
 
 ``transformers`` builds no MTP modules for Qwen3.5 / Qwen3-Next, so the tests' heads
-are written here: every tensor :class:`~hybridserve.spec.mtp.MtpHead` expects, drawn
+are written here: every tensor :class:`~hybridserve.drafters.mtp.MtpHead` expects, drawn
 from a seeded generator (norm weights near zero: the Qwen norms are zero-centred), and
 ``mtp_num_hidden_layers`` in ``config.json``.
 """
@@ -20,8 +20,8 @@ def add_mtp_head(path: str | os.PathLike[str], seed: int = 0, std: float = 0.1) 
     ``path`` (rewriting its single ``model.safetensors``); returns ``path``."""
     from safetensors.torch import load_file, save_file
 
+    from hybridserve.drafters.mtp import MtpHead
     from hybridserve.models.loader import load_model
-    from hybridserve.spec.mtp import MtpHead
 
     path = Path(path)
     target = load_model(path)

@@ -88,29 +88,41 @@ def test_config_knobs_are_validated():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_pool_round_trip_is_bit_exact(dtype):
+    """Every declared state tensor of every layer makes the round trip, whatever its
+    name and dtype (here a family with a third tensor, and tensors in two dtypes)."""
     gen = torch.Generator().manual_seed(0)
-    conv = {0: torch.randn(6, 5, 3, generator=gen).to(dtype), 2: torch.randn(6, 4, 2, generator=gen).to(dtype)}
-    ssm = {0: torch.randn(6, 2, 3, 4, generator=gen).to(dtype), 2: torch.randn(6, 3, 2, 2, generator=gen).to(dtype)}
-    before = {k: v.clone() for k, v in {**{("c", i): t for i, t in conv.items()}, **{("s", i): t for i, t in ssm.items()}}.items()}
-    pool = HostStatePool(conv, ssm, num_pages=3)
-    assert pool.conv[0].dtype == dtype and pool.ssm[2].shape == (3, 3, 2, 2)
+    states = {
+        0: {
+            "conv": torch.randn(6, 5, 3, generator=gen).to(dtype),
+            "ssm": torch.randn(6, 2, 3, 4, generator=gen),
+        },
+        2: {
+            "conv": torch.randn(6, 4, 2, generator=gen).to(dtype),
+            "ssm": torch.randn(6, 3, 2, 2, generator=gen).to(dtype),
+            "extra": torch.randn(6, 7, generator=gen).to(torch.float16),
+        },
+    }
+    before = {(layer, name): t.clone() for layer, s in states.items() for name, t in s.items()}
+    pool = HostStatePool(states, num_pages=3)
+    assert pool.states[0]["conv"].dtype == dtype and pool.states[0]["ssm"].dtype == torch.float32
+    assert pool.states[2]["ssm"].shape == (3, 3, 2, 2) and pool.states[2]["extra"].dtype == torch.float16
     pool.run(Transfers(offloads=[(4, 1), (2, 0)]))
     # The device pages are overwritten (reused), then restored into other fresh pages.
-    for t in (*conv.values(), *ssm.values()):
-        t[4].fill_(float("nan"))
-        t[2].fill_(7.0)
+    for t in before:
+        states[t[0]][t[1]][4].fill_(float("nan"))
+        states[t[0]][t[1]][2].fill_(7.0)
     pool.run(Transfers(restores=[(1, 5), (0, 1)]))
-    for (kind, layer), orig in before.items():
-        dev = (conv if kind == "c" else ssm)[layer]
-        assert torch.equal(dev[5].view(torch.uint8 if dtype == torch.float32 else torch.uint8), orig[4].view(torch.uint8))
-        assert torch.equal(dev[1].view(torch.uint8), orig[2].view(torch.uint8))
-    assert HostStatePool.page_bytes(conv, ssm) == sum(t[0].numel() * t.element_size() for t in (*conv.values(), *ssm.values()))
+    for (layer, name), orig in before.items():
+        dev = states[layer][name]
+        assert torch.equal(dev[5].view(torch.uint8), orig[4].view(torch.uint8)), (layer, name)
+        assert torch.equal(dev[1].view(torch.uint8), orig[2].view(torch.uint8)), (layer, name)
+    assert HostStatePool.page_bytes(states) == sum(t[0].numel() * t.element_size() for t in before.values())
 
 
 def _snapshot(llm, page: int) -> dict:
     caches = llm.engine.runner.caches
-    return {("c", k): t[page].clone() for k, t in caches.conv.items()} | {
-        ("s", k): t[page].clone() for k, t in caches.ssm.items()
+    return {
+        (layer, name): t[page].clone() for layer, s in caches.states.items() for name, t in s.items()
     }
 
 
@@ -140,9 +152,8 @@ def test_engine_round_trip_restores_the_evicted_state(request, model, ssm_dtype)
     pool = llm.engine.runner.host_pool
     for key in offloaded:
         hp = sched.host.checkpoints[key].host_page
-        for (kind, layer), t in saved[key].items():
-            host = (pool.conv if kind == "c" else pool.ssm)[layer][hp]
-            assert torch.equal(host, t)
+        for (layer, name), t in saved[key].items():
+            assert torch.equal(pool.states[layer][name][hp], t)
     # Record what each restore wrote, keyed by the checkpoint it came from.
     by_host_page = {sched.host.checkpoints[k].host_page: k for k in offloaded}
     restored: dict[int, dict] = {}
@@ -339,8 +350,8 @@ def test_cuda_pool_round_trip_is_bit_exact(dtype):
     conv = {0: torch.randn(6, 5, 3, generator=gen).to(dtype).cuda()}
     ssm = {0: torch.randn(6, 2, 3, 4, generator=gen).to(dtype).cuda()}
     before = {"c": conv[0].clone(), "s": ssm[0].clone()}
-    pool = HostStatePool(conv, ssm, num_pages=2)
-    assert pool.conv[0].is_pinned() and pool.stream is not None
+    pool = HostStatePool({0: {"conv": conv[0], "ssm": ssm[0]}}, num_pages=2)
+    assert pool.states[0]["conv"].is_pinned() and pool.stream is not None
     pool.run(Transfers(offloads=[(3, 0)]))
     # A forward reusing page 3 right after (same stream: ordered after the offload).
     conv[0][3].fill_(float("nan"))

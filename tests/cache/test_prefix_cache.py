@@ -174,20 +174,6 @@ def test_prefix_caching_off_and_bad_interval(tiny_granite):
         LLM(tiny_granite, state_interval=24)
 
 
-def test_prefix_cache_benchmark_runs(tmp_path):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).parents[2] / "benchmarks" / "bench_prefix_cache.py"
-    spec = importlib.util.spec_from_file_location("bench_prefix_cache", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    report = bench.main(["--out", str(tmp_path / "r.json"), "--requests", "8", "--chats", "2", "--turns", "2"])
-    shared = report["results"]["shared_prefix"]
-    assert shared["hybridserve"]["hit_rate"] > shared["block_grid_528"]["hit_rate"] == 0.0
-    assert shared["no_cache"]["prefix_hit_tokens"] == 0
-
-
 def test_flop_aware_eviction_keeps_long_prefixes(tiny_granite):
     """A long shared prefix revisited between bursts of short one-off prompts: LRU lets
     the bursts push it out; FLOP-aware eviction keeps it and hits more tokens."""

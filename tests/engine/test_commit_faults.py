@@ -9,6 +9,7 @@ exactly the tokens it gets alone, and the engine keeps serving.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -42,14 +43,14 @@ def alone(tiny_granite) -> dict[str, list[int]]:
 
 
 def _requests_of(args) -> list[Request]:
-    """The requests a call is about: a request, a row, or a list of (row, result)."""
+    """The requests a call is about: a request, a row, or a list of (row, result, ...)."""
     for a in args:
         if isinstance(a, Request):
             return [a]
         if isinstance(a, ScheduledRow):
             return [a.request]
         if isinstance(a, list) and a and isinstance(a[0], tuple):
-            return [row.request for row, _ in a]
+            return [t[0].request for t in a]
     raise AssertionError("no request among the arguments")
 
 
@@ -90,7 +91,7 @@ def _assert_all_free(engine: EngineCore) -> None:
     assert all(b.ref_count == 0 for b in s.blocks.blocks)
     # Only the checkpoint index holds pages, one each.
     assert s.states.num_free + len(s.states.checkpoints) == s.states.num_pages
-    assert len(s.free_slots) == s.config.max_num_seqs
+    assert len(s.free_seats) == s.config.max_num_seqs
 
 
 def _llm(path, **kw) -> LLM:
@@ -108,7 +109,7 @@ SITES = [
     (EngineCore, "_check_stop_strings", 2),  # stop strings (detokenizes)
     (EngineCore, "_decode", 1),  # detokenizing the output (every step's output)
     (Scheduler, "commit_prefill_row", 2),  # the second prefill chunk
-    (Scheduler, "commit_verify_row", 3),
+    (Scheduler, "commit_decode_row", 3),
     (Scheduler, "_admit_checkpoint", 1),  # inside commit_prefill_row
     (Scheduler, "_register_full_blocks", 4),  # inside a commit, after the refs moved
     (Scheduler, "_admit_boundary_checkpoint", 1),  # finishing at the length cap
@@ -152,7 +153,7 @@ def test_offline_generate_reports_the_failed_prompt(tiny_granite, alone, monkeyp
 def test_a_failed_child_fails_its_whole_group(tiny_granite, alone, monkeypatch):
     llm = _llm(tiny_granite)
     engine = llm.engine
-    inject(monkeypatch, Scheduler, "commit_verify_row", 5)
+    inject(monkeypatch, Scheduler, "commit_decode_row", 5)
     engine.add_request("victim", PROMPTS["victim"], SamplingParams(
         n=3, max_tokens=MAX_TOKENS, temperature=0.8, seed=3, ignore_eos=True))
     engine.add_request("bystander", PROMPTS["bystander"], BYSTANDER)
@@ -190,15 +191,14 @@ def test_a_device_host_mismatch_fails_only_that_row(tiny_granite, alone, monkeyp
     real = EngineCore._commit_postprocess
     tampered = []
 
-    def tamper(self, sched, rows, *rest):
-        host = list(self.runner.verify_readback)
-        width = len(host) // len(rows)
-        for i, (row, _) in enumerate(rows):
+    def tamper(self, rows, *rest):
+        out = []
+        for row, res, decision in rows:
             if row.request.request_id == "victim" and len(rows) == 2 and not tampered:
-                host[i * width] += 1
+                decision = dataclasses.replace(decision, num_accepted=decision.num_accepted + 1)
                 tampered.append(row.num_computed)
-        self.runner.verify_readback = host
-        return real(self, sched, rows, *rest)
+            out.append((row, res, decision))
+        return real(self, out, *rest)
 
     monkeypatch.setattr(EngineCore, "_commit_postprocess", tamper)
     engine.add_request("victim", PROMPTS["victim"], VICTIM)
@@ -222,14 +222,14 @@ def test_speculative_verify_commit_fault(tiny_granite, monkeypatch):
     want = LLM(tiny_granite, max_num_seqs=1, enable_prefix_caching=False).generate(
         [other], BYSTANDER)[0].outputs[0].token_ids
     drafted = []
-    real = Scheduler.commit_verify_row
+    real = Scheduler.commit_decode_row
 
     def spy(self, row, *args):
         drafted.append(row.num_drafts)
         return real(self, row, *args)
 
-    monkeypatch.setattr(Scheduler, "commit_verify_row", spy)
-    inject(monkeypatch, Scheduler, "commit_verify_row", 3)
+    monkeypatch.setattr(Scheduler, "commit_decode_row", spy)
+    inject(monkeypatch, Scheduler, "commit_decode_row", 3)
     engine.add_request("victim", loop, VICTIM)
     engine.add_request("bystander", other, BYSTANDER)
     done = _drain(engine)

@@ -219,11 +219,9 @@ def test_packed_chunked_prefill_with_caching_and_speculation(tiny_qwen, uncached
     """Prefill steps through the chunked form (chunks of 8: states on the grid of 16 come
     from chunk states, others from tails) give the per-row path's tokens and exact
     checkpoints, with prefix caching and n-gram speculation on."""
+    from hybridserve.config import KernelPolicy
     from hybridserve.kernels import gdn_chunked
-    from hybridserve.models.layers import gated_deltanet
 
-    monkeypatch.setattr(gated_deltanet, "PACKED_ROWS", "chunked")
-    monkeypatch.setattr(gdn_chunked, "CHUNK", 8)
     calls = []
     real = gdn_chunked.chunk_scan_reference
 
@@ -233,7 +231,8 @@ def test_packed_chunked_prefill_with_caching_and_speculation(tiny_qwen, uncached
 
     monkeypatch.setattr(gdn_chunked, "chunk_scan_reference", spy)
     llm = LLM(tiny_qwen, state_interval=16,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+              kernel_policy=KernelPolicy(gdn_rows="chunked", gdn_chunk=8))
     llm.engine.check_integrity_every_step = True
     prompts = _workload(0)
     got = _tokens(llm.generate(prompts, GREEDY))

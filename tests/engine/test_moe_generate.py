@@ -104,15 +104,14 @@ def test_decode_graph_path_with_grouped_kernels(moe_ckpt, monkeypatch):
     """The decode-graph step (its static buffers and padding rows; no capture on the CPU)
     with the grouped Triton experts, as a GPU decode step runs them, gives the eager
     loop's tokens."""
+    from hybridserve.config import KernelPolicy
     from hybridserve.engine.engine_core import EngineCore
-    from hybridserve.kernels import moe as moe_kernels
 
     rng = random.Random(8)
     prompts = [_rand(rng, 9), _rand(rng, 4), _rand(rng, 6)]  # a bucket of 4: one padding row
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     reference = _tokens(LLM(moe_ckpt, max_num_seqs=4).generate(prompts, params))
-    monkeypatch.setattr(moe_kernels, "TRITON_MOE", "always")
-    llm = LLM(moe_ckpt, max_num_seqs=4)
+    llm = LLM(moe_ckpt, max_num_seqs=4, kernel_policy=KernelPolicy(moe="triton"))
     eng = llm.engine
     llm.engine = EngineCore(llm.config, llm.model, llm.tokenizer, eng.vocab_size,
                             eng.eos_token_ids, enforce_eager=False)

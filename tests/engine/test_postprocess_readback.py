@@ -1,7 +1,10 @@
-"""The state postprocess rides on the step's one read-back, and its accepted counts (decided
-on the device from the choices) are checked against the tokens the host appended."""
+"""The state postprocess rides on the step's one read-back (the runner returns its decisions
+in the step's result), and its accepted counts (decided on the device from the choices)
+are checked against the tokens the host appended."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -18,13 +21,12 @@ def _prompts():
 def test_decisions_come_back_with_the_choices(tiny_nemotron):
     llm = LLM(tiny_nemotron, max_num_seqs=4, speculative_config=SPEC)
     eng = llm.engine
-    runner = eng.runner
     seen = []
     commit = eng._commit_postprocess
 
-    def spy(sched, rows, *rest):
-        seen.append(runner.verify_readback is not None)
-        commit(sched, rows, *rest)
+    def spy(rows, *rest):
+        seen.append(all(decision is not None for _, _, decision in rows))
+        commit(rows, *rest)
 
     eng._commit_postprocess = spy
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -39,14 +41,18 @@ def test_decisions_come_back_with_the_choices(tiny_nemotron):
 def test_a_device_host_disagreement_fails_the_request(tiny_nemotron):
     llm = LLM(tiny_nemotron, max_num_seqs=4, speculative_config=SPEC)
     runner = llm.engine.runner
-    launch = runner.on_verify
+    decisions = runner._decisions
 
-    def off_by_one(sched, verify, accepted):
+    def off_by_one(sched, host):
         # One more accepted token wherever a row rejected a draft (still a valid count).
-        q = torch.tensor([sched.rows[i].num_tokens for i in verify])
-        return launch(sched, verify, torch.where(accepted < q, accepted + 1, accepted))
+        out = decisions(sched, host)
+        return {
+            i: dataclasses.replace(d, num_accepted=d.num_accepted + 1)
+            if d.num_accepted < sched.rows[i].num_tokens else d
+            for i, d in out.items()
+        }
 
-    runner.on_verify = off_by_one
+    runner._decisions = off_by_one
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outs = llm.generate(_prompts(), params, use_tqdm=False)
     # Each request whose row disagreed fails alone, before its pages change hands.

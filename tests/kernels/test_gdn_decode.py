@@ -10,7 +10,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
-from hybridserve.kernels import mamba_decode
+from hybridserve.config import KernelPolicy
 from hybridserve.kernels.gdn import gated_delta_rule_reference, l2_normalize
 from hybridserve.kernels.gdn_decode import gdn_decode_update, gdn_decode_update_reference
 from hybridserve.testing import racecheck
@@ -136,7 +136,7 @@ def test_mixer_fast_path_matches_per_row_path(tmp_path, monkeypatch, arch, count
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
     from paged_driver import PagedDriver
 
-    from hybridserve.models.loader import load_model
+    from hybridserve.models.loader import load_model, with_kernel_policy
     from hybridserve.testing.tiny_models import make_tiny_checkpoint
 
     model = load_model(make_tiny_checkpoint(arch, tmp_path, seed=5, layers="MAM"))
@@ -151,9 +151,8 @@ def test_mixer_fast_path_matches_per_row_path(tmp_path, monkeypatch, arch, count
     for fast in (True, False):
         decoded.clear()
         per_row.clear()
-        if not fast:
-            monkeypatch.setattr(mamba_decode, "decode_plan", lambda batch, device: None)
-        driver = PagedDriver(model)
+        # Without the batched decode ops the step takes the per-row path.
+        driver = PagedDriver(with_kernel_policy(model, KernelPolicy(uniform_decode=fast)))
         driver.step(list(enumerate(prompts)))
         logits, pages = driver.step(list(enumerate(drafts)), extra_state_offsets={0: [0, 1],
                                                                                   1: [1]})

@@ -93,7 +93,8 @@ def test_mixer_packed_rows_path_matches_per_row_path(tmp_path, monkeypatch, arch
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
     from paged_driver import PagedDriver
 
-    from hybridserve.models.loader import load_model
+    from hybridserve.config import KernelPolicy
+    from hybridserve.models.loader import load_model, with_kernel_policy
     from hybridserve.testing.tiny_models import make_tiny_checkpoint
 
     model = load_model(make_tiny_checkpoint(arch, tmp_path, seed=6, layers="MAM"))
@@ -110,10 +111,9 @@ def test_mixer_packed_rows_path_matches_per_row_path(tmp_path, monkeypatch, arch
 
     monkeypatch.setattr(gated_deltanet.GatedDeltaNet, "_packed_rows", spy)
     results = []
+    policy = {"twin": "reference", "kernel": "triton", "chunked": "chunked", None: "off"}
     for path in (mode, None):
-        monkeypatch.setattr(gated_deltanet, "packed_rows_mode",
-                            lambda device, compute, path=path: path)
-        driver = PagedDriver(model)
+        driver = PagedDriver(with_kernel_policy(model, KernelPolicy(gdn_rows=policy[path])))
         driver.step([(0, first[0]), (1, first[1])])
         logits, pages = driver.step([(0, second[0]), (1, second[1]), (2, fresh)],
                                     extra_state_offsets={0: [1, 3], 2: [0, 7, 15]})

@@ -10,16 +10,17 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
+from hybridserve.config import KernelPolicy
 from hybridserve.kernels.conv1d import causal_conv1d_reference
 from hybridserve.kernels.mamba_decode import (
     conv_decode_update,
     conv_decode_update_reference,
-    decode_plan,
-    ssm_decode_update,
-    ssm_decode_update_reference,
+    ssm_update,
+    ssm_update_reference,
 )
 from hybridserve.kernels.ssd import ssd_recurrent_reference
 from hybridserve.models.batch import ForwardBatch
+from hybridserve.models.step_plan import StepKind, plan_states
 from hybridserve.testing import racecheck
 
 
@@ -71,7 +72,7 @@ def test_ssm_twin_matches_per_row_recurrence_float64(q):
         g, rows, q, heads, head_dim, groups, d_state, 40, torch.float64
     )
     before = cache.clone()
-    y = ssm_decode_update_reference(x, dt, A, B, C, D, cache, in_pages, out_pages)
+    y = ssm_update_reference(x, dt, A, B, C, D, cache, in_pages, out_pages)
     for r in range(rows):
         s = slice(r * q, (r + 1) * q)
         y_ref, states = ssd_recurrent_reference(
@@ -119,9 +120,9 @@ def test_ssm_kernel_matches_twin_race_free(rows, q, heads, head_dim, groups, d_s
     args = _ssm_inputs(g, rows, q, heads, head_dim, groups, d_state, 3 * rows * q, torch.float32)
     x, dt, A, B, C, D, cache, in_pages, out_pages = args
     want_cache = cache.clone()
-    want = ssm_decode_update_reference(x, dt, A, B, C, D, want_cache, in_pages, out_pages)
+    want = ssm_update_reference(x, dt, A, B, C, D, want_cache, in_pages, out_pages)
     with racecheck.record_launches() as rec:
-        got = ssm_decode_update(x, dt, A, B, C, D, cache, in_pages, out_pages)
+        got = ssm_update(x, dt, A, B, C, D, cache, in_pages, out_pages)
     assert len(rec.reports) == 1 and rec.reports[0].clean, str(rec.reports[0])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # Written pages equal the twin's; unwritten pages keep their (NaN or random) contents.
@@ -137,8 +138,8 @@ def test_ssm_kernel_bf16_state_pages_and_no_d():
     )
     cache = cache.to(torch.bfloat16)
     want_cache = cache.clone()
-    want = ssm_decode_update_reference(x, dt, A, B, C, None, want_cache, in_pages, out_pages)
-    got = ssm_decode_update(x, dt, A, B, C, None, cache, in_pages, out_pages)
+    want = ssm_update_reference(x, dt, A, B, C, None, want_cache, in_pages, out_pages)
+    got = ssm_update(x, dt, A, B, C, None, cache, in_pages, out_pages)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(
         cache.float(), want_cache.float(), rtol=1e-2, atol=1e-2, equal_nan=True
@@ -190,7 +191,7 @@ def test_kernels_independent_of_program_order():
     for order in ("forward", "reversed", "shuffled"):
         c = cache.clone()
         with racecheck.record_launches(record=False, order=order, seed=3):
-            y = ssm_decode_update(x, dt, A, B, C, D, c, in_pages, out_pages)
+            y = ssm_update(x, dt, A, B, C, D, c, in_pages, out_pages)
         results.append((y, c))
     for y, c in results[1:]:
         assert torch.equal(y, results[0][0])
@@ -237,15 +238,25 @@ def _batch(q_lens, in_pages, outs):
 
 
 def test_decode_plan_qualifies_only_uniform_steps_from_stored_states():
-    plan = decode_plan(_batch([2, 2], [3, 4], [[(1, 7)], [(0, 8), (1, 9)]]), torch.device("cpu"))
-    assert plan is not None and plan.q == 2
-    assert plan.in_pages.tolist() == [3, 4]
-    assert plan.out_pages.tolist() == [[-1, 7], [8, 9]]
     cpu = torch.device("cpu")
-    assert decode_plan(_batch([1, 2], [3, 4], [[(0, 7)], [(1, 9)]]), cpu) is None  # mixed q
-    assert decode_plan(_batch([1, 1], [-1, 4], [[(0, 7)], [(0, 9)]]), cpu) is None  # zero state
-    assert decode_plan(_batch([1, 1], [3, 4], [[(0, 4)], [(0, 9)]]), cpu) is None  # reads a write
-    assert decode_plan(_batch([17], [3], [[(16, 5)]]), cpu) is None  # a prefill chunk
+    policy = KernelPolicy(short_rows="off", packed_prefill="off")
+
+    def kind(batch):
+        return plan_states(batch, policy, cpu, torch.float64).kind
+
+    plan = plan_states(_batch([2, 2], [3, 4], [[(1, 7)], [(0, 8), (1, 9)]]), policy, cpu,
+                       torch.float64)
+    assert plan.kind is StepKind.DECODE and plan.q == 2 and not plan.triton
+    assert plan.in_pages.tolist() == [3, 4]
+    assert plan.decode_out_pages.tolist() == [[-1, 7], [8, 9]]
+    assert kind(_batch([1, 2], [3, 4], [[(0, 7)], [(1, 9)]])) is StepKind.ROWS  # mixed q
+    assert kind(_batch([1, 1], [-1, 4], [[(0, 7)], [(0, 9)]])) is StepKind.ROWS  # zero state
+    assert kind(_batch([1, 1], [3, 4], [[(0, 4)], [(0, 9)]])) is StepKind.ROWS  # reads a write
+    assert kind(_batch([17], [3], [[(16, 5)]])) is StepKind.ROWS  # a prefill chunk
+    # The policy can turn the batched decode ops off.
+    off = KernelPolicy(uniform_decode=False, short_rows="off", packed_prefill="off")
+    batch = _batch([2, 2], [3, 4], [[(1, 7)], [(0, 8), (1, 9)]])
+    assert plan_states(batch, off, cpu, torch.float64).kind is StepKind.ROWS
 
 
 @pytest.mark.parametrize("q", [1, 3])
@@ -258,20 +269,19 @@ def test_mixer_fast_path_matches_per_row_path(tmp_path, monkeypatch, q, mixer_pa
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
     from paged_driver import PagedDriver
 
-    from hybridserve.kernels import mamba_decode
     from hybridserve.models.loader import load_model
     from hybridserve.testing.tiny_models import make_tiny_checkpoint
 
     torch.set_num_threads(1)
     path = make_tiny_checkpoint("nemotron_h", tmp_path / "m", seed=_seed() % 1000, layers="M*-M")
-    model = load_model(path, dtype=torch.float64)
     g = torch.Generator().manual_seed(_seed())
     prompts = {i: torch.randint(3, 256, (5 + 3 * i,), generator=g).tolist() for i in range(3)}
     nxt = {i: torch.randint(3, 256, (q,), generator=g).tolist() for i in range(3)}
     results, paths = [], []
     for fast in (True, False):
-        if not fast:
-            monkeypatch.setattr(mamba_decode, "decode_plan", lambda batch, device: None)
+        # Without the batched decode ops the step takes the per-row path.
+        policy = KernelPolicy(uniform_decode=fast, short_rows="off", packed_prefill="off")
+        model = load_model(path, dtype=torch.float64, policy=policy)
         d = PagedDriver(model)
         mixer_paths.clear()
         d.step([(i, p) for i, p in prompts.items()])

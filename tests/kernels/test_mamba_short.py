@@ -1,4 +1,5 @@
-"""Short rows of a packed step: the recurrence kernel against its twin and the per-token
+"""Short rows of a packed step: the recurrence (:func:`~hybridserve.kernels.mamba_decode.ssm_update`
+over rows of any length) against its twin and the per-token
 float64 reference, NaN-poisoned pages, the race checker and three program orders; the
 plan; and the mixer's short-row path against its per-row path on whole model steps.
 
@@ -16,14 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridserve.kernels import mamba_short
-from hybridserve.kernels.mamba_short import (
-    short_plan,
-    ssm_short_update,
-    ssm_short_update_reference,
-)
+from hybridserve.config import KernelPolicy
+from hybridserve.kernels.mamba_decode import ssm_update, ssm_update_reference
 from hybridserve.kernels.ssd import ssd_recurrent_reference
 from hybridserve.models.batch import ForwardBatch
+from hybridserve.models.step_plan import StepKind, plan_states
 
 INTERPRETED = os.environ["TRITON_INTERPRET"] == "1"
 
@@ -79,7 +77,7 @@ def test_twin_matches_per_token_reference_float64(lens):
     g = torch.Generator().manual_seed(_seed())
     x, dt, A, B, C, D, cache, qs, in_pages, out_pages = _step(g, lens, 6, 4, 3, 8, torch.float64)
     before = cache.clone()
-    y = ssm_short_update_reference(x, dt, A, B, C, D, cache, qs, in_pages, out_pages)
+    y = ssm_update_reference(x, dt, A, B, C, D, cache, in_pages, out_pages, qs)
     for r in range(len(lens)):
         s, e = int(qs[r]), int(qs[r + 1])
         if s == e:
@@ -109,9 +107,9 @@ def test_kernel_matches_twin_race_free(lens, heads, head_dim, groups, d_state):
         g, lens, heads, head_dim, groups, d_state, torch.float32
     )
     want_cache = cache.clone()
-    want = ssm_short_update_reference(x, dt, A, B, C, D, want_cache, qs, in_pages, out_pages)
+    want = ssm_update_reference(x, dt, A, B, C, D, want_cache, in_pages, out_pages, qs)
     with racecheck.record_launches() as rec:
-        got = ssm_short_update(x, dt, A, B, C, D, cache, qs, in_pages, out_pages)
+        got = ssm_update(x, dt, A, B, C, D, cache, in_pages, out_pages, qs)
     assert len(rec.reports) == 1 and rec.reports[0].clean, str(rec.reports[0])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # Written pages equal the twin's; every other page keeps its (NaN or random) contents.
@@ -126,8 +124,8 @@ def test_kernel_bf16_state_pages_and_no_d():
         g, [3, 4], 4, 8, 2, 8, torch.float32, cache_dtype=torch.bfloat16
     )
     want_cache = cache.clone()
-    want = ssm_short_update_reference(x, dt, A, B, C, None, want_cache, qs, in_pages, out_pages)
-    got = ssm_short_update(x, dt, A, B, C, None, cache, qs, in_pages, out_pages)
+    want = ssm_update_reference(x, dt, A, B, C, None, want_cache, in_pages, out_pages, qs)
+    got = ssm_update(x, dt, A, B, C, None, cache, in_pages, out_pages, qs)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(cache.float(), want_cache.float(), rtol=1e-2, atol=1e-2,
                                equal_nan=True)
@@ -141,7 +139,7 @@ def test_kernel_independent_of_program_order():
     )
 
     def launch(x, dt, A, B, C, D, ssm_cache, query_start, in_pages, out_pages):
-        return ssm_short_update(x, dt, A, B, C, D, ssm_cache, query_start, in_pages, out_pages)
+        return ssm_update(x, dt, A, B, C, D, ssm_cache, in_pages, out_pages, query_start)
 
     report = racecheck.run_launcher_in_orders(
         launch,
@@ -168,27 +166,33 @@ def _batch(lens, in_pages, outs):
     )
 
 
-def test_plan_lays_out_pages_per_token_and_qualifies_short_steps(monkeypatch):
+def test_plan_lays_out_pages_per_token_and_qualifies_short_steps():
     cpu = torch.device("cpu")
-    plan = short_plan(_batch([3, 1, 2], [4, 5, -1], [[(0, 7), (2, 8)], [(0, 9)], [(1, 10)]]), cpu)
-    assert plan is not None and plan.num_rows == 3
+
+    def short_plan(batch, limit=512):
+        policy = KernelPolicy(short_rows="reference", packed_prefill="off",
+                              max_short_tokens=limit)
+        plan = plan_states(batch, policy, cpu, torch.float32)
+        return plan if plan.kind is StepKind.SHORT else None
+
+    plan = short_plan(_batch([3, 1, 2], [4, 5, -1], [[(0, 7), (2, 8)], [(0, 9)], [(1, 10)]]))
+    assert plan is not None and plan.num_rows == 3 and not plan.triton
     assert plan.query_start.tolist() == [0, 3, 4, 6]
     assert plan.in_pages.tolist() == [4, 5, -1]
     assert plan.token_out_pages.tolist() == [7, -1, 8, 9, -1, 10]
     assert plan.token_row.tolist() == [0, 0, 0, 1, 2, 2]
     # Only the one-token row that continues from a page skips the dt clamp.
     assert plan.unclamped.tolist() == [False, False, False, True, False, False]
-    assert short_plan(_batch([2, 2], [-1, 3], [[(1, 7)], [(1, 8)]]), cpu).unclamped is None
-    monkeypatch.setattr(mamba_short, "MAX_SHORT_TOKENS", 4)
-    assert short_plan(_batch([4, 1], [1, 2], [[(3, 7)], [(0, 8)]]), cpu) is not None
-    assert short_plan(_batch([5, 1], [1, 2], [[(4, 7)], [(0, 8)]]), cpu) is None
+    assert short_plan(_batch([2, 2], [-1, 3], [[(1, 7)], [(1, 8)]])).unclamped is None
+    assert short_plan(_batch([4, 1], [1, 2], [[(3, 7)], [(0, 8)]]), limit=4) is not None
+    assert short_plan(_batch([5, 1], [1, 2], [[(4, 7)], [(0, 8)]]), limit=4) is None
     # Steps that break the page rule are left to the per-row path.
-    assert short_plan(_batch([2, 1], [1, 2], [[(1, 2)], [(0, 8)]]), cpu) is None  # reads a write
-    assert short_plan(_batch([2, 1], [1, 2], [[(1, 8)], [(0, 8)]]), cpu) is None  # one page twice
+    assert short_plan(_batch([2, 1], [1, 2], [[(1, 2)], [(0, 8)]])) is None  # reads a write
+    assert short_plan(_batch([2, 1], [1, 2], [[(1, 8)], [(0, 8)]])) is None  # one page twice
 
 
 @pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=interpreted)])
-def test_mixer_short_rows_match_per_row_path(tmp_path, monkeypatch, kernels, mixer_paths):
+def test_mixer_short_rows_match_per_row_path(tmp_path, kernels, mixer_paths):
     """Whole model steps of short rows (fresh prompts, continuations of several tokens and
     of one token, rows with extra state requests) through the short-row path equal the
     per-row path: logits and every written state page. The twins in float64 (tight), the
@@ -196,7 +200,6 @@ def test_mixer_short_rows_match_per_row_path(tmp_path, monkeypatch, kernels, mix
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
     from paged_driver import PagedDriver
 
-    from hybridserve.models.layers import mamba2
     from hybridserve.models.loader import load_model
     from hybridserve.testing.tiny_models import make_tiny_checkpoint
 
@@ -204,19 +207,17 @@ def test_mixer_short_rows_match_per_row_path(tmp_path, monkeypatch, kernels, mix
     seed = _seed()
     path = make_tiny_checkpoint("nemotron_h", tmp_path / "m", seed=seed % 1000, layers="M*-M")
     dtype = torch.float32 if kernels else torch.float64
-    model = load_model(path, dtype=dtype)
     g = torch.Generator().manual_seed(seed)
     prompts = {i: torch.randint(3, 256, (3 + 4 * i,), generator=g).tolist() for i in range(3)}
     more = {0: torch.randint(3, 256, (6,), generator=g).tolist(),
             1: torch.randint(3, 256, (1,), generator=g).tolist(),
             2: torch.randint(3, 256, (9,), generator=g).tolist()}
     results, paths = [], []
-    for mode in ("auto" if kernels else "reference", "off"):
+    # "triton": the interpreter runs the CUDA path's kernels on the CPU.
+    for mode in ("triton" if kernels else "reference", "off"):
+        policy = KernelPolicy(short_rows=mode, packed_prefill="off")
+        model = load_model(path, dtype=dtype, policy=policy)
         mixer_paths.clear()
-        monkeypatch.setattr(mamba2, "SHORT_ROWS", mode)
-        # "auto" means CUDA; here the interpreter runs the same kernels on the CPU.
-        monkeypatch.setattr(mamba2, "short_rows_enabled", lambda device, compute, m=mode: m != "off")
-        monkeypatch.setattr(mamba2, "PACKED_PREFILL", "off")
         d = PagedDriver(model)
         first, pages1 = d.step([(i, p) for i, p in prompts.items()], {2: [0, 4]})
         second, pages2 = d.step([(i, t) for i, t in more.items()], {0: [2], 2: [0, 5]})
@@ -258,8 +259,8 @@ def test_gpu_kernel_matches_twin(record_property):
     args = _step(g, [128, 1, 1, 37], 128, 64, 8, 128, torch.float32)
     args = [a.cuda() for a in args]
     want_cache = args[6].clone()
-    want = ssm_short_update_reference(*args[:6], want_cache, *args[7:])
-    got = ssm_short_update(*args)
+    want = ssm_update_reference(*args[:6], want_cache, *args[8:], args[7])
+    got = ssm_update(*args[:7], *args[8:], args[7])
     rel = ((got - want).norm() / want.norm()).item()
     written = args[9][args[9] >= 0].long()
     rel_state = ((args[6][written] - want_cache[written]).norm()
@@ -270,7 +271,7 @@ def test_gpu_kernel_matches_twin(record_property):
 
 
 def test_engine_with_prefix_caching_gives_the_same_tokens_on_the_short_row_path(
-    tmp_path, monkeypatch, count_calls
+    tmp_path, count_calls
 ):
     """Through the whole engine (chunked prefill, prefix-cache checkpoints on a grid and at
     prompt ends, cache hits that leave short tails, decode): the short-row path's greedy
@@ -286,12 +287,12 @@ def test_engine_with_prefix_caching_gives_the_same_tokens_on_the_short_row_path(
     shared = torch.randint(3, 250, (40,), generator=g).tolist()
     prompts = [shared + torch.randint(3, 250, (n,), generator=g).tolist() for n in (3, 11, 20)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    calls = count_calls(mamba_short, "ssm_short_update_reference")
+    # The short path's conv (the packed path, which shares it, is off on the CPU).
+    calls = count_calls(mamba2, "conv_varlen_reference")
     outputs = {}
     for mode in ("reference", "off"):
-        monkeypatch.setattr(mamba2, "SHORT_ROWS", mode)
         llm = LLM(path, dtype="float64", kv_block_size=4, state_interval=8,
-                  max_num_batched_tokens=24)
+                  max_num_batched_tokens=24, kernel_policy=KernelPolicy(short_rows=mode))
         first = llm.generate(prompts[:1], params, use_tqdm=False)
         rest = llm.generate(prompts[1:], params, use_tqdm=False)  # hits on the shared prefix
         assert all(r.num_cached_tokens >= 32 for r in rest)

@@ -250,7 +250,7 @@ def test_layer_takes_the_kernels_only_where_enabled(monkeypatch, count_calls):
         loop = block(x)  # CPU tensors: the loop by default
         assert (len(kernel_calls), len(loop_calls)) == (0, 1)
         if INTERPRETED:
-            monkeypatch.setattr(moe, "TRITON_MOE", "always")
+            block.experts.kernels = "triton"  # what KernelPolicy(moe="triton") sets
             fused = block(x)
             assert (len(kernel_calls), len(loop_calls)) == (1, 1)
             torch.testing.assert_close(fused, loop, rtol=1e-5, atol=1e-5)
@@ -258,9 +258,8 @@ def test_layer_takes_the_kernels_only_where_enabled(monkeypatch, count_calls):
             block64 = block.double()
             block64(x.double())
             assert (len(kernel_calls), len(loop_calls)) == (1, 2)
-    monkeypatch.setattr(moe, "TRITON_MOE", "sometimes")
-    with pytest.raises(ValueError, match="TRITON_MOE"):
-        moe.triton_enabled(x, x, x, "silu")
+    with pytest.raises(ValueError, match="moe mode"):
+        moe.triton_enabled("sometimes", x, x, x, "silu")
 
 
 # --------------------------------------------------------------------------------------

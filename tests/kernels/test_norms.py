@@ -269,48 +269,51 @@ def test_in_place_residual_is_race_free():
 
 
 @interpreted
-def test_triton_enabled_dispatch(monkeypatch):
+def test_triton_enabled_dispatch():
     x = torch.randn(3, 8)
-    assert not norms.triton_enabled(x)  # "cuda" by default: CPU tensors take the twin
-    monkeypatch.setattr(norms, "TRITON_NORMS", "always")
-    assert norms.triton_enabled(x, x.to(torch.bfloat16), x.half())
-    assert not norms.triton_enabled(x.double())
-    assert not norms.triton_enabled(x.t())  # rows not contiguous
-    assert not norms.triton_enabled(torch.randn(2, norms.MAX_ROW + 1))
+    assert not norms.triton_enabled("auto", x)  # the default: CPU tensors take the twin
+    assert norms.triton_enabled("triton", x, x.to(torch.bfloat16), x.half())
+    assert not norms.triton_enabled("triton", x.double())
+    assert not norms.triton_enabled("triton", x.t())  # rows not contiguous
+    assert not norms.triton_enabled("triton", torch.randn(2, norms.MAX_ROW + 1))
     p = torch.nn.Parameter(torch.randn(8))
-    assert not norms.triton_enabled(x, p)  # the kernels have no backward
+    assert not norms.triton_enabled("triton", x, p)  # the kernels have no backward
     with torch.no_grad():
-        assert norms.triton_enabled(x, p)
-    monkeypatch.setattr(norms, "TRITON_NORMS", "never")
-    assert not norms.triton_enabled(x)
-    monkeypatch.setattr(norms, "TRITON_NORMS", "sometimes")
-    with pytest.raises(ValueError, match="TRITON_NORMS"):
-        norms.triton_enabled(x)
+        assert norms.triton_enabled("triton", x, p)
+    assert not norms.triton_enabled("reference", x)
+    with pytest.raises(ValueError, match="norms mode"):
+        norms.triton_enabled("sometimes", x)
 
 
 @interpreted
 @pytest.mark.parametrize("weight_in_fp32", [False, True])
-def test_modules_take_the_kernels_when_enabled(monkeypatch, weight_in_fp32):
+def test_modules_take_the_kernels_when_enabled(weight_in_fp32):
     g = torch.Generator().manual_seed(_seed())
     norm = RMSNorm(64, EPS, weight_in_fp32).to(torch.bfloat16).requires_grad_(False)
     gated = GatedRMSNorm(64, 4, EPS).to(torch.bfloat16).requires_grad_(False)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(64, generator=g))
         gated.weight.copy_(torch.randn(64, generator=g))
+    # The same weights with the kernels asked for.
+    fused_norm = RMSNorm(64, EPS, weight_in_fp32, "triton").to(torch.bfloat16)
+    fused_gated = GatedRMSNorm(64, 4, EPS, "triton").to(torch.bfloat16)
+    fused_norm.load_state_dict(norm.state_dict())
+    fused_gated.load_state_dict(gated.state_dict())
+    fused_norm.requires_grad_(False)
+    fused_gated.requires_grad_(False)
     r = _randn(g, 4, 64, dtype=torch.bfloat16)
     x = _randn(g, 4, 64, dtype=torch.bfloat16)
     y = _randn(g, 4, 64)
     z = _randn(g, 4, 64, dtype=torch.bfloat16)
 
-    def run():
+    def run(norm, gated):
         with racecheck.record_launches(record=False) as rec:
             out = (norm(x), norm.add_norm(r, x, 0.25), gated(y, z), gated(y, z, torch.bfloat16))
         return out, rec.launches
 
-    torch_out, launches = run()
+    torch_out, launches = run(norm, gated)
     assert launches == 0
-    monkeypatch.setattr(norms, "TRITON_NORMS", "always")
-    fused_out, launches = run()
+    fused_out, launches = run(fused_norm, fused_gated)
     assert launches == 4
     plain, (h, hn), gy, gy16 = fused_out
     t_plain, (t_h, t_hn), t_gy, t_gy16 = torch_out
@@ -365,7 +368,7 @@ def _add_first(backbone, names, input_ids, batch, caches):
     for layer in backbone.layers:
         x = getattr(layer, names.input_norm)(h)
         if layer.kind == MAMBA:
-            x = getattr(layer, names.mamba)(x, batch, caches.conv[layer.index], caches.ssm[layer.index])
+            x = getattr(layer, names.mamba)(x, batch, caches.states[layer.index])
         elif layer.kind == ATTENTION:
             x = getattr(layer, names.attention)(x, batch, caches.kv[layer.index])
         else:
@@ -402,18 +405,19 @@ def test_pending_residual_order_is_bit_identical_on_cpu(request, monkeypatch, ar
     [("tiny_granite", torch.float32), ("tiny_nemotron", torch.float32),
      ("tiny_bamba", torch.float32), ("tiny_nemotron", torch.bfloat16)],
 )
-def test_fused_path_through_whole_model_matches_torch_path(request, monkeypatch, arch, dtype):
+def test_fused_path_through_whole_model_matches_torch_path(request, arch, dtype):
     """Every norm of a prefill and a decode step through the kernels (interpreted)."""
-    from hybridserve.models.loader import load_model
+    from hybridserve.config import KernelPolicy
+    from hybridserve.models.loader import load_model, with_kernel_policy
 
     model = load_model(request.getfixturevalue(arch), dtype=dtype)
     seed = _seed()
     with racecheck.record_launches(record=False) as rec:
         want = _two_steps(model, seed)
     assert rec.launches == 0  # the torch path launches nothing
-    monkeypatch.setattr(norms, "TRITON_NORMS", "always")
+    fused = with_kernel_policy(model, KernelPolicy(norms="triton"))
     with racecheck.record_launches(record=False) as rec:
-        got = _two_steps(model, seed)
+        got = _two_steps(fused, seed)
     assert rec.launches > 0
     for a, b in zip(got, want):
         assert not a.isnan().any()

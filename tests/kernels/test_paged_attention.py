@@ -12,6 +12,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
+from hybridserve.config import KernelPolicy
 from hybridserve.kernels import paged_attention
 from hybridserve.kernels.paged_attention import (
     paged_attention_decode,
@@ -21,6 +22,15 @@ from hybridserve.kernels.paged_attention import (
 from hybridserve.models.batch import ForwardBatch
 from hybridserve.models.layers.attention import paged_attention_reference
 
+
+def _ref_args(batch):
+    """The per-row twin's step arguments from a batch."""
+    return batch.query_start, batch.context_lens, batch.block_tables, batch.positions
+
+
+def _tile_args(batch):
+    """The prefill kernel's step arguments from a batch."""
+    return batch.query_start, batch.num_computed, batch.block_tables, batch.positions
 
 def _seed() -> int:
     return int(torch.randint(0, 2**31 - 1, ()))
@@ -65,7 +75,7 @@ def _step(g, rows, q, heads, num_kv, dim, block_size, dtype, max_ctx=40, extra_w
 def test_batched_matches_per_row_reference(rows, q, heads, num_kv, dtype):
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     queries, k_cache, v_cache, batch = _step(g, rows, q, heads, num_kv, 8, 4, dtype)
-    want = paged_attention_reference(queries, k_cache, v_cache, batch, 0.3)
+    want = paged_attention_reference(queries, k_cache, v_cache, *_ref_args(batch), 0.3)
     got = paged_attention_decode_reference(
         queries, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.positions, 0.3
     )
@@ -108,7 +118,7 @@ def test_triton_matches_twin_and_per_row_reference_race_free(
         g, rows, q, heads, num_kv, dim, block_size, torch.float32, max_ctx=45, extra_width=2
     )
     scale = dim**-0.5
-    want = paged_attention_reference(queries, k_cache, v_cache, batch, scale)
+    want = paged_attention_reference(queries, k_cache, v_cache, *_ref_args(batch), scale)
     twin = paged_attention_decode_reference(
         queries, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.positions, scale
     )
@@ -128,7 +138,7 @@ def test_triton_bf16_cache_against_float64_reference():
     g = torch.Generator().manual_seed(_seed())
     queries, k_cache, v_cache, batch = _step(g, 4, 2, 8, 2, 32, 4, torch.bfloat16)
     want = paged_attention_reference(
-        queries.double(), k_cache.double(), v_cache.double(), batch, 0.2
+        queries.double(), k_cache.double(), v_cache.double(), *_ref_args(batch), 0.2
     )
     got = _triton(queries, k_cache, v_cache, batch, 0.2, block_n=16)
     assert got.dtype == torch.bfloat16
@@ -156,7 +166,7 @@ def test_triton_reads_strided_positions_and_tables(q):
     got = paged_attention_decode_triton(
         queries, k_cache, v_cache, tables, positions, 0.3, block_n=16, out=out
     )
-    want = paged_attention_reference(queries, k_cache, v_cache, batch, 0.3)
+    want = paged_attention_reference(queries, k_cache, v_cache, *_ref_args(batch), 0.3)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -173,8 +183,8 @@ def test_decode_graph_step_with_triton_attention_matches_eager(tiny_nemotron, mo
     calls = count_calls(paged_attention, "paged_attention_decode_triton")
     results = {}
     for name, graphs, on in (("graph_triton", True, True), ("eager_twin", False, False)):
-        monkeypatch.setattr(paged_attention, "triton_enabled", lambda device, on=on: on)
-        llm = LLM(tiny_nemotron)
+        policy = KernelPolicy(decode_attention="triton" if on else "reference")
+        llm = LLM(tiny_nemotron, kernel_policy=policy)
         if graphs:
             eng = llm.engine
             llm.engine = EngineCore(llm.config, llm.model, llm.tokenizer, eng.vocab_size,
@@ -226,7 +236,7 @@ def test_triton_padding_rows_on_a_scratch_block():
         padded_q, k_cache, v_cache, tables, positions, 0.3, block_n=16, out=out
     )
     assert not got.isnan().any()
-    want = paged_attention_reference(queries, k_cache, v_cache, batch, 0.3)
+    want = paged_attention_reference(queries, k_cache, v_cache, *_ref_args(batch), 0.3)
     torch.testing.assert_close(got[: rows * q], want, rtol=1e-5, atol=1e-5)
     twin = paged_attention_decode_reference(
         padded_q, k_cache, v_cache, tables, [*batch.context_lens, *[q] * pad], positions, 0.3
@@ -244,7 +254,7 @@ def test_attention_layer_triton_path_matches_twin_path(tmp_path, monkeypatch, q,
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
     from paged_driver import PagedDriver
 
-    from hybridserve.models.loader import load_model
+    from hybridserve.models.loader import load_model, with_kernel_policy
     from hybridserve.testing.tiny_models import make_tiny_checkpoint
 
     path = make_tiny_checkpoint("nemotron_h", tmp_path / "m", seed=_seed() % 1000, layers="M*-*")
@@ -255,8 +265,8 @@ def test_attention_layer_triton_path_matches_twin_path(tmp_path, monkeypatch, q,
     calls = count_calls(paged_attention, "paged_attention_decode_triton")
     results = []
     for on in (True, False):
-        monkeypatch.setattr(paged_attention, "triton_enabled", lambda device, on=on: on)
-        d = PagedDriver(model)
+        policy = KernelPolicy(decode_attention="triton" if on else "reference")
+        d = PagedDriver(with_kernel_policy(model, policy))
         d.step([(i, p) for i, p in prompts.items()])
         logits, _ = d.step([(i, t) for i, t in nxt.items()], {0: [0]} if q > 1 else None)
         results.append(logits)

@@ -15,6 +15,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
+from hybridserve.config import KernelPolicy
 from hybridserve.kernels import paged_attention_prefill
 from hybridserve.kernels.paged_attention_prefill import (
     paged_attention_prefill_triton,
@@ -30,6 +31,16 @@ if INTERPRETED:
 
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1")
 
+
+
+def _ref_args(batch):
+    """The per-row twin's step arguments from a batch."""
+    return batch.query_start, batch.context_lens, batch.block_tables, batch.positions
+
+
+def _tile_args(batch):
+    """The prefill kernel's step arguments from a batch."""
+    return batch.query_start, batch.num_computed, batch.block_tables, batch.positions
 
 def _seed() -> int:
     return int(torch.randint(0, 2**31 - 1, ()))
@@ -106,7 +117,7 @@ def _step(g, specs, heads, num_kv, dim, block_size, dtype, extra_width=3):
 def _kernel(queries, k_cache, v_cache, batch, scale, **kw):
     """The kernel into a NaN-poisoned output: every query line must be written."""
     out = torch.full_like(queries, float("nan"))
-    got = paged_attention_prefill_triton(queries, k_cache, v_cache, batch, scale, out=out, **kw)
+    got = paged_attention_prefill_triton(queries, k_cache, v_cache, *_tile_args(batch), scale, out=out, **kw)
     assert got is out
     assert not got.isnan().any()
     return got
@@ -114,7 +125,7 @@ def _kernel(queries, k_cache, v_cache, batch, scale, **kw):
 
 def _float64_twin(queries, k_cache, v_cache, batch, scale):
     return paged_attention_reference(
-        queries.double(), k_cache.double(), v_cache.double(), batch, scale
+        queries.double(), k_cache.double(), v_cache.double(), *_ref_args(batch), scale
     )
 
 
@@ -171,7 +182,7 @@ def test_kernel_matches_twin_race_free(heads, num_kv, dim, block_size, block_m, 
     )
     scale = dim**-0.5
     want64 = _float64_twin(queries, k_cache, v_cache, batch, scale)
-    twin = paged_attention_reference(queries, k_cache, v_cache, batch, scale)
+    twin = paged_attention_reference(queries, k_cache, v_cache, *_ref_args(batch), scale)
     k_before, v_before = k_cache.clone(), v_cache.clone()
     with racecheck.record_launches() as rec:
         got = _kernel(queries, k_cache, v_cache, batch, scale, block_m=block_m, block_n=block_n)
@@ -241,7 +252,7 @@ def test_tile_never_reads_keys_past_its_last_position():
         v_cache.view(-1, 2, 16)[slot] = float("nan")
     out = torch.full_like(queries, float("nan"))
     again = paged_attention_prefill_triton(
-        queries, k_cache, v_cache, batch, 0.3, block_m=16, block_n=16, out=out
+        queries, k_cache, v_cache, *_tile_args(batch), 0.3, block_m=16, block_n=16, out=out
     )
     assert torch.equal(again[s : s + per_tile], first[s : s + per_tile])
     assert again[s + per_tile : s + q].isnan().any()  # later tiles do see those keys
@@ -257,22 +268,22 @@ def test_default_tiles_and_step_without_tokens():
     want = _float64_twin(queries, k_cache, v_cache, batch, 0.25)
     torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=2e-5)
     empty_q, k_cache, v_cache, empty = _step(g, [(5, 0), (9, 0)], 6, 3, 8, 8, torch.float32)
-    assert paged_attention_prefill_triton(empty_q, k_cache, v_cache, empty, 0.25).shape == (0, 6, 8)
+    assert paged_attention_prefill_triton(empty_q, k_cache, v_cache, *_tile_args(empty), 0.25).shape == (0, 6, 8)
 
 
 def test_launcher_refuses_bad_arguments():
     g = torch.Generator().manual_seed(_seed())
     queries, k_cache, v_cache, batch = _step(g, [(3, 4)], 4, 2, 8, 4, torch.float32)
     with pytest.raises(ValueError, match="16-bit cache"):
-        paged_attention_prefill_triton(queries, k_cache, v_cache, batch, 0.3, pv_precision="half")
+        paged_attention_prefill_triton(queries, k_cache, v_cache, *_tile_args(batch), 0.3, pv_precision="half")
     with pytest.raises(ValueError, match="pv_precision"):
-        paged_attention_prefill_triton(queries, k_cache, v_cache, batch, 0.3, pv_precision="x")
+        paged_attention_prefill_triton(queries, k_cache, v_cache, *_tile_args(batch), 0.3, pv_precision="x")
     with pytest.raises(ValueError, match="block_m"):
-        paged_attention_prefill_triton(queries, k_cache, v_cache, batch, 0.3, block_m=24)
+        paged_attention_prefill_triton(queries, k_cache, v_cache, *_tile_args(batch), 0.3, block_m=24)
     with pytest.raises(ValueError, match="block_n"):
-        paged_attention_prefill_triton(queries, k_cache, v_cache, batch, 0.3, block_n=8)
+        paged_attention_prefill_triton(queries, k_cache, v_cache, *_tile_args(batch), 0.3, block_n=8)
     with pytest.raises(ValueError, match="tokens"):
-        paged_attention_prefill_triton(queries[:3], k_cache, v_cache, batch, 0.3)
+        paged_attention_prefill_triton(queries[:3], k_cache, v_cache, *_tile_args(batch), 0.3)
 
 
 # --------------------------------------------------------------------------------------
@@ -291,7 +302,11 @@ def test_attention_layer_kernel_matches_per_row_path(monkeypatch, count_calls):
     torch.manual_seed(_seed())
     params = AttentionParams(num_heads=4, num_kv_heads=2, head_dim=16, bias=True, scale=0.3,
                              rope_theta=10000.0, partial_rotary_factor=0.5)
-    layer = Attention(32, params).eval()
+    layers = {
+        on: Attention(32, params, KernelPolicy(prefill_attention="triton" if on else "reference"))
+        for on in (True, False)
+    }
+    layers[False].load_state_dict(layers[True].state_dict())
     specs = [(0, 13), (9, 1), (5, 0), (30, 7), (17, 2)]
     _, k_cache, v_cache, batch = _step(g, specs, 4, 2, 16, 4, torch.float32)
     # The step's own slots start poisoned: the layer writes them before attending.
@@ -301,10 +316,9 @@ def test_attention_layer_kernel_matches_per_row_path(monkeypatch, count_calls):
     calls = count_calls(paged_attention_prefill, "paged_attention_prefill_triton")
     results = []
     for on in (True, False):
-        monkeypatch.setattr(paged_attention_prefill, "triton_enabled", lambda device, on=on: on)
         caches = (k_cache.clone(), v_cache.clone())
         with torch.no_grad():
-            results.append((layer(h, batch, caches), caches))
+            results.append((layers[on].eval()(h, batch, caches), caches))
     assert len(calls) == 1
     (got, (k_got, v_got)), (want, (k_want, v_want)) = results
     assert not got.isnan().any()
@@ -323,7 +337,7 @@ def test_model_prefill_and_mixed_steps_with_kernel_match_per_row_path(tmp_path, 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
     from paged_driver import PagedDriver
 
-    from hybridserve.models.loader import load_model
+    from hybridserve.models.loader import load_model, with_kernel_policy
     from hybridserve.testing.tiny_models import make_tiny_checkpoint
 
     path = make_tiny_checkpoint("nemotron_h", tmp_path / "m", seed=_seed() % 1000, layers="M*-*")
@@ -335,8 +349,8 @@ def test_model_prefill_and_mixed_steps_with_kernel_match_per_row_path(tmp_path, 
     calls = count_calls(paged_attention_prefill, "paged_attention_prefill_triton")
     results = []
     for on in (True, False):
-        monkeypatch.setattr(paged_attention_prefill, "triton_enabled", lambda device, on=on: on)
-        d = PagedDriver(model)
+        policy = KernelPolicy(prefill_attention="triton" if on else "reference")
+        d = PagedDriver(with_kernel_policy(model, policy))
         a, _ = d.step(first)
         b, _ = d.step(second)
         results.append(torch.cat([a, b]))
@@ -393,7 +407,7 @@ def test_gpu_matches_twin_and_times_against_sdpa(record_property):
     queries, k_cache, v_cache = queries.to(dev), k_cache.to(dev), v_cache.to(dev)
     scale = dim**-0.5
     want = _float64_twin(queries, k_cache, v_cache, batch, scale)
-    twin = paged_attention_reference(queries, k_cache, v_cache, batch, scale)
+    twin = paged_attention_reference(queries, k_cache, v_cache, *_ref_args(batch), scale)
     floor = _rel(twin, want)  # the bf16 rounding of the output
     for pv in ("half", "tf32", "ieee"):
         got = _kernel(queries, k_cache, v_cache, batch, scale, pv_precision=pv)
@@ -428,12 +442,12 @@ def test_gpu_matches_twin_and_times_against_sdpa(record_property):
     timings = {"sdpa_flash": triton.testing.do_bench(sdpa)}
     for pv in ("half", "tf32"):
         got = paged_attention_prefill_triton(
-            queries, k_cache, v_cache, batch, scale, pv_precision=pv, out=out
+            queries, k_cache, v_cache, *_tile_args(batch), scale, pv_precision=pv, out=out
         )
         assert _rel(got, ref) < 1e-2
         timings[f"triton_{pv}"] = triton.testing.do_bench(
             lambda pv=pv: paged_attention_prefill_triton(
-                queries, k_cache, v_cache, batch, scale, pv_precision=pv, out=out
+                queries, k_cache, v_cache, *_tile_args(batch), scale, pv_precision=pv, out=out
             )
         )
     flops = 4 * rows * heads * dim * n * (n + 1) / 2  # causal QK^T and PV

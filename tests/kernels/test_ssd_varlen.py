@@ -17,6 +17,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
+from hybridserve.config import KernelPolicy
 from hybridserve.kernels import ssd_varlen
 from hybridserve.kernels.ssd import discretize_dt, ssd_chunked_reference
 from hybridserve.kernels.ssd_varlen import (
@@ -25,6 +26,7 @@ from hybridserve.kernels.ssd_varlen import (
     ssd_prefill,
     ssd_scan_varlen_reference,
 )
+from hybridserve.models.step_plan import StepKind, packed_scan, plan_states
 
 INTERPRETED = os.environ["TRITON_INTERPRET"] == "1"
 
@@ -262,6 +264,14 @@ def test_discretize_dt_varlen_skips_the_clamp_per_token():
 # --------------------------------------------------------------------------------------
 
 
+def _with(model, **policy):
+    """``model``'s weights under a policy with ``policy``'s fields (short rows off, so
+    the packed and per-row paths are what is compared)."""
+    from hybridserve.models.loader import with_kernel_policy
+
+    return with_kernel_policy(model, KernelPolicy(**{"short_rows": "off", **policy}))
+
+
 def _model(tmp_path, clamp_everywhere):
     import dataclasses
 
@@ -295,9 +305,7 @@ def _run_steps(model, steps):
 
 
 @pytest.mark.parametrize("clamp_everywhere", [False, True])
-def test_mixer_packed_path_matches_per_row_path(tmp_path, monkeypatch, clamp_everywhere,
-                                                mixer_paths):
-    from hybridserve.models.layers import mamba2
+def test_mixer_packed_path_matches_per_row_path(tmp_path, clamp_everywhere, mixer_paths):
 
     torch.set_num_threads(1)
     model = _model(tmp_path, clamp_everywhere)
@@ -325,9 +333,8 @@ def test_mixer_packed_path_matches_per_row_path(tmp_path, monkeypatch, clamp_eve
     ]
     results, paths = {}, {}
     for mode in ("reference", "off"):
-        monkeypatch.setattr(mamba2, "PACKED_PREFILL", mode)
         mixer_paths.clear()
-        results[mode] = _run_steps(model, steps)
+        results[mode] = _run_steps(_with(model, packed_prefill=mode), steps)
         paths[mode] = dict(mixer_paths)
     # No step is a uniform decode step: one side is all packed, the other all per row.
     layers = len(model.cache_spec.mamba_layers)
@@ -353,19 +360,17 @@ def test_mixer_packed_path_matches_per_row_path(tmp_path, monkeypatch, clamp_eve
                 )
 
 
-def test_mixer_takes_the_packed_path_when_selected(tmp_path, monkeypatch, count_calls):
+def test_mixer_takes_the_packed_path_when_selected(tmp_path, count_calls):
     """The switch routes prefill and mixed steps through ssd_prefill; uniform decode steps
     keep the decode fast path; "off" and (on the CPU) "auto" take the per-row path."""
     from paged_driver import PagedDriver
 
-    from hybridserve.models.layers import mamba2
 
     torch.set_num_threads(1)
     model = _model(tmp_path, False)
     layers = len(model.cache_spec.mamba_layers)
     calls = count_calls(ssd_varlen, "ssd_prefill")
-    monkeypatch.setattr(mamba2, "PACKED_PREFILL", "reference")
-    d = PagedDriver(model)
+    d = PagedDriver(_with(model, packed_prefill="reference"))
     d.step([(0, [5, 6, 7]), (1, [8])])
     assert len(calls) == layers
     d.step([(0, [9]), (1, [10])])  # uniform decode
@@ -373,10 +378,10 @@ def test_mixer_takes_the_packed_path_when_selected(tmp_path, monkeypatch, count_
     d.step([(0, [11, 12]), (1, [13])])  # mixed
     assert len(calls) == 2 * layers
     for mode in ("off", "auto"):
-        monkeypatch.setattr(mamba2, "PACKED_PREFILL", mode)
+        d.model = _with(model, packed_prefill=mode)
         d.step([(0, [14, 15]), (1, [16])])
         assert len(calls) == 2 * layers
-    assert mamba2.packed_prefill_scan(torch.device("cpu"), torch.float32) is None
+    assert packed_scan(KernelPolicy(), torch.device("cpu"), torch.float32) is None
 
 
 # --------------------------------------------------------------------------------------
@@ -518,7 +523,9 @@ def test_prefill_plan_lays_out_window_pages_and_refuses_steps_that_break_the_pag
     cpu = torch.device("cpu")
     good = _hand_built_batch([3, 0, 2], [0, 4, 5], [-1, 1, 2],
                              [(0, 0, 7), (0, 2, 8), (2, 1, 9)], 4, cpu)
-    plan = ssd_varlen.prefill_plan(good, cpu)
+    policy = KernelPolicy(short_rows="off", packed_prefill="reference")
+    plan = plan_states(good, policy, cpu, torch.float64)
+    assert plan.kind is StepKind.PACKED
     assert plan.token_out_pages.tolist() == [7, -1, 8, -1, 9]
     assert plan.out_pages.tolist() == [7, 8, 9]
     # Row 0 writes the page row 1 reads; then one page written twice (which validate()
@@ -526,18 +533,17 @@ def test_prefill_plan_lays_out_window_pages_and_refuses_steps_that_break_the_pag
     reads = _hand_built_batch([3, 2], [0, 5], [-1, 2], [(0, 2, 2), (1, 1, 9)], 4, cpu)
     twice = _hand_built_batch([3, 2], [0, 5], [-1, 2], [(0, 2, 8), (1, 1, 9)], 4, cpu)
     twice.state_out_page = [9, 9]
-    assert ssd_varlen.prefill_plan(reads, cpu) is None
-    assert ssd_varlen.prefill_plan(twice, cpu) is None
+    assert plan_states(reads, policy, cpu, torch.float64).kind is StepKind.ROWS
+    assert plan_states(twice, policy, cpu, torch.float64).kind is StepKind.ROWS
 
 
-def _packed_vs_per_row(tmp_path, monkeypatch, mixer_paths, packed_mode, device, dtype):
+def _packed_vs_per_row(tmp_path, mixer_paths, packed_mode, device, dtype):
     """One hand-built mixed step (a long prefill with grid points, one-token and
     multi-token continuations, an empty row, a fresh short prefill) through the packed
     path and the per-row path, on random caches. Returns both results and the batch.
 
     Every row is short (at most 512 tokens), so the short-row path, which would take
     such a step on the GPU, is switched off; each side asserts the path it took."""
-    from hybridserve.models.layers import mamba2
     from hybridserve.models.loader import load_model
     from hybridserve.testing.tiny_models import make_tiny_checkpoint
 
@@ -560,10 +566,9 @@ def _packed_vs_per_row(tmp_path, monkeypatch, mixer_paths, packed_mode, device, 
         k.copy_(torch.randn(k.shape, generator=g))
         v.copy_(torch.randn(v.shape, generator=g))
     results = {}
-    monkeypatch.setattr(mamba2, "SHORT_ROWS", "off")
     layers = len(spec.mamba_layers)
     for mode in (packed_mode, "off"):
-        monkeypatch.setattr(mamba2, "PACKED_PREFILL", mode)
+        planned = _with(model, packed_prefill=mode)
         mixer_paths.clear()
         caches = spec.allocate(64, 16, 16, dtype, ssm_dtype, device)
         for src, dst in ((start.conv, caches.conv), (start.ssm, caches.ssm)):
@@ -573,7 +578,7 @@ def _packed_vs_per_row(tmp_path, monkeypatch, mixer_paths, packed_mode, device, 
             caches.kv[layer][0].copy_(k)
             caches.kv[layer][1].copy_(v)
         with torch.no_grad():
-            hidden = model(ids, batch, caches)
+            hidden = planned(ids, batch, caches)
         # Four non-empty rows per layer on the per-row path; one packed call otherwise.
         want = {"packed": layers} if mode != "off" else {"per_row": 4 * layers}
         assert dict(mixer_paths) == want, (mode, dict(mixer_paths))
@@ -581,10 +586,10 @@ def _packed_vs_per_row(tmp_path, monkeypatch, mixer_paths, packed_mode, device, 
     return results[packed_mode], results["off"], start, batch, spec
 
 
-def test_mixer_hand_built_step_with_an_empty_row(tmp_path, monkeypatch, mixer_paths):
+def test_mixer_hand_built_step_with_an_empty_row(tmp_path, mixer_paths):
     torch.set_num_threads(1)
     (ph, pc), (rh, rc), start, batch, spec = _packed_vs_per_row(
-        tmp_path, monkeypatch, mixer_paths, "reference", "cpu", torch.float64
+        tmp_path, mixer_paths, "reference", "cpu", torch.float64
     )
     torch.testing.assert_close(ph, rh, rtol=1e-10, atol=1e-10)
     written = batch.state_out_page
@@ -602,7 +607,7 @@ def test_gpu_mixer_packed_path_matches_per_row_path(tmp_path, monkeypatch, dtype
                                                     record_property, mixer_paths):
     _need_fla()
     (ph, pc), (rh, rc), start, batch, spec = _packed_vs_per_row(
-        tmp_path, monkeypatch, mixer_paths, "auto", "cuda", dtype
+        tmp_path, mixer_paths, "auto", "cuda", dtype
     )
     rel = _rel(ph, rh)
     record_property("mixer_packed_rel_err_hidden", rel)

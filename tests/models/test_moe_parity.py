@@ -20,8 +20,9 @@ import torch
 from paged_driver import PagedDriver
 from safetensors.torch import load_file, save_file
 
-from hybridserve.kernels import moe as moe_kernels
+from hybridserve.config import KernelPolicy
 from hybridserve.models import CheckpointError, load_model
+from hybridserve.models.loader import with_kernel_policy
 from hybridserve.testing.tiny_models import make_tiny_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -123,8 +124,9 @@ def test_grouped_kernels_through_the_whole_model(pair, monkeypatch):
     ours, _ = pair
     prompts = _prompts(int(torch.randint(0, 2**31 - 1, ())), (3, 11))
     loop, _ = PagedDriver(ours).step(list(enumerate(prompts)))
-    monkeypatch.setattr(moe_kernels, "TRITON_MOE", "always")
-    grouped, _ = PagedDriver(ours).step(list(enumerate(prompts)))
+    grouped, _ = PagedDriver(
+        with_kernel_policy(ours, KernelPolicy(moe="triton"))
+    ).step(list(enumerate(prompts)))
     assert _rel_err(grouped, loop) < 1e-5
 
 

@@ -159,7 +159,7 @@ class _Row:
         outs = outs if outs is not None else [100 + page * 16 + t for t in range(q)]
         return ScheduledRow(
             request=req, num_computed=n, num_tokens=q, num_drafts=q - 1, samples=samples,
-            state_in_page=page, is_verify=True,
+            state_in_page=page, is_decode=True,
             state_outputs={n + 1 + t: p for t, p in enumerate(outs)},
         )
 
@@ -175,19 +175,19 @@ def test_plan_buckets_and_fallbacks(tiny_nemotron):
     graphs = _graphs(tiny_nemotron)
     assert graphs.buckets == (1, 2, 4, 8)
     rows = [_Row.make(page=p) for p in range(3)]
-    assert graphs.plan(SchedulerOutput(rows, [])) == StepShape(3, 4, 1, 2)
+    assert graphs.shape_of(SchedulerOutput(rows, [])) == StepShape(3, 4, 1, 2)
     verify = [_Row.make(q=3, page=p) for p in range(2)]
-    assert graphs.plan(SchedulerOutput(verify, [])) == StepShape(2, 2, 3, 2)
-    assert graphs.plan(SchedulerOutput([_Row.make(n=40, blocks=(1, 2, 3))], [])).width == 4
+    assert graphs.shape_of(SchedulerOutput(verify, [])) == StepShape(2, 2, 3, 2)
+    assert graphs.shape_of(SchedulerOutput([_Row.make(n=40, blocks=(1, 2, 3))], [])).width == 4
 
     def falls_back(rows):
-        return graphs.plan(SchedulerOutput(rows, [])) is None
+        return graphs.shape_of(SchedulerOutput(rows, [])) is None
 
     assert falls_back([])
     assert falls_back([_Row.make(page=p) for p in range(9)])  # more rows than any bucket
     # Rows with different draft counts run as one step of the longest row's count.
     mixed = [_Row.make(), _Row.make(q=3, page=4, outs=[20, 21, 22])]
-    assert graphs.plan(SchedulerOutput(mixed, [])) == StepShape(2, 2, 3, 2)
+    assert graphs.shape_of(SchedulerOutput(mixed, [])) == StepShape(2, 2, 3, 2)
     odd = _Row.make(q=3, page=4, outs=[20, 21, 22])
     odd.num_drafts = 1  # a row's token count must be its drafts plus one
     assert falls_back([_Row.make(), odd])
@@ -195,7 +195,7 @@ def test_plan_buckets_and_fallbacks(tiny_nemotron):
     assert falls_back([_Row.make(samples=False)])
     assert falls_back([_Row.make(page=-1)])  # no stored state
     # Sampled rows draw inside the graph; the draw's needs are part of the key.
-    sampled = graphs.plan(SchedulerOutput(
+    sampled = graphs.shape_of(SchedulerOutput(
         [_Row.make(params=SamplingParams(temperature=0.8, top_k=5, seed=1)),
          _Row.make(page=4, params=SamplingParams(temperature=0.5, top_p=0.9))], []))
     assert sampled.sampling == Sampling(any_sampled=True, top_k=8, any_top_p=True)
@@ -217,14 +217,14 @@ def test_a_failed_sampled_capture_keeps_greedy_graphs(tiny_nemotron):
     st = _Static(1, graphs.max_batch, graphs.max_blocks, 30, 40, 16, torch.device("cpu"))
     sampled = SchedulerOutput([_Row.make(params=SamplingParams(temperature=0.8, seed=1))], [])
     greedy = SchedulerOutput([_Row.make()], [])
-    assert graphs._capture(st, graphs.plan(sampled)) is None
+    assert graphs._capture(st, graphs.shape_of(sampled)) is None
     assert graphs.capture_errors and not graphs.sampled_enabled and graphs.enabled
-    assert graphs.plan(sampled) is None  # sampled steps now run eagerly
-    shape = graphs.plan(greedy)
+    assert graphs.shape_of(sampled) is None  # sampled steps now run eagerly
+    shape = graphs.shape_of(greedy)
     assert shape is not None
     # A failed greedy capture turns every graph off.
     assert graphs._capture(st, shape) is None
-    assert not graphs.enabled and graphs.plan(greedy) is None
+    assert not graphs.enabled and graphs.shape_of(greedy) is None
 
 
 def test_fill_writes_rows_then_padding(tiny_nemotron):
@@ -232,7 +232,7 @@ def test_fill_writes_rows_then_padding(tiny_nemotron):
     rows = [_Row.make(n=17, q=2, page=3, outs=[8, 9], blocks=(5, 6, 7), drafts=[77]),
             _Row.make(n=4, q=2, page=4, outs=[10, 11], blocks=(2,), drafts=[78])]
     sched = SchedulerOutput(rows, [])
-    shape = graphs.plan(sched)
+    shape = graphs.shape_of(sched)
     assert shape == StepShape(2, 2, 2, 2)
     # A stale buffer must be overwritten where the step reads it.
     rows3 = [_Row.make(q=2, page=p) for p in range(3)]
@@ -273,7 +273,7 @@ def test_fill_pads_rows_shorter_than_the_step(tiny_nemotron):
     rows = [_Row.make(n=17, q=1, page=3, outs=[8], blocks=(5, 6, 7)),
             _Row.make(n=4, q=3, page=4, outs=[10, 11, 12], blocks=(2,), drafts=[78, 79])]
     sched = SchedulerOutput(rows, [])
-    shape = graphs.plan(sched)
+    shape = graphs.shape_of(sched)
     assert shape == StepShape(2, 2, 3, 2)
     st = _Static(3, graphs.max_batch, graphs.max_blocks, 30, 40, 16, torch.device("cpu"))
     graphs.fill(st, sched, shape)
@@ -312,7 +312,6 @@ def test_static_step_matches_the_eager_step(tiny_granite, q):
     1 to 4 tokens in one step, padded to the longest)."""
     g = torch.Generator().manual_seed(_seed())
     runner = LLM(tiny_granite, max_num_seqs=8).engine.runner
-    runner.on_verify = None  # the runner alone: these rows are not the engine's requests
     caches = runner.caches
     scratch_block, scratch_page = caches.kv[next(iter(caches.kv))][0].shape[0] - 1, 103
     # (tensor, index of its scratch entry)
@@ -341,12 +340,12 @@ def test_static_step_matches_the_eager_step(tiny_granite, q):
 
     start = [t.clone() for t, _ in tensors]
     before = snapshot()
-    want = [r.new_tokens for r in runner.execute(sched)]
+    want = [r.new_tokens for r in runner.execute(sched).rows]
     eager = snapshot()
     for (t, _), s in zip(tensors, start):
         t.copy_(s)
     graphs = runner.enable_decode_graphs(8, scratch_block, scratch_page)
-    got = [r.new_tokens for r in runner.execute(sched)]
+    got = [r.new_tokens for r in runner.execute(sched).rows]
     assert graphs.counters["graph_steps"] == 1
     assert got == want
     for a, b, s in zip(snapshot(), eager, before):

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from hybridserve import LLM, SamplingParams
-from hybridserve.engine import engine_core
-from hybridserve.runner import sampler
+from hybridserve.runner import model_runner, sampler
 from hybridserve.runner.model_runner import ModelRunner
 
 P_MIN = 1e-4  # false-alarm rate of each goodness-of-fit check
@@ -39,7 +38,7 @@ def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 def _sample(logits: torch.Tensor, rows: list[sampler.SampleRow]) -> list[int]:
-    plan = sampler.plan_step(rows, logits.shape[-1])
+    plan = sampler.plan_draw(rows, logits.shape[-1])
     choices, _ = sampler.read_step(sampler.sample_step(logits, plan, plan.packed).tolist(), plan)
     return choices
 
@@ -80,7 +79,7 @@ def test_batched_processing_matches_process_logits():
             logits.append(x)
             want.append(sampler.process_logits(x, params, prompt, output + drafts[:j]))
     logits_t = torch.stack(logits)
-    plan = sampler.plan_step(rows, vocab)
+    plan = sampler.plan_draw(rows, vocab)
     got = sampler.process_step(logits_t, plan, plan.packed)
     want_t = torch.stack(want)
     assert torch.equal(torch.isinf(got), torch.isinf(want_t))
@@ -113,7 +112,7 @@ def test_logprobs_payload_matches_token_logprobs():
              seed=7, prompt=[3, 4], output=[5]),
         _row(SamplingParams(temperature=0.0, logprobs=20), seed=8, drafts=[9]),
     ]
-    plan = sampler.plan_step(rows, vocab)
+    plan = sampler.plan_draw(rows, vocab)
     choices, lps = sampler.read_step(sampler.sample_step(logits, plan, plan.packed).tolist(), plan)
     assert sorted(lps) == [0, 1, 2, 4, 5, 6]
     for pos, k in zip([0, 1, 2, 4, 5, 6], [3, 3, 3, 0, 20, 20]):
@@ -375,7 +374,7 @@ def test_one_read_back_per_step(tiny_granite, monkeypatch):
     # The state postprocess launches inside the step; on the CPU its kernel is the torch
     # twin, host code whose own reads are no device transfers (on CUDA the kernel reads
     # nothing back), so they are not counted.
-    twin = engine_core.state_postprocess_reference
+    twin = model_runner.state_postprocess_reference
 
     def uncounted_twin(*args, **kwargs):
         saved, state["after_logits"] = state["after_logits"], False
@@ -384,7 +383,7 @@ def test_one_read_back_per_step(tiny_granite, monkeypatch):
         finally:
             state["after_logits"] = saved
 
-    monkeypatch.setattr(engine_core, "state_postprocess_reference", uncounted_twin)
+    monkeypatch.setattr(model_runner, "state_postprocess_reference", uncounted_twin)
     llm = LLM(tiny_granite, max_num_seqs=8,
               speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     prompts = [p * 3 for p in _prompts(23, 6)]

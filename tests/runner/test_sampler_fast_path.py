@@ -58,8 +58,7 @@ def test_engine_outputs_equal_with_and_without_fast_paths(tiny_granite, monkeypa
     # Repetitive prompts so n-gram drafts get accepted (verify rows of several tokens).
     prompts = [(torch.randint(3, 256, (6,), generator=g).tolist() * 3)[: 10 + i] for i in range(5)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    from hybridserve.kernels import mamba_decode, paged_attention
-    from hybridserve.models.layers import attention
+    from hybridserve.kernels import paged_attention
 
     argmax = count_calls(sampler, "argmax_ids")
     sampled = count_calls(sampler, "sample_step")
@@ -71,11 +70,14 @@ def test_engine_outputs_equal_with_and_without_fast_paths(tiny_granite, monkeypa
     fast_paths = (len(argmax), len(sampled), len(uniform_attention), mixer_paths["decode"])
     assert fast_paths[0] > 0 and fast_paths[1] == 0 and fast_paths[2] > 0 and fast_paths[3] > 0
 
-    monkeypatch.setattr(mamba_decode, "decode_plan", lambda batch, device: None)
-    monkeypatch.setattr(attention, "_uniform_rows", lambda batch: False)
+    from hybridserve.config import KernelPolicy
+
+    # No batched decode ops (attention and Mamba take their general paths) and no greedy
+    # argmax read-back.
     monkeypatch.setattr(sampler, "samples_by_argmax", lambda params: False)
-    slow = [o.outputs[0].token_ids for o in
-            LLM(tiny_granite, speculative_config=spec).generate(prompts, params, use_tqdm=False)]
+    slow_llm = LLM(tiny_granite, speculative_config=spec,
+                   kernel_policy=KernelPolicy(uniform_decode=False))
+    slow = [o.outputs[0].token_ids for o in slow_llm.generate(prompts, params, use_tqdm=False)]
     # The slow side took none of them: the general sampler, per-row paths.
     assert (len(argmax), len(uniform_attention), mixer_paths["decode"]) == fast_paths[:1] + fast_paths[2:]
     assert len(sampled) > 0

@@ -32,7 +32,7 @@ def _batched(logits, params, prompt=(), output=()):
         sampler.SampleRow(params, 7, len(output), list(prompt), list(output), []),
         sampler.SampleRow(other, 2, 1, [4], [0, 0], []),
     ]
-    plan = sampler.plan_step(rows, x.numel())
+    plan = sampler.plan_draw(rows, x.numel())
     logp = sampler.process_step(torch.stack([x.flip(0), x, x * 0.5]), plan, plan.packed)
     return logp[1].exp()
 

@@ -45,7 +45,7 @@ def _inject(monkeypatch, owner: type, name: str, nth: int) -> list:
 SITES = [
     (EngineCore, "_append_tokens", 3),
     (Scheduler, "commit_prefill_row", 1),
-    (Scheduler, "commit_verify_row", 3),
+    (Scheduler, "commit_decode_row", 3),
 ]
 
 

@@ -156,7 +156,7 @@ def test_vllm_spelled_flags_reach_the_engine(tiny_granite: Path) -> None:
     cfg = llm.config
     assert not cfg.cache.enable_prefix_caching
     assert cfg.scheduler.max_model_len == 256
-    assert cfg.spec.num_speculative_tokens == 2
+    assert cfg.speculative.num_speculative_tokens == 2
     assert "bfloat16" in str(cfg.cache.ssm_state_dtype) and cfg.seed == 3
     assert p.parse_args(["--enable-prefix-caching"]).enable_prefix_caching
     assert not p.parse_args(["--no-prefix-caching"]).enable_prefix_caching

@@ -212,7 +212,7 @@ def test_embedded_model_structured_outputs(device):
 def test_steps_without_constrained_rows_do_no_mask_work(tiny_granite, count_calls):
     from hybridserve.runner import sampler
 
-    plans = count_calls(sampler, "plan_step")
+    plans = count_calls(sampler, "plan_draw")
     masks = count_calls(sampler, "apply_bitmasks")
     llm = LLM(tiny_granite, max_num_seqs=4, max_model_len=512)
     llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)

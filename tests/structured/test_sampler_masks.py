@@ -53,7 +53,7 @@ def test_masks_survive_the_float64_buffer(vocab):
         allowed[0, 31] = True
     row = sampler.SampleRow(SamplingParams(temperature=0.0, structured_outputs=CONSTRAINED), 0, 0, [], [],
                             [1, 2], grammar=FixedMasks(masks, vocab))
-    plan = sampler.plan_step([row], vocab)
+    plan = sampler.plan_draw([row], vocab)
     assert plan.num_masked == 3 and plan.mask_words == bitmask_words(vocab)
     x = torch.zeros(3, vocab)
     got = sampler.apply_bitmasks(x, plan, plan.packed)
@@ -83,11 +83,11 @@ def test_constrained_rows_match_the_masked_reference_and_free_rows_are_untouched
             logits.append(torch.randn(vocab, generator=g) * 3)
             allowed_rows.append(allowed[j] if constrained else None)
     logits = torch.stack(logits)
-    plan = sampler.plan_step(rows, vocab)
+    plan = sampler.plan_draw(rows, vocab)
     got = sampler.process_step(logits, plan, plan.packed)
     free = [sampler.SampleRow(r.params, r.sample_seed, r.first_index, r.prompt_ids, r.output_ids, r.drafts)
             for r in rows]
-    unmasked = sampler.process_step(logits, sampler.plan_step(free, vocab), sampler.plan_step(free, vocab).packed)
+    unmasked = sampler.process_step(logits, sampler.plan_draw(free, vocab), sampler.plan_draw(free, vocab).packed)
     pos = 0
     for r in rows:
         out = list(r.output_ids)
@@ -114,7 +114,7 @@ def test_rows_ask_their_grammar_for_every_position_once():
     masks, _ = _random_masks(np.random.default_rng(1), 4, vocab)
     grammar = FixedMasks(masks, vocab)
     p = SamplingParams(temperature=0.0, structured_outputs=CONSTRAINED)
-    sampler.plan_step([sampler.SampleRow(p, 0, 0, [], [], [3, 4, 5], grammar)], vocab)
+    sampler.plan_draw([sampler.SampleRow(p, 0, 0, [], [], [3, 4, 5], grammar)], vocab)
     assert grammar.calls == [[3, 4, 5]]
 
 
@@ -122,7 +122,7 @@ def test_a_grammar_for_another_vocabulary_is_refused():
     masks, _ = _random_masks(np.random.default_rng(2), 1, 64)
     p = SamplingParams(temperature=0.0, structured_outputs=CONSTRAINED)
     with pytest.raises(ValueError, match="vocabulary"):
-        sampler.plan_step([sampler.SampleRow(p, 0, 0, [], [], [], FixedMasks(masks, 64))], 200)
+        sampler.plan_draw([sampler.SampleRow(p, 0, 0, [], [], [], FixedMasks(masks, 64))], 200)
 
 
 def test_constrained_params_leave_the_greedy_and_graph_paths():
@@ -130,5 +130,5 @@ def test_constrained_params_leave_the_greedy_and_graph_paths():
     assert not sampler.samples_by_argmax(p)
     assert not sampler.graph_samplable(p)
     plain = SamplingParams(temperature=0.0)
-    plan = sampler.plan_step([sampler.SampleRow(plain, 0, 0, [], [], [])], 50)
+    plan = sampler.plan_draw([sampler.SampleRow(plain, 0, 0, [], [], [])], 50)
     assert plan.num_masked == 0 and plan.packed.numel() == len(sampler.PARAM_COLUMNS)

@@ -7,6 +7,10 @@ keys at positions ``0 .. p``. The per-row torch path
 (:func:`hybridserve.kernels.paged_attention_prefill.paged_attention_reference`, processing
 rows one at a time) is the CPU reference and the oracle.
 
+Which path a step takes is decided once, in the step plan: ``batch.uniform_q`` (see
+:mod:`hybridserve.models.step_plan`); which implementation, by the engine's
+:class:`~hybridserve.config.KernelPolicy` (``decode_attention``, ``prefill_attention``).
+
 Prefill and mixed steps (rows of any lengths): on CUDA every row attends in one Triton
 launch that reads keys and values through the block tables
 (:func:`hybridserve.kernels.paged_attention_prefill.paged_attention_prefill_triton`);
@@ -26,30 +30,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridserve.config import KernelPolicy, runs_triton
 from hybridserve.kernels import paged_attention, paged_attention_prefill
-from hybridserve.kernels.mamba_decode import MAX_DECODE_TOKENS
 from hybridserve.kernels.paged_attention_prefill import paged_attention_reference
 from hybridserve.models.batch import ForwardBatch
 from hybridserve.models.config import AttentionParams
 from hybridserve.models.layers.rotary import apply_rope
-
-
-def _uniform_rows(batch: ForwardBatch) -> bool:
-    """Every row runs the same ``1 <= q <= MAX_DECODE_TOKENS`` tokens (a decode/verify step)."""
-    if batch.num_rows == 0:
-        return False
-    q = batch.query_len(0)
-    return 1 <= q <= MAX_DECODE_TOKENS and all(
-        batch.query_len(i) == q for i in range(batch.num_rows)
-    )
+from hybridserve.models.step_plan import uniform_q
 
 
 class Attention(nn.Module):
     """q/k/v/o projections + optional (partial) RoPE + paged causal attention."""
 
-    def __init__(self, hidden_size: int, p: AttentionParams) -> None:
+    def __init__(
+        self, hidden_size: int, p: AttentionParams, policy: KernelPolicy | None = None
+    ) -> None:
         super().__init__()
         self.p = p
+        self.policy = policy or KernelPolicy()
         self.q_proj = nn.Linear(hidden_size, p.num_heads * p.head_dim, bias=p.bias)
         self.k_proj = nn.Linear(hidden_size, p.num_kv_heads * p.head_dim, bias=p.bias)
         self.v_proj = nn.Linear(hidden_size, p.num_kv_heads * p.head_dim, bias=p.bias)
@@ -105,7 +103,9 @@ class Attention(nn.Module):
         slots = batch.slot_mapping.to(device=q.device, dtype=torch.int64)
         k_cache.view(-1, p.num_kv_heads, p.head_dim)[slots] = k.to(k_cache.dtype)
         v_cache.view(-1, p.num_kv_heads, p.head_dim)[slots] = v.to(v_cache.dtype)
-        if _uniform_rows(batch) and paged_attention.triton_enabled(q.device):
+        # The plan's decision; a layer test's unplanned batch is planned here (its rows).
+        uniform = batch.uniform_q if batch.planned else uniform_q(batch.query_start)
+        if uniform and runs_triton(self.policy.decode_attention, q.device):
             # Device-side positions and tables only: nothing here blocks the host, and the
             # launch depends on no host value a CUDA graph would freeze.
             out = paged_attention.paged_attention_decode_triton(
@@ -113,15 +113,19 @@ class Attention(nn.Module):
                 batch.block_tables.to(device=q.device, non_blocking=True),
                 batch.positions.to(device=q.device, non_blocking=True), p.scale,
             )
-        elif _uniform_rows(batch):
+        elif uniform:
             out = paged_attention.paged_attention_decode_reference(
-                q, k_cache, v_cache, batch.block_tables, batch.context_lens,
+                q, k_cache, v_cache, batch.block_tables, (batch.longest_context,),
                 batch.positions, p.scale,
             )
-        elif paged_attention_prefill.triton_enabled(q.device):
+        elif runs_triton(self.policy.prefill_attention, q.device):
             out = paged_attention_prefill.paged_attention_prefill_triton(
-                q, k_cache, v_cache, batch, p.scale
+                q, k_cache, v_cache, batch.query_start, batch.num_computed,
+                batch.block_tables, batch.positions, p.scale,
             )
         else:
-            out = paged_attention_reference(q, k_cache, v_cache, batch, p.scale)
+            out = paged_attention_reference(
+                q, k_cache, v_cache, batch.query_start, batch.context_lens,
+                batch.block_tables, batch.positions, p.scale,
+            )
         return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridserve.config import KernelPolicy
 from hybridserve.models.batch import ForwardBatch
 from hybridserve.models.config import AttentionParams
 from hybridserve.models.layers.attention import Attention
@@ -21,11 +22,14 @@ from hybridserve.models.layers.norm import ZeroCentredRMSNorm
 class GatedAttention(Attention):
     """See the module docstring; names match the checkpoints (``q_norm``, ``k_norm``)."""
 
-    def __init__(self, hidden_size: int, p: AttentionParams, norm_eps: float) -> None:
-        super().__init__(hidden_size, p)
+    def __init__(
+        self, hidden_size: int, p: AttentionParams, norm_eps: float,
+        policy: KernelPolicy | None = None,
+    ) -> None:
+        super().__init__(hidden_size, p, policy)
         self.q_proj = nn.Linear(hidden_size, 2 * p.num_heads * p.head_dim, bias=p.bias)
-        self.q_norm = ZeroCentredRMSNorm(p.head_dim, norm_eps)
-        self.k_norm = ZeroCentredRMSNorm(p.head_dim, norm_eps)
+        self.q_norm = ZeroCentredRMSNorm(p.head_dim, norm_eps, self.policy.norms)
+        self.k_norm = ZeroCentredRMSNorm(p.head_dim, norm_eps, self.policy.norms)
 
     def forward(
         self,

@@ -23,7 +23,7 @@ All initial states are gathered before any page is written, so row order cannot 
 even for a caller that breaks the "never write a page you read" rule.
 
 Decode fast path: when every row of the step runs the same few tokens from a stored state
-(plain decode, uniform verify rows; :func:`~hybridserve.kernels.mamba_decode.decode_plan`),
+(plain decode, uniform verify rows: the step plan's ``DECODE`` kind),
 all rows go through one batched conv update (Mamba2's) and one paged delta-rule update
 (:mod:`hybridserve.kernels.gdn_decode`) that read the rows' pages and write each requested
 position's state to its own page: Triton kernels on CUDA, their torch twins elsewhere.
@@ -31,7 +31,7 @@ Packed-rows path: every other step on CUDA (float32 compute) runs all rows in tw
 per layer, the variable-length conv that writes the requested windows
 (:func:`~hybridserve.kernels.conv_varlen.conv_varlen`) and the token-by-token delta rule
 over rows of any length that writes the requested states
-(:mod:`hybridserve.kernels.gdn_varlen`). :data:`PACKED_ROWS` selects it; ``"reference"``
+(:mod:`hybridserve.kernels.gdn_varlen`). ``KernelPolicy.gdn_rows`` selects it (:func:`packed_rows_mode`); ``"reference"``
 runs the same orchestration with the torch twins on any device (how the CPU tests cover
 it). The per-row path above stays the default elsewhere: it is the oracle.
 
@@ -48,43 +48,49 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridserve.config import KernelPolicy
 from hybridserve.kernels import gdn_chunked, gdn_decode, gdn_varlen, mamba_decode
 from hybridserve.kernels.conv1d import causal_conv1d_reference
 from hybridserve.kernels.conv_varlen import conv_varlen, conv_varlen_reference
 from hybridserve.kernels.gdn import gated_delta_rule_reference, l2_normalize
 from hybridserve.models.batch import ForwardBatch
 from hybridserve.models.config import GDNParams
+from hybridserve.models.layers.recurrent import RecurrentLayer, StateTensor
+from hybridserve.models.step_plan import StatePlan, StepKind
 
-# The path of a step that is not a uniform decode step:
-# "auto": the packed-rows kernels (:mod:`hybridserve.kernels.gdn_varlen`) on CUDA when the
-#     compute dtype is float32; the per-row path otherwise;
-# "reference": the packed-rows orchestration with the torch twins, on any device (tests);
-# "chunked": the same with the chunked form and its chunk states
-#     (:mod:`hybridserve.kernels.gdn_chunked`, the twin of the fla-core prefill;
-#     bfloat16 state pages keep the token-by-token twin);
-# "fla": on CUDA, steps with a row longer than FLA_MIN_TOKENS take fla-core's chunked
-#     delta rule (opt-in until checked on a GPU), the others the packed-rows kernels;
-# "off": the per-row path everywhere.
-PACKED_ROWS = "auto"
 # Rows up to this many tokens are launch-bound: the token-by-token kernel serves them
-# (as Mamba2's short rows, kernels/mamba_short.py).
+# (as Mamba2's short rows do).
 FLA_MIN_TOKENS = 512
 
 
-def packed_rows_mode(device: torch.device, compute: torch.dtype) -> str | None:
-    """``"kernel"``, ``"fla"``, ``"twin"``, ``"chunked"`` or None (the per-row path) here."""
-    if PACKED_ROWS == "reference":
+def packed_rows_mode(
+    mode: str, device: torch.device, compute: torch.dtype
+) -> str | None:
+    """``"kernel"``, ``"fla"``, ``"twin"``, ``"chunked"`` or None (the per-row path) here,
+    for ``KernelPolicy.gdn_rows`` = ``mode``: the path of a step that is not a uniform
+    decode step. ``"auto"``: the packed-rows kernels (:mod:`hybridserve.kernels.gdn_varlen`)
+    on CUDA when the compute dtype is float32, the per-row path otherwise; ``"reference"``:
+    the packed-rows orchestration with the torch twins, on any device (tests);
+    ``"triton"``: the packed-rows kernels on any device (the CPU interpreter in tests);
+    ``"chunked"``: the same with the chunked form and its chunk states
+    (:mod:`hybridserve.kernels.gdn_chunked`, the twin of the fla-core prefill; bfloat16
+    state pages keep the token-by-token twin); ``"fla"``: on CUDA, steps with a row longer
+    than :data:`FLA_MIN_TOKENS` take fla-core's chunked delta rule (opt-in until checked on
+    a GPU), the others the packed-rows kernels; ``"off"``: the per-row path everywhere."""
+    if mode == "reference":
         return "twin"
-    if PACKED_ROWS == "chunked":
+    if mode == "triton":
+        return "kernel"
+    if mode == "chunked":
         return "chunked"
-    if PACKED_ROWS == "fla" and device.type == "cuda" and compute == torch.float32:
+    if mode == "fla" and device.type == "cuda" and compute == torch.float32:
         return "fla" if gdn_chunked.fla_chunk_scan_available() else "kernel"
-    if PACKED_ROWS in ("auto", "fla"):
+    if mode in ("auto", "fla"):
         return "kernel" if device.type == "cuda" and compute == torch.float32 else None
-    if PACKED_ROWS != "off":
+    if mode != "off":
         raise ValueError(
-            f"PACKED_ROWS must be 'auto', 'reference', 'chunked', 'fla' or 'off', got "
-            f"{PACKED_ROWS!r}"
+            f"kernel_policy.gdn_rows must be 'auto', 'triton', 'reference', 'chunked', 'fla' "
+            f"or 'off', got {mode!r}"
         )
     return None
 
@@ -111,12 +117,18 @@ class GatedHeadRMSNorm(nn.Module):
         return (h * F.silu(gate.float())).to(dtype)
 
 
-class GatedDeltaNet(nn.Module):
-    """See the module docstring. Parameter names and shapes match the checkpoints."""
+class GatedDeltaNet(RecurrentLayer):
+    """The Gated DeltaNet family (:class:`~hybridserve.models.layers.recurrent.RecurrentLayer`;
+    see the module docstring). Parameter names and shapes match the checkpoints."""
 
-    def __init__(self, hidden_size: int, p: GDNParams) -> None:
+    family = "gated_deltanet"
+
+    def __init__(
+        self, hidden_size: int, p: GDNParams, policy: KernelPolicy | None = None
+    ) -> None:
         super().__init__()
         self.p = p
+        self.policy = policy or KernelPolicy()
         hv = p.num_value_heads
         if p.fused_projections:
             self.in_proj_qkvz = nn.Linear(hidden_size, 2 * p.key_dim + 2 * p.value_dim, bias=False)
@@ -173,14 +185,20 @@ class GatedDeltaNet(nn.Module):
         q = q * p.key_head_dim**-0.5
         return q, k, v.reshape(t, p.num_value_heads, p.value_head_dim).to(compute)
 
+    def state_tensors(self) -> tuple[StateTensor, ...]:
+        """One page: the conv window (model dtype) and the delta-rule state (state dtype)."""
+        p = self.p
+        return (
+            StateTensor("conv", (p.conv_dim, p.d_conv - 1), "model"),
+            StateTensor("ssm", (p.num_value_heads, p.key_head_dim, p.value_head_dim), "state"),
+        )
+
     def forward(
-        self,
-        h: torch.Tensor,
-        batch: ForwardBatch,
-        conv_cache: torch.Tensor,
-        ssm_cache: torch.Tensor,
+        self, h: torch.Tensor, batch: ForwardBatch, states: dict[str, torch.Tensor]
     ) -> torch.Tensor:
-        """``h [T, hidden]`` -> ``[T, hidden]``; writes the requested states to their pages."""
+        """``h [T, hidden]`` -> ``[T, hidden]``; writes the requested states to their pages
+        of ``states["conv"]`` and ``states["ssm"]``."""
+        conv_cache, ssm_cache = states["conv"], states["ssm"]
         p = self.p
         qkv, z, b, a = self.project(h)
         compute = torch.promote_types(h.dtype, torch.float32)
@@ -188,14 +206,16 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight[:, 0, :]
         # Rounding to the page dtype after every token is a no-op when it is the compute dtype.
         state_dtype = None if ssm_cache.dtype == compute else ssm_cache.dtype
-        plan = mamba_decode.decode_plan(batch, h.device)
-        if plan is not None:
+        plan = batch.states
+        if plan is None:
+            raise ValueError("a Gated DeltaNet layer needs a planned batch (model.plan_step)")
+        if plan.kind is StepKind.DECODE:
             core = self._decode_rows(qkv, beta, g, plan, conv_cache, ssm_cache, compute,
                                      state_dtype is not None)
             y = self.norm(core.to(h.dtype), z)
             return self.out_proj(y.reshape(h.shape[0], p.value_dim))
-        mode = packed_rows_mode(h.device, compute)
-        packed = gdn_varlen.varlen_plan(batch, h.device) if mode else None
+        mode = packed_rows_mode(self.policy.gdn_rows, h.device, compute)
+        packed = plan.varlen if mode else None
         if packed is not None:
             core = self._packed_rows(qkv, beta, g, packed, conv_cache, ssm_cache, compute,
                                      state_dtype is not None, mode)
@@ -235,7 +255,7 @@ class GatedDeltaNet(nn.Module):
         qkv: torch.Tensor,
         beta: torch.Tensor,
         g: torch.Tensor,
-        plan: mamba_decode.DecodePlan,
+        plan: StatePlan,
         conv_cache: torch.Tensor,
         ssm_cache: torch.Tensor,
         compute: torch.dtype,
@@ -253,11 +273,11 @@ class GatedDeltaNet(nn.Module):
             None,
             conv_cache,
             plan.in_pages,
-            plan.out_pages,
+            plan.decode_out_pages,
             self.p.activation,
         )
         q, k, v = self.split_qkv(x, compute)
-        out = rule(q, k, v, g, beta, ssm_cache, plan.in_pages, plan.out_pages, round_state)
+        out = rule(q, k, v, g, beta, ssm_cache, plan.in_pages, plan.decode_out_pages, round_state)
         return out.to(compute)
 
     def _packed_rows(
@@ -294,10 +314,13 @@ class GatedDeltaNet(nn.Module):
         starts = plan.query_start_host
         longest = max(b - a for a, b in zip(starts, starts[1:]))
         if mode == "chunked" and not round_state:
-            return gdn_chunked.gdn_prefill(q, k, v, g, beta, ssm_cache, plan)
+            return gdn_chunked.gdn_prefill(
+                q, k, v, g, beta, ssm_cache, plan, chunk=self.policy.gdn_chunk
+            )
         if mode == "fla" and not round_state and longest > FLA_MIN_TOKENS:
             return gdn_chunked.gdn_prefill(
-                q, k, v, g, beta, ssm_cache, plan, gdn_chunked.chunk_scan_fla, rule
+                q, k, v, g, beta, ssm_cache, plan, gdn_chunked.chunk_scan_fla, rule,
+                chunk=self.policy.gdn_chunk,
             ).to(compute)
         out = rule(q, k, v, g, beta, ssm_cache, plan.query_start, plan.in_pages,
                    plan.token_out_pages, round_state)

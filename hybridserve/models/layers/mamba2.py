@@ -10,27 +10,24 @@ All initial states are gathered before any page is written, so the result does n
 depend on the order rows are processed in even if a caller broke the "never write a
 page you read" rule.
 
-Decode fast path: when every row of the step runs the same few tokens from a stored
-state (plain decode, uniform verify rows; :func:`~hybridserve.kernels.mamba_decode.decode_plan`),
-all rows go through one batched conv update and one batched selective-state update
-that read the rows' pages and write the requested states to their output pages
-(Triton kernels on CUDA, their torch twins elsewhere).
+The path of a step is decided once, by the step plan
+(:mod:`hybridserve.models.step_plan`), and read from ``batch.states``:
 
-Short-row path: a step that is not uniform but whose rows are all short (at most
-:data:`~hybridserve.kernels.mamba_short.MAX_SHORT_TOKENS`: the tail of a prompt after a
-cached prefix, decode rows beside a short chunk) runs the decode path's recurrence over
-rows of any length (:mod:`hybridserve.kernels.mamba_short`): one conv launch that also
-writes the requested windows, one scan launch that writes the requested states, no host
-read. :data:`SHORT_ROWS` selects it.
+- ``DECODE`` (every row the same few tokens from a stored state: plain decode, uniform
+  verify rows): one batched conv update and one batched recurrence
+  (:mod:`hybridserve.kernels.mamba_decode`) that read the rows' pages and write the
+  requested states to their output pages;
+- ``SHORT`` (rows all short: the tail of a prompt after a cached prefix, decode rows beside
+  a short chunk): the same recurrence over rows of any length, after one conv launch that
+  also writes the requested windows; no host read;
+- ``PACKED`` (every other step, on CUDA with fla-core and a float32 scan, or with the
+  twin scan where the policy asks): all rows at once through one variable-length conv that
+  writes the requested windows (:mod:`hybridserve.kernels.conv_varlen`) and the segmented
+  varlen scan of :func:`~hybridserve.kernels.ssd_varlen.ssd_prefill`;
+- ``ROWS``: the per-row path above, the oracle.
 
-Packed prefill path: every other step (prefill, mixed) on CUDA, when fla-core is
-importable and the scan's compute dtype is float32, runs all rows at once: one
-variable-length conv launch that also writes the requested windows
-(:mod:`hybridserve.kernels.conv_varlen`) and the segmented
-varlen scan of :func:`~hybridserve.kernels.ssd_varlen.ssd_prefill` on fla-core's chunked
-scan. :data:`PACKED_PREFILL` selects it; ``"reference"`` runs the same orchestration with
-the torch twins on any device (how the CPU tests cover it). The per-row path above stays
-the default elsewhere: it is the oracle.
+The plan also says whether the launches take the Triton kernels or their torch twins
+(``batch.states.triton``).
 """
 
 from __future__ import annotations
@@ -38,65 +35,31 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridserve.kernels import mamba_decode, mamba_short, ssd_varlen
+from hybridserve.config import KernelPolicy
+from hybridserve.kernels import mamba_decode, ssd_varlen
 from hybridserve.kernels.conv1d import causal_conv1d_reference
 from hybridserve.kernels.conv_varlen import conv_varlen, conv_varlen_reference
 from hybridserve.kernels.ssd import discretize_dt, ssd_chunked_reference, ssd_step_reference
 from hybridserve.models.batch import ForwardBatch
 from hybridserve.models.config import MambaParams
 from hybridserve.models.layers.norm import GatedRMSNorm
-
-# The path of a step that is not a uniform decode step:
-# "auto": the packed path with fla-core's scan on CUDA when fla-core is importable and the
-#     scan's compute dtype is float32; the per-row reference path otherwise;
-# "reference": the packed path with the torch-twin scan, on any device and dtype (tests);
-# "off": the per-row reference path everywhere.
-PACKED_PREFILL = "auto"
+from hybridserve.models.layers.recurrent import RecurrentLayer, StateTensor
+from hybridserve.models.step_plan import StatePlan, StepKind
 
 
-# The path of a step that is not a uniform decode step but has only short rows:
-# "auto": the short-row kernels on CUDA when the scan's compute dtype is float32;
-# "reference": their torch twins on any device and dtype (tests);
-# "off": never (such steps take the packed or the per-row path).
-SHORT_ROWS = "auto"
-
-
-def short_rows_enabled(device: torch.device, compute: torch.dtype) -> bool:
-    """Whether steps of short rows take the short-row path here (see :data:`SHORT_ROWS`)."""
-    if SHORT_ROWS == "reference":
-        return True
-    if SHORT_ROWS == "auto":
-        return device.type == "cuda" and compute == torch.float32
-    if SHORT_ROWS != "off":
-        raise ValueError(f"SHORT_ROWS must be 'auto', 'reference' or 'off', got {SHORT_ROWS!r}")
-    return False
-
-
-def packed_prefill_scan(device: torch.device, compute: torch.dtype) -> ssd_varlen.ScanFn | None:
-    """The scan primitive the packed prefill path uses here, or None for the per-row path."""
-    if PACKED_PREFILL == "reference":
-        return ssd_varlen.ssd_scan_varlen_reference
-    if (
-        PACKED_PREFILL == "auto"
-        and device.type == "cuda"
-        and compute == torch.float32
-        and ssd_varlen.fla_available()
-    ):
-        return ssd_varlen.ssd_scan_varlen_fla
-    if PACKED_PREFILL not in ("auto", "off"):
-        raise ValueError(
-            f"PACKED_PREFILL must be 'auto', 'reference' or 'off', got {PACKED_PREFILL!r}"
-        )
-    return None
-
-
-class Mamba2Mixer(nn.Module):
-    """Module names and shapes match the Hugging Face checkpoints (``in_proj``, ``conv1d``,
+class Mamba2Mixer(RecurrentLayer):
+    """The Mamba2 family (:class:`~hybridserve.models.layers.recurrent.RecurrentLayer`).
+    Module names and shapes match the Hugging Face checkpoints (``in_proj``, ``conv1d``,
     ``dt_bias``, ``A_log``, ``D``, ``norm``, ``out_proj``)."""
 
-    def __init__(self, hidden_size: int, p: MambaParams) -> None:
+    family = "mamba2"
+
+    def __init__(
+        self, hidden_size: int, p: MambaParams, policy: KernelPolicy | None = None
+    ) -> None:
         super().__init__()
         self.p = p
+        policy = policy or KernelPolicy()
         self.in_proj = nn.Linear(
             hidden_size, p.intermediate_size + p.conv_dim + p.n_heads, bias=p.proj_bias
         )
@@ -111,17 +74,23 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(p.n_heads))
         self.A_log = nn.Parameter(torch.zeros(p.n_heads))
         self.D = nn.Parameter(torch.ones(p.n_heads))
-        self.norm = GatedRMSNorm(p.intermediate_size, p.n_groups, p.norm_eps)
+        self.norm = GatedRMSNorm(p.intermediate_size, p.n_groups, p.norm_eps, policy.norms)
         self.out_proj = nn.Linear(p.intermediate_size, hidden_size, bias=p.proj_bias)
 
+    def state_tensors(self) -> tuple[StateTensor, ...]:
+        """One page: the conv window (model dtype) and the SSM state (state dtype)."""
+        p = self.p
+        return (
+            StateTensor("conv", (p.conv_dim, p.d_conv - 1), "model"),
+            StateTensor("ssm", (p.n_heads, p.head_dim, p.d_state), "state"),
+        )
+
     def forward(
-        self,
-        h: torch.Tensor,
-        batch: ForwardBatch,
-        conv_cache: torch.Tensor,
-        ssm_cache: torch.Tensor,
+        self, h: torch.Tensor, batch: ForwardBatch, states: dict[str, torch.Tensor]
     ) -> torch.Tensor:
-        """``h [T, hidden]`` -> ``[T, hidden]``; writes the requested states to their pages."""
+        """``h [T, hidden]`` -> ``[T, hidden]``; writes the requested states to their pages
+        of ``states["conv"]`` and ``states["ssm"]``."""
+        conv_cache, ssm_cache = states["conv"], states["ssm"]
         p = self.p
         zxbcdt = self.in_proj(h)
         z, xbc, dt = zxbcdt.split([p.intermediate_size, p.conv_dim, p.n_heads], dim=-1)
@@ -132,25 +101,19 @@ class Mamba2Mixer(nn.Module):
         A = self._decay_rates(compute)
         gs = p.n_groups * p.d_state
 
-        plan = mamba_decode.decode_plan(batch, h.device)
-        if plan is not None:
+        plan = batch.states
+        if plan is None:
+            raise ValueError("a Mamba layer needs a planned batch (model.plan_step)")
+        if plan.kind is StepKind.DECODE:
             y = self._decode_rows(xbc, dt, A, plan, conv_cache, ssm_cache)
             # The cast to the weights' dtype happens inside the norm's single pass.
             return self.out_proj(self.norm(y.to(compute), z, out_dtype=h.dtype))
-
-        short = mamba_short.short_plan(batch, h.device) if short_rows_enabled(
-            h.device, compute) else None
-        if short is not None:
-            y = self._short_rows(xbc, dt, A, short, conv_cache, ssm_cache)
+        if plan.kind is StepKind.SHORT:
+            y = self._short_rows(xbc, dt, A, plan, conv_cache, ssm_cache)
             return self.out_proj(self.norm(y, z, out_dtype=h.dtype))
-
-        scan = packed_prefill_scan(h.device, compute)
-        if scan is not None:
-            chunk = ssd_varlen.SCAN_CHUNK if ssd_varlen.chunk_states_supported(scan) else None
-            prefill = ssd_varlen.prefill_plan(batch, h.device, chunk)
-            if prefill is not None:
-                y = self._prefill_rows(xbc, dt, A, prefill, scan, conv_cache, ssm_cache)
-                return self.out_proj(self.norm(y, z, out_dtype=h.dtype))
+        if plan.kind is StepKind.PACKED:
+            y = self._prefill_rows(xbc, dt, A, plan, conv_cache, ssm_cache)
+            return self.out_proj(self.norm(y, z, out_dtype=h.dtype))
 
         initial = [
             (conv_cache[page], ssm_cache[page]) if page >= 0 else (None, None)
@@ -226,7 +189,7 @@ class Mamba2Mixer(nn.Module):
         xbc: torch.Tensor,
         dt: torch.Tensor,
         A: torch.Tensor,
-        plan: mamba_decode.DecodePlan,
+        plan: StatePlan,
         conv_cache: torch.Tensor,
         ssm_cache: torch.Tensor,
     ) -> torch.Tensor:
@@ -235,9 +198,9 @@ class Mamba2Mixer(nn.Module):
         t = xbc.shape[0]
         weight = self.conv1d.weight[:, 0, :]
         # Triton on CUDA (float32 recurrence); the torch twin elsewhere, and for float64.
-        fast = xbc.is_cuda and A.dtype == torch.float32
+        fast = plan.triton
         conv = mamba_decode.conv_decode_update if fast else mamba_decode.conv_decode_update_reference
-        ssm = mamba_decode.ssm_decode_update if fast else mamba_decode.ssm_decode_update_reference
+        ssm = mamba_decode.ssm_update if fast else mamba_decode.ssm_update_reference
         xbc = conv(
             # The kernel takes rows at any stride (a column slice of the projection, no
             # copy); the twin views rows of tokens.
@@ -246,7 +209,7 @@ class Mamba2Mixer(nn.Module):
             self.conv1d.bias,
             conv_cache,
             plan.in_pages,
-            plan.out_pages,
+            plan.decode_out_pages,
             p.activation,
         )
         x, B, C = self._split_heads(xbc)
@@ -265,7 +228,7 @@ class Mamba2Mixer(nn.Module):
             self.D,
             ssm_cache,
             plan.in_pages,
-            plan.out_pages,
+            plan.token_out_pages,
         )
         return y.reshape(t, p.intermediate_size)
 
@@ -274,7 +237,7 @@ class Mamba2Mixer(nn.Module):
         xbc: torch.Tensor,
         dt: torch.Tensor,
         A: torch.Tensor,
-        plan: mamba_short.ShortPlan,
+        plan: StatePlan,
         conv_cache: torch.Tensor,
         ssm_cache: torch.Tensor,
     ) -> torch.Tensor:
@@ -283,9 +246,8 @@ class Mamba2Mixer(nn.Module):
         reads (DESIGN.md section 4), so they need no gather beforehand."""
         p = self.p
         t = xbc.shape[0]
-        # The Triton kernels under "auto" (CUDA, float32); the torch twins for "reference".
-        fast = SHORT_ROWS == "auto"
-        ssm = mamba_short.ssm_short_update if fast else mamba_short.ssm_short_update_reference
+        fast = plan.triton
+        ssm = mamba_decode.ssm_update if fast else mamba_decode.ssm_update_reference
         x, B, C, dt = self._packed_conv_dt(xbc, dt, plan, conv_cache, fast)
         y = ssm(
             x,
@@ -295,9 +257,9 @@ class Mamba2Mixer(nn.Module):
             C,
             self.D,
             ssm_cache,
-            plan.query_start,
             plan.in_pages,
             plan.token_out_pages,
+            plan.query_start,
         )
         return y.reshape(t, p.intermediate_size).to(A.dtype)
 
@@ -305,7 +267,7 @@ class Mamba2Mixer(nn.Module):
         self,
         xbc: torch.Tensor,
         dt: torch.Tensor,
-        plan: mamba_short.ShortPlan | ssd_varlen.PrefillPlan,
+        plan: StatePlan,
         conv_cache: torch.Tensor,
         fast: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -337,8 +299,7 @@ class Mamba2Mixer(nn.Module):
         xbc: torch.Tensor,
         dt: torch.Tensor,
         A: torch.Tensor,
-        plan: ssd_varlen.PrefillPlan,
-        scan: ssd_varlen.ScanFn,
+        plan: StatePlan,
         conv_cache: torch.Tensor,
         ssm_cache: torch.Tensor,
     ) -> torch.Tensor:
@@ -355,8 +316,7 @@ class Mamba2Mixer(nn.Module):
             0, plan.init_rows, ssm_cache.index_select(0, plan.init_pages).to(compute)
         )
         # Triton on CUDA (float32 accumulation); the torch twin elsewhere, and for float64.
-        fast = xbc.is_cuda and compute == torch.float32
-        x, B, C, dt = self._packed_conv_dt(xbc, dt, plan, conv_cache, fast)
+        x, B, C, dt = self._packed_conv_dt(xbc, dt, plan, conv_cache, plan.triton)
         y, states = ssd_varlen.ssd_prefill(
             x,
             dt,
@@ -366,7 +326,7 @@ class Mamba2Mixer(nn.Module):
             self.D,
             initial,
             plan.segments,
-            scan,
+            plan.scan,
         )
         ssm_cache[plan.out_pages] = states.to(ssm_cache.dtype)
         return y.reshape(t, p.intermediate_size)

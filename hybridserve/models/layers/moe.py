@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridserve.config import KernelPolicy
 from hybridserve.kernels import moe as moe_kernels
 from hybridserve.models.config import (
     SIGMOID_GROUPED,
@@ -114,6 +115,7 @@ class Experts(nn.Module):
 
     def __init__(self, input_size: int, p: MoEParams) -> None:
         super().__init__()
+        self.kernels = "auto"  # KernelPolicy.moe (the owning MoEBlock sets it)
         self.gated = p.gated
         self.activation = p.activation
         self.act = activation_fn(p.activation)
@@ -134,7 +136,7 @@ class Experts(nn.Module):
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
         w1, w2 = self.w1, self.down_proj
-        if moe_kernels.triton_enabled(x, w1, w2, self.activation):
+        if moe_kernels.triton_enabled(self.kernels, x, w1, w2, self.activation):
             return moe_kernels.moe_experts(
                 x.contiguous(), w1, w2, topk_ids, topk_weights,
                 gated=self.gated, activation=self.activation,
@@ -149,12 +151,16 @@ class Experts(nn.Module):
 class MoEBlock(nn.Module):
     """``x [T, H]`` -> ``[T, H]``: routed experts plus the shared expert (module docstring)."""
 
-    def __init__(self, hidden_size: int, p: MoEParams) -> None:
+    def __init__(
+        self, hidden_size: int, p: MoEParams, policy: KernelPolicy | None = None
+    ) -> None:
         super().__init__()
         self.p = p
         self._router = ROUTER_NAMES[p.routing]
         self.add_module(self._router, Router(hidden_size, p))
         self.experts = Experts(p.latent_size or hidden_size, p)
+        # KernelPolicy.moe: where the routed experts take the grouped kernels.
+        self.experts.kernels = (policy or KernelPolicy()).moe
         self.latent = p.latent_size is not None
         if self.latent:
             self.fc1_latent_proj = nn.Linear(hidden_size, p.latent_size, bias=p.bias)

@@ -1,7 +1,8 @@
 """RMS norms of the hybrid models (plain, and grouped + gated for the Mamba2 output).
 
 The arithmetic is that of the torch twins in :mod:`hybridserve.kernels.norms`; where
-:func:`~hybridserve.kernels.norms.triton_enabled` says so (CUDA tensors by default) the
+:func:`~hybridserve.kernels.norms.triton_enabled` says so for the engine's
+``KernelPolicy.norms`` (CUDA tensors under ``"auto"``, the default) the
 modules run the fused Triton kernels of that module instead, which compute the same
 function (see its docstring for how close). Everything else, the CPU path included,
 takes the twins unchanged.
@@ -25,14 +26,17 @@ class RMSNorm(nn.Module):
     :meth:`add_norm` folds the decoder's residual add into the same pass.
     """
 
-    def __init__(self, hidden_size: int, eps: float, weight_in_fp32: bool = False) -> None:
+    def __init__(
+        self, hidden_size: int, eps: float, weight_in_fp32: bool = False, kernels: str = "auto"
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         self.weight_in_fp32 = weight_in_fp32
+        self.kernels = kernels  # KernelPolicy.norms
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if norms.triton_enabled(x, self.weight):
+        if norms.triton_enabled(self.kernels, x, self.weight):
             return norms.rms_norm(x, self.weight, self.eps, self.weight_in_fp32)
         return norms.rms_norm_reference(x, self.weight, self.eps, self.weight_in_fp32)
 
@@ -41,7 +45,7 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``h = residual + x * multiplier``; returns ``(h, self(h))`` (one kernel on CUDA)."""
         if residual.dtype == x.dtype and residual.shape == x.shape and norms.triton_enabled(
-            residual, x, self.weight
+            self.kernels, residual, x, self.weight
         ):
             return norms.add_rms_norm(
                 residual, x, self.weight, self.eps, multiplier, self.weight_in_fp32
@@ -58,11 +62,12 @@ class GatedRMSNorm(nn.Module):
     normalised on its own (the norm runs after the gate).
     """
 
-    def __init__(self, hidden_size: int, n_groups: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, n_groups: int, eps: float, kernels: str = "auto") -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         self.n_groups = n_groups
+        self.kernels = kernels  # KernelPolicy.norms
 
     def forward(
         self, x: torch.Tensor, gate: torch.Tensor, out_dtype: torch.dtype | None = None
@@ -73,7 +78,9 @@ class GatedRMSNorm(nn.Module):
         then happens inside the kernel's single pass instead of in a separate one).
         """
         kernel_out = out_dtype in (None, torch.float32, torch.bfloat16, torch.float16)
-        if kernel_out and gate.shape == x.shape and norms.triton_enabled(x, gate, self.weight):
+        if kernel_out and gate.shape == x.shape and norms.triton_enabled(
+            self.kernels, x, gate, self.weight
+        ):
             return norms.gated_rms_norm(x, gate, self.weight, self.n_groups, self.eps, out_dtype)
         return norms.gated_rms_norm_reference(
             x, gate, self.weight, self.n_groups, self.eps, out_dtype
@@ -85,8 +92,8 @@ class ZeroCentredRMSNorm(RMSNorm):
     ``1 + weight``, formed and multiplied in float32 with one cast at the end (the
     reference's order), through the same kernels and twins as :class:`RMSNorm`."""
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__(hidden_size, eps, weight_in_fp32=True)
+    def __init__(self, hidden_size: int, eps: float, kernels: str = "auto") -> None:
+        super().__init__(hidden_size, eps, weight_in_fp32=True, kernels=kernels)
         with torch.no_grad():
             self.weight.zero_()
 
@@ -104,7 +111,7 @@ class ZeroCentredRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = self._scale()
-        if norms.triton_enabled(x, scale):
+        if norms.triton_enabled(self.kernels, x, scale):
             return norms.rms_norm(x, scale, self.eps, True)
         return norms.rms_norm_reference(x, scale, self.eps, True)
 
@@ -113,7 +120,7 @@ class ZeroCentredRMSNorm(RMSNorm):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         scale = self._scale()
         if residual.dtype == x.dtype and residual.shape == x.shape and norms.triton_enabled(
-            residual, x, scale
+            self.kernels, residual, x, scale
         ):
             return norms.add_rms_norm(residual, x, scale, self.eps, multiplier, True)
         return norms.add_rms_norm_reference(residual, x, scale, self.eps, multiplier, True)

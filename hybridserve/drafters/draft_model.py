@@ -43,7 +43,7 @@ state. A request the engine preempts keeps its drafter caches (its tokens surviv
 preemption); when the drafter's pools run short, the least recently drafted requests
 outside the current batch lose theirs and are caught up from token 0 when they next
 draft. Greedy requests get the draft model's argmax; sampled requests get samples of
-its distribution ``q`` (:func:`~hybridserve.spec.base.choose_drafts`), which the
+its distribution ``q`` (:func:`~hybridserve.drafters.base.choose_drafts`), which the
 target accepts with ``min(1, p / q)`` (:func:`hybridserve.runner.sampler.speculative_choices`).
 """
 
@@ -59,8 +59,8 @@ import torch
 
 from hybridserve.cache.block_pool import BlockPool, chain_hash
 from hybridserve.cache.state_cache import StateCache
+from hybridserve.drafters.base import DraftRequest, choose_drafts
 from hybridserve.models.batch import ForwardBatch
-from hybridserve.spec.base import DraftRequest, choose_drafts
 
 if TYPE_CHECKING:
     from hybridserve.config import EngineConfig
@@ -120,11 +120,11 @@ class DraftModelDrafter:
 
     @classmethod
     def from_config(cls, config: EngineConfig, target: torch.nn.Module) -> DraftModelDrafter:
-        """Load ``config.spec.model`` and size its caches from the engine's: as many KV
+        """Load ``config.speculative.model`` and size its caches from the engine's: as many KV
         blocks as the target, and ``1 + k`` state pages per running request."""
         from hybridserve.models.loader import load_model
 
-        spec = config.spec
+        spec = config.speculative
         path = Path(spec.model).expanduser()
         if not (path / "config.json").exists():
             raise ValueError(

@@ -11,8 +11,8 @@ import torch
 from hybridserve import LLM, SamplingParams
 from hybridserve.cache.block_pool import block_hashes
 from hybridserve.config import SpecConfig
+from hybridserve.drafters.base import DraftRequest
 from hybridserve.models.batch import ForwardBatch
-from hybridserve.spec.base import DraftRequest
 from hybridserve.testing.reference import reference_state
 from hybridserve.testing.tiny_models import make_tiny_checkpoint
 from hybridserve.testing.tiny_mtp import add_mtp_head
@@ -522,7 +522,7 @@ def test_cli_speculative_config(qwen_mtp, qwen_draft, capsys):
 
     spec = json.dumps({"method": "draft_model", "model": str(qwen_draft), "num_speculative_tokens": 2})
     llm = llm_from_args(p.parse_args(["--model", str(qwen_mtp), "--speculative-config", spec]))
-    assert llm.config.spec.method == "draft_model" and llm.config.spec.num_speculative_tokens == 2
+    assert llm.config.speculative.method == "draft_model" and llm.config.speculative.num_speculative_tokens == 2
     llm = llm_from_args(p.parse_args(["--model", str(qwen_mtp), "--speculative-config", '{"method": "mtp"}']))
     assert type(llm.engine.drafter).__name__ == "MtpDrafter"
     with pytest.raises(SystemExit):  # refused while parsing, before anything is built

@@ -11,13 +11,13 @@ its sequence; the target verifies them all in the step's one forward
   the target's own.
 - The sequence a key is called with only grows between calls, by what verification
   accepted plus the target's token after it; a drafter that keeps per-request caches
-  reconciles them against that sequence (:mod:`hybridserve.spec.draft_model`).
+  reconciles them against that sequence (:mod:`hybridserve.drafters.draft_model`).
 - :meth:`Drafter.forget` drops everything kept for a key (the engine calls it when a
   request finishes or is aborted); unknown keys are ignored.
 
-Methods (``speculative_config["method"]``): ``ngram`` (:mod:`hybridserve.spec.ngram`),
-``draft_model`` (:mod:`hybridserve.spec.draft_model`) and ``mtp`` (the target's own
-multi-token-prediction head, :mod:`hybridserve.spec.mtp`).
+Methods (``speculative_config["method"]``): ``ngram`` (:mod:`hybridserve.drafters.ngram`),
+``draft_model`` (:mod:`hybridserve.drafters.draft_model`) and ``mtp`` (the target's own
+multi-token-prediction head, :mod:`hybridserve.drafters.mtp`).
 """
 
 from __future__ import annotations
@@ -100,24 +100,24 @@ class SequenceDrafter:
 
 
 def build_drafter(config: EngineConfig, target: torch.nn.Module) -> Drafter | None:
-    """The drafter ``config.spec`` asks for, or None without speculative decoding.
+    """The drafter ``config.speculative`` asks for, or None without speculative decoding.
 
     Raises ValueError naming the ``speculative_config`` field when the method cannot run
     with this target (a draft model with another vocabulary, a target without MTP
     weights)."""
-    spec = config.spec
+    spec = config.speculative
     if spec is None:
         return None
     if spec.method == "ngram":
-        from hybridserve.spec.ngram import NgramDrafter
+        from hybridserve.drafters.ngram import NgramDrafter
 
         return SequenceDrafter(NgramDrafter(spec))
     if spec.method == "draft_model":
-        from hybridserve.spec.draft_model import DraftModelDrafter
+        from hybridserve.drafters.draft_model import DraftModelDrafter
 
         return DraftModelDrafter.from_config(config, target)
     if spec.method == "mtp":
-        from hybridserve.spec.mtp import MtpDrafter
+        from hybridserve.drafters.mtp import MtpDrafter
 
         return MtpDrafter.from_config(config, target)
     raise ValueError(f"speculative_config.method={spec.method!r} is not supported")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from hybridserve.config import SpecConfig
-from hybridserve.spec.ngram import NgramDrafter, propose_reference
+from hybridserve.drafters.ngram import NgramDrafter, propose_reference
 
 
 def test_indexed_drafter_equals_the_scan_as_a_sequence_grows():

@@ -44,7 +44,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -52,12 +52,13 @@ import torch
 from torch import nn
 
 from hybridserve.cache.block_pool import BlockPool
+from hybridserve.drafters.base import DraftRequest, choose_drafts
+from hybridserve.drafters.draft_model import _keep_logq
 from hybridserve.models.base import CacheSpec
 from hybridserve.models.batch import ForwardBatch, ModelCaches
 from hybridserve.models.config import ATTENTION
 from hybridserve.models.hybrid import DecoderLayer, build_norm
-from hybridserve.spec.base import DraftRequest, choose_drafts
-from hybridserve.spec.draft_model import _keep_logq
+from hybridserve.models.step_plan import uniform_q
 
 if TYPE_CHECKING:
     from hybridserve.config import EngineConfig
@@ -89,15 +90,17 @@ class MtpHead(nn.Module):
         self.layer_config = config.with_overrides(
             layer_types=(ATTENTION,), mamba=None, gdn=None, layer_has_mlp=True
         )
-        self.pre_fc_norm_embedding = build_norm(config, hidden)
-        self.pre_fc_norm_hidden = build_norm(config, hidden)
+        # The head runs the target's kernel paths (its policy, fixed at load).
+        self.policy = policy = target.kernel_policy
+        self.pre_fc_norm_embedding = build_norm(config, hidden, policy)
+        self.pre_fc_norm_hidden = build_norm(config, hidden, policy)
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
-        self.layers = nn.ModuleList([DecoderLayer(self.layer_config, 0, target.names)])
-        self.norm = build_norm(config, hidden)
+        self.layers = nn.ModuleList([DecoderLayer(self.layer_config, 0, target.names, policy)])
+        self.norm = build_norm(config, hidden, policy)
         a = config.attention
         self.cache_spec = CacheSpec(
             attention_layers=(0,), num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
-            mamba_layers=(), conv_dim=0, d_conv=1, num_ssm_heads=0, ssm_head_dim=0, d_state=0,
+            recurrent_layers=(),
         )
 
     def forward(
@@ -113,6 +116,10 @@ class MtpHead(nn.Module):
             [self.pre_fc_norm_embedding(token_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1
         )
         h = self.fc(x)
+        if not batch.planned:
+            # The head's step plan: attention only, so just the decode-path decision.
+            q = uniform_q(batch.query_start) if self.policy.uniform_decode else 0
+            batch = replace(batch, planned=True, uniform_q=q)
         h, pending = self.layers[0](h, None, batch, caches)
         return self.norm.add_norm(h, pending, self.layer_config.residual_multiplier)[1]
 

@@ -34,16 +34,16 @@ def _workload(seed: int) -> list[list[int]]:
 
 def _record_verify_rows(monkeypatch) -> list[dict]:
     seen: list[dict] = []
-    original = Scheduler.commit_verify_row
+    original = Scheduler.commit_decode_row
 
     def spy(self, row, num_accepted, new_state_page, checkpoints, released):
         seen.append(
-            dict(n=row.num_computed, q=row.num_tokens, a=num_accepted, slot=row.request.slot,
+            dict(n=row.num_computed, q=row.num_tokens, a=num_accepted, seat=row.request.seat,
                  ckpts=[p for p, _ in checkpoints], step=id(row))
         )
         return original(self, row, num_accepted, new_state_page, checkpoints, released)
 
-    monkeypatch.setattr(Scheduler, "commit_verify_row", spy)
+    monkeypatch.setattr(Scheduler, "commit_decode_row", spy)
     return seen
 
 
@@ -100,8 +100,8 @@ def test_checkpoints_written_under_speculation_are_exact(tiny_granite, monkeypat
     assert any(r["n"] + r["a"] in r["ckpts"] for r in seen)  # checkpoint == new state
     assert any(r["ckpts"] and r["n"] + r["a"] not in r["ckpts"] for r in seen)  # inside
     assert any(r["q"] == 1 for r in seen) and any(r["q"] > 1 for r in seen)  # 0 and d drafts
-    slots = [r["slot"] for r in seen]
-    assert max(slots) - min(slots) >= 30
+    seats = [r["seat"] for r in seen]
+    assert max(seats) - min(seats) >= 30
 
 
 def test_verify_preserves_the_target_distribution():
