@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import pkgutil
 from pathlib import Path
 
@@ -55,6 +56,10 @@ def _innermost(obj):
     return fn if callable(fn) and not isinstance(fn, KernelInterface) else None
 
 
+# Modules that need an optional extra of pyproject.toml (module -> the package it needs).
+OPTIONAL_EXTRAS = {"hybridserve.routing.ray_app": "ray"}
+
+
 def triton_functions() -> dict[str, object]:
     """``module.qualname`` -> Triton function object, for every one the package's
     modules hold at module level (each once, under the module that defines it)."""
@@ -62,6 +67,9 @@ def triton_functions() -> dict[str, object]:
     for info in pkgutil.walk_packages(hybridserve.__path__, "hybridserve."):
         if info.name.endswith(".__main__"):
             continue  # importing it would run the command line
+        extra = OPTIONAL_EXTRAS.get(info.name)
+        if extra is not None and importlib.util.find_spec(extra) is None:
+            continue  # an optional extra that is not installed; it defines no kernels
         try:
             module = importlib.import_module(info.name)
         except RuntimeError:
