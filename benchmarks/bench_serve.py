@@ -449,6 +449,8 @@ def write_random_model(shape_name: str, dtype: str, device: str, path: Path) -> 
     randomize_(model, seed=0)
     model.save_pretrained(path)
     del model
+    # The servers this script starts size their caches from the device's free memory.
+    torch.cuda.empty_cache()
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
