@@ -56,14 +56,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import bench_gpu as bg  # noqa: E402  (benchmarks/ is on the path when run as a script)
+import bench_gpu as bg  # benchmarks/ is on the path when run as a script
 import torch
-from provenance import git_commit, portable_path  # noqa: E402
+from provenance import git_commit, portable_path
 
-from hybridserve.models.config import ModelConfig  # noqa: E402
-from hybridserve.models.layers.moe import MoEBlock  # noqa: E402
-from hybridserve.models.loader import load_model  # noqa: E402
-from hybridserve.models.registry import model_class  # noqa: E402
+from hybridserve.models.config import ModelConfig
+from hybridserve.models.layers.moe import MoEBlock
+from hybridserve.models.loader import load_model
+from hybridserve.models.registry import model_class
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -433,8 +433,11 @@ def run_shape(name: str, args, env: dict, result: dict, save, workdir: Path) -> 
     bandwidth = (result.get("copy_bandwidth") or {}).get("bytes_per_s", float("nan"))
     rate = (result.get("matmul") or {}).get("flops_per_s", float("nan"))
     graphs_mode = None if device == "cuda" else False
+    # Rough device seconds of the costlier sections (none in the smoke run): a section
+    # that would run past the budget is skipped rather than started.
+    needs = (lambda s: 0.0) if smoke else (lambda s: s)
     path = workdir / name / "full"
-    built = section("build", lambda: build_ours(cfg, device, dtype, path))
+    built = section("build", lambda: build_ours(cfg, device, dtype, path), needs(10))
     if built is None:
         return
     model, mcfg = built
@@ -479,7 +482,7 @@ def run_shape(name: str, args, env: dict, result: dict, save, workdir: Path) -> 
                 r["roofline_tokens_per_s_uniform_routing"] = b / (u["total"] / bandwidth)
             return r
 
-        r = section(f"decode_ours_b{b}", ours)
+        r = section(f"decode_ours_b{b}", ours, needs(5 + b / 16))
         if r:
             out["decode"].append(r)
     if moe_blocks(model):
@@ -492,10 +495,10 @@ def run_shape(name: str, args, env: dict, result: dict, save, workdir: Path) -> 
     tails = (16,) if smoke else (128,)
     out["ttft"] = section("ttft", lambda: bg.ttft(
         model, path, device, dtype, args.ttft_prompt, args.ttft_cached, args.ttft_interval,
-        vocab, seed=7, tails=tails))
+        vocab, seed=7, tails=tails), needs(20))
     out["prefill"] = section("prefill", lambda: bg.prefill_throughput(
         model, path, device, dtype, args.prefill_prompts, args.prefill_len, vocab, 3, rate,
-        args.prefill_max_s))
+        args.prefill_max_s), needs(15))
     model = built = None  # noqa: F841
     bg.free_memory(device)
 
@@ -523,7 +526,7 @@ def run_shape(name: str, args, env: dict, result: dict, save, workdir: Path) -> 
                             "note": "transformers' save_pretrained naming; files just "
                                     "written, so the page cache is likely warm"}
 
-    loaded = section("truncated_checkpoint", write_and_load)
+    loaded = section("truncated_checkpoint", write_and_load, needs(30))
     if loaded is not None:
         hf, ours_t, trunc["load"] = loaded
         trunc["layer_types"] = list(ours_t.config.layer_types)
@@ -624,7 +627,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ttft-interval", type=int, default=64)
     ap.add_argument("--prefill-prompts", type=int, default=8)
     ap.add_argument("--prefill-len", type=int, default=4096)
-    ap.add_argument("--prefill-max-s", type=float, default=20.0)
+    ap.add_argument("--prefill-max-s", type=float, default=30.0,
+                    help="run fewer prompts if the one-prompt warm-up says all would "
+                         "take longer")
     ap.add_argument("--matmul-n", type=int, default=8192)
     ap.add_argument("--skip", type=str, default="",
                     help="comma-separated section names (or prefixes) not to run")
