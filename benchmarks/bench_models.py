@@ -529,6 +529,12 @@ def run_shape(name: str, args, env: dict, result: dict, save, workdir: Path) -> 
     loaded = section("truncated_checkpoint", write_and_load, needs(30))
     if loaded is not None:
         hf, ours_t, trunc["load"] = loaded
+        trunc["transformers_model"] = {
+            "class": type(hf).__name__,
+            "dtypes": sorted({str(p.dtype) for p in hf.parameters()}),
+            "attn_implementation": getattr(hf.config, "_attn_implementation", None),
+            "experts_implementation": getattr(hf.config, "_experts_implementation", None),
+        }
         trunc["layer_types"] = list(ours_t.config.layer_types)
         trunc["parameters"] = bg.model_bytes(ours_t)["parameters"]
         for b in args.hf_batches:
