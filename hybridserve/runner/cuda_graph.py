@@ -37,6 +37,26 @@ values to a scratch KV block that no request owns; their block table names only 
 block, so their attention sees one key. The engine allocates the scratch block and
 page past the ranges its pools hand out.
 
+Short-row steps (:meth:`DecodeGraphs.replay_short`): the first token of a prompt whose
+prefix is cached runs one step of a few hundred tokens over thousands of cached ones;
+its kernels are short and its launches (several per layer) dominate. Such steps (prefill
+rows only, greedy, at most :data:`SHORT_BATCH_BUCKETS`' largest rows, every row at most
+the policy's ``max_short_tokens``) replay a graph keyed by :class:`ShortShape`: the rows
+bucket, the tokens every row is padded to (:func:`short_tokens_bucket`), and the kernel
+policy; the block tables are always the widest (the prefill attention walks a row's keys
+up to its positions, so one graph serves every context length). The static buffer
+(:class:`_ShortStatic`) has the decode layout for ``q`` = the padded row length, plus
+the offset of each row's last real token (the draw reads its logits). A row's padding
+tokens come after its real ones, repeat its last token and position, write their keys
+to the scratch block and no state; padding rows sit at position 0 of the scratch block,
+read the scratch page and write no state. The prefill attention's tile map depends only
+on the padded shape: the warm-up run before the capture computes and uploads it into
+the batch's ``attention_tiles``, and the capture reuses it (nothing is uploaded inside
+a capture). Exactness: per padded shape the kernels compute every real token as the
+eager step does (no kernel mixes tokens of a row across its padding); on CUDA the
+matrix products of a padded step run on more rows than the eager step's, and cuBLAS may
+pick another kernel for another row count (as for decode graphs' padding rows).
+
 Without capture (``capture=False``, the default off CUDA) a "replay" runs the same
 static-buffer forward eagerly: the CPU tests check the buffer building, the padding
 and the fallbacks against the ordinary path that way.
@@ -146,8 +166,9 @@ class StepShape:
 @dataclass(frozen=True)
 class ShortShape:
     """The graph key of a short-row step: ``rows`` real rows padded to ``batch``, every
-    row padded to ``tokens`` tokens, block tables ``width`` blocks wide, under the
-    model's kernel ``policy`` (a comparison may swap the model for another policy)."""
+    row padded to ``tokens`` tokens, block tables ``width`` blocks wide (always the
+    graphs' widest: one graph serves every context length), under the model's kernel
+    ``policy`` (a comparison may swap the model for another policy)."""
 
     rows: int
     batch: int
@@ -620,8 +641,10 @@ class DecodeGraphs:
             return None
         if len(set(out_pages)) != len(out_pages) or in_pages.intersection(out_pages):
             return None
-        return ShortShape(len(rows), batch, short_tokens_bucket(longest),
-                          blocks_bucket(blocks, self.max_blocks), policy)
+        # The tables are always the widest: the prefill attention walks a row's keys up to
+        # its positions, not its table's width, so one graph serves every context length.
+        return ShortShape(len(rows), batch, short_tokens_bucket(longest), self.max_blocks,
+                          policy)
 
     def replay_short(self, sched: SchedulerOutput, model: torch.nn.Module) -> torch.Tensor | None:
         """Run the short-row step ``sched`` of ``model`` from a graph if it qualifies

@@ -113,10 +113,10 @@ def test_fill_pads_tokens_and_rows(tiny_nemotron):
             _prefill_row(0, 34, -1, {34: 11}, (6, 2, 1), toks)]
     sched = SchedulerOutput(rows, [])
     shape = graphs.short_shape_of(sched, graphs.model)
-    assert shape == ShortShape(2, 2, 64, 4, SHORT)
+    assert shape == ShortShape(2, 2, 64, 8, SHORT)  # tables always the widest
     st = _ShortStatic(64, graphs.max_batch, graphs.max_blocks, 60, 90, 16, torch.device("cpu"))
     st.host[:] = 999  # stale values must be overwritten where the step reads them
-    three = ShortShape(2, 4, 64, 4, SHORT)  # and a bucket of 4: two padding rows
+    three = ShortShape(2, 4, 64, 8, SHORT)  # and a bucket of 4: two padding rows
     graphs.fill_short(st, sched, three)
     m = st.meta
     q, tab = 64, 4 * 64 + 1
@@ -129,10 +129,10 @@ def test_fill_pads_tokens_and_rows(tiny_nemotron):
     outs = [-1] * q
     outs[7], outs[19] = 7, 8  # the states after positions 47 and 59
     assert r0[3 * q] == 3 and r0[3 * q + 1 : 4 * q + 1] == outs
-    assert r0[tab : tab + 4] == [9, 8, 5, 4] and r0[st.last] == 19
+    assert r0[tab : tab + 8] == [9, 8, 5, 4, -1, -1, -1, -1] and r0[st.last] == 19
     r1 = m[1].tolist()
     assert r1[:34] == toks[:34] and r1[3 * q] == -1 and r1[3 * q + 34] == 11
-    assert r1[tab : tab + 4] == [6, 2, 1, -1] and r1[st.last] == 33
+    assert r1[tab : tab + 8] == [6, 2, 1] + [-1] * 5 and r1[st.last] == 33
     for r in (2, 3):  # padding rows: position 0, the scratch block and page, no state
         pad = m[r].tolist()
         assert pad[q : 2 * q] == [0] * q and pad[3 * q] == 90
@@ -246,3 +246,28 @@ def test_captured_short_steps_match_eager_on_cuda(tiny_nemotron):
     assert graphs.counters["short_captures"] >= 1, graphs.counters
     assert graphs.counters["short_graph_steps"] >= len(prompts), graphs.counters
     assert got == want
+
+
+def test_prefill_attention_reuses_a_tile_cache():
+    """The tile-map cache a short-row graph passes: filled on the first call, then read
+    instead of recomputing (an empty map there runs no program: the output is untouched),
+    with the same result as without a cache."""
+    from hybridserve.kernels.paged_attention_prefill import paged_attention_prefill_triton
+
+    g = torch.Generator().manual_seed(_seed())
+    k = torch.randn(4, 16, 1, 16, generator=g)
+    v = torch.randn(4, 16, 1, 16, generator=g)
+    q = torch.randn(7, 2, 16, generator=g)
+    tables = torch.tensor([[2, 0], [3, -1]], dtype=torch.int32)
+    positions = torch.tensor([17, 18, 19, 20, 3, 4, 5])
+    args = (q, k, v, [0, 4, 7], [17, 3], tables, positions, 0.25)
+    want = paged_attention_prefill_triton(*args)
+    cache: dict[int, torch.Tensor] = {}
+    got = paged_attention_prefill_triton(*args, tile_cache=cache)
+    assert torch.equal(got, want) and len(cache) == 1
+    assert torch.equal(paged_attention_prefill_triton(*args, tile_cache=cache), want)
+    per_tile = next(iter(cache))
+    cache[per_tile] = cache[per_tile][:0]
+    out = torch.full_like(q, 7.0)
+    paged_attention_prefill_triton(*args, tile_cache=cache, out=out)
+    assert (out == 7.0).all()
