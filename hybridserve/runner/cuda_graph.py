@@ -40,10 +40,10 @@ page past the ranges its pools hand out.
 Short-row steps (:meth:`DecodeGraphs.replay_short`): the first token of a prompt whose
 prefix is cached runs one step of a few hundred tokens over thousands of cached ones;
 its kernels are short and its launches (several per layer) dominate. Such steps (prefill
-rows only, greedy, at most :data:`SHORT_BATCH_BUCKETS`' largest rows, every row at most
+rows only, greedy or sampled without penalties or logprobs, at most :data:`SHORT_BATCH_BUCKETS`' largest rows, every row at most
 the policy's ``max_short_tokens``) replay a graph keyed by :class:`ShortShape`: the rows
-bucket, the tokens every row is padded to (:func:`short_tokens_bucket`), and the kernel
-policy; the block tables are always the widest (the prefill attention walks a row's keys
+bucket, the tokens every row is padded to (:func:`short_tokens_bucket`), the kernel
+policy and the draw (:class:`Sampling`); the block tables are always the widest (the prefill attention walks a row's keys
 up to its positions, so one graph serves every context length). The static buffer
 (:class:`_ShortStatic`) has the decode layout for ``q`` = the padded row length, plus
 the offset of each row's last real token (the draw reads its logits). A row's padding
@@ -175,10 +175,11 @@ class ShortShape:
     tokens: int
     width: int
     policy: object = None
+    sampling: Sampling = GREEDY
 
     @property
     def key(self) -> tuple:
-        return ("short", self.batch, self.tokens, self.width, self.policy)
+        return ("short", self.batch, self.tokens, self.width, self.policy, self.sampling)
 
 
 class _Static:
@@ -377,19 +378,26 @@ class DecodeGraphs:
             blocks = max(blocks, need)
         if blocks > self.max_blocks or in_pages & out_pages:
             return None
-        sampling = GREEDY
-        if not all(sampler.samples_by_argmax(row.request.params) for row in rows):
-            if not self.sampled_enabled:
-                return None
-            vocab = self.model.config.vocab_size
-            k = max((sampler.active_top_k(row.request.params, vocab) for row in rows), default=0)
-            sampling = Sampling(
-                any_sampled=any(not row.request.params.greedy for row in rows),
-                top_k=min(1 << (k - 1).bit_length(), vocab) if k else 0,
-                any_top_p=any(sampler.active_top_p(row.request.params) < 1.0 for row in rows),
-                any_min_p=any(sampler.active_min_p(row.request.params) > 0.0 for row in rows),
-            )
+        sampling = self._sampling_of([row.request.params for row in rows])
+        if sampling is None:
+            return None
         return StepShape(len(rows), batch, q, blocks_bucket(blocks, self.max_blocks), sampling)
+
+    def _sampling_of(self, params: list) -> Sampling | None:
+        """What the draw of rows of ``params`` must do (:class:`Sampling`), or None when
+        they sample and sampled graphs are off."""
+        if all(sampler.samples_by_argmax(p) for p in params):
+            return GREEDY
+        if not self.sampled_enabled:
+            return None
+        vocab = self.model.config.vocab_size
+        k = max((sampler.active_top_k(p, vocab) for p in params), default=0)
+        return Sampling(
+            any_sampled=any(not p.greedy for p in params),
+            top_k=min(1 << (k - 1).bit_length(), vocab) if k else 0,
+            any_top_p=any(sampler.active_top_p(p) < 1.0 for p in params),
+            any_min_p=any(sampler.active_min_p(p) > 0.0 for p in params),
+        )
 
     # ---- one step ------------------------------------------------------------------
 
@@ -588,7 +596,9 @@ class DecodeGraphs:
         lengths or longer than :data:`MAX_DECODE_TOKENS` (so the eager plan is the
         short-row path, not a decode step), at most the largest of
         :data:`SHORT_BATCH_BUCKETS` rows, no output page repeated or read by any row,
-        every sampling row greedy (the argmax of its last token's logits), on a model
+        no sampling row asking for penalties, logprobs or a grammar (greedy rows take the
+        argmax of their last token's logits, sampled rows draw there as decode graphs
+        do), on a model
         whose eager plan takes the short-row path and (when capturing) the Triton prefill
         attention (its twin reads host context lengths). Rows are padded to
         :func:`short_tokens_bucket` of the longest row: the padding tokens come after the
@@ -622,7 +632,7 @@ class DecodeGraphs:
                 or row.num_drafts
                 or rq < 2
                 or rq > policy.max_short_tokens
-                or (row.samples and not sampler.samples_by_argmax(row.request.params))
+                or (row.samples and not sampler.graph_samplable(row.request.params))
             ):
                 return None
             for p in row.state_outputs:
@@ -641,10 +651,14 @@ class DecodeGraphs:
             return None
         if len(set(out_pages)) != len(out_pages) or in_pages.intersection(out_pages):
             return None
+        # Rows that do not sample draw greedily (their choice is dropped).
+        sampling = self._sampling_of([row.request.params for row in rows if row.samples])
+        if sampling is None:
+            return None
         # The tables are always the widest: the prefill attention walks a row's keys up to
         # its positions, not its table's width, so one graph serves every context length.
         return ShortShape(len(rows), batch, short_tokens_bucket(longest), self.max_blocks,
-                          policy)
+                          policy, sampling)
 
     def replay_short(self, sched: SchedulerOutput, model: torch.nn.Module) -> torch.Tensor | None:
         """Run the short-row step ``sched`` of ``model`` from a graph if it qualifies
@@ -705,7 +719,23 @@ class DecodeGraphs:
             context.append(n + rq)
         h[shape.rows : shape.batch] = st.pad
         st.context_lens = context + [1] * (shape.batch - shape.rows)
-        st.end_fill(shape.batch, 0)
+        params = 0
+        if shape.sampling != GREEDY:
+            # One draw a row, from its last real token: the parameters of its next
+            # generated token, [batch, columns] from the buffer's start (padding rows and
+            # rows that do not sample draw greedily and are dropped).
+            ncol = len(sampler.PARAM_COLUMNS)
+            params = shape.batch * ncol
+            ph = st.params_staging[st.turn].numpy()[:params].reshape(shape.batch, ncol)
+            ph[:] = 0.0
+            vocab = self.model.config.vocab_size
+            for i, row in enumerate(sched.rows):
+                if row.samples:
+                    req = row.request
+                    ph[i] = sampler.position_params(
+                        req.params, req.sample_seed, len(req.output_token_ids), 1, vocab
+                    )[0]
+        st.end_fill(shape.batch, params)
 
     def _short_forward(self, st: _ShortStatic, shape: ShortShape, model) -> torch.Tensor:
         """The short-row step over the static buffer: ``[B]`` chosen ids (what is captured):
@@ -746,7 +776,16 @@ class DecodeGraphs:
         )
         hidden = model.forward(m[:, 0:q].reshape(-1), batch, self.caches)
         last = st.row_base[:b] + m[:, st.last]
-        return sampler.argmax_ids(model.compute_logits(hidden.index_select(0, last)))
+        logits = model.compute_logits(hidden.index_select(0, last))
+        sm = shape.sampling
+        if sm == GREEDY:
+            return sampler.argmax_ids(logits)
+        plan = sampler.DrawPlan(
+            packed=st.params, num_positions=b, num_penalties=0, logprob_positions=[],
+            logprob_k=[], max_logprobs=0, max_top_k=sm.top_k, any_sampled=sm.any_sampled,
+            any_top_p=sm.any_top_p, any_min_p=sm.any_min_p,
+        )
+        return sampler.sample_step(logits, plan, st.params)
 
     def _capture_short(self, st: _ShortStatic, shape: ShortShape, model):
         key = shape.key
@@ -769,7 +808,10 @@ class DecodeGraphs:
                 out = self._short_forward(st, shape, model)
         except Exception as e:  # a failed capture turns short graphs off; eager from here
             self.capture_errors.append(f"{key}: {type(e).__name__}: {e}")
-            self.short_enabled = False
+            if shape.sampling == GREEDY:
+                self.short_enabled = False
+            else:
+                self.sampled_enabled = False
             return None
         entry = (graph, out)
         self._graphs[key] = entry

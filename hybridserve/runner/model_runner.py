@@ -16,7 +16,7 @@ With decode graphs enabled (:meth:`ModelRunner.enable_decode_graphs`, the engine
 default on CUDA), a greedy decode or verify step replays a captured CUDA graph
 (:mod:`hybridserve.runner.cuda_graph`), and so does a short-row step (a prompt's tail
 after a cached prefix: few prefill rows of at most the policy's ``max_short_tokens``
-tokens, greedy; :meth:`~hybridserve.runner.cuda_graph.DecodeGraphs.replay_short`); every
+tokens, without penalties or logprobs; :meth:`~hybridserve.runner.cuda_graph.DecodeGraphs.replay_short`); every
 other step runs eagerly as below. A
 replayed step can also be split in two (:meth:`ModelRunner.launch`, then
 :meth:`ModelRunner.collect`): the engine's async scheduling launches the next step in

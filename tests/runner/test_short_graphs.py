@@ -14,7 +14,9 @@ from hybridserve.config import KernelPolicy
 from hybridserve.engine.engine_core import EngineCore
 from hybridserve.engine.request import Request
 from hybridserve.runner.cuda_graph import (
+    GREEDY,
     DecodeGraphs,
+    Sampling,
     ShortShape,
     _ShortStatic,
     short_tokens_bucket,
@@ -85,8 +87,13 @@ def test_shape_and_fallbacks(tiny_nemotron):
     assert shape(row(q=8, outs={48: 5}), row(q=8, page=4, outs={48: 6})) is None  # uniform
     assert shape(row(q=600, n=0, outs={600: 5}, tokens=range(3, 700))) is None  # too long
     assert shape(*[row(page=10 + i, outs={70: 20 + i}) for i in range(9)]) is None
-    sampled = SamplingParams(temperature=0.8, seed=3)
-    assert shape(row(params=sampled)) is None
+    sampled = shape(row(params=SamplingParams(temperature=0.8, top_k=5, seed=3)))
+    assert sampled.sampling == Sampling(any_sampled=True, top_k=8)
+    assert sampled.key != shape(row()).key
+    # A row that does not sample draws nothing: its parameters do not count.
+    assert shape(row(params=SamplingParams(temperature=0.8), samples=False)).sampling == GREEDY
+    assert shape(row(params=SamplingParams(temperature=0.8, presence_penalty=0.5))) is None
+    assert shape(row(params=SamplingParams(temperature=0.0, logprobs=1))) is None
     assert shape(row(), row(page=5, outs={70: 6})) is None  # writes a page another reads
     assert shape(row(), row(page=4, outs={70: 5})) is None  # repeats an output page
     assert shape(row(outs={71: 5})) is None  # an output past the row
@@ -220,6 +227,36 @@ def test_cached_prefix_generation_same_tokens(request, fixture):
     got, graphs = run(False)
     assert got == want
     assert graphs.counters["short_graph_steps"] >= len(prompts), graphs.counters
+
+
+def test_sampled_first_tokens_are_the_eager_draws(tiny_nemotron):
+    """Seeded sampled requests over a cached prefix (temperature, top-k, top-p, min-p,
+    a greedy one beside them, in one step): the short-row graph step draws exactly the
+    eager step's first tokens (one counter-based stream)."""
+    g = torch.Generator().manual_seed(_seed())
+    prefix, prompts = _cached_prompts(g, 64, (40, 23, 61, 35, 50))
+    params = [
+        SamplingParams(temperature=0.9, seed=11, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=0.7, top_k=20, seed=12, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=1.2, top_p=0.8, seed=13, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=0.8, min_p=0.05, seed=14, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+    ]
+    kw = dict(kernel_policy=SHORT, enable_prefix_caching=True, state_interval=16,
+              max_num_seqs=8)
+
+    def run(enforce_eager):
+        llm = _rebuild(LLM(tiny_nemotron, **kw), enforce_eager)
+        llm.generate([prefix + [5, 6, 7]], params[-1], use_tqdm=False)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert all(o.num_cached_tokens == 64 for o in outs)
+        return [o.outputs[0].token_ids for o in outs], llm.engine.runner.graphs
+
+    want, _ = run(True)
+    got, graphs = run(False)
+    assert got == want
+    assert graphs.counters["short_graph_steps"] >= 1, graphs.counters
+    assert any(k[0] == "short" and k[-1].any_sampled for k in graphs._graphs)
 
 
 @pytest.mark.gpu
