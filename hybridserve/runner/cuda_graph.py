@@ -39,23 +39,25 @@ page past the ranges its pools hand out.
 
 Short-row steps (:meth:`DecodeGraphs.replay_short`): the first token of a prompt whose
 prefix is cached runs one step of a few hundred tokens over thousands of cached ones;
-its kernels are short and its launches (several per layer) dominate. Such steps (prefill
-rows only, greedy or sampled without penalties or logprobs, at most :data:`SHORT_BATCH_BUCKETS`' largest rows, every row at most
-the policy's ``max_short_tokens``) replay a graph keyed by :class:`ShortShape`: the rows
-bucket, the tokens every row is padded to (:func:`short_tokens_bucket`), the kernel
-policy and the draw (:class:`Sampling`); the block tables are always the widest (the prefill attention walks a row's keys
-up to its positions, so one graph serves every context length). The static buffer
-(:class:`_ShortStatic`) has the decode layout for ``q`` = the padded row length, plus
-the offset of each row's last real token (the draw reads its logits). A row's padding
-tokens come after its real ones, repeat its last token and position, write their keys
-to the scratch block and no state; padding rows sit at position 0 of the scratch block,
-read the scratch page and write no state. The prefill attention's tile map depends only
-on the padded shape: the warm-up run before the capture computes and uploads it into
-the batch's ``attention_tiles``, and the capture reuses it (nothing is uploaded inside
-a capture). Exactness: per padded shape the kernels compute every real token as the
-eager step does (no kernel mixes tokens of a row across its padding); on CUDA the
-matrix products of a padded step run on more rows than the eager step's, and cuBLAS may
-pick another kernel for another row count (as for decode graphs' padding rows).
+its kernels are short and its launches (several per layer) dominate. Such steps
+(prefill rows only, greedy or sampled without penalties or logprobs, at most
+:data:`SHORT_BATCH_BUCKETS`' largest rows, every row at most the policy's
+``max_short_tokens``) replay a graph keyed by :class:`ShortShape`: the rows bucket, the
+tokens every row is padded to (:func:`short_tokens_bucket`), the kernel policy and the
+draw (:class:`Sampling`); the block tables are always the widest (the prefill attention
+walks a row's keys up to its positions, so one graph serves every context length). The
+static buffer (:class:`_ShortStatic`) has the decode layout for ``q`` = the padded row
+length, plus the offset of each row's last real token (the draw reads its logits). A
+row's padding tokens come after its real ones, repeat its last token and position,
+write their keys to the scratch block and no state; padding rows sit at position 0 of
+the scratch block, read the scratch page and write no state. The prefill attention's
+tile map depends only on the padded shape: the warm-up run before the capture computes
+and uploads it into the batch's ``attention_tiles``, and the capture reuses it (nothing
+is uploaded inside a capture). Exactness: per padded shape the kernels compute every
+real token as the eager step does (no kernel mixes tokens of a row across its padding);
+on CUDA the matrix products of a padded step run on more rows than the eager step's,
+and cuBLAS may pick another kernel for another row count (as for decode graphs' padding
+rows).
 
 Without capture (``capture=False``, the default off CUDA) a "replay" runs the same
 static-buffer forward eagerly: the CPU tests check the buffer building, the padding
