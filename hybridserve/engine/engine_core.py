@@ -36,6 +36,7 @@ from hybridserve.engine.request import (
     SamplingParams,
 )
 from hybridserve.engine.scheduler import ScheduledRow, Scheduler, SchedulerOutput
+from hybridserve.engine.stats import AdmittedStats, FinishedStats, StatsObserver, StepStats
 from hybridserve.runner.model_runner import ModelRunner, PendingStep
 from hybridserve.step import PostprocessDecision, RowResult, StepResult
 from hybridserve.tokenizer import Tokenizer
@@ -157,6 +158,9 @@ class EngineCore:
             "spec_drafter_seconds": 0.0,
         }
         self.check_integrity_every_step = False
+        # Gets one StepStats per step (hybridserve.engine.stats); None records nothing.
+        self.stats_observer: StatsObserver | None = None
+        self._step_stats: StepStats | None = None
         self._grammars = None  # the GrammarBackend, built on the first constrained request
 
     def grammar_backend(self):
@@ -206,6 +210,7 @@ class EngineCore:
             # Compiling is what can fail on the user's input: before anything is queued.
             self.grammar_backend().compile(so)
         arrival = next(self._arrival)
+        arrival_time = time.monotonic()
         children = []
         for i in range(params.n):
             if params.seed is not None:
@@ -224,6 +229,7 @@ class EngineCore:
                     sample_seed=seed,
                     parent_id=request_id if params.n > 1 else None,
                     grammar=None if so is None else self._grammars.matcher(so),
+                    arrival_time=arrival_time,
                 )
             )
         group = _Group(request_id, prompt, list(prompt_token_ids), children, final_only=final_only)
@@ -252,12 +258,27 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the outputs of every request that advanced or finished.
 
+        With a ``stats_observer``, the step's :class:`~hybridserve.engine.stats.StepStats`
+        go to it once the step is committed (also when the step raised: what was
+        recorded before the failure).
+
         With async scheduling, a plain decode step is launched, then the step after it
         is scheduled and launched (:meth:`_launch_ahead`) before the first one's tokens
         are read back and committed; the second stays in flight and the next call
         starts from it. Its rows of requests that finish meanwhile (a stop token, an
         abort) are dropped when it is read back.
         """
+        if self.stats_observer is None:
+            return self._step()
+        self._step_stats = StepStats()
+        try:
+            return self._step()
+        finally:
+            stats, self._step_stats = self._step_stats, None
+            if stats:
+                self.stats_observer.on_step(stats)
+
+    def _step(self) -> list[RequestOutput]:
         if self._inflight is not None:
             sched, pending = self._inflight
             self._inflight = None
@@ -265,6 +286,8 @@ class EngineCore:
         if self.drafter is not None:
             self._propose_drafts()
         sched = self.scheduler.schedule()
+        if self._step_stats is not None:
+            self._stamp_scheduled(sched)
         if not sched.rows:
             if sched.transfers:
                 # Only host-tier copies this step (a restore the waiting head needs).
@@ -288,6 +311,50 @@ class EngineCore:
         outputs = self._process(sched, results)
         self._check_integrity()
         return outputs
+
+    def _stamp_scheduled(self, sched: SchedulerOutput) -> None:
+        """Record the first scheduling of the step's sequences (their queue time ends)."""
+        stats = self._step_stats
+        now = time.monotonic()
+        for row in sched.rows:
+            req = row.request
+            if req.scheduled_time < 0:
+                req.scheduled_time = now
+                stats.admitted.append(
+                    AdmittedStats(
+                        queue_seconds=now - req.arrival_time,
+                        prompt_tokens=req.num_prompt_tokens,
+                        cached_tokens=req.num_cached_tokens,
+                        kv_cached_tokens=req.kv_prefix_tokens,
+                    )
+                )
+
+    def _stamp_tokens(self, req: Request) -> None:
+        """``req`` got tokens in the step being committed."""
+        now = time.monotonic()
+        if req.first_token_time < 0:
+            req.first_token_time = now
+            self._step_stats.time_to_first_token.append(now - req.arrival_time)
+        else:
+            self._step_stats.inter_token_latency.append(now - req.last_token_time)
+        req.last_token_time = now
+
+    def _stamp_finished(self, req: Request, reason: str) -> None:
+        first = req.first_token_time if req.first_token_time >= 0 else req.last_token_time
+        scheduled = req.scheduled_time if req.scheduled_time >= 0 else req.arrival_time
+        self._step_stats.finished.append(
+            FinishedStats(
+                finish_reason=reason,
+                e2e_seconds=time.monotonic() - req.arrival_time,
+                queue_seconds=scheduled - req.arrival_time,
+                prefill_seconds=max(first - scheduled, 0.0),
+                decode_seconds=max(req.last_token_time - first, 0.0),
+                prompt_tokens=req.num_prompt_tokens,
+                generation_tokens=len(req.output_token_ids),
+                max_tokens=req.params.max_tokens,
+                n=req.params.n,
+            )
+        )
 
     def _guarded(self, sched: SchedulerOutput, run):
         try:
@@ -370,6 +437,8 @@ class EngineCore:
             try:
                 if res.new_tokens:
                     self._append_tokens(req, res.new_tokens, res.logprobs)
+                    if self._step_stats is not None:
+                        self._stamp_tokens(req)
                 if not row.is_decode:
                     self.scheduler.commit_prefill_row(row)
             except Exception as e:
@@ -613,6 +682,8 @@ class EngineCore:
         if self.drafter is not None:
             self.drafter.forget(req.request_id)
         self.counters["requests_finished"] += 1
+        if self._step_stats is not None:
+            self._stamp_finished(req, status.value)
 
     # ---- outputs -----------------------------------------------------------------
 

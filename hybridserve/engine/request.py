@@ -88,6 +88,15 @@ class Request:
     # The sequence's GrammarMatcher when its params ask for structured outputs: the
     # grammar state after output_token_ids (drafts are never committed to it).
     grammar: object | None = None
+    # Prefix-cache facts of the first admission: the longest cached KV prefix (with a
+    # checkpoint or not; num_cached_tokens is the part served).
+    kv_prefix_tokens: int = 0
+    # Timestamps (time.monotonic(); -1 until they happen) for the engine's statistics
+    # (hybridserve.engine.stats).
+    arrival_time: float = -1.0
+    scheduled_time: float = -1.0
+    first_token_time: float = -1.0
+    last_token_time: float = -1.0
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

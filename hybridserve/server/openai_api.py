@@ -75,6 +75,7 @@ class ServerState:
     api_key: str | None
     info: dict[str, str]
     created: int
+    metrics: metrics.ServerMetrics
 
 
 def create_app(
@@ -143,12 +144,19 @@ def create_app(
     if serving_cfg.default_sampling:
         log.info("default sampling from generation_config.json: %s", serving_cfg.default_sampling)
     engine = AsyncEngine(llm.engine)
+    info = {"model": name, "dtype": str(cfg.dtype).removeprefix("torch."), "device": cfg.device}
+    prometheus = metrics.ServerMetrics(
+        engine.stats, model_name=name, max_model_len=cfg.scheduler.max_model_len, info=info
+    )
+    # The engine's thread observes the latency histograms after each step.
+    llm.engine.stats_observer = prometheus
     state = ServerState(
         engine=engine,
         serving=OpenAIServing(engine, serving_cfg),
         api_key=api_key,
-        info={"model": name, "dtype": str(cfg.dtype).removeprefix("torch."), "device": cfg.device},
+        info=info,
         created=int(time.time()),
+        metrics=prometheus,
     )
 
     @asynccontextmanager
@@ -246,7 +254,7 @@ def create_app(
 
     @app.get("/metrics")
     async def get_metrics() -> Response:
-        return Response(metrics.render(engine.stats(), state.info), media_type=metrics.CONTENT_TYPE)
+        return Response(state.metrics.render(), media_type=metrics.CONTENT_TYPE)
 
     # Added last, so it runs first: no route, key check or handler sees an oversized body.
     app.add_middleware(BodyLimit, max_bytes=max_request_body_bytes)

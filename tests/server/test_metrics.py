@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -97,3 +100,153 @@ def test_speculative_counters(chat_model, server_factory) -> None:
         # into a loop the drafter predicts: measured 4.0 (every draft of every row).
         assert m["hybridserve_spec_mean_accepted_length"] >= 3.0
         assert accepted >= 9
+        # vLLM's names carry the same counts.
+        assert m["hybridserve:spec_decode_num_draft_tokens_total"] == drafts
+        assert m["hybridserve:spec_decode_num_accepted_tokens_total"] == accepted
+        assert 0 < m["hybridserve:spec_decode_num_drafts_total"] <= drafts
+
+
+def families(c: httpx.Client) -> dict[str, Any]:
+    r = c.get("/metrics")
+    assert r.status_code == 200
+    return {f.name: f for f in text_string_to_metric_families(r.text)}
+
+
+def value(fams: dict[str, Any], family: str, sample: str | None = None, **labels: str) -> float:
+    """The one sample named ``sample`` (default: the family's own) with ``labels``."""
+    found = [
+        s.value
+        for s in fams[family].samples
+        if s.name == (sample or family) and all(s.labels.get(k) == v for k, v in labels.items())
+    ]
+    assert len(found) == 1, (family, sample, labels, fams[family].samples)
+    return found[0]
+
+
+def buckets(fams: dict[str, Any], family: str) -> dict[float, float]:
+    out = {float(s.labels["le"]): s.value for s in fams[family].samples if s.name == family + "_bucket"}
+    counts = [out[k] for k in sorted(out)]
+    assert counts == sorted(counts), f"{family}: buckets not cumulative"
+    return out
+
+
+STEP_DELAY = 0.03
+
+
+def test_latency_histograms_follow_the_requests(chat_model, server_factory) -> None:
+    """Every step is slowed by STEP_DELAY, so every latency the engine observes is at
+    least that long; counts and token sums must match what the clients got."""
+    import time
+
+    srv = server_factory(chat_model, served_model_name="tiny", state_interval=32)
+    runner = srv.engine.engine.runner
+    execute = runner.execute
+
+    def slow_execute(sched):
+        time.sleep(STEP_DELAY)
+        return execute(sched)
+
+    runner.execute = slow_execute
+    k = 4
+    bs = srv.engine.engine.config.cache.kv_block_size
+    prefix = list(range(40, 40 + 3 * bs))  # three full blocks, a checkpoint at 32 only
+    prompts = [prefix + [7, 8, 9], prefix[: 2 * bs + 5] + [200, 201]]
+    with httpx.Client(base_url=srv.base_url, timeout=60) as c:
+        usages, walls = [], []
+        for ids in prompts:
+            t0 = time.monotonic()
+            r = c.post(
+                "/v1/completions",
+                json={"prompt": ids, "max_tokens": k, "ignore_eos": True, "temperature": 0},
+            )
+            walls.append(time.monotonic() - t0)
+            assert r.status_code == 200, r.text
+            usages.append(r.json()["usage"])
+        # And one streamed request: the same observations.
+        t0 = time.monotonic()
+        with c.stream(
+            "POST",
+            "/v1/completions",
+            json={"prompt": "streamed", "max_tokens": k, "ignore_eos": True, "stream": True,
+                  "stream_options": {"include_usage": True}},
+        ) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data: {")]
+        walls.append(time.monotonic() - t0)
+        usages.append(json.loads(lines[-1][len("data: "):])["usage"])
+        srv.wait_idle()
+        fams = families(c)
+    n = len(usages)
+    pre = "hybridserve:"
+    ttft = pre + "time_to_first_token_seconds"
+    itl = pre + "inter_token_latency_seconds"
+    e2e = pre + "e2e_request_latency_seconds"
+    assert value(fams, ttft, ttft + "_count") == n
+    assert value(fams, itl, itl + "_count") == n * (k - 1)
+    tpot = pre + "time_per_output_token_seconds"
+    assert value(fams, tpot, tpot + "_count") == n * (k - 1)
+    assert value(fams, tpot, tpot + "_sum") == value(fams, itl, itl + "_sum")
+    # Every observation is at least one slowed step: nothing in buckets below it.
+    for family in (ttft, itl, e2e):
+        b = buckets(fams, family)
+        assert b[0.025] == 0 and b[float("inf")] == value(fams, family, family + "_count")
+    assert value(fams, itl, itl + "_sum") >= n * (k - 1) * STEP_DELAY
+    # End to end covers the first token and every gap after it, and no more than the
+    # client waited.
+    e2e_sum = value(fams, e2e, e2e + "_sum")
+    assert value(fams, e2e, e2e + "_count") == n
+    assert e2e_sum >= value(fams, ttft, ttft + "_sum") + value(fams, itl, itl + "_sum") - 1e-6
+    assert e2e_sum <= sum(walls)
+    queue = pre + "request_queue_time_seconds"
+    assert value(fams, queue, queue + "_count") == n
+    assert value(fams, queue, queue + "_sum") < value(fams, ttft, ttft + "_sum")
+    prompt_tokens = sum(u["prompt_tokens"] for u in usages)
+    hist = pre + "request_prompt_tokens"
+    assert value(fams, hist, hist + "_sum") == prompt_tokens
+    hist = pre + "request_generation_tokens"
+    assert value(fams, hist, hist + "_sum") == n * k and value(fams, hist, hist + "_count") == n
+    assert value(fams, pre + "request_success", pre + "request_success_total",
+                 finished_reason="length") == n
+    assert value(fams, pre + "prompt_tokens", pre + "prompt_tokens_total") == prompt_tokens
+    assert value(fams, pre + "generation_tokens", pre + "generation_tokens_total") == n * k
+    assert value(fams, pre + "num_requests_running") == 0
+    assert value(fams, pre + "num_requests_waiting") == 0
+    # The second prompt shares 2 blocks + 5 tokens with the first: both blocks' KV is
+    # cached, the state only at the grid point 32 = 2 blocks (bs 16) or its largest
+    # multiple below.
+    cached = usages[1]["prompt_tokens_details"]["cached_tokens"]
+    kv_shared = 2 * bs
+    assert 0 < cached <= kv_shared
+    assert value(fams, pre + "prefix_cache_hits", pre + "prefix_cache_hits_total") == cached
+    assert value(fams, pre + "prefix_cache_queries", pre + "prefix_cache_queries_total") == prompt_tokens
+    miss = pre + "prefix_cache_state_miss_tokens"
+    assert value(fams, miss, miss + "_total") == kv_shared - cached
+    depth = pre + "checkpoint_hit_depth_tokens"
+    assert value(fams, depth, depth + "_count") == 1
+    assert value(fams, depth, depth + "_sum") == cached
+    written = pre + "checkpoints_written"
+    assert value(fams, written, written + "_total") == value(
+        fams, "hybridserve_checkpoints_admitted", "hybridserve_checkpoints_admitted_total"
+    ) > 0
+
+
+def test_state_miss_is_counted_when_a_checkpoint_is_missing(chat_model, server_factory) -> None:
+    """With the grid at 64 and prompts of three blocks, the first prompt leaves KV for
+    three blocks but checkpoints only at its end boundaries; a second prompt leaving
+    it after two blocks finds their KV and no state there: 32 tokens recomputed."""
+    srv = server_factory(
+        chat_model, served_model_name="tiny", state_interval=64,
+        checkpoint_policies=("grid", "prompt_end"),
+    )
+    bs = srv.engine.engine.config.cache.kv_block_size
+    first = list(range(40, 40 + 3 * bs)) + [5]
+    second = first[: 2 * bs] + [250, 251, 252]
+    with httpx.Client(base_url=srv.base_url, timeout=60) as c:
+        for ids in (first, second):
+            r = c.post("/v1/completions", json={"prompt": ids, "max_tokens": 2})
+            assert r.status_code == 200, r.text
+        fams = families(c)
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    miss = "hybridserve:prefix_cache_state_miss_tokens"
+    assert value(fams, miss, miss + "_total") == 2 * bs
+    depth = "hybridserve:checkpoint_hit_depth_tokens"
+    assert value(fams, depth, depth + "_count") == 0
