@@ -205,6 +205,8 @@ class EngineCore:
             )
         if params.allowed_token_ids is not None and max(params.allowed_token_ids) >= self.vocab_size:
             raise ValueError(f"allowed_token_ids must be token ids in [0, {self.vocab_size})")
+        if params.logit_bias is not None and max(params.logit_bias) >= self.vocab_size:
+            raise ValueError(f"logit_bias must name token ids in [0, {self.vocab_size})")
         so = params.structured_outputs
         if so is not None:
             # Compiling is what can fail on the user's input: before anything is queued.
@@ -439,6 +441,8 @@ class EngineCore:
                     self._append_tokens(req, res.new_tokens, res.logprobs)
                     if self._step_stats is not None:
                         self._stamp_tokens(req)
+                if res.prompt_logprobs:
+                    self._store_prompt_logprobs(req, row.num_computed, res.prompt_logprobs)
                 if not row.is_decode:
                     self.scheduler.commit_prefill_row(row)
             except Exception as e:
@@ -657,6 +661,14 @@ class EngineCore:
             if self._length_capped(req):
                 break
 
+    @staticmethod
+    def _store_prompt_logprobs(req: Request, n: int, lps: list) -> None:
+        """A prefill row from position ``n`` computed the logprobs of prompt tokens
+        ``n + 1 ...`` (a recompute after preemption writes the same entries again)."""
+        if req.prompt_logprobs is None:
+            req.prompt_logprobs = [None] * req.num_prompt_tokens
+        req.prompt_logprobs[n + 1 : n + 1 + len(lps)] = lps
+
     def _mark_stop(self, req: Request, reason: int | str | None) -> None:
         """Finish ``req`` after this step; ``reason`` is the stop string or token id that
         ended it (None for EOS), reported as ``stop_reason`` as vLLM does."""
@@ -740,6 +752,12 @@ class EngineCore:
         }
         if finished:
             self.groups.pop(group.request_id, None)
+        prompt_logprobs = None
+        first = group.children[0]
+        if first.params.prompt_logprobs is not None:
+            # Every child computes the same prompt; the first one's entries are reported.
+            # Before its prefill is done the list has holes (None) past position 0.
+            prompt_logprobs = list(first.prompt_logprobs or [None] * first.num_prompt_tokens)
         return RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,
@@ -747,6 +765,7 @@ class EngineCore:
             outputs=outs,
             finished=finished,
             num_cached_tokens=group.children[0].num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
             metrics=metrics,
             error=group.error,
         )

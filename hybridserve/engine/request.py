@@ -78,6 +78,9 @@ class Request:
     num_registered_blocks: int = 0
     draft_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    # With params.prompt_logprobs: entry p holds prompt token p's logprobs (None for
+    # p = 0, and until a prefill row has computed position p - 1).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_preemptions: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0

@@ -16,6 +16,8 @@ One step
    takes a fresh page, queues the copy into it, makes it a device checkpoint again and
    waits one step (the copy overlaps that step's forward); the next step admits the
    request on the device hit. The step's copies travel in ``SchedulerOutput.transfers``.
+   A request asking for ``prompt_logprobs`` is admitted without a lookup: it needs
+   the logits of every prompt position, which a hit would skip.
 
 Which state each row writes (the pages come from :class:`StateCache`)
 -------------------------------------------------------------------
@@ -286,6 +288,7 @@ class Scheduler:
             not cc.enable_prefix_caching
             or "junction" not in cc.checkpoint_policies
             or req.num_computed_tokens
+            or req.params.prompt_logprobs is not None  # it would not use the checkpoint
         ):
             return False
         bs = self.block_size
@@ -321,6 +324,10 @@ class Scheduler:
         lengths whose state that chunk writes.
         """
         caching = self.cache_config.enable_prefix_caching
+        # A request asking for prompt logprobs needs the logits of every prompt position
+        # (position 0's predicts token 1), so no prefix hit can serve it: it does not
+        # read the cache (it still writes checkpoints and blocks others can hit).
+        reads_cache = caching and req.params.prompt_logprobs is None
         h, hit_blocks, hit_page, host_key, kv_prefix = 0, [], -1, None, 0
         if caching and req.num_computed_tokens == 0:
             if "prompt_end" in self.cache_config.checkpoint_policies:
@@ -331,7 +338,8 @@ class Scheduler:
                 for end in (req.num_prompt_tokens // bs * bs, (req.num_prompt_tokens - 1) // bs * bs):
                     if end > 0:
                         req.extra_checkpoints.add(end)
-            h, hit_blocks, hit_page, host_key, kv_prefix = self._lookup_prefix(req)
+            if reads_cache:
+                h, hit_blocks, hit_page, host_key, kv_prefix = self._lookup_prefix(req)
         # One restore per admission: a request that already waited for one takes the
         # device hit it finds now (a longer one may have gone to the host since).
         if (
@@ -359,7 +367,7 @@ class Scheduler:
         req.num_registered_blocks = len(hit_blocks)
         req.state_page = hit_page
         req.num_computed_tokens = h
-        if caching:
+        if reads_cache:
             self.counters["prefix_queries"] += 1
             self.counters["prefix_query_tokens"] += req.num_tokens
             self.counters["prefix_hit_tokens"] += h
