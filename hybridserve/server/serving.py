@@ -447,14 +447,15 @@ class OpenAIServing:
         messages = []
         total = 0
         for i, m in enumerate(req.messages):
-            # No content (null) renders as empty text, never as the word "None".
-            content = m.text() or ""
-            total += len(content) + len(m.name or "")
+            # No content (null) is left out of the message, as transformers does: the
+            # template sees no key, never the word "None".
+            content = m.text()
+            total += len(content or "") + len(m.name or "")
             self._check_chars(total, "messages")
             if isinstance(m.content, list):
                 for k, part in enumerate(m.content):
                     _check_unicode(part.text, f"messages.{i}.content.{k}.text")
-            else:
+            elif content is not None:
                 _check_unicode(content, f"messages.{i}.content")
             msg: dict[str, Any] = {"role": m.role, "content": content}
             for key in ("name", "tool_call_id", "reasoning_content"):
