@@ -68,6 +68,24 @@ def test_counters_move(chat_model, server_factory) -> None:
         assert m1["hybridserve_prefix_hit_tokens_total"] == cached
         assert m1["hybridserve_prefix_hit_rate"] == cached / prompt_tokens
         assert m1["hybridserve_checkpoint_pages"] > 0
+        # vLLM's names under hybridserve: carry the same snapshot values.
+        same = {
+            "hybridserve:prompt_tokens_total": "hybridserve_prompt_tokens_total",
+            "hybridserve:generation_tokens_total": "hybridserve_generation_tokens_total",
+            "hybridserve:prefix_cache_queries_total": "hybridserve_prefix_query_tokens_total",
+            "hybridserve:prefix_cache_hits_total": "hybridserve_prefix_hit_tokens_total",
+            "hybridserve:num_preemptions_total": "hybridserve_preemptions_total",
+            "hybridserve:checkpoints_written_total": "hybridserve_checkpoints_admitted_total",
+            "hybridserve:checkpoints_evicted_total": "hybridserve_checkpoints_evicted_total",
+            "hybridserve:checkpoint_pages": "hybridserve_checkpoint_pages",
+            "hybridserve:host_tier_restores_total": "hybridserve_host_checkpoints_restored_total",
+            "hybridserve:host_tier_offloads_total": "hybridserve_host_checkpoints_offloaded_total",
+            "hybridserve:engine_steps_total": "hybridserve_engine_steps_total",
+        }
+        for new, old in same.items():
+            assert m1[new] == m1[old], new
+        used = 1 - m1["hybridserve_kv_blocks_free"] / m1["hybridserve_kv_blocks"]
+        assert m1["hybridserve:kv_cache_usage_perc"] == used
         info = next(
             f
             for f in text_string_to_metric_families(c.get("/metrics").text)
@@ -250,3 +268,29 @@ def test_state_miss_is_counted_when_a_checkpoint_is_missing(chat_model, server_f
     assert value(fams, miss, miss + "_total") == 2 * bs
     depth = "hybridserve:checkpoint_hit_depth_tokens"
     assert value(fams, depth, depth + "_count") == 0
+
+
+def test_host_tier_restores_and_hit_depth(chat_model, server_factory) -> None:
+    """Two device checkpoint pages: a second prompt pushes the first one's checkpoints
+    to the host tier; the first prompt again is served by a restore."""
+    import random
+
+    srv = server_factory(chat_model, served_model_name="tiny", state_interval=16,
+                         max_checkpoint_pages=2, checkpoint_offload_pages=32, max_num_seqs=2)
+    rng = random.Random(3)
+    a, b = ([rng.randrange(3, 256) for _ in range(70)] for _ in range(2))
+    with httpx.Client(base_url=srv.base_url, timeout=60) as c:
+        for ids in (a, b, a):
+            r = c.post("/v1/completions", json={"prompt": ids, "max_tokens": 2, "temperature": 0})
+            assert r.status_code == 200, r.text
+        cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        fams = families(c)
+    assert cached > 0
+    restores = "hybridserve:host_tier_restores"
+    assert value(fams, restores, restores + "_total") >= 1
+    offloads = "hybridserve:host_tier_offloads"
+    assert value(fams, offloads, offloads + "_total") >= value(fams, restores, restores + "_total")
+    depth = "hybridserve:checkpoint_hit_depth_tokens"
+    # The third request is the one hit (the second shares no prefix with the first).
+    assert value(fams, depth, depth + "_count") == 1
+    assert value(fams, depth, depth + "_sum") == cached
