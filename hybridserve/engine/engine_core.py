@@ -230,7 +230,8 @@ class EngineCore:
                     max_model_len=max_len,
                     sample_seed=seed,
                     parent_id=request_id if params.n > 1 else None,
-                    grammar=None if so is None else self._grammars.matcher(so),
+                    grammar=None if so is None or so.after_token_ids else self._grammars.matcher(so),
+                    pending_grammar=self._grammars.matcher(so) if so is not None and so.after_token_ids else None,
                     arrival_time=arrival_time,
                 )
             )
@@ -618,7 +619,24 @@ class EngineCore:
                 # A draft the grammar rejects could never be emitted: the run the
                 # verifier may accept ends before it.
                 drafts = drafts[: req.grammar.valid_prefix(drafts)]
+            elif drafts and req.pending_grammar is not None:
+                # No position may follow the token that starts the grammar within one
+                # row (its mask would be needed before the row exists): the drafts end
+                # before the token that would complete the grammar's start tag.
+                drafts = drafts[: self._before_grammar_start(req, drafts)]
             req.draft_token_ids = drafts
+
+    @staticmethod
+    def _before_grammar_start(req: Request, drafts: list[int]) -> int:
+        """How many of ``drafts`` can be verified in one row while ``req``'s grammar
+        waits for its start tag: all of them before the one completing the tag."""
+        tag = req.params.structured_outputs.after_token_ids
+        seq = req.output_token_ids[-len(tag):] if len(tag) > 1 else []
+        for j, t in enumerate(drafts):
+            seq = (seq + [t])[-len(tag):]
+            if tuple(seq) == tag:
+                return j
+        return len(drafts)
 
     def _max_tokens(self, req: Request) -> int:
         mt = req.params.max_tokens
@@ -642,6 +660,11 @@ class EngineCore:
             req.append_output(tok)
             if req.grammar is not None:
                 req.grammar.accept(tok)
+            elif req.pending_grammar is not None:
+                tag = p.structured_outputs.after_token_ids
+                if tuple(req.output_token_ids[-len(tag):]) == tag:
+                    # The grammar applies from the next token on.
+                    req.grammar, req.pending_grammar = req.pending_grammar, None
             if logprobs:
                 req.logprobs.append(logprobs[i])
             self.counters["generation_tokens"] += 1

@@ -91,6 +91,9 @@ class Request:
     # The sequence's GrammarMatcher when its params ask for structured outputs: the
     # grammar state after output_token_ids (drafts are never committed to it).
     grammar: object | None = None
+    # A matcher waiting for the output to write its params' after_token_ids (the end of
+    # a reasoning block); it becomes ``grammar`` from the token after them.
+    pending_grammar: object | None = None
     # Prefix-cache facts of the first admission: the longest cached KV prefix (with a
     # checkpoint or not; num_cached_tokens is the part served).
     kv_prefix_tokens: int = 0

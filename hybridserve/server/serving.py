@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -41,7 +42,7 @@ from starlette.types import Receive
 
 from hybridserve.chat_template import ChatTemplateError, render_chat
 from hybridserve.engine.request import CompletionOutput, Logprob, RequestOutput, SamplingParams
-from hybridserve.reasoning import get_reasoning_parser
+from hybridserve.reasoning import ReasoningParser, get_reasoning_parser, prompt_opens_reasoning
 from hybridserve.server.async_engine import AsyncEngine, EngineError, EngineStopped, RequestStream
 from hybridserve.server.chat_output import ChoiceSplitter, OutputSplit, SplitDelta
 from hybridserve.server.errors import APIError, error_body, param_from_message
@@ -176,6 +177,13 @@ class OpenAIServing:
         if self.config.reasoning_parser is not None:
             split.reasoning = get_reasoning_parser(self.config.reasoning_parser)
         split.constrained = constraint is not None
+        if constraint is not None and split.reasoning is not None:
+            tag = self._reasoning_end_tokens(split.reasoning, prompt[0] or "", req.chat_template_kwargs)
+            if tag:
+                # The output starts as reasoning: the grammar applies after it, as
+                # vLLM's does, and the reasoning is parsed as usual.
+                params.structured_outputs = dataclasses.replace(constraint, after_token_ids=tag)
+                split.constrained = False
         split.prompt = prompt[0] or ""
         split.chat_template_kwargs = req.chat_template_kwargs
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -229,6 +237,20 @@ class OpenAIServing:
             )
         ids = list(req.tokens)
         return {"prompt": await self._offload(lambda: tok.decode(ids, skip_special_tokens=False))}
+
+    def _reasoning_end_tokens(
+        self, parser: type[ReasoningParser], prompt: str, chat_template_kwargs: dict[str, Any] | None
+    ) -> tuple[int, ...] | None:
+        """The token ids of ``parser``'s end tag when the output starts inside a
+        reasoning block (the prompt leaves one open, or the parser starts there and
+        thinking is not turned off); else None."""
+        if (chat_template_kwargs or {}).get("enable_thinking", True) is False:
+            return None
+        opens = prompt_opens_reasoning(prompt, parser.starts[0], parser.ends[0])
+        if not (opens or parser.starts_in_reasoning) or self.config.tokenizer is None:
+            return None
+        ids = self.config.tokenizer.encode(parser.ends[0], add_special_tokens=False)
+        return tuple(ids) or None
 
     def tokenizer_info(self, chat_template: str | None) -> dict[str, Any]:
         """``GET /tokenizer_info``: the tokenizer's configuration (its
