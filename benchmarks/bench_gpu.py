@@ -2095,10 +2095,6 @@ def print_kernel_checks(kc: dict) -> None:
 # --------------------------------------------------------------------------------------
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
 def numerics(device, shape, decode_steps=256, decode_rows=2, prefill_rows=(4096, 4096),
              seed=0):
     """One Mamba2 layer of ``shape`` with bfloat16 activations (x, B, C, the raw dt, the
@@ -2107,7 +2103,8 @@ def numerics(device, shape, decode_steps=256, decode_rows=2, prefill_rows=(4096,
 
     - after 1 and ``decode_steps`` decode steps through the engine's decode recurrence
       (``ssm_update``: the Triton kernel on CUDA, its twin elsewhere), each step from the
-      page the previous one wrote, and
+      page the previous one wrote (:mod:`hybridserve.testing.numerics`, the drift test's
+      driver), and
     - at the end of prefill rows of ``prefill_rows`` tokens through the engine's prefill
       path (dt discretised as the mixer does, then ``ssd_prefill`` on the packed path's
       scan: fla-core's on CUDA, the twin's elsewhere).
@@ -2115,70 +2112,34 @@ def numerics(device, shape, decode_steps=256, decode_rows=2, prefill_rows=(4096,
     ``bf16_dt`` rows repeat each with dt discretised in bfloat16 (the arithmetic before
     the decode kernels took the raw dt; float32 recurrence otherwise), for comparison. The
     bf16-vs-float32 greedy agreement is the ``agreement`` section's (not repeated here)."""
-    from hybridserve.kernels.ssd import discretize_dt, ssd_step_reference
+    from hybridserve.kernels.ssd import discretize_dt
     from hybridserve.models.step_plan import packed_scan
+    from hybridserve.testing import numerics as nm
 
     m = _mamba_shapes(shape)
     heads, head_dim, groups, d_state = m["heads"], m["head_dim"], m["groups"], m["d_state"]
     g = torch.Generator(device=device).manual_seed(seed)
-    bf16 = torch.bfloat16
-
-    def inputs(tokens):
-        dt, dt_bias, A = _mamba_raw_dt_A(g, tokens, heads, device, bf16)
-        return dict(
-            x=_randn(g, tokens, heads, head_dim, device=device, dtype=bf16),
-            dt=dt, dt_bias=dt_bias.to(bf16), A=A,
-            B=_randn(g, tokens, groups, d_state, device=device, dtype=bf16),
-            C=_randn(g, tokens, groups, d_state, device=device, dtype=bf16),
-            D=_randn(g, heads, device=device, shift=1.0, scale=0.3, dtype=bf16).float(),
-        )
-
-    def per_row_states(v, rows, dt, init, keep, dtype=torch.float64):
-        """``{t: [rows, H, P, N]}``, the states after ``t`` tokens for ``t`` in ``keep``,
-        token by token in ``dtype`` (token t of row r packed at t * rows + r)."""
-        state = init.to(dtype)
-        A, D = v["A"].to(dtype), v["D"].to(dtype)
-        out = {}
-        for t in range(max(keep)):
-            tok = slice(t * rows, (t + 1) * rows)
-            state = torch.stack([
-                ssd_step_reference(v["x"][tok][r].to(dtype), dt[tok][r].to(dtype), A,
-                                   v["B"][tok][r].to(dtype), v["C"][tok][r].to(dtype), D,
-                                   state[r])[1]
-                for r in range(rows)])
-            if t + 1 in keep:
-                out[t + 1] = state
-        return out
+    _rel = nm.rel_err
 
     # Decode: one launch per step, page to page (the engine's single-token step: no clamp).
-    rows = decode_rows
-    v = inputs(decode_steps * rows)
-    init = _randn(g, rows, heads, head_dim, d_state, device=device)
-    cache = torch.zeros(2 * rows, heads, head_dim, d_state, device=device)
-    cache[:rows] = init
     on_gpu = device.startswith("cuda")
-    update = mamba_decode.ssm_update if on_gpu else mamba_decode.ssm_update_reference
-    pages = torch.arange(2 * rows, dtype=torch.int32, device=device).view(2, rows)
-    after = {}
-    for t in range(decode_steps):
-        tok = slice(t * rows, (t + 1) * rows)
-        src, dst = pages[t % 2], pages[(t + 1) % 2]
-        update(v["x"][tok], v["dt"][tok], v["A"], v["B"][tok], v["C"][tok], v["D"], cache,
-               src, dst.view(rows, 1), dt_bias=v["dt_bias"], time_step_limit=None)
-        if t in (0, decode_steps - 1):
-            after[t + 1] = cache[dst.long()].clone()
     keep = (1, decode_steps)
-    want = per_row_states(
-        v, rows, discretize_dt(v["dt"].double(), v["dt_bias"].double(), None), init, keep)
-    old = per_row_states(v, rows, discretize_dt(v["dt"], v["dt_bias"], None), init, keep,
-                         torch.float32)
+    v = nm.decode_at_bf16_rounding(g, decode_steps, decode_rows, heads, head_dim, groups,
+                                   d_state, device)
+    after = nm.decode_states(
+        mamba_decode.ssm_update if on_gpu else mamba_decode.ssm_update_reference, v,
+        decode_steps, keep)
+    want = nm.reference_states(
+        v, discretize_dt(v["dt"].double(), v["dt_bias"].double(), None), keep)
+    old = nm.reference_states(v, discretize_dt(v["dt"], v["dt_bias"], None), keep,
+                              torch.float32)
     decode = {
         "kernel": "ssm_update" if on_gpu else "ssm_update_reference",
-        "rows": rows, "steps": decode_steps,
+        "rows": decode_rows, "steps": decode_steps,
         **{f"state_rel_err_after_{t}": _rel(after[t], want[t]) for t in keep},
         "bf16_dt": {f"state_rel_err_after_{t}": _rel(old[t], want[t]) for t in keep},
     }
-    del cache, want, old, after
+    del want, old, after
     free_memory(device)
 
     # Prefill: the packed path's scan from zero states, the final state of every row.
@@ -2186,7 +2147,7 @@ def numerics(device, shape, decode_steps=256, decode_rows=2, prefill_rows=(4096,
     qs = [0]
     for n in lens:
         qs.append(qs[-1] + n)
-    v = inputs(qs[-1])
+    v = nm.decode_at_bf16_rounding(g, qs[-1], 1, heads, head_dim, groups, d_state, device)
     scan = packed_scan(KernelPolicy(), torch.device(device), torch.float32) or (
         ssd_varlen.ssd_scan_varlen_reference)
     chunk = ssd_varlen.SCAN_CHUNK if ssd_varlen.chunk_states_supported(scan) else None

@@ -22,6 +22,7 @@ from hybridserve.kernels.mamba_decode import (
 from hybridserve.kernels.ssd import discretize_dt, ssd_recurrent_reference
 from hybridserve.models.batch import ForwardBatch
 from hybridserve.models.step_plan import StepKind, plan_states
+from hybridserve.testing import numerics
 
 if os.environ["TRITON_INTERPRET"] != "1":
     # Every test here runs kernels through the race checker, which needs the CPU
@@ -223,47 +224,6 @@ def test_kernels_independent_of_program_order():
         assert torch.equal(c.nan_to_num(0.0), results[0][1].nan_to_num(0.0))
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
-def _decode_at_bf16_rounding(g, steps, rows, heads, head_dim, groups, d_state):
-    """``steps`` decode tokens of ``rows`` rows at the rounding a bfloat16 model's decode
-    sees: x, B, C (the conv's outputs) and the raw dt (the projection's) in bfloat16,
-    dt_bias a bfloat16 weight drawn as Mamba2 initialises it (softplus(dt_bias) spread
-    log-uniformly over [1e-3, 0.1]), A and the initial states in float32 (the mixer's
-    decay rates and the state pages)."""
-    bf = torch.bfloat16
-    t = steps * rows
-    target = torch.exp(torch.rand(heads, generator=g) * (torch.log(torch.tensor(0.1)) -
-                       torch.log(torch.tensor(1e-3))) + torch.log(torch.tensor(1e-3)))
-    dt_bias = (target + torch.log(-torch.expm1(-target))).to(bf)  # inverse softplus
-    return dict(
-        x=torch.randn(t, heads, head_dim, generator=g).to(bf),
-        dt=(torch.randn(t, heads, generator=g) * 0.5).to(bf),
-        dt_bias=dt_bias,
-        A=-(torch.rand(heads, generator=g) * 7.5 + 0.5),
-        B=torch.randn(t, groups, d_state, generator=g).to(bf),
-        C=torch.randn(t, groups, d_state, generator=g).to(bf),
-        D=torch.randn(heads, generator=g),
-        init=torch.randn(rows, heads, head_dim, d_state, generator=g),
-    )
-
-
-def _float64_states(v, rows, steps, dt):
-    """The state of every row after every token, in float64 from the same (rounded)
-    inputs, with ``dt`` the discretised dt ``[T, H]``: ``[steps, rows, H, P, N]``."""
-    out = []
-    for r in range(rows):
-        tok = slice(r, None, rows)  # token t of row r is packed at t * rows + r
-        _, states = ssd_recurrent_reference(
-            v["x"][tok].double(), dt[tok].double(), v["A"].double(), v["B"][tok].double(),
-            v["C"][tok].double(), v["D"].double(), v["init"][r].double(),
-        )
-        out.append(states)
-    return torch.stack(out, dim=1)
-
-
 @pytest.mark.parametrize("kernel", [False, True], ids=["twin", "kernel"])
 def test_decode_state_drift_at_bf16_rounding_stays_below_1e5(kernel):
     """256 decode steps of bfloat16-rounded inputs, each step one ``ssm_update`` launch from
@@ -272,30 +232,18 @@ def test_decode_state_drift_at_bf16_rounding_stays_below_1e5(kernel):
     state). The same inputs with dt discretised in bfloat16 (the arithmetic before dt
     moved into the kernel) drift far past the bound: it tells the two apart."""
     g = torch.Generator().manual_seed(_seed())
-    steps, rows, heads, head_dim, groups, d_state = 256, 1, 4, 16, 2, 32
-    v = _decode_at_bf16_rounding(g, steps, rows, heads, head_dim, groups, d_state)
-    cache = torch.zeros(2 * rows, heads, head_dim, d_state)
-    cache[:rows] = v["init"]
-    update = ssm_update if kernel else ssm_update_reference
-    pages = torch.arange(2 * rows, dtype=torch.int32).view(2, rows)
-    got = []
-    for t in range(steps):
-        tok = slice(t * rows, (t + 1) * rows)
-        src, dst = pages[t % 2], pages[(t + 1) % 2]
-        update(v["x"][tok], v["dt"][tok], v["A"], v["B"][tok], v["C"][tok], v["D"], cache,
-               src, dst.view(rows, 1), dt_bias=v["dt_bias"], time_step_limit=None)
-        if t in (0, steps - 1):
-            got.append(cache[dst.long()].clone())
+    steps, keep = 256, (1, 256)
+    v = numerics.decode_at_bf16_rounding(g, steps, 1, 4, 16, 2, 32)
+    got = numerics.decode_states(ssm_update if kernel else ssm_update_reference, v, steps, keep)
     exact_dt = discretize_dt(v["dt"].double(), v["dt_bias"].double(), None)
-    want = _float64_states(v, rows, steps, exact_dt)
-    first, last = _rel(got[0], want[0]), _rel(got[1], want[-1])
+    want = numerics.reference_states(v, exact_dt, keep)
+    first, last = (numerics.rel_err(got[t], want[t]) for t in keep)
     print(f"{'kernel' if kernel else 'twin'}: state relative error vs float64 after 1 step "
           f"{first:.2e}, after {steps} steps {last:.2e}")
     assert first <= 1e-5 and last <= 1e-5
     # dt discretised in bfloat16, everything else exact: the drift the bound must catch.
-    bf16_dt = discretize_dt(v["dt"], v["dt_bias"], None)
-    old = _float64_states(v, rows, steps, bf16_dt)
-    assert _rel(old[-1], want[-1]) > 1e-4
+    old = numerics.reference_states(v, discretize_dt(v["dt"], v["dt_bias"], None), keep)
+    assert numerics.rel_err(old[steps], want[steps]) > 1e-4
 
 
 @pytest.mark.parametrize("act", ["silu", None])
