@@ -332,9 +332,8 @@ class EngineCore:
                     )
                 )
 
-    def _stamp_tokens(self, req: Request) -> None:
-        """``req`` got tokens in the step being committed."""
-        now = time.monotonic()
+    def _stamp_tokens(self, req: Request, now: float) -> None:
+        """``req`` got tokens in the step being committed (at ``now``)."""
         if req.first_token_time < 0:
             req.first_token_time = now
             self._step_stats.time_to_first_token.append(now - req.arrival_time)
@@ -424,6 +423,8 @@ class EngineCore:
         are committed as if it had not been in the step.
         """
         results = step.rows
+        # One clock read per step for the statistics: the step's commit time.
+        committed = time.monotonic() if self._step_stats is not None else 0.0
         touched: dict[str, _Group] = {}
         failed: dict[str, Exception] = {}
         dropped: set[int] = set()
@@ -441,7 +442,7 @@ class EngineCore:
                 if res.new_tokens:
                     self._append_tokens(req, res.new_tokens, res.logprobs)
                     if self._step_stats is not None:
-                        self._stamp_tokens(req)
+                        self._stamp_tokens(req, committed)
                 if res.prompt_logprobs:
                     self._store_prompt_logprobs(req, row.num_computed, res.prompt_logprobs)
                 if not row.is_decode:

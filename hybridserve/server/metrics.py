@@ -18,17 +18,27 @@ Two sets of names, both in every scrape:
   the benchmarks and operators of earlier versions read), kept as they were.
 
 Every number a scrape shows comes from the engine's thread: histograms are observed
-there between steps (``prometheus_client`` metrics are thread-safe), counters are a
-snapshot it published after its last step. A scrape never waits for the engine.
+there between steps (under one lock per step, which a scrape takes only to copy the
+counts), counters are a snapshot it published after its last step. A scrape never
+waits for a step.
 """
 
 from __future__ import annotations
 
+import bisect
+import math
+import threading
 from collections.abc import Callable, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from hybridserve.engine.stats import StepStats
 
@@ -155,6 +165,34 @@ TOKEN_LATENCY_BUCKETS = _seconds_buckets(0.001, 100.0)
 """Inter-token latency and time per output token: 1 ms to 100 s."""
 
 
+class _Histogram:
+    """One histogram's counts, observed on the engine's thread and read at scrape
+    time. ``prometheus_client``'s own histogram takes a lock and does its bookkeeping
+    per observation (about 1.5 us); a decode step of a large batch observes hundreds
+    of latencies, so these take a bisection and an increment each, and the owner
+    (:class:`ServerMetrics`) holds one lock per step for all of them."""
+
+    __slots__ = ("name", "doc", "bounds", "counts", "sum")
+
+    def __init__(self, name: str, doc: str, bounds: tuple[float, ...]) -> None:
+        self.name, self.doc, self.bounds = name, doc, bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one: above every bound
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def family(self, name: str, doc: str, model_name: str) -> HistogramMetricFamily:
+        cumulative, total = [], 0
+        for bound, count in zip((*self.bounds, math.inf), self.counts):
+            total += count
+            cumulative.append((floatToGoString(bound), total))
+        h = HistogramMetricFamily(name, doc, labels=["model_name"])
+        h.add_metric([model_name], cumulative, sum_value=self.sum)
+        return h
+
+
 class ServerMetrics:
     """The registry behind ``/metrics`` and the engine's stats observer.
 
@@ -172,14 +210,16 @@ class ServerMetrics:
         max_model_len: int,
         info: Mapping[str, str] | None = None,
     ) -> None:
+        self.model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(_SnapshotCollector(stats, model_name, dict(info or {})))
-        labels = ["model_name"]
+        self._lock = threading.Lock()
+        self.histograms: list[_Histogram] = []
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry).labels(
-                model_name
-            )
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> _Histogram:
+            h = _Histogram(PREFIX + name, doc, tuple(float(b) for b in buckets))
+            self.histograms.append(h)
+            return h
 
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds",
@@ -191,11 +231,14 @@ class ServerMetrics:
             "Seconds between two steps that gave a sequence tokens (one per step).",
             TOKEN_LATENCY_BUCKETS,
         )
-        self.time_per_output_token = histogram(
-            "time_per_output_token_seconds",
-            "vLLM's older name of inter_token_latency_seconds: the same observations.",
-            TOKEN_LATENCY_BUCKETS,
-        )
+        # vLLM's older name of inter_token_latency_seconds: the same counts, exposed
+        # twice (see _HistogramCollector).
+        self.aliases = {
+            PREFIX + "time_per_output_token_seconds": (
+                self.inter_token_latency,
+                "vLLM's older name of inter_token_latency_seconds: the same observations.",
+            )
+        }
         self.request_time_per_output_token = histogram(
             "request_time_per_output_token_seconds",
             "Per finished sequence: decode seconds / (generated tokens - 1).",
@@ -245,46 +288,63 @@ class ServerMetrics:
             "depth of the state checkpoint it resumed from).",
             tokens,
         )
-        self.request_success = Counter(
-            PREFIX + "request_success",
-            "Sequences finished, by finish reason.",
-            ["model_name", "finished_reason"],
-            registry=self.registry,
-        )
-        self._success = {
-            reason: self.request_success.labels(model_name, reason) for reason in ("stop", "length")
-        }
+        self.success = {"stop": 0, "length": 0}
+        self.registry.register(_HistogramCollector(self))
 
     def on_step(self, stats: StepStats) -> None:
         """Observe one engine step (called on the engine's thread)."""
-        for ttft in stats.time_to_first_token:
-            self.time_to_first_token.observe(ttft)
-        for itl in stats.inter_token_latency:
-            self.inter_token_latency.observe(itl)
-            self.time_per_output_token.observe(itl)
-        for a in stats.admitted:
-            self.queue_time.observe(a.queue_seconds)
-            if a.cached_tokens:
-                self.checkpoint_hit_depth.observe(a.cached_tokens)
-        for f in stats.finished:
-            self.e2e.observe(f.e2e_seconds)
-            self.prefill_time.observe(f.prefill_seconds)
-            self.decode_time.observe(f.decode_seconds)
-            self.inference_time.observe(f.inference_seconds)
-            self.prompt_tokens.observe(f.prompt_tokens)
-            self.generation_tokens.observe(f.generation_tokens)
-            if f.max_tokens is not None:
-                self.max_tokens_param.observe(f.max_tokens)
-            self.n_param.observe(f.n)
-            tpot = f.time_per_output_token
-            if tpot is not None:
-                self.request_time_per_output_token.observe(tpot)
-            counter = self._success.get(f.finish_reason)
-            if counter is not None:
-                counter.inc()
+        with self._lock:
+            if stats.time_to_first_token:
+                observe = self.time_to_first_token.observe
+                for ttft in stats.time_to_first_token:
+                    observe(ttft)
+            if stats.inter_token_latency:
+                observe = self.inter_token_latency.observe
+                for itl in stats.inter_token_latency:
+                    observe(itl)
+            for a in stats.admitted:
+                self.queue_time.observe(a.queue_seconds)
+                if a.cached_tokens:
+                    self.checkpoint_hit_depth.observe(a.cached_tokens)
+            for f in stats.finished:
+                self.e2e.observe(f.e2e_seconds)
+                self.prefill_time.observe(f.prefill_seconds)
+                self.decode_time.observe(f.decode_seconds)
+                self.inference_time.observe(f.inference_seconds)
+                self.prompt_tokens.observe(f.prompt_tokens)
+                self.generation_tokens.observe(f.generation_tokens)
+                if f.max_tokens is not None:
+                    self.max_tokens_param.observe(f.max_tokens)
+                self.n_param.observe(f.n)
+                tpot = f.time_per_output_token
+                if tpot is not None:
+                    self.request_time_per_output_token.observe(tpot)
+                if f.finish_reason in self.success:
+                    self.success[f.finish_reason] += 1
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _HistogramCollector(Collector):
+    """The histograms and the per-reason success counter, copied under the owner's
+    lock so a scrape sees whole steps."""
+
+    def __init__(self, owner: ServerMetrics) -> None:
+        self.owner = owner
+
+    def collect(self) -> Iterator[Metric]:
+        o = self.owner
+        with o._lock:
+            families = [h.family(h.name, h.doc, o.model_name) for h in o.histograms]
+            families += [h.family(name, doc, o.model_name) for name, (h, doc) in o.aliases.items()]
+            success = dict(o.success)
+        yield from families
+        c = CounterMetricFamily(PREFIX + "request_success", "Sequences finished, by finish reason.",
+                                labels=["model_name", "finished_reason"])
+        for reason, count in success.items():
+            c.add_metric([o.model_name, reason], count)
+        yield c
 
 
 class _SnapshotCollector(Collector):

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 EXPECTED = {
@@ -294,3 +295,38 @@ def test_host_tier_restores_and_hit_depth(chat_model, server_factory) -> None:
     # The third request is the one hit (the second shares no prefix with the first).
     assert value(fams, depth, depth + "_count") == 1
     assert value(fams, depth, depth + "_sum") == cached
+
+
+def test_histograms_count_as_prometheus_client_does() -> None:
+    """The engine-side histograms give the samples prometheus_client's own Histogram
+    gives for the same observations (bounds included: a value equal to a bound is in
+    that bucket)."""
+    import random
+
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from hybridserve.engine.stats import StepStats
+    from hybridserve.server.metrics import TOKEN_LATENCY_BUCKETS, ServerMetrics
+
+    rng = random.Random(0)
+    values = [rng.choice([rng.uniform(0, 0.3), rng.choice(TOKEN_LATENCY_BUCKETS), 500.0])
+              for _ in range(400)]
+    ours = ServerMetrics(lambda: {}, model_name="m", max_model_len=64)
+    ours.on_step(StepStats(inter_token_latency=values[:150]))
+    ours.on_step(StepStats(inter_token_latency=values[150:]))
+    reg = CollectorRegistry()
+    ref = Histogram("hybridserve:inter_token_latency_seconds", "x", ["model_name"],
+                    buckets=TOKEN_LATENCY_BUCKETS, registry=reg).labels("m")
+    for v in values:
+        ref.observe(v)
+
+    def samples(text: str) -> dict:
+        fam = {f.name: f for f in text_string_to_metric_families(text)}["hybridserve:inter_token_latency_seconds"]
+        return {(s.name, s.labels.get("le")): s.value for s in fam.samples if not s.name.endswith("_created")}
+
+    from prometheus_client import generate_latest
+
+    got, want = samples(ours.render().decode()), samples(generate_latest(reg).decode())
+    assert got.keys() == want.keys()
+    for key, v in want.items():
+        assert got[key] == pytest.approx(v, rel=1e-12), key
