@@ -239,30 +239,9 @@ class ModelRunner:
         pending = self.launch(sched)
         if pending is not None:
             return self.collect(pending)
-        input_ids, batch = self.build_batch(sched)
-        # The step plan, once for the whole forward (every layer reads it).
-        batch = self.model.plan_step(batch, self.device)
-        hidden = self.model.forward(input_ids, batch, self.caches)
-        if self.keep_hidden:
-            # A drafter that reads the target's hidden states (MTP) takes them from here.
-            self.last_hidden = hidden
-        # Gather the positions whose logits are needed: every token of a verify row,
-        # the last token of a prefill row that completes its sequence.
-        gather: list[int] = []
-        spans: list[tuple[int, int]] = []
-        for i, row in enumerate(sched.rows):
-            end = batch.query_start[i + 1]
-            if not row.samples:
-                spans.append((len(gather), 0))
-                continue
-            k = row.num_drafts + 1
-            spans.append((len(gather), k))
-            gather += range(end - k, end)
-        if not gather:
+        spans, logits = self.forward_logits(sched)
+        if logits is None:
             return StepResult([RowResult([], []) for _ in sched.rows])
-        # Asynchronous: the host keeps queueing work instead of waiting for the forward.
-        index = upload(torch.tensor(gather, dtype=torch.long), hidden.device)
-        logits = self.model.compute_logits(hidden[index])
         sampling = [i for i, (_, k) in enumerate(spans) if k > 0]
         starts = [start for start, _ in spans]
         if all(sampler.samples_by_argmax(sched.rows[i].request.params) for i in sampling):
@@ -282,6 +261,37 @@ class ModelRunner:
             logprobs = [lps[start + j] for j in range(len(tokens))] if start in lps else []
             results.append(RowResult(tokens, logprobs))
         return StepResult(results, decisions)
+
+    def forward_logits(
+        self, sched: SchedulerOutput
+    ) -> tuple[list[tuple[int, int]], torch.Tensor | None]:
+        """The forward of a step and the logits of the positions that sample: every token
+        of a verify row, the last token of a prefill row that completes its sequence.
+        Returns ``(spans, logits)``: row ``i``'s ``k`` logits rows start at
+        ``spans[i] = (start, k)``; ``logits`` is None when no row samples. (A
+        tensor-parallel worker runs exactly this part of :meth:`execute`.)"""
+        input_ids, batch = self.build_batch(sched)
+        # The step plan, once for the whole forward (every layer reads it).
+        batch = self.model.plan_step(batch, self.device)
+        hidden = self.model.forward(input_ids, batch, self.caches)
+        if self.keep_hidden:
+            # A drafter that reads the target's hidden states (MTP) takes them from here.
+            self.last_hidden = hidden
+        gather: list[int] = []
+        spans: list[tuple[int, int]] = []
+        for i, row in enumerate(sched.rows):
+            end = batch.query_start[i + 1]
+            if not row.samples:
+                spans.append((len(gather), 0))
+                continue
+            k = row.num_drafts + 1
+            spans.append((len(gather), k))
+            gather += range(end - k, end)
+        if not gather:
+            return spans, None
+        # Asynchronous: the host keeps queueing work instead of waiting for the forward.
+        index = upload(torch.tensor(gather, dtype=torch.long), hidden.device)
+        return spans, self.model.compute_logits(hidden[index])
 
     def _read_back(
         self, sched: SchedulerOutput, values: torch.Tensor, starts: Sequence[int]
