@@ -22,6 +22,7 @@ when serving).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import pickle
 import socket
@@ -65,7 +66,9 @@ class TensorGroup:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
+            # Older torch has no such field: NCCL then keeps its default timeout.
+            with contextlib.suppress(AttributeError):
+                options._timeout = timeout
             self.tensor = dist.ProcessGroupNCCL(
                 dist.PrefixStore("tensor", self._store), rank, world_size, options
             )
