@@ -19,6 +19,10 @@ attention heads):
 - **Dense MLP**: gate / up columns split (column-parallel), ``down`` row-parallel.
 - **Row-parallel** projections (:class:`RowParallelLinear`) multiply their input columns,
   all-reduce, then add the bias once: one all-reduce per mixer and one per MLP.
+- **Mixture of experts**: the router replicated (every rank chooses the same experts
+  from the same inputs), every routed expert's columns split as a dense MLP's are, the
+  routed output all-reduced (in the latent space of a latent mixture, before the
+  replicated ``fc2_latent_proj``); a shared expert is a dense MLP (its own reduce).
 - **Embedding**: replicated. A lookup reads only the rows of the step's tokens, so a
   split would save memory but no bandwidth, and would cost one more all-reduce a step.
 - **LM head**: vocabulary-parallel (:class:`VocabParallelHead`): every decode step reads
@@ -30,8 +34,8 @@ attention heads):
 Each rank's state page therefore holds its heads' SSM states and its conv channels;
 its KV blocks hold its kv heads. Page and block ids are the same on every rank.
 
-Not sharded (refused with an error naming ``tensor_parallel_size``): mixture-of-experts
-blocks, Gated DeltaNet layers, gated attention (Qwen3.5 / Qwen3-Next).
+Not sharded (refused with an error naming ``tensor_parallel_size``): Gated DeltaNet
+layers, gated attention (Qwen3.5 / Qwen3-Next).
 
 :func:`load_model_shard` builds rank ``r``'s model and reads only its slices of every
 weight from the memory-mapped safetensors (``get_slice``), after the same checks as
@@ -51,10 +55,11 @@ from torch import nn
 
 from hybridserve.config import KernelPolicy, resolve_dtype
 from hybridserve.models import loader
-from hybridserve.models.config import GDN, MOE, ConfigError, ModelConfig
+from hybridserve.models.config import GDN, ConfigError, ModelConfig
 from hybridserve.models.layers.attention import Attention
 from hybridserve.models.layers.mamba2 import Mamba2Mixer
 from hybridserve.models.layers.mlp import FusedGatedMLP, GatedMLP, PlainMLP
+from hybridserve.models.layers.moe import FLOAT32_WEIGHTS, Experts, MoEBlock
 from hybridserve.models.layers.norm import GatedRMSNorm
 from hybridserve.models.registry import model_class
 
@@ -92,10 +97,6 @@ class ShardLayout:
     @classmethod
     def of(cls, config: ModelConfig, rank: int, world_size: int) -> ShardLayout:
         tp = world_size
-        if config.moe is not None or MOE in config.layer_types:
-            raise _refuse(
-                "mixture-of-experts layers are not sharded yet (this checkpoint has experts); "
-                "serve it with tensor_parallel_size=1", tp)
         if GDN in config.layer_types:
             raise _refuse(
                 "Gated DeltaNet layers are not sharded yet; serve this checkpoint with "
@@ -143,6 +144,15 @@ class ShardLayout:
         if mlp is not None:
             fields["mlp_cols"] = split(mlp.intermediate_size, "MLP intermediate_size")
             local["mlp"] = dataclasses.replace(mlp, intermediate_size=mlp.intermediate_size // tp)
+        moe = config.moe
+        if moe is not None:
+            split(moe.intermediate_size, "expert width moe_intermediate_size")
+            if moe.shared_intermediate_size:
+                split(moe.shared_intermediate_size, "shared expert width")
+            local["moe"] = dataclasses.replace(
+                moe, intermediate_size=moe.intermediate_size // tp,
+                shared_intermediate_size=moe.shared_intermediate_size // tp,
+            )
         per = -(-config.vocab_size // tp)
         fields["vocab_rows"] = (min(rank * per, config.vocab_size),
                                 min((rank + 1) * per, config.vocab_size))
@@ -168,22 +178,40 @@ class ShardLayout:
                     if mod.q_proj.bias is not None:
                         out[f"{pre}{name}.bias"] = (0, rows)
                 out[f"{pre}o_proj.weight"] = (1, q)
-            elif isinstance(mod, (FusedGatedMLP, GatedMLP, PlainMLP)):
-                cols = (self.mlp_cols,)
-                if isinstance(mod, FusedGatedMLP):
-                    i = self.config.mlp.intermediate_size
-                    lo, hi = self.mlp_cols
-                    ins, outs = ("input_linear",), "output_linear"
-                    rows = ((lo, hi), (i + lo, i + hi))
-                else:
-                    ins = ("gate_proj", "up_proj") if isinstance(mod, GatedMLP) else ("up_proj",)
-                    outs, rows = "down_proj", cols
+            elif isinstance(mod, FusedGatedMLP):
+                cols = self._cols(mod.output_linear.in_features)
+                i = mod.output_linear.in_features * self.world_size
+                lo, hi = cols
+                rows = ((lo, hi), (i + lo, i + hi))
+                out[f"{pre}input_linear.weight"] = (0, rows)
+                if mod.input_linear.bias is not None:
+                    out[f"{pre}input_linear.bias"] = (0, rows)
+                out[f"{pre}output_linear.weight"] = (1, (cols,))
+            elif isinstance(mod, (GatedMLP, PlainMLP)):
+                # The dense MLP and a mixture's shared expert alike: columns of this
+                # module's own width (the local model was built with the rank's share).
+                cols = (self._cols(mod.down_proj.in_features),)
+                ins = ("gate_proj", "up_proj") if isinstance(mod, GatedMLP) else ("up_proj",)
                 for name in ins:
-                    out[f"{pre}{name}.weight"] = (0, rows)
+                    out[f"{pre}{name}.weight"] = (0, cols)
                     if getattr(mod, name).bias is not None:
-                        out[f"{pre}{name}.bias"] = (0, rows)
-                out[f"{pre}{outs}.weight"] = (1, cols)
+                        out[f"{pre}{name}.bias"] = (0, cols)
+                out[f"{pre}down_proj.weight"] = (1, cols)
+            elif isinstance(mod, Experts):
+                # Every expert's columns: [E, 2I, H] gate then up rows, or [E, I, H]; the
+                # down projection [E, H, I] by its last axis.
+                n = mod.down_proj.shape[2]
+                lo, hi = self._cols(n)
+                if mod.gated:
+                    i = n * self.world_size
+                    out[f"{pre}gate_up_proj"] = (1, ((lo, hi), (i + lo, i + hi)))
+                else:
+                    out[f"{pre}up_proj"] = (1, ((lo, hi),))
+                out[f"{pre}down_proj"] = (2, ((lo, hi),))
         return out
+
+    def _cols(self, local_width: int) -> tuple[int, int]:
+        return (self.rank * local_width, (self.rank + 1) * local_width)
 
     def _mamba_slices(self, pre: str, mod: Mamba2Mixer, out: dict[str, Slices]) -> None:
         m = self.config.mamba
@@ -225,6 +253,12 @@ class ShardLayout:
                     )
             elif isinstance(mod, Attention):
                 mod.o_proj = RowParallelLinear.like(mod.o_proj, group)
+            elif isinstance(mod, MoEBlock):
+                p = self.local.moe
+                experts = ColumnParallelExperts(p.latent_size or self.config.hidden_size, p)
+                experts.kernels = mod.experts.kernels
+                experts.group = group
+                mod.experts = experts
             elif isinstance(mod, FusedGatedMLP):
                 mod.output_linear = RowParallelLinear.like(mod.output_linear, group)
             elif isinstance(mod, (GatedMLP, PlainMLP)):
@@ -252,6 +286,22 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.group.all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
+
+
+class ColumnParallelExperts(Experts):
+    """Routed experts holding this rank's columns of every expert: the router is
+    replicated (every rank picks the same experts for a token, from the same inputs and
+    weights), each rank computes its columns' share of the chosen experts' outputs, and
+    the shares are summed over the ranks. In a latent mixture the sum is taken in the
+    latent space, before the replicated ``fc2_latent_proj``; a shared expert is a
+    column-parallel MLP with its own row-parallel down projection."""
+
+    group = None
+
+    def forward(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        return self.group.all_reduce(super().forward(x, topk_ids, topk_weights))
 
 
 class VocabParallelHead(nn.Module):
@@ -309,8 +359,34 @@ def _read(f, name: str, spec: Slices | None) -> torch.Tensor:
         return f.get_tensor(name)
     dim, ranges = spec
     sl = f.get_slice(name)
-    parts = [sl[lo:hi] if dim == 0 else sl[:, lo:hi] for lo, hi in ranges]
+    index = {0: lambda lo, hi: sl[lo:hi], 1: lambda lo, hi: sl[:, lo:hi],
+             2: lambda lo, hi: sl[:, :, lo:hi]}[dim]
+    parts = [index(lo, hi) for lo, hi in ranges]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
+def _expert_into(f, disk_name, slot, spec: Slices, state, local_shapes, device, dtype, file):
+    """One expert's checkpoint tensor (a per-expert ``gate_proj`` / ``up_proj`` /
+    ``down_proj``) into this rank's stacked parameter: its columns only. Returns the
+    bytes read."""
+    dim, ranges = spec
+    dest = state.get(slot.param)
+    if dest is None:
+        dest = torch.empty(local_shapes[slot.param], dtype=dtype, device=device)
+        state[slot.param] = dest
+    sl = f.get_slice(disk_name)
+    if dim == 2:  # down_proj [H, I]: this rank's columns
+        (a, b), = ranges
+        t = sl[:, a:b]
+        dest[slot.expert].copy_(loader._finite(file, disk_name, t, device, dtype))
+        return t.nbytes
+    # gate_up_proj rows (gate half or up half, as slot.rows says) or up_proj rows.
+    a, b = ranges[0]
+    width = b - a
+    at = 0 if slot.rows is None or slot.rows[0] == 0 else width
+    t = sl[a:b]
+    dest[slot.expert, at : at + width].copy_(loader._finite(file, disk_name, t, device, dtype))
+    return t.nbytes
 
 
 def load_model_shard(
@@ -349,28 +425,41 @@ def load_model_shard(
         layout.install(model, group)
     specs = layout.slices(model)
     local_shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    by_file: dict[Path, list[tuple[str, str]]] = {}
+    by_file: dict[Path, list[tuple[str, object]]] = {}
     for disk_name, (file, slot) in slots.items():
-        by_file.setdefault(file, []).append((disk_name, slot.param))
+        by_file.setdefault(file, []).append((disk_name, slot))
     state: dict[str, torch.Tensor] = {}
     nbytes = 0
     lo, hi = layout.vocab_rows
+
+    def dtype_of(param: str) -> torch.dtype:
+        return torch.float32 if param.rsplit(".", 1)[-1] in FLOAT32_WEIGHTS else dtype
+
     with torch.no_grad():
         for file, names in by_file.items():
             with loader.safe_open(str(file), framework="pt", device="cpu") as f:
-                for disk_name, param in names:
+                for disk_name, slot in names:
+                    param = slot.param
                     shape = tuple(f.get_slice(disk_name).get_shape())
-                    if shape != full_shapes[param]:
+                    full = full_shapes[param]
+                    want = full if slot.expert is None else full[1:]
+                    if slot.rows is not None:
+                        want = (slot.rows[1] - slot.rows[0], *want[1:])
+                    if shape != want:
                         raise loader.CheckpointError(
                             f"{file}: weight {disk_name!r} has shape {list(shape)}, expected "
-                            f"{list(full_shapes[param])} from config.json"
+                            f"{list(want)} from config.json"
                         )
                     if param == "lm_head.weight":
                         t = f.get_slice(disk_name)[lo:hi]
-                    else:
+                    elif slot.expert is None:
                         t = _read(f, disk_name, specs.get(param))
+                    else:
+                        nbytes += _expert_into(f, disk_name, slot, specs[param], state,
+                                               local_shapes, device, dtype_of(param), file)
+                        continue
                     nbytes += t.nbytes
-                    state[param] = loader._finite(file, disk_name, t, device, dtype)
+                    state[param] = loader._finite(file, disk_name, t, device, dtype_of(param))
         if config.tie_word_embeddings:
             # The tied head is this rank's rows of the (replicated) embedding.
             with torch.device("meta"):

@@ -36,6 +36,7 @@ def test_each_rank_reads_exactly_its_slices(tmp_path, groups):
     path = make_tiny_checkpoint(
         "granitemoehybrid", tmp_path / "g", seed=1, mamba_n_groups=groups,
         num_key_value_heads=1, vocab_size=251, tie_word_embeddings=True,
+        num_local_experts=4, num_experts_per_tok=2,
     )
     full = load_model(path)
     fp = dict(full.named_parameters())
@@ -76,6 +77,14 @@ def test_each_rank_reads_exactly_its_slices(tmp_path, groups):
         assert torch.equal(sp[mlp + "input_linear.weight"],
                            torch.cat([w[:128][cols], w[128:][cols]]))
         assert torch.equal(sp[mlp + "output_linear.weight"], fp[mlp + "output_linear.weight"][:, cols])
+        # Experts (Granite's fused tensors): this rank's columns of every expert, gate
+        # and up halves; the router whole.
+        moe = "model.layers.0.block_sparse_moe."
+        w = fp[moe + "experts.gate_up_proj"]
+        assert torch.equal(sp[moe + "experts.gate_up_proj"],
+                           torch.cat([w[:, :128][:, cols], w[:, 128:][:, cols]], dim=1))
+        assert torch.equal(sp[moe + "experts.down_proj"], fp[moe + "experts.down_proj"][..., cols])
+        assert torch.equal(sp[moe + "router.weight"], fp[moe + "router.weight"])
         # Replicated: the embedding and the norms. The tied head: 126 rows of the
         # embedding per rank, the last rank's padded with zeros.
         emb = "model.embed_tokens.weight"
@@ -113,8 +122,8 @@ def _config(tmp_path, arch, **overrides) -> ModelConfig:
 def test_what_is_refused_names_the_knob(tmp_path):
     """Layouts that cannot be cut, families not sharded yet, and engine options that do
     not run under tensor parallelism fail before any rank starts, naming what to change."""
-    moe = _config(tmp_path, "nemotron_h", layers="M*E")
-    with pytest.raises(ConfigError, match="tensor_parallel_size=2: mixture-of-experts"):
+    moe = _config(tmp_path, "nemotron_h", layers="M*E", moe_intermediate_size=33)
+    with pytest.raises(ConfigError, match="tensor_parallel_size=2: expert width .*=33"):
         ShardLayout.of(moe, 0, 2)
     gdn = _config(tmp_path, "qwen3_5")
     with pytest.raises(ConfigError, match="Gated DeltaNet"):

@@ -67,11 +67,12 @@ def _check_pages_reassemble(one: LLM, tp: LLM, groups_split: bool) -> int:
 
 def test_tp2_nemotron_h_groups_split_with_caching_and_speculation(tmp_path):
     """Nemotron-H (Mamba2 with 2 groups, so each rank holds one; attention with 2 KV heads;
-    a plain MLP): two rounds of prompts sharing a prefix, the second round extending the
+    a plain MLP; latent mixtures of experts stored one tensor per expert): two rounds of prompts sharing a prefix, the second round extending the
     first's outputs, with n-gram speculation. TP=2 gives the one-rank engine's tokens and
     cache hits (and those of a one-rank engine with neither caching nor speculation), its
     verify rows ran drafts, and its checkpoint pages reassemble."""
-    path = make_tiny_checkpoint("nemotron_h", tmp_path / "nh", seed=3, n_groups=2)
+    path = make_tiny_checkpoint("nemotron_h", tmp_path / "nh", seed=3, n_groups=2,
+                                layers="M*EM-E", moe_latent_size=24)
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     shared = [7, 3, 9, 11, 7, 3, 9, 11, 40, 41, 42, 7, 3, 9, 11, 5] * 2
     first = [shared + [60, 61, 62], shared + [70, 7, 3, 9]]
@@ -100,13 +101,13 @@ def test_tp2_nemotron_h_groups_split_with_caching_and_speculation(tmp_path):
 def test_tp2_granite_one_group_replicated(tmp_path):
     """Granite 4.0-H with one Mamba2 group (replicated on both ranks, so the gated norm
     spans the ranks and all-reduces its sums of squares), one KV head (replicated), tied
-    embeddings and a vocabulary of 251 (the last rank's head shard padded): TP=2 is
+    embeddings, fused experts beside the shared MLP, and a vocabulary of 251 (the last rank's head shard padded): TP=2 is
     token-identical to one rank, prefix hits included, the replicated groups' conv
     channels are equal on both ranks, the pages reassemble, and a stopped engine refuses
     further steps."""
     path = make_tiny_checkpoint(
         "granitemoehybrid", tmp_path / "g", seed=5, mamba_n_groups=1, num_key_value_heads=1,
-        tie_word_embeddings=True, vocab_size=251,
+        tie_word_embeddings=True, vocab_size=251, num_local_experts=4, num_experts_per_tok=2,
     )
     prompts = [list(range(20, 56)), list(range(20, 52)) + [3, 1, 4, 1, 5]]
     one = LLM(path, **ENGINE)
