@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hybridserve import LLM, SamplingParams
+from hybridserve.step import SchedulerOutput, Transfers
 from hybridserve.testing.tiny_models import make_tiny_checkpoint
 
 ENGINE = dict(max_num_seqs=4, num_kv_blocks=96, num_state_pages=96, max_model_len=256,
@@ -103,15 +104,15 @@ def test_tp2_granite_one_group_replicated(tmp_path):
     spans the ranks and all-reduces its sums of squares), one KV head (replicated), tied
     embeddings, fused experts beside the shared MLP, and a vocabulary of 251 (the last rank's head shard padded): TP=2 is
     token-identical to one rank, prefix hits included, the replicated groups' conv
-    channels are equal on both ranks, the pages reassemble, and a stopped engine refuses
-    further steps."""
+    channels are equal on both ranks, the pages reassemble, host-tier copies run on
+    every rank, and a stopped engine refuses further steps."""
     path = make_tiny_checkpoint(
         "granitemoehybrid", tmp_path / "g", seed=5, mamba_n_groups=1, num_key_value_heads=1,
         tie_word_embeddings=True, vocab_size=251, num_local_experts=4, num_experts_per_tok=2,
     )
     prompts = [list(range(20, 56)), list(range(20, 52)) + [3, 1, 4, 1, 5]]
-    one = LLM(path, **ENGINE)
-    tp = LLM(path, tensor_parallel_size=2, **ENGINE)
+    one = LLM(path, checkpoint_offload_pages=4, **ENGINE)
+    tp = LLM(path, tensor_parallel_size=2, checkpoint_offload_pages=4, **ENGINE)
     try:
         assert tp.model.shard_layout.norm_spans_ranks
         for _ in range(2):  # the second round hits the first's checkpoints
@@ -120,6 +121,20 @@ def test_tp2_granite_one_group_replicated(tmp_path):
             assert got == want and hits == hits_one
         assert max(hits) >= 16
         assert _check_pages_reassemble(one, tp, groups_split=False) >= 2
+        # Host-tier copies run on every rank: a checkpoint page offloaded to host page 0
+        # and restored into a free page, which rank 0 poisons first, holds on every
+        # rank what the checkpoint page holds there.
+        runner = tp.engine.runner
+        ckpt = next(iter(tp.engine.scheduler.states.checkpoints.values())).page
+        free = tp.engine.scheduler.states.free[0]
+        for tensors in runner.caches.states.values():
+            for t in tensors.values():
+                t[free] = float("nan")
+        runner.run_transfers(SchedulerOutput([], transfers=Transfers([(ckpt, 0)], [(0, free)])))
+        for shard in runner.gather_state_pages([ckpt, free]):
+            for tensors in shard.values():
+                for t in tensors.values():
+                    assert torch.equal(t[0], t[1])
     finally:
         tp.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
