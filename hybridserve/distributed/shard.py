@@ -34,8 +34,14 @@ attention heads):
 Each rank's state page therefore holds its heads' SSM states and its conv channels;
 its KV blocks hold its kv heads. Page and block ids are the same on every rank.
 
-Not sharded (refused with an error naming ``tensor_parallel_size``): Gated DeltaNet
-layers, gated attention (Qwen3.5 / Qwen3-Next).
+- **Gated DeltaNet**: key heads split, with the value heads each serves (value head
+  ``h`` reads key head ``h // (Hv / Hk)``, so a rank's value heads are contiguous): their
+  q, k, v conv channels, ``z``, ``b``, ``a``, ``dt_bias``, ``A_log``; the per-head output
+  norm replicated; ``out_proj`` row-parallel. **Gated attention** (Qwen): each query
+  head's rows and its gate's together, q / k norms replicated.
+
+Counts that do not divide as above are refused with an error naming
+``tensor_parallel_size`` and the field.
 
 :func:`load_model_shard` builds rank ``r``'s model and reads only its slices of every
 weight from the memory-mapped safetensors (``get_slice``), after the same checks as
@@ -55,8 +61,9 @@ from torch import nn
 
 from hybridserve.config import KernelPolicy, resolve_dtype
 from hybridserve.models import loader
-from hybridserve.models.config import GDN, ConfigError, ModelConfig
+from hybridserve.models.config import ConfigError, ModelConfig
 from hybridserve.models.layers.attention import Attention
+from hybridserve.models.layers.gated_deltanet import GatedDeltaNet
 from hybridserve.models.layers.mamba2 import Mamba2Mixer
 from hybridserve.models.layers.mlp import FusedGatedMLP, GatedMLP, PlainMLP
 from hybridserve.models.layers.moe import FLOAT32_WEIGHTS, Experts, MoEBlock
@@ -85,6 +92,7 @@ class ShardLayout:
     attn_heads: tuple[int, int] = (0, 0)
     kv_heads: tuple[int, int] = (0, 0)
     mlp_cols: tuple[int, int] = (0, 0)
+    gdn_key_heads: tuple[int, int] = (0, 0)
     vocab_rows: tuple[int, int] = (0, 0)
     vocab_padded: int = 0  # rows of every rank's head shard (the last one zero-padded)
 
@@ -97,13 +105,7 @@ class ShardLayout:
     @classmethod
     def of(cls, config: ModelConfig, rank: int, world_size: int) -> ShardLayout:
         tp = world_size
-        if GDN in config.layer_types:
-            raise _refuse(
-                "Gated DeltaNet layers are not sharded yet; serve this checkpoint with "
-                "tensor_parallel_size=1", tp)
         a, m, mlp = config.attention, config.mamba, config.mlp
-        if a is not None and (a.output_gate or a.qk_norm):
-            raise _refuse("gated attention (Qwen3.5 / Qwen3-Next) is not sharded yet", tp)
         fields: dict = {}
         local: dict = {}
 
@@ -144,6 +146,13 @@ class ShardLayout:
         if mlp is not None:
             fields["mlp_cols"] = split(mlp.intermediate_size, "MLP intermediate_size")
             local["mlp"] = dataclasses.replace(mlp, intermediate_size=mlp.intermediate_size // tp)
+        gdn = config.gdn
+        if gdn is not None:
+            fields["gdn_key_heads"] = split(gdn.num_key_heads, "Gated DeltaNet num_k_heads")
+            local["gdn"] = dataclasses.replace(
+                gdn, num_key_heads=gdn.num_key_heads // tp,
+                num_value_heads=gdn.num_value_heads // tp,
+            )
         moe = config.moe
         if moe is not None:
             split(moe.intermediate_size, "expert width moe_intermediate_size")
@@ -169,11 +178,16 @@ class ShardLayout:
             pre = f"{prefix}." if prefix else ""
             if isinstance(mod, Mamba2Mixer):
                 self._mamba_slices(pre, mod, out)
+            elif isinstance(mod, GatedDeltaNet):
+                self._gdn_slices(pre, mod, out)
             elif isinstance(mod, Attention):
                 d = self.config.attention.head_dim
                 q = ((self.attn_heads[0] * d, self.attn_heads[1] * d),)
+                # Gated attention's q_proj holds, per head, the query then its gate.
+                gated = self.config.attention.output_gate
+                q_rows = ((2 * q[0][0], 2 * q[0][1]),) if gated else q
                 kv = ((self.kv_heads[0] * d, self.kv_heads[1] * d),)
-                for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+                for name, rows in (("q_proj", q_rows), ("k_proj", kv), ("v_proj", kv)):
                     out[f"{pre}{name}.weight"] = (0, rows)
                     if mod.q_proj.bias is not None:
                         out[f"{pre}{name}.bias"] = (0, rows)
@@ -209,6 +223,30 @@ class ShardLayout:
                     out[f"{pre}up_proj"] = (1, ((lo, hi),))
                 out[f"{pre}down_proj"] = (2, ((lo, hi),))
         return out
+
+    def _gdn_slices(self, pre: str, mod: GatedDeltaNet, out: dict[str, Slices]) -> None:
+        g = self.config.gdn
+        dk, dv = g.key_head_dim, g.value_head_dim
+        r = g.num_value_heads // g.num_key_heads
+        k0, k1 = self.gdn_key_heads
+        v0, v1 = k0 * r, k1 * r
+        # The conv's channels: q of the rank's key heads, their k, then their values.
+        conv = ((k0 * dk, k1 * dk), (g.key_dim + k0 * dk, g.key_dim + k1 * dk),
+                (2 * g.key_dim + v0 * dv, 2 * g.key_dim + v1 * dv))
+        out[f"{pre}conv1d.weight"] = (0, conv)
+        if g.fused_projections:
+            # Laid out per key head: [q_j, k_j, v_j, z_j] and [b_j, a_j].
+            block = 2 * dk + 2 * r * dv
+            out[f"{pre}in_proj_qkvz.weight"] = (0, ((k0 * block, k1 * block),))
+            out[f"{pre}in_proj_ba.weight"] = (0, ((k0 * 2 * r, k1 * 2 * r),))
+        else:
+            out[f"{pre}in_proj_qkv.weight"] = (0, conv)
+            out[f"{pre}in_proj_z.weight"] = (0, ((v0 * dv, v1 * dv),))
+            out[f"{pre}in_proj_b.weight"] = (0, ((v0, v1),))
+            out[f"{pre}in_proj_a.weight"] = (0, ((v0, v1),))
+        out[f"{pre}dt_bias"] = (0, ((v0, v1),))
+        out[f"{pre}A_log"] = (0, ((v0, v1),))
+        out[f"{pre}out_proj.weight"] = (1, ((v0 * dv, v1 * dv),))
 
     def _cols(self, local_width: int) -> tuple[int, int]:
         return (self.rank * local_width, (self.rank + 1) * local_width)
@@ -251,6 +289,8 @@ class ShardLayout:
                         mod.norm.weight.shape[0], m.n_groups, self.mamba_groups[0],
                         m.intermediate_size // m.n_groups, m.norm_eps, group,
                     )
+            elif isinstance(mod, GatedDeltaNet):
+                mod.out_proj = RowParallelLinear.like(mod.out_proj, group)
             elif isinstance(mod, Attention):
                 mod.o_proj = RowParallelLinear.like(mod.o_proj, group)
             elif isinstance(mod, MoEBlock):

@@ -111,6 +111,34 @@ _CLASSES = {"nemotron_h": "NemotronHForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM
             "bamba": "BambaForCausalLM"}
 
 
+def test_gated_deltanet_and_gated_attention_slices(tmp_path):
+    """Qwen3.5 (unfused projections; 2 key heads of 2 value heads each; gated attention):
+    rank r holds key head r, value heads 2r and 2r+1, their conv channels (q, k, v) and
+    z / b / a rows, its query heads with their gates, and out_proj's columns of its
+    value heads."""
+    path = make_tiny_checkpoint("qwen3_5", tmp_path / "q", seed=2)
+    fp = dict(load_model(path).named_parameters())
+    pre, att = "model.layers.0.linear_attn.", "model.layers.2.self_attn."
+    for r in range(2):
+        sp = dict(load_model_shard(path, OneRank(r, 2)).named_parameters())
+        k, v = slice(16 * r, 16 * (r + 1)), slice(32 * r, 32 * (r + 1))
+        qkv = fp[pre + "in_proj_qkv.weight"]
+        want = torch.cat([qkv[:32][k], qkv[32:64][k], qkv[64:][v]])
+        assert torch.equal(sp[pre + "in_proj_qkv.weight"], want)
+        conv = fp[pre + "conv1d.weight"]
+        assert torch.equal(sp[pre + "conv1d.weight"],
+                           torch.cat([conv[:32][k], conv[32:64][k], conv[64:][v]]))
+        assert torch.equal(sp[pre + "in_proj_z.weight"], fp[pre + "in_proj_z.weight"][v])
+        for name in ("in_proj_b.weight", "in_proj_a.weight", "dt_bias", "A_log"):
+            assert torch.equal(sp[pre + name], fp[pre + name][2 * r : 2 * r + 2])
+        assert torch.equal(sp[pre + "out_proj.weight"], fp[pre + "out_proj.weight"][:, v])
+        assert torch.equal(sp[pre + "norm.weight"], fp[pre + "norm.weight"])
+        # Query heads 2r, 2r+1, each 16 query rows then 16 gate rows.
+        assert torch.equal(sp[att + "q_proj.weight"], fp[att + "q_proj.weight"][64 * r : 64 * (r + 1)])
+        assert torch.equal(sp[att + "k_proj.weight"], fp[att + "k_proj.weight"][k])
+        assert torch.equal(sp[att + "q_norm.weight"], fp[att + "q_norm.weight"])
+
+
 def _config(tmp_path, arch, **overrides) -> ModelConfig:
     d = tmp_path / arch
     cfg = tiny_config(arch, **overrides)
@@ -126,8 +154,8 @@ def test_what_is_refused_names_the_knob(tmp_path):
     with pytest.raises(ConfigError, match="tensor_parallel_size=2: expert width .*=33"):
         ShardLayout.of(moe, 0, 2)
     gdn = _config(tmp_path, "qwen3_5")
-    with pytest.raises(ConfigError, match="Gated DeltaNet"):
-        ShardLayout.of(gdn, 0, 2)
+    with pytest.raises(ConfigError, match="Gated DeltaNet num_k_heads=2 does not divide"):
+        ShardLayout.of(gdn, 0, 4)
     # 6 heads in 3 groups: 3 neither divides by 2 nor divides 2.
     odd = _config(tmp_path, "bamba", hidden_size=96, mamba_n_heads=6, mamba_d_head=32,
                   mamba_n_groups=3)

@@ -26,17 +26,26 @@ def _generate(llm: LLM, prompts) -> tuple[list[list[int]], list[int]]:
     return [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs]
 
 
-def _reassemble(shards, mamba, groups_split: bool):
-    """The single-rank state of each Mamba layer from the ranks' shards: SSM states are
-    the ranks' heads in order; conv windows are the ranks' x channels in order, then B
-    and C (the ranks' groups in order, or the one group every rank holds, which must be
-    equal on every rank)."""
+def _reassemble(shards, config, groups_split: bool):
+    """The single-rank state of each recurrent layer from the ranks' shards: SSM states
+    are the ranks' heads in order. Mamba2 conv windows are the ranks' x channels in
+    order, then B and C (the ranks' groups in order, or the one group every rank holds,
+    which must be equal on every rank); Gated DeltaNet ones the ranks' q channels, then
+    their k, then their v."""
     tp = len(shards)
-    i, n = mamba.intermediate_size, mamba.d_state
-    gl = mamba.n_groups // tp if groups_split else 1
     full = {}
     for layer in shards[0]:
         ssm = torch.cat([s[layer]["ssm"] for s in shards], dim=1)
+        if layer in config.gdn_layers:
+            g = config.gdn
+            widths = [g.key_dim // tp, g.key_dim // tp, g.value_dim // tp]
+            parts = [s[layer]["conv"].split(widths, dim=1) for s in shards]
+            conv = torch.cat([p[j] for j in range(3) for p in parts], dim=1)
+            full[layer] = {"conv": conv, "ssm": ssm}
+            continue
+        mamba = config.mamba
+        i, n = mamba.intermediate_size, mamba.d_state
+        gl = mamba.n_groups // tp if groups_split else 1
         xs, bs, cs = [], [], []
         for s in shards:
             x, b, c = s[layer]["conv"].split([i // tp, gl * n, gl * n], dim=1)
@@ -58,7 +67,7 @@ def _check_pages_reassemble(one: LLM, tp: LLM, groups_split: bool) -> int:
     keys = [k for k in ours if k in theirs]
     pages = [ours[k].page for k in keys]
     shards = tp.engine.runner.gather_state_pages(pages)
-    full = _reassemble(shards, one.model_config.mamba, groups_split)
+    full = _reassemble(shards, one.model_config, groups_split)
     for layer, tensors in full.items():
         for name, t in tensors.items():
             ref = one.engine.runner.caches.states[layer][name][[theirs[k].page for k in keys]]
@@ -139,3 +148,29 @@ def test_tp2_granite_one_group_replicated(tmp_path):
         tp.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         tp.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+
+
+def test_tp2_qwen3_next_gated_deltanet_moe(tmp_path):
+    """Qwen3-Next (Gated DeltaNet with its per-key-head fused projections: each rank holds
+    one of the 2 key heads and its 2 value heads; gated attention with q/k norms; experts
+    with a gated shared expert), prefix caching and n-gram speculation over two rounds:
+    token-identical to one rank with the same hits, and the Gated DeltaNet pages
+    reassemble (conv windows: the ranks' q, then k, then v channels)."""
+    path = make_tiny_checkpoint("qwen3_next", tmp_path / "qn", seed=4, layers="MMAM",
+                                num_experts=8, num_experts_per_tok=3, mlp_only_layers=[1])
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    one = LLM(path, speculative_config=spec, **ENGINE)
+    tp = LLM(path, speculative_config=spec, tensor_parallel_size=2, **ENGINE)
+    try:
+        prompts = [[9, 8, 7, 6] * 5 + [1, 2, 3], [9, 8, 7, 6] * 5 + [50, 9, 8]]
+        want, _ = _generate(one, prompts)
+        got, _ = _generate(tp, prompts)
+        assert got == want
+        second = [p + o + [9, 8] for p, o in zip(prompts, got)]
+        want2, hits_one = _generate(one, second)
+        got2, hits = _generate(tp, second)
+        assert got2 == want2 and hits == hits_one and min(hits) >= 16
+        assert tp.stats()["spec_draft_tokens"] > 0
+        assert _check_pages_reassemble(one, tp, groups_split=True) >= 2
+    finally:
+        tp.shutdown()
