@@ -79,15 +79,8 @@ def check_cache_fits(
     return kv + state
 
 
-def _check_tensor_parallel_options(
-    gpu_memory_utilization, enforce_eager, async_scheduling, speculative_config
-) -> None:
+def _check_tensor_parallel_options(enforce_eager, async_scheduling, speculative_config) -> None:
     """Refuse, naming the knob, what tensor parallelism does not run yet."""
-    if gpu_memory_utilization is not None:
-        raise ValueError(
-            "gpu_memory_utilization is not supported with tensor_parallel_size > 1 yet "
-            "(its profiling forward runs on one rank): give num_kv_blocks / num_state_pages"
-        )
     if enforce_eager is False:
         raise ValueError("enforce_eager=False (decode graphs) does not run under "
                          "tensor_parallel_size > 1 yet; leave it unset")
@@ -164,9 +157,7 @@ class LLM:
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
         if tp > 1:
-            _check_tensor_parallel_options(
-                gpu_memory_utilization, enforce_eager, async_scheduling, speculative_config
-            )
+            _check_tensor_parallel_options(enforce_eager, async_scheduling, speculative_config)
             enforce_eager = True
         self.tensor_parallel_size = tp
         self._tensor = None
@@ -257,8 +248,8 @@ class LLM:
                 capacity_bytes=sizing.device_capacity_bytes(device),
                 gpu_memory_utilization=gpu_memory_utilization,
                 weights_bytes=sizing.weights_bytes(self.model),
-                activation_peak_bytes=sizing.profile_activation_peak(
-                    self.model, max_num_batched_tokens, kv_block_size, torch_dtype, ssm_dtype, device
+                activation_peak_bytes=self._activation_peak(
+                    max_num_batched_tokens, kv_block_size, torch_dtype, ssm_dtype, device
                 ),
                 kv_block_bytes=self.model.cache_spec.kv_block_bytes(kv_block_size, torch_dtype),
                 kv_block_size=kv_block_size,
@@ -338,6 +329,20 @@ class LLM:
         )
         self._next_id = 0
         self._warned_capped = False
+
+    def _activation_peak(self, num_tokens, kv_block_size, dtype, ssm_dtype, device) -> int:
+        """The profiling forward's peak (:func:`~hybridserve.engine.sizing.profile_activation_peak`);
+        under tensor parallelism every rank runs it (its collectives pair up) and the
+        largest rank's peak counts."""
+        from hybridserve.engine import sizing
+
+        args = (num_tokens, kv_block_size, dtype, ssm_dtype)
+        if self._tensor is None:
+            return sizing.profile_activation_peak(self.model, *args, device)
+        group, _ = self._tensor
+        group.broadcast_object(("profile", args))
+        peak = sizing.profile_activation_peak(self.model, *args, device)
+        return max(group.all_gather_object(peak))
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do with one rank). The

@@ -7,8 +7,9 @@ and loads rank 0's shard while the workers load theirs; every rank then reports 
 its load succeeded (one handshake), so a checkpoint that cannot be sharded fails the
 constructor on rank 0 with the worker's message instead of leaving ranks waiting.
 
-A worker (:func:`worker_main`) then waits for the cache sizes, allocates its shard of
-every cache, and runs what rank 0 broadcasts (:mod:`hybridserve.distributed.runner`):
+A worker (:func:`worker_main`) then runs the sizing profile when rank 0 asks (the
+forward of ``gpu_memory_utilization``'s profile, its peak gathered to rank 0), waits for
+the cache sizes, allocates its shard of every cache, and runs what rank 0 broadcasts (:mod:`hybridserve.distributed.runner`):
 ``step`` (host-tier copies, then the forward up to the gathered logits), ``transfers``
 (host-tier copies alone), ``read_pages`` (its shard of some state pages, gathered to rank
 0), ``stop``. A worker exits when told to stop, when rank 0's process ends (workers are
@@ -135,9 +136,18 @@ def worker_main(rank: int, spec: WorkerSpec) -> None:
         _handshake(group, error)
     except RuntimeError:
         return
-    kind, sizes = group.broadcast_object()
-    if kind == "stop":
-        return
+    while True:
+        # Before the engine exists: the sizing profile (gpu_memory_utilization), then the
+        # cache sizes.
+        kind, sizes = group.broadcast_object()
+        if kind == "stop":
+            return
+        if kind == "caches":
+            break
+        if kind == "profile":
+            from hybridserve.engine.sizing import profile_activation_peak
+
+            group.all_gather_object(profile_activation_peak(model, *sizes, device))
     caches = model.cache_spec.allocate(**sizes["allocate"], device=device)
     runner = ModelRunner(model, caches, sizes["kv_block_size"], sizes["max_num_seqs"], device)
     if sizes["host_pages"]:

@@ -171,7 +171,6 @@ def test_what_is_refused_names_the_knob(tmp_path):
     assert ShardLayout.of(ok, 1, 2).mamba_groups == (1, 2)
     assert not ShardLayout.of(ok, 1, 2).norm_spans_ranks
     for kwargs, knob in (
-        ({"gpu_memory_utilization": 0.5}, "gpu_memory_utilization"),
         ({"enforce_eager": False}, "enforce_eager"),
         ({"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}, "ngram"),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size"),

@@ -159,8 +159,11 @@ def test_tp2_qwen3_next_gated_deltanet_moe(tmp_path):
     path = make_tiny_checkpoint("qwen3_next", tmp_path / "qn", seed=4, layers="MMAM",
                                 num_experts=8, num_experts_per_tok=3, mlp_only_layers=[1])
     spec = {"method": "ngram", "num_speculative_tokens": 2}
-    one = LLM(path, speculative_config=spec, **ENGINE)
-    tp = LLM(path, speculative_config=spec, tensor_parallel_size=2, **ENGINE)
+    # Sized by gpu_memory_utilization (the cache sizes given still win): every rank runs
+    # the sizing profile before the engine starts.
+    sized = dict(ENGINE, gpu_memory_utilization=0.01, max_checkpoint_pages=24)
+    one = LLM(path, speculative_config=spec, **sized)
+    tp = LLM(path, speculative_config=spec, tensor_parallel_size=2, **sized)
     try:
         prompts = [[9, 8, 7, 6] * 5 + [1, 2, 3], [9, 8, 7, 6] * 5 + [50, 9, 8]]
         want, _ = _generate(one, prompts)
