@@ -177,3 +177,15 @@ def test_what_is_refused_names_the_knob(tmp_path):
     ):
         with pytest.raises(ValueError, match=knob):
             LLM(tmp_path / "nemotron_h", **{"tensor_parallel_size": 2, **kwargs})
+
+
+def test_tensor_parallel_size_flag():
+    """``--tensor-parallel-size`` (``-tp``) of ``serve`` and ``generate`` reaches ``LLM``."""
+    from hybridserve.cli import build_parser, llm_kwargs_from_args
+
+    parser = build_parser()
+    assert llm_kwargs_from_args(parser.parse_args(["serve", "--tensor-parallel-size", "2"]))[
+        "tensor_parallel_size"] == 2
+    assert llm_kwargs_from_args(parser.parse_args(["generate", "-tp", "4", "x"]))[
+        "tensor_parallel_size"] == 4
+    assert llm_kwargs_from_args(parser.parse_args(["serve"]))["tensor_parallel_size"] == 1
