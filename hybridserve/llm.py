@@ -195,20 +195,32 @@ class LLM:
             ))
             self._tensor = (group, workers)
         try:
+            # Every option by name: the engine is built in its own method so that a
+            # failure there can stop the other ranks first.
             self._build_engine(
-                name, path, torch_dtype, device, seed, max_num_seqs, max_model_len,
-                max_num_batched_tokens, kv_block_size, num_kv_blocks, num_state_pages,
-                enable_prefix_caching, state_interval, checkpoint_policies,
-                max_checkpoint_pages, ssm_state_dtype, eviction_policy, checkpoint_offload_gib,
-                checkpoint_offload_pages, gpu_memory_utilization, checkpoint_memory_fraction,
-                enforce_eager, speculative_config, async_scheduling, kernel_policy,
+                name=name, path=path, torch_dtype=torch_dtype, device=device,
+                seed=seed, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                max_num_batched_tokens=max_num_batched_tokens,
+                kv_block_size=kv_block_size, num_kv_blocks=num_kv_blocks,
+                num_state_pages=num_state_pages,
+                enable_prefix_caching=enable_prefix_caching,
+                state_interval=state_interval,
+                checkpoint_policies=checkpoint_policies,
+                max_checkpoint_pages=max_checkpoint_pages,
+                ssm_state_dtype=ssm_state_dtype, eviction_policy=eviction_policy,
+                checkpoint_offload_gib=checkpoint_offload_gib,
+                checkpoint_offload_pages=checkpoint_offload_pages,
+                gpu_memory_utilization=gpu_memory_utilization,
+                checkpoint_memory_fraction=checkpoint_memory_fraction,
+                enforce_eager=enforce_eager, speculative_config=speculative_config,
+                async_scheduling=async_scheduling, kernel_policy=kernel_policy,
             )
         except BaseException:
             self._stop_workers()
             raise
 
     def _build_engine(
-        self, name, path, torch_dtype, device, seed, max_num_seqs, max_model_len,
+        self, *, name, path, torch_dtype, device, seed, max_num_seqs, max_model_len,
         max_num_batched_tokens, kv_block_size, num_kv_blocks, num_state_pages,
         enable_prefix_caching, state_interval, checkpoint_policies, max_checkpoint_pages,
         ssm_state_dtype, eviction_policy, checkpoint_offload_gib, checkpoint_offload_pages,
@@ -362,6 +374,7 @@ class LLM:
         try:
             group.broadcast_object(("stop", None))
         finally:
+            group.close()
             for proc in workers:
                 proc.join(30)
                 if proc.is_alive():

@@ -80,6 +80,14 @@ class TensorGroup:
         self.reduce_seconds = 0.0
         self.num_reduces = 0
 
+    def close(self) -> None:
+        """Release the forward's communicators (NCCL's; gloo needs nothing). The group
+        cannot be used afterwards."""
+        shutdown = getattr(self.tensor, "shutdown", None)
+        if self.device.type == "cuda" and shutdown is not None:
+            with contextlib.suppress(Exception):
+                shutdown()
+
     # ---- tensors ---------------------------------------------------------------------
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:

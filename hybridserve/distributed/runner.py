@@ -165,6 +165,7 @@ class TensorParallelRunner(ModelRunner):
         try:
             self.group.broadcast_object(("stop", None))
         finally:
+            self.group.close()
             for proc in self.workers:
                 proc.join(timeout_s)
                 if proc.is_alive():

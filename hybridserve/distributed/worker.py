@@ -166,6 +166,7 @@ def worker_main(rank: int, spec: WorkerSpec) -> None:
             elif kind == "read_pages":
                 group.all_gather_object(read_pages(caches, body))
             elif kind == "stop":
+                group.close()
                 return
             else:
                 raise RuntimeError(f"tensor-parallel worker {rank}: unknown message {kind!r}")

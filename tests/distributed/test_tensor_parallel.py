@@ -9,12 +9,15 @@ of engines.
 
 from __future__ import annotations
 
+import multiprocessing
+
 import pytest
 import torch
 
 from hybridserve import LLM, SamplingParams
+from hybridserve.models.config import ConfigError
 from hybridserve.step import SchedulerOutput, Transfers
-from hybridserve.testing.tiny_models import make_tiny_checkpoint
+from hybridserve.testing.tiny_models import make_tiny_checkpoint, tiny_config
 
 ENGINE = dict(max_num_seqs=4, num_kv_blocks=96, num_state_pages=96, max_model_len=256,
               kv_block_size=8, state_interval=16)
@@ -114,7 +117,8 @@ def test_tp2_granite_one_group_replicated(tmp_path):
     embeddings, fused experts beside the shared MLP, and a vocabulary of 251 (the last rank's head shard padded): TP=2 is
     token-identical to one rank, prefix hits included, the replicated groups' conv
     channels are equal on both ranks, the pages reassemble, host-tier copies run on
-    every rank, and a stopped engine refuses further steps."""
+    every rank, and a stopped engine refuses further steps; a checkpoint no rank can cut
+    fails the constructor and leaves no rank running."""
     path = make_tiny_checkpoint(
         "granitemoehybrid", tmp_path / "g", seed=5, mamba_n_groups=1, num_key_value_heads=1,
         tie_word_embeddings=True, vocab_size=251, num_local_experts=4, num_experts_per_tok=2,
@@ -148,6 +152,16 @@ def test_tp2_granite_one_group_replicated(tmp_path):
         tp.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         tp.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    # A checkpoint no rank can cut fails the constructor with the rank's error, and the
+    # spawned rank is gone.
+    bad = tmp_path / "bad"
+    cfg = tiny_config("granitemoehybrid", mamba_n_heads=6, mamba_d_head=32, hidden_size=96,
+                      mamba_n_groups=3)
+    cfg.architectures = ["GraniteMoeHybridForCausalLM"]
+    cfg.save_pretrained(bad)
+    with pytest.raises(ConfigError, match="n_groups=3 neither divides"):
+        LLM(bad, tensor_parallel_size=2, **ENGINE)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("hybridserve-tp")]
 
 
 def test_tp2_qwen3_next_gated_deltanet_moe(tmp_path):
