@@ -27,13 +27,15 @@ most). ``--tp 1``: the one-GPU mode. Writes ``--out`` (JSON).
 
 Issue 22's run (two H200s)::
 
-    python benchmarks/bench_tp.py --device cuda --tp 1,2 --out benchmarks/results/tp_h200x2.json
+    python benchmarks/bench_tp.py --device cuda --tp 1,2 --workdir /tmp/tp-bench \
+        --out benchmarks/results/tp_h200x2.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -294,6 +296,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/tp.json")
     args = ap.parse_args(argv)
+    # NVLink multicast (NVLS) stays off on the shared two-GPU machines; the workers
+    # inherit the setting.
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     if args.smoke:
         args.device, args.dtype = "cpu", "float32"
         args.batches, args.prompt, args.steps, args.warmup_steps = "1,4", 24, 3, 1
@@ -355,6 +360,8 @@ def main(argv=None) -> int:
                              if "allreduce" in row else ""))
                 tt = ttft(llm, args.ttft_prompt, args.ttft_cached, shape["vocab_size"], args.seed)
                 print(f"tp={tp} ttft: cold {tt['cold_s'] * 1e3:.1f} ms, cached {tt['cached_s'] * 1e3:.1f} ms")
+                if args.device.startswith("cuda"):
+                    tt["rank0_peak_gib"] = torch.cuda.max_memory_allocated(0) / 2**30
                 runs[tp] = {"load_s": load_s, "decode": rows, "ttft": tt,
                             "rank0_weight_bytes": sum(p.numel() * p.element_size()
                                                       for p in llm.model.parameters())}
