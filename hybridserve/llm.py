@@ -227,7 +227,9 @@ class LLM:
         gpu_memory_utilization, checkpoint_memory_fraction, enforce_eager, speculative_config,
         async_scheduling, kernel_policy,
     ) -> None:
-        mcfg = self.model.config
+        # A rank's model is built from its share of the heads: the model's own config is
+        # the full one.
+        mcfg = self.model.config if self._tensor is None else self.model.shard_layout.config
         self.model_config = mcfg
         self.tokenizer = Tokenizer.maybe_load(path)
         self.generation_config = load_generation_config(path)

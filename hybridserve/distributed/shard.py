@@ -70,7 +70,8 @@ from hybridserve.models.layers.moe import FLOAT32_WEIGHTS, Experts, MoEBlock
 from hybridserve.models.layers.norm import GatedRMSNorm
 from hybridserve.models.registry import model_class
 
-# (dim, [(lo, hi), ...]): the rows (dim 0) or columns (dim 1) a rank reads, concatenated.
+# (dim, [(lo, hi), ...]): the ranges of axis ``dim`` (0 rows, 1 columns, 2 a stacked
+# expert tensor's last axis) a rank reads, concatenated along that axis.
 Slices = tuple[int, tuple[tuple[int, int], ...]]
 
 
