@@ -20,7 +20,9 @@ Sections, each run for every ``--tp`` size (default ``1,2``):
     slower than (b)'s: the share is of the timed step) and the all-reduces per step.
 
 Steps run eagerly under TP (decode graphs are not captured with collectives yet), so
-TP=1 is measured eagerly too (``enforce_eager``), for a like-for-like ratio.
+TP=1 is measured eagerly too (``enforce_eager``), for a like-for-like ratio; on CUDA the
+decode rates of TP=1 with decode graphs (its serving default) are recorded beside them
+(``tp1_graphs_decode``).
 
 ``--smoke``: the CPU with gloo, a tiny model for every section, TP=1 and 2 (minutes at
 most). ``--tp 1``: the one-GPU mode. Writes ``--out`` (JSON).
@@ -160,9 +162,10 @@ def rank_step_bytes(model, batch: int, context: int, state_dtype: torch.dtype) -
     return weights + kv + state
 
 
-def make_llm(path, tp: int, device: str, dtype: str, **kw) -> LLM:
+def make_llm(path, tp: int, device: str, dtype: str, enforce_eager: bool | None = True,
+             **kw) -> LLM:
     return LLM(str(path), dtype=dtype, device=device, tensor_parallel_size=tp,
-               enforce_eager=True, **kw)
+               enforce_eager=enforce_eager, **kw)
 
 
 def agreement(path, tps, device, dtype, prompts: int, new_tokens: int, seed: int) -> dict:
@@ -294,6 +297,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", type=Path, default=None,
                     help="where the random checkpoints are written (default: a temp dir)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-graphs-baseline", action="store_true",
+                    help="skip TP=1 with decode graphs (CUDA only; TP runs eagerly)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/tp.json")
     args = ap.parse_args(argv)
     # NVLink multicast (NVLS) stays off on the shared two-GPU machines; the workers
@@ -370,6 +375,26 @@ def main(argv=None) -> int:
                 del llm
                 if args.device.startswith("cuda"):
                     torch.cuda.empty_cache()
+        if args.device.startswith("cuda") and tps[0] == 1 and not args.no_graphs_baseline:
+            # The one-GPU engine as it serves by default: decode replayed from CUDA graphs
+            # (not available under TP yet), for the cost of running eagerly.
+            try:
+                llm = make_llm(big, 1, args.device, args.dtype, enforce_eager=None,
+                               max_num_seqs=max(batches), max_model_len=longest,
+                               num_kv_blocks=max(batches) * (-(-(args.prompt + 2 * args.steps + 32) // 16)) + 8,
+                               num_state_pages=3 * max(batches) + 48, max_checkpoint_pages=32,
+                               max_num_batched_tokens=max(8192, max(batches)))
+                llm.engine.async_scheduling = False
+                result["tp1_graphs_decode"] = [
+                    decode(llm, b, args.prompt, args.warmup_steps, args.steps,
+                           shape["vocab_size"], args.seed, time_reduces=False)
+                    for b in batches
+                ]
+                llm.shutdown()
+                del llm
+                torch.cuda.empty_cache()
+            except Exception as e:  # a baseline: the TP results above stand without it
+                result["tp1_graphs_error"] = f"{type(e).__name__}: {e}"
         result["runs"] = {str(k): v for k, v in runs.items()}
         base = runs[tps[0]]
         for tp in tps[1:]:
