@@ -24,13 +24,11 @@ pickle a step). Decode graphs and async scheduling are off under tensor parallel
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import torch
 
 from hybridserve.runner.model_runner import ModelRunner
-from hybridserve.step import ScheduledRow, SchedulerOutput, StepResult, Transfers
+from hybridserve.step import SchedulerOutput, StepResult, Transfers
 
 # Row header fields in the plan, in order.
 _HEADER = ("num_computed", "num_tokens", "num_drafts", "samples", "state_in_page",
@@ -67,6 +65,8 @@ class _Tokens:
     """A row's input tokens standing in for ``all_token_ids`` at offset ``start``: the
     runner slices ``all_token_ids[n : n + q - d]`` and nothing else."""
 
+    __slots__ = ("start", "tokens")
+
     def __init__(self, start: int, tokens: list[int]) -> None:
         self.start = start
         self.tokens = tokens
@@ -75,15 +75,34 @@ class _Tokens:
         return self.tokens[s.start - self.start : s.stop - self.start]
 
 
-@dataclass
 class _PlannedRequest:
     """The fields of :class:`~hybridserve.step.ScheduledRequest` a worker's forward reads."""
 
-    all_token_ids: _Tokens
-    draft_token_ids: list[int]
-    block_ids: list[int]
-    prompt_token_ids: list[int] = field(default_factory=list)
-    output_token_ids: list[int] = field(default_factory=list)
+    __slots__ = ("all_token_ids", "draft_token_ids", "block_ids")
+
+    def __init__(self, all_token_ids: _Tokens, draft_token_ids: list[int],
+                 block_ids: list[int]) -> None:
+        self.all_token_ids = all_token_ids
+        self.draft_token_ids = draft_token_ids
+        self.block_ids = block_ids
+
+
+class _PlannedRow:
+    """The fields of :class:`~hybridserve.step.ScheduledRow` a worker's forward reads (a
+    plain slotted object: a worker builds hundreds a step)."""
+
+    __slots__ = ("request", "num_computed", "num_tokens", "num_drafts", "samples",
+                 "state_in_page", "is_decode", "state_outputs")
+
+    def __init__(self, request, n, q, d, samples, state_in, is_decode, outputs) -> None:
+        self.request = request
+        self.num_computed = n
+        self.num_tokens = q
+        self.num_drafts = d
+        self.samples = samples
+        self.state_in_page = state_in
+        self.is_decode = is_decode
+        self.state_outputs = outputs
 
 
 def decode_step(plan: dict) -> SchedulerOutput:
@@ -97,11 +116,8 @@ def decode_step(plan: dict) -> SchedulerOutput:
     for n, q, d, samples, state_in, is_decode, nb, no in header:
         toks = tokens[t : t + q]
         req = _PlannedRequest(_Tokens(n, toks[: q - d]), toks[q - d :], blocks[b : b + nb])
-        outs = {outputs[o + 2 * j]: outputs[o + 2 * j + 1] for j in range(no)}
-        rows.append(ScheduledRow(
-            request=req, num_computed=n, num_tokens=q, num_drafts=d, samples=bool(samples),
-            state_in_page=state_in, is_decode=bool(is_decode), state_outputs=outs,
-        ))
+        outs = dict(zip(outputs[o : o + 2 * no : 2], outputs[o + 1 : o + 2 * no : 2]))
+        rows.append(_PlannedRow(req, n, q, d, samples, state_in, is_decode, outs))
         t, b, o = t + q, b + nb, o + 2 * no
     transfers = Transfers([tuple(x) for x in plan["offloads"]], [tuple(x) for x in plan["restores"]])
     return SchedulerOutput(rows, transfers=transfers)
