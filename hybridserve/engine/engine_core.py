@@ -84,6 +84,8 @@ class EngineCore:
         eos_token_ids: tuple[int, ...],
         enforce_eager: bool | None = None,
         async_scheduling: bool | None = None,
+        tensor_group=None,
+        tensor_workers=(),
     ) -> None:
         """``enforce_eager``: True runs every step eagerly; False replays greedy decode
         and verify steps from CUDA graphs (on a CPU: the same static-buffer step,
@@ -92,7 +94,12 @@ class EngineCore:
         ``async_scheduling``: schedule and launch the next plain decode step before the
         current one's tokens are read back, so the host's work for a step overlaps the
         device's work on the step before (:meth:`step`). Needs decode graphs and no
-        speculative decoding; None (the default) turns it on wherever both hold."""
+        speculative decoding; None (the default) turns it on wherever both hold.
+
+        ``tensor_group``: the :class:`~hybridserve.distributed.group.TensorGroup` of a
+        tensor-parallel engine (this process is rank 0; ``model`` is its shard and
+        ``tensor_workers`` the processes of the other ranks): the runner broadcasts every
+        step to them (:mod:`hybridserve.distributed.runner`); steps run eagerly."""
         policy = getattr(model, "kernel_policy", config.kernels)
         if policy != config.kernels:
             raise ValueError(
@@ -112,16 +119,32 @@ class EngineCore:
         # Decode graphs pad steps with rows that write one KV block and read one state
         # page past the ranges the pools hand out.
         scratch = 0 if enforce_eager else 1
-        caches = model.cache_spec.allocate(
-            cc.num_kv_blocks + scratch, cc.kv_block_size, cc.num_state_pages + scratch,
-            config.dtype, cc.ssm_state_dtype, config.device,
+        self.tensor_parallel = tensor_group is not None
+        if tensor_group is not None and not enforce_eager:
+            raise ValueError("enforce_eager=False (decode graphs) does not run under "
+                             "tensor_parallel_size > 1 yet; leave it unset")
+        sizes = dict(
+            num_kv_blocks=cc.num_kv_blocks + scratch, kv_block_size=cc.kv_block_size,
+            num_state_pages=cc.num_state_pages + scratch, dtype=config.dtype,
+            ssm_dtype=cc.ssm_state_dtype,
         )
+        caches = model.cache_spec.allocate(**sizes, device=config.device)
         # The runner launches the state postprocess as soon as a step's choices exist on
         # the device; its decisions come back with the choices, in the step's result.
-        self.runner = ModelRunner(
-            model, caches, cc.kv_block_size, config.scheduler.max_num_seqs, config.device,
-            boundary_interval=self.scheduler.boundary_interval(),
-        )
+        runner_args = (model, caches, cc.kv_block_size, config.scheduler.max_num_seqs,
+                       config.device)
+        if tensor_group is None:
+            self.runner = ModelRunner(
+                *runner_args, boundary_interval=self.scheduler.boundary_interval()
+            )
+        else:
+            from hybridserve.distributed.runner import TensorParallelRunner
+
+            self.runner = TensorParallelRunner(
+                *runner_args, boundary_interval=self.scheduler.boundary_interval(),
+                group=tensor_group, workers=tensor_workers, allocate=sizes,
+                host_pages=host_pages if self.scheduler.host.enabled else 0,
+            )
         if self.scheduler.host.enabled:
             # The host tier mirrors every state tensor of every recurrent layer.
             self.runner.host_pool = HostStatePool(caches.states, host_pages)
@@ -207,6 +230,10 @@ class EngineCore:
             raise ValueError(f"allowed_token_ids must be token ids in [0, {self.vocab_size})")
         if params.logit_bias is not None and max(params.logit_bias) >= self.vocab_size:
             raise ValueError(f"logit_bias must name token ids in [0, {self.vocab_size})")
+        if params.prompt_logprobs is not None and self.tensor_parallel:
+            # The head is split by vocabulary: every rank would have to run the extra
+            # logits of the prompt positions in step with rank 0.
+            raise ValueError("prompt_logprobs is not supported under tensor_parallel_size > 1 yet")
         so = params.structured_outputs
         if so is not None:
             # Compiling is what can fail on the user's input: before anything is queued.

@@ -239,31 +239,9 @@ class ModelRunner:
         pending = self.launch(sched)
         if pending is not None:
             return self.collect(pending)
-        input_ids, batch = self.build_batch(sched)
-        # The step plan, once for the whole forward (every layer reads it).
-        batch = self.model.plan_step(batch, self.device)
-        hidden = self.model.forward(input_ids, batch, self.caches)
-        if self.keep_hidden:
-            # A drafter that reads the target's hidden states (MTP) takes them from here.
-            self.last_hidden = hidden
-        prompt_lps = self._prompt_logprobs(sched, batch.query_start, hidden)
-        # Gather the positions whose logits are needed: every token of a verify row,
-        # the last token of a prefill row that completes its sequence.
-        gather: list[int] = []
-        spans: list[tuple[int, int]] = []
-        for i, row in enumerate(sched.rows):
-            end = batch.query_start[i + 1]
-            if not row.samples:
-                spans.append((len(gather), 0))
-                continue
-            k = row.num_drafts + 1
-            spans.append((len(gather), k))
-            gather += range(end - k, end)
-        if not gather:
+        spans, logits, prompt_lps = self.forward_logits(sched)
+        if logits is None:
             return StepResult([RowResult([], [], prompt_lps.get(i)) for i in range(len(sched.rows))])
-        # Asynchronous: the host keeps queueing work instead of waiting for the forward.
-        index = upload(torch.tensor(gather, dtype=torch.long), hidden.device)
-        logits = self.model.compute_logits(hidden[index])
         sampling = [i for i, (_, k) in enumerate(spans) if k > 0]
         starts = [start for start, _ in spans]
         if all(sampler.samples_by_argmax(sched.rows[i].request.params) for i in sampling):
@@ -283,6 +261,39 @@ class ModelRunner:
             logprobs = [lps[start + j] for j in range(len(tokens))] if start in lps else []
             results.append(RowResult(tokens, logprobs, prompt_lps.get(i)))
         return StepResult(results, decisions)
+
+    def forward_logits(
+        self, sched: SchedulerOutput
+    ) -> tuple[list[tuple[int, int]], torch.Tensor | None, dict[int, list[dict[int, Logprob]]]]:
+        """The forward of a step and the logits of the positions that sample: every token
+        of a verify row, the last token of a prefill row that completes its sequence.
+        Returns ``(spans, logits, prompt_logprobs)``: row ``i``'s ``k`` logits rows start
+        at ``spans[i] = (start, k)``; ``logits`` is None when no row samples; the prompt
+        logprobs of the rows that ask for them (:meth:`_prompt_logprobs`). (A
+        tensor-parallel worker runs exactly this part of :meth:`execute`.)"""
+        input_ids, batch = self.build_batch(sched)
+        # The step plan, once for the whole forward (every layer reads it).
+        batch = self.model.plan_step(batch, self.device)
+        hidden = self.model.forward(input_ids, batch, self.caches)
+        if self.keep_hidden:
+            # A drafter that reads the target's hidden states (MTP) takes them from here.
+            self.last_hidden = hidden
+        prompt_lps = self._prompt_logprobs(sched, batch.query_start, hidden)
+        gather: list[int] = []
+        spans: list[tuple[int, int]] = []
+        for i, row in enumerate(sched.rows):
+            end = batch.query_start[i + 1]
+            if not row.samples:
+                spans.append((len(gather), 0))
+                continue
+            k = row.num_drafts + 1
+            spans.append((len(gather), k))
+            gather += range(end - k, end)
+        if not gather:
+            return spans, None, prompt_lps
+        # Asynchronous: the host keeps queueing work instead of waiting for the forward.
+        index = upload(torch.tensor(gather, dtype=torch.long), hidden.device)
+        return spans, self.model.compute_logits(hidden[index]), prompt_lps
 
     PROMPT_LOGPROBS_CHUNK = 256
     """Prompt positions whose logits are computed at once (bounds the float32
