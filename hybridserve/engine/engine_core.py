@@ -218,7 +218,11 @@ class EngineCore:
             raise TypeError("sampling params must be a SamplingParams")
         if not prompt_token_ids:
             raise ValueError("prompt is empty: give at least one token (or non-empty text)")
-        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt_token_ids):
+        # One pass per distinct type, then the range: a long prompt's check costs no
+        # per-token Python (the same rule as checking every token's type and range).
+        if not all(issubclass(t, int) for t in set(map(type, prompt_token_ids))) or not (
+            min(prompt_token_ids) >= 0 and max(prompt_token_ids) < self.vocab_size
+        ):
             raise ValueError(f"prompt_token_ids must be integers in [0, {self.vocab_size})")
         max_len = self.config.scheduler.max_model_len
         if len(prompt_token_ids) >= max_len:

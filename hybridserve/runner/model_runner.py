@@ -14,7 +14,10 @@ elsewhere) from per-row inputs, and one read-back of the choices and the decisio
 
 With decode graphs enabled (:meth:`ModelRunner.enable_decode_graphs`, the engine's
 default on CUDA), a greedy decode or verify step replays a captured CUDA graph
-(:mod:`hybridserve.runner.cuda_graph`); every other step runs eagerly as below. A
+(:mod:`hybridserve.runner.cuda_graph`), and so does a short-row step (a prompt's tail
+after a cached prefix: few prefill rows of at most the policy's ``max_short_tokens``
+tokens, without penalties or logprobs; :meth:`~hybridserve.runner.cuda_graph.DecodeGraphs.replay_short`); every
+other step runs eagerly as below. A
 replayed step can also be split in two (:meth:`ModelRunner.launch`, then
 :meth:`ModelRunner.collect`): the engine's async scheduling launches the next step in
 between, its input tokens taken from this one's choices on the device.
@@ -239,6 +242,16 @@ class ModelRunner:
         pending = self.launch(sched)
         if pending is not None:
             return self.collect(pending)
+        if self.graphs is not None:
+            short = self.graphs.replay_short(sched, self.model)
+            if short is not None:
+                # One read-back: every row's choice (rows that do not sample drop theirs).
+                host = short.tolist()
+                return StepResult([
+                    RowResult([host[i]] if row.samples else [], [])
+                    for i, row in enumerate(sched.rows)
+                ])
+            self.graphs.counters["eager_steps"] += 1
         spans, logits, prompt_lps = self.forward_logits(sched)
         if logits is None:
             return StepResult([RowResult([], [], prompt_lps.get(i)) for i in range(len(sched.rows))])
