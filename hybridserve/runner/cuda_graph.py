@@ -598,7 +598,9 @@ class DecodeGraphs:
         lengths or longer than :data:`MAX_DECODE_TOKENS` (so the eager plan is the
         short-row path, not a decode step), at most the largest of
         :data:`SHORT_BATCH_BUCKETS` rows, no output page repeated or read by any row,
-        no sampling row asking for penalties, logprobs or a grammar (greedy rows take the
+        no row asking for prompt logprobs (the eager forward computes them from every
+        position's hidden state), no sampling row asking for penalties, logprobs or a
+        grammar (greedy rows take the
         argmax of their last token's logits, sampled rows draw there as decode graphs
         do), on a model
         whose eager plan takes the short-row path and (when capturing) the Triton prefill
@@ -634,6 +636,7 @@ class DecodeGraphs:
                 or row.num_drafts
                 or rq < 2
                 or rq > policy.max_short_tokens
+                or row.request.params.prompt_logprobs is not None
                 or (row.samples and not sampler.graph_samplable(row.request.params))
             ):
                 return None
