@@ -176,6 +176,9 @@ class ModelRunner:
             state_out_row=out_row,
             state_out_offset=out_off,
             state_out_page=out_page,
+            # Every attention layer of the step walks the same rows: one tile map (and
+            # one upload) for all of them, not one per layer.
+            attention_tiles={},
         )
         return input_ids, batch
 

@@ -316,7 +316,8 @@ def test_a_repeated_static_step_uploads_no_tile_map(tiny_nemotron, monkeypatch):
     records), the static short-row step computes the prefill attention's tile map once, on its first
     run (the warm-up before a capture), and a second run of the same shape (the capture)
     reads it from the buffer's cache: nothing is computed or uploaded inside a capture.
-    Both runs give the same tokens."""
+    Both runs give the same tokens. An eager step computes one map for all its attention
+    layers as well."""
     from hybridserve.kernels import paged_attention_prefill
 
     # The attention on its Triton kernel; the Mamba layers on their twins (faster here).
@@ -339,6 +340,9 @@ def test_a_repeated_static_step_uploads_no_tile_map(tiny_nemotron, monkeypatch):
     second = graphs._short_forward(st, shape, graphs.model)
     assert len(calls) == 1
     assert torch.equal(first[: shape.rows], second[: shape.rows])
-    # And the eager step's token (the same caches: the step rewrites what it writes).
+    # And the eager step's token (the same caches: the step rewrites what it writes),
+    # whose attention layers share one tile map too.
+    assert attention_layers >= 2
     runner = ModelRunner(graphs.model, graphs.caches, 16, 8)
     assert runner.execute(sched).rows[0].new_tokens == first[:1].tolist()
+    assert len(calls) == 2
