@@ -46,6 +46,7 @@ import platform
 import random
 import socket
 import statistics
+import string
 import subprocess
 import sys
 import tempfile
@@ -425,15 +426,35 @@ def profile_mixed_steps(model: str | None, device: str, dtype: str, batch: int, 
 # ---- a random-weight model at a real shape -------------------------------------------
 
 
+def byte_tokenizer(vocab_size: int):
+    """A byte-level tokenizer for a random model of ``vocab_size`` ids: ids 0-255 are the
+    bytes (all a prompt encodes to); returns it and its byte alphabet."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    # Random weights pick ids across the whole vocabulary: every id past the bytes decodes
+    # to three ASCII letters (no merge ever produces them), so each generated token streams
+    # visible text and the client's first-token time is the server's.
+    letters = string.ascii_letters
+    for i in range(len(alphabet), vocab_size):
+        k = i - len(alphabet)
+        vocab[letters[k % 52] + letters[k // 52 % 52] + letters[k // 2704 % 52]] = i
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok, alphabet
+
+
 def write_random_model(shape_name: str, dtype: str, device: str, path: Path) -> Path:
     """A Nemotron-H checkpoint of ``bench_gpu``'s shapes (``tiny``, ``nemotron_1b``,
-    ``nemotron_8b``) with random weights, saved with a byte-level tokenizer (ids 0-255 are
-    the bytes; the rest of the vocabulary is never produced by the tokenizer), so the
-    server takes text prompts. Returns ``path``."""
+    ``nemotron_8b``) with random weights, saved with :func:`byte_tokenizer`, so the server
+    takes text prompts. Its answers do not survive re-encoding (three letters become three
+    byte ids), so on this model a turn can reuse its previous prompt but not the answer:
+    the reusable-hit rate counts both and is a lower bound. Returns ``path``."""
     import torch
     import transformers
     from bench_gpu import NEMOTRON_1B, NEMOTRON_8B, TINY, hf_config, randomize_
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     from hybridserve.config import resolve_dtype
 
@@ -449,10 +470,9 @@ def write_random_model(shape_name: str, dtype: str, device: str, path: Path) -> 
     randomize_(model, seed=0)
     model.save_pretrained(path)
     del model
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
+    # The servers this script starts size their caches from the device's free memory.
+    torch.cuda.empty_cache()
+    tok, alphabet = byte_tokenizer(cfg.vocab_size)
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": alphabet[2]}))
     return path
@@ -528,6 +548,33 @@ def main() -> int:
     out_path = Path(args.out) if args.out else RESULTS / ("serve_smoke.json" if args.smoke else "serve.json")
     out_path.parent.mkdir(parents=True, exist_ok=True)
 
+    import torch
+
+    def write(results: dict, profile: dict | None, complete: bool) -> dict:
+        # Written after every configuration, so a run cut short by a time limit keeps
+        # what it measured (``complete`` says whether every configuration ran).
+        doc = {
+            "benchmark": "bench_serve",
+            "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu",
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "commit": git_commit(),
+            "config": {**{k: v for k, v in vars(args).items() if k != "out"}, "server_args": server_args,
+                       "model": portable_path(args.model) if args.model else "embedded default model"},
+            "slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms},
+            "complete": complete,
+            "results": results,
+            "profile": profile,
+        }
+        try:
+            import triton
+
+            doc["triton"] = triton.__version__
+        except ImportError:
+            pass
+        out_path.write_text(json.dumps(doc, indent=1))
+        return doc
+
     results: dict = {}
     for name in configs:
         flags = []
@@ -567,6 +614,7 @@ def main() -> int:
                           f"restores {s['host_restores']:.0f}", flush=True)
         finally:
             server.stop()
+        write(results, None, complete=False)
 
     profile = None
     if not args.no_profile:
@@ -576,27 +624,7 @@ def main() -> int:
               f"{profile['pure_decode']['host_ms_p50']:.2f} ms, mixed (+{profile['prefill_chunk']}-token "
               f"chunk) {profile['mixed']['host_ms_p50']:.2f} ms: ratio {profile['host_ratio_mixed_over_decode']:.2f}")
 
-    import torch
-
-    doc = {
-        "benchmark": "bench_serve",
-        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "commit": git_commit(),
-        "config": {**{k: v for k, v in vars(args).items() if k != "out"}, "server_args": server_args,
-                   "model": portable_path(args.model) if args.model else "embedded default model"},
-        "slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms},
-        "results": results,
-        "profile": profile,
-    }
-    try:
-        import triton
-
-        doc["triton"] = triton.__version__
-    except ImportError:
-        pass
-    out_path.write_text(json.dumps(doc, indent=1))
+    doc = write(results, profile, complete=True)
     print(f"wrote {portable_path(out_path)}")
     plot(doc, out_path.with_suffix(".png"))
     return 0
