@@ -21,7 +21,7 @@ that carried drafts; ``tokens_per_verify_step`` = 1 + that; ``tokens_per_target_
 generated tokens / target rows that emitted them (steps without drafts included).
 
     python benchmarks/bench_drafters.py --target default --k 1 3 5 --batch 32 \
-        --out benchmarks/results/drafters_trained_cpu.json
+        --methods ngram draft_model --out benchmarks/results/drafters_trained_cpu.json
     python benchmarks/bench_drafters.py --target default --device cuda --dtype bfloat16 \
         --k 3 --batch 1 16 64 --prompts 64 --out drafters_trained_h200.json
     python benchmarks/bench_drafters.py --device cuda --hidden 1024 --layers MMMAMMMA \
@@ -155,6 +155,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=32, help="default target: held-out prompts")
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--methods", nargs="+", default=None,
+                    help="drafters to run besides none (default: all of the target's)")
     ap.add_argument("--smoke", action="store_true", help="a few tiny rows on the CPU (a check that it runs)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -196,6 +198,11 @@ def main() -> None:
                                                   "num_speculative_tokens": k},
                         "draft_model=target": lambda k: {"method": "draft_model", "model": str(target),
                                                          "num_speculative_tokens": k}}
+        if args.methods:
+            unknown = sorted(set(args.methods) - set(drafters))
+            if unknown:
+                raise SystemExit(f"--methods: unknown {unknown}; known: {sorted(drafters)}")
+            drafters = {name: make for name, make in drafters.items() if name in args.methods}
         for batch in args.batch:
             if args.target == "random":
                 prompts = random_prompts(rng, batch, args.prompt_len)
