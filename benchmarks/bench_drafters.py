@@ -142,7 +142,7 @@ def run_row(target, spec, prompts, params, args, batch: int) -> tuple[dict, list
     return row, tokens
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", choices=("random", "default"), default="random")
     ap.add_argument("--device", default="cpu")
@@ -159,7 +159,7 @@ def main() -> None:
                     help="drafters to run besides none (default: all of the target's)")
     ap.add_argument("--smoke", action="store_true", help="a few tiny rows on the CPU (a check that it runs)")
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.batch is None:
         args.batch = [32] if args.target == "default" else [1, 4]
     if args.prompt_len is None:
@@ -216,12 +216,13 @@ def main() -> None:
                 row = dict(batch=batch, method=name, k=k, **row, matches_no_speculation=tokens == reference)
                 results.append(row)
                 print(json.dumps(row), flush=True)
+    config = {**vars(args), "out": portable_path(args.out) if args.out else None}
+    report = dict(benchmark="drafters", commit=git_commit(), torch=torch.__version__,
+                  device=torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.machine(),
+                  args=config, **meta, results=results)
     if args.out:
-        config = {**vars(args), "out": portable_path(args.out)}
-        out = dict(benchmark="drafters", commit=git_commit(), torch=torch.__version__,
-                   device=torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.machine(),
-                   args=config, **meta, results=results)
-        Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    return report
 
 
 if __name__ == "__main__":

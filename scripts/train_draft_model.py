@@ -6,14 +6,14 @@ distribution, not the corpus': the loss is the forward KL divergence
 ``KL(p_teacher || q_draft)`` at temperature 1 over the whole vocabulary, on windows of the
 train split, with the teacher's logits computed on the fly (no cache). Greedy acceptance
 is the rate at which the draft's argmax equals the teacher's, and full-distribution
-targets carry far more of that per token than one-hot next tokens; on the CPU the teacher
-forward costs about two thirds of a step, which this trades for the better target.
+targets carry far more of that per token than one-hot next tokens; on one CPU thread the
+teacher forward costs about 60% of a step, which this trades for the better target.
 
 Architecture: transformers' ``GraniteMoeHybridForCausalLM`` (the default model's class,
 so the engine loads it as it loads the default model), layers ``mamba attention mamba``,
 hidden 128, dense SwiGLU MLP 320, Mamba2 with 4 heads of 64 and state 64, attention 2
 query heads and 1 KV head of 64 with no positional encoding, embeddings tied with the
-output head: 1.19M parameters. The tokenizer and vocabulary (4,096 ids) are the default
+output head: 1.18M parameters. The tokenizer and vocabulary (4,096 ids) are the default
 model's. The embedding matrix starts as the teacher's projected on its 128 leading
 principal directions (``--init-embeddings pca``): the output head is tied to it, so the
 draft starts in the teacher's output space; everything else uses transformers' init.
