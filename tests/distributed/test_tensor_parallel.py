@@ -10,6 +10,11 @@ of engines.
 from __future__ import annotations
 
 import multiprocessing
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -191,3 +196,23 @@ def test_tp2_qwen3_next_gated_deltanet_moe(tmp_path):
         assert _check_pages_reassemble(one, tp, groups_split=True) >= 2
     finally:
         tp.shutdown()
+
+
+def test_unguarded_script_fails_fast(tmp_path):
+    """A script that builds a tensor-parallel LLM at its top level (no main guard): the
+    spawned rank dies re-importing it, and rank 0 says so within seconds instead of
+    waiting out the start-up timeout."""
+    path = make_tiny_checkpoint("nemotron_h", tmp_path / "m", seed=1, layers="M*")
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from hybridserve import LLM\n"
+        f"LLM({str(path)!r}, tensor_parallel_size=2, num_kv_blocks=16, num_state_pages=16,"
+        " max_model_len=64)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode != 0
+    assert "rank 1 exited" in proc.stderr and "__main__" in proc.stderr
+    assert time.monotonic() - started < 120
