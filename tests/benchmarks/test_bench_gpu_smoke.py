@@ -67,6 +67,11 @@ def test_bench_gpu_smoke(tmp_path):
     assert all(hit == result["ttft"]["cached_len"] for r in by_tail for _, hit in r["runs"])
     profile = result["ttft"]["cached_profile"]
     assert profile["wall_s"] > 0 and profile["top_host_ops"]
+    split = result["ttft"]["cached_split"]
+    assert split["wall_s"] == result["ttft"]["cached_s"]
+    assert split["host_s"] == split["wall_s"] - split["kernel_s"]
+    assert split["cached_runs"] == len(result["ttft"]["cached_runs"])
+    assert result["ttft"]["meets_target"] == (result["ttft"]["speedup"] >= 20.0)
     assert result["agreement"]["positional_agreement"] == 1.0
     for k in ("device", "torch", "triton", "commit"):
         assert result["env"][k]
