@@ -120,7 +120,8 @@ def test_tp2_granite_one_group_replicated(tmp_path):
     """Granite 4.0-H with one Mamba2 group (replicated on both ranks, so the gated norm
     spans the ranks and all-reduces its sums of squares), one KV head (replicated), tied
     embeddings, fused experts beside the shared MLP, and a vocabulary of 251 (the last rank's head shard padded): TP=2 is
-    token-identical to one rank, prefix hits included, the replicated groups' conv
+    token-identical to one rank, prefix hits and prompt logprobs included, the replicated
+    groups' conv
     channels are equal on both ranks, the pages reassemble, host-tier copies run on
     every rank, and a stopped engine refuses further steps; a checkpoint no rank can cut
     fails the constructor and leaves no rank running."""
@@ -138,6 +139,17 @@ def test_tp2_granite_one_group_replicated(tmp_path):
             got, hits = _generate(tp, prompts)
             assert got == want and hits == hits_one
         assert max(hits) >= 16
+        # Prompt logprobs (a prefill computes logits at every prompt position, which
+        # every rank joins): the same top tokens, values to float32 rounding.
+        lp = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2, logprobs=1)
+        a, b = (llm.generate([list(range(60, 90))], lp, use_tqdm=False)[0] for llm in (one, tp))
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.prompt_logprobs[0] is None and len(a.prompt_logprobs) == 30
+        for x, y in zip(a.prompt_logprobs[1:] + a.outputs[0].logprobs,
+                        b.prompt_logprobs[1:] + b.outputs[0].logprobs):
+            assert x.keys() == y.keys()
+            for t in x:
+                assert abs(x[t].logprob - y[t].logprob) < 1e-4 and x[t].rank == y[t].rank
         assert _check_pages_reassemble(one, tp, groups_split=False) >= 2
         # Host-tier copies run on every rank: a checkpoint page offloaded to host page 0
         # and restored into a free page, which rank 0 poisons first, holds on every
