@@ -162,7 +162,6 @@ def worker_main(rank: int, spec: WorkerSpec) -> None:
             group.all_gather_object(profile_activation_peak(model, *sizes, device))
     caches = model.cache_spec.allocate(**sizes["allocate"], device=device)
     runner = ModelRunner(model, caches, sizes["kv_block_size"], sizes["max_num_seqs"], device)
-    runner.computes_prompt_logprobs = False
     if sizes["host_pages"]:
         runner.host_pool = HostStatePool(caches.states, sizes["host_pages"])
     with torch.inference_mode():
