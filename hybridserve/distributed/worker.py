@@ -94,7 +94,19 @@ def start_tensor_parallel(spec_kwargs: dict):
         proc.start()
         procs.append(proc)
     try:
-        group = TensorGroup(0, spec.world_size, port, rank_device(spec.device, 0), spec.timeout_s)
+        def check_peers() -> str | None:
+            for rank, proc in enumerate(procs, start=1):
+                if not proc.is_alive():
+                    return (
+                        f"tensor-parallel rank {rank} exited (code {proc.exitcode}) before "
+                        "joining; its error is on standard error. If the main module builds "
+                        "the LLM at its top level, guard that with "
+                        "if __name__ == '__main__': (every rank re-imports the main module)"
+                    )
+            return None
+
+        group = TensorGroup(0, spec.world_size, port, rank_device(spec.device, 0),
+                            spec.timeout_s, check_peers)
         error = None
         try:
             model = _load(spec, group)
