@@ -263,14 +263,15 @@ def test_sampled_first_tokens_are_the_eager_draws(tiny_nemotron):
 @pytest.mark.gpu
 def test_captured_short_steps_match_eager_on_cuda(tiny_nemotron):
     """On CUDA: the cached prompts' first tokens replay from captured short-row graphs
-    (default policy: the Triton short-row path) and every token equals the eager
-    engine's."""
+    (the Triton short-row path, short-row graphs asked for) and every token equals the
+    eager engine's."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     g = torch.Generator().manual_seed(_seed())
     prefix, prompts = _cached_prompts(g, 160, (128, 100, 37))
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    kw = dict(device="cuda", enable_prefix_caching=True, state_interval=16, max_num_seqs=4)
+    kw = dict(device="cuda", enable_prefix_caching=True, state_interval=16, max_num_seqs=4,
+              kernel_policy=KernelPolicy(short_graphs="on"))
 
     def run(enforce_eager):
         llm = _rebuild(LLM(tiny_nemotron, **kw), enforce_eager)
@@ -346,3 +347,16 @@ def test_a_repeated_static_step_uploads_no_tile_map(tiny_nemotron, monkeypatch):
     runner = ModelRunner(graphs.model, graphs.caches, 16, 8)
     assert runner.execute(sched).rows[0].new_tokens == first[:1].tolist()
     assert len(calls) == 2
+
+
+def test_short_graphs_policy_gates_captured_steps(tiny_nemotron):
+    """``short_graphs``: "auto" keeps the static short step where nothing is captured
+    and leaves captured (CUDA) short steps to an explicit "on"; "off" turns it off."""
+    llm = LLM(tiny_nemotron)
+    caches = llm.engine.runner.caches
+    for mode, capture, want in (("auto", False, True), ("off", False, False), ("on", False, True)):
+        model = LLM(tiny_nemotron, kernel_policy=KernelPolicy(short_graphs=mode)).model
+        graphs = DecodeGraphs(model, caches, 16, 8, 8, 60, 90, "cpu", capture=capture)
+        assert graphs.short_enabled is want, mode
+    with pytest.raises(ValueError, match="short_graphs"):
+        KernelPolicy(short_graphs="yes")
