@@ -558,36 +558,44 @@ class DecodeGraphs:
         )
         return sampler.sample_step(logits, plan, st.params)
 
-    def _capture(self, st: _Static, shape: StepShape):
-        key = shape.key
+    def _record(self, key: tuple, forward):
+        """Capture ``forward()`` (one step on its static buffers) as the graph of
+        ``key`` and return ``(graph, output)``; without capture, ``(None, None)`` (the
+        step then runs eagerly on the same buffers). A warm-up runs first on a side stream:
+        it compiles the Triton kernels, sets up the BLAS handles and fills the attention's
+        tile maps, and it is harmless because the forward is idempotent for one step's
+        inputs (it writes this step's keys, values and output states, the same again on
+        the replay). Raises what the capture raised."""
         if not self.capture:
             entry = (None, None)
             self._graphs[key] = entry
             return entry
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            forward()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = forward()
+        entry = (graph, out)
+        self._graphs[key] = entry
+        return entry
+
+    def _capture(self, st: _Static, shape: StepShape):
         try:
-            # Warm up outside the graph on a side stream (compiles the Triton kernels, sets
-            # up the BLAS handles). The forward is idempotent for one step's inputs: it
-            # writes this step's keys, values and output states, the same on the replay.
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                self._forward(st, shape)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                out = self._forward(st, shape)
+            entry = self._record(shape.key, lambda: self._forward(st, shape))
         except Exception as e:  # a failed capture turns graphs off; the step runs eagerly
-            self.capture_errors.append(f"{key}: {type(e).__name__}: {e}")
+            self.capture_errors.append(f"{shape.key}: {type(e).__name__}: {e}")
             if shape.sampling == GREEDY:
                 self.enabled = False
             else:
                 self.sampled_enabled = False
             return None
-        entry = (graph, out)
-        self._graphs[key] = entry
-        self.counters["captures"] += 1
+        if entry[0] is not None:
+            self.counters["captures"] += 1
         return entry
 
     # ---- short-row steps -------------------------------------------------------------
@@ -795,32 +803,15 @@ class DecodeGraphs:
         return sampler.sample_step(logits, plan, st.params)
 
     def _capture_short(self, st: _ShortStatic, shape: ShortShape, model):
-        key = shape.key
-        if not self.capture:
-            entry = (None, None)
-            self._graphs[key] = entry
-            return entry
         try:
-            # The warm-up run compiles the kernels and fills the attention's tile maps;
-            # the forward is idempotent for one step's inputs (as for decode graphs).
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                self._short_forward(st, shape, model)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                out = self._short_forward(st, shape, model)
+            entry = self._record(shape.key, lambda: self._short_forward(st, shape, model))
         except Exception as e:  # a failed capture turns short graphs off; eager from here
-            self.capture_errors.append(f"{key}: {type(e).__name__}: {e}")
+            self.capture_errors.append(f"{shape.key}: {type(e).__name__}: {e}")
             if shape.sampling == GREEDY:
                 self.short_enabled = False
             else:
                 self.sampled_enabled = False
             return None
-        entry = (graph, out)
-        self._graphs[key] = entry
-        self.counters["short_captures"] += 1
+        if entry[0] is not None:
+            self.counters["short_captures"] += 1
         return entry
