@@ -149,33 +149,39 @@ def hf_config(shape: dict):
     )
 
 
+def random_weight(name: str, shape, device, generator: torch.Generator) -> torch.Tensor:
+    """A float32 random value for the parameter ``name`` of ``shape``, well spread as the
+    tiny test checkpoints are: logits of a few units, dt in a realistic range, stable
+    decays (``A_log``), unit-scale norms and skip terms."""
+    leaf = name.rsplit(".", 1)[-1]
+    r = torch.empty(shape, device=device, dtype=torch.float32)
+    if "embed" in name:
+        r.normal_(0.0, 1.0, generator=generator)
+    elif name.startswith("lm_head"):
+        r.normal_(0.0, 2.5 / math.sqrt(shape[1]), generator=generator)
+    elif leaf == "A_log":
+        r.uniform_(0.0, 1.0, generator=generator).mul_(7.0).add_(1.0).log_()
+    elif leaf == "dt_bias":
+        r.uniform_(-1.0, 0.5, generator=generator)
+    elif leaf == "D":
+        r.normal_(1.0, 0.3, generator=generator)
+    elif "conv1d.weight" in name:
+        r.normal_(0.0, 0.5, generator=generator)
+    elif leaf == "bias":
+        r.normal_(0.0, 0.1, generator=generator)
+    elif len(shape) == 1:
+        r.normal_(1.0, 0.1, generator=generator)
+    else:
+        r.normal_(0.0, 1.0 / math.sqrt(shape[-1]), generator=generator)
+    return r
+
+
 @torch.no_grad()
 def randomize_(model: torch.nn.Module, seed: int) -> None:
-    """Well-spread random weights in place (on the model's device), as the tiny test
-    checkpoints do: logits of a few units, dt in a realistic range, stable decays."""
+    """Well-spread random weights in place (on the model's device): :func:`random_weight`."""
     g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, p in model.named_parameters():
-        leaf = name.rsplit(".", 1)[-1]
-        r = torch.empty(p.shape, device=p.device, dtype=torch.float32)
-        if "embed" in name:
-            r.normal_(0.0, 1.0, generator=g)
-        elif name.startswith("lm_head"):
-            r.normal_(0.0, 2.5 / math.sqrt(p.shape[1]), generator=g)
-        elif leaf == "A_log":
-            r.uniform_(0.0, 1.0, generator=g).mul_(7.0).add_(1.0).log_()
-        elif leaf == "dt_bias":
-            r.uniform_(-1.0, 0.5, generator=g)
-        elif leaf == "D":
-            r.normal_(1.0, 0.3, generator=g)
-        elif "conv1d.weight" in name:
-            r.normal_(0.0, 0.5, generator=g)
-        elif leaf == "bias":
-            r.normal_(0.0, 0.1, generator=g)
-        elif p.dim() == 1:
-            r.normal_(1.0, 0.1, generator=g)
-        else:
-            r.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=g)
-        p.copy_(r)
+        p.copy_(random_weight(name, p.shape, p.device, g))
 
 
 def build_models(shape: dict, device: str, dtype: torch.dtype, workdir: Path, with_hf: bool):

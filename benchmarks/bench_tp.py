@@ -52,6 +52,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from bench_gpu import random_weight  # noqa: E402
 from provenance import git_commit  # noqa: E402
 
 from hybridserve import LLM, SamplingParams  # noqa: E402
@@ -88,7 +89,6 @@ def write_checkpoint(shape: dict, path: Path, dtype: torch.dtype, device: str, s
     """A random-weight checkpoint of ``shape`` (Nemotron-H names, ``dtype``) at ``path``,
     generated on ``device`` one tensor at a time, well spread as the tiny test
     checkpoints are (logits of a few units, dt in a realistic range, stable decays)."""
-    import math
 
     from safetensors.torch import save_file
 
@@ -101,26 +101,7 @@ def write_checkpoint(shape: dict, path: Path, dtype: torch.dtype, device: str, s
     g = torch.Generator(device=device).manual_seed(seed)
     state = {}
     for name, p in model.named_parameters():
-        leaf = name.rsplit(".", 1)[-1]
-        r = torch.empty(p.shape, device=device, dtype=torch.float32)
-        if "embed" in name:
-            r.normal_(0.0, 1.0, generator=g)
-        elif name.startswith("lm_head"):
-            r.normal_(0.0, 2.5 / math.sqrt(p.shape[1]), generator=g)
-        elif leaf == "A_log":
-            r.uniform_(0.0, 1.0, generator=g).mul_(7.0).add_(1.0).log_()
-        elif leaf == "dt_bias":
-            r.uniform_(-1.0, 0.5, generator=g)
-        elif leaf == "D":
-            r.normal_(1.0, 0.3, generator=g)
-        elif "conv1d.weight" in name:
-            r.normal_(0.0, 0.5, generator=g)
-        elif leaf == "bias":
-            r.normal_(0.0, 0.1, generator=g)
-        elif p.dim() == 1:
-            r.normal_(1.0, 0.1, generator=g)
-        else:
-            r.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=g)
+        r = random_weight(name, p.shape, device, g)
         disk = "backbone." + name[len("model."):] if name.startswith("model.") else name
         state[disk] = r.to(dtype).cpu().contiguous()
     save_file(state, str(path / "model.safetensors"))
