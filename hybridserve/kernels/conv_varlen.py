@@ -140,6 +140,41 @@ def conv_varlen_reference(
 
 
 @triton.jit
+def _conv_tap(xbc_ptr, xbc_stride, conv_ptr, page_stride, tok64, c, mask, t, page, back,
+              K: tl.constexpr, FROM_WINDOW: tl.constexpr):
+    """The conv input ``back`` tokens before each token of the tile, in the input dtype:
+    the packed input inside the row, else (only when ``FROM_WINDOW``) entry
+    ``(K - 1) + (offset in row) - back`` of the row's initial window, cast to the input
+    dtype as the reference concatenates it."""
+    src = t - back
+    in_row = src >= 0
+    xv = tl.load(
+        xbc_ptr + (tok64 - back)[:, None] * xbc_stride + c[None, :],
+        mask=mask & in_row[:, None],
+        other=0.0,
+    )
+    if FROM_WINDOW:
+        wv = tl.load(
+            conv_ptr + page[:, None] * page_stride + c[None, :] * (K - 1) + (src + K - 1)[:, None],
+            mask=mask & ((src < 0) & (page >= 0))[:, None],
+            other=0.0,
+        )
+        xv = tl.where(in_row[:, None], xv, wv.to(xbc_ptr.dtype.element_ty))
+    return xv
+
+
+@triton.jit
+def _conv_taps(xbc_ptr, xbc_stride, weight_ptr, conv_ptr, page_stride, tok64, c, cmask, mask,
+               t, page, acc, K: tl.constexpr, FROM_WINDOW: tl.constexpr):
+    for k in tl.static_range(K):
+        v = _conv_tap(xbc_ptr, xbc_stride, conv_ptr, page_stride, tok64, c, mask, t, page,
+                      K - 1 - k, K, FROM_WINDOW).to(tl.float32)
+        w = tl.load(weight_ptr + c * K + k, mask=cmask, other=0.0).to(tl.float32)
+        acc += v * w[None, :]
+    return acc
+
+
+@triton.jit
 def _conv_varlen_kernel(
     xbc_ptr,
     xbc_stride,
@@ -176,23 +211,15 @@ def _conv_varlen_kernel(
     acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    for k in tl.static_range(K):
-        src = t - (K - 1 - k)
-        in_row = src >= 0
-        xv = tl.load(
-            xbc_ptr + (tok64 - (K - 1 - k))[:, None] * xbc_stride + c[None, :],
-            mask=mask & in_row[:, None],
-            other=0.0,
-        )
-        wv = tl.load(
-            conv_ptr + page[:, None] * page_stride + c[None, :] * (K - 1) + (src + K - 1)[:, None],
-            mask=mask & ((src < 0) & (page >= 0))[:, None],
-            other=0.0,
-        )
-        # The reference casts the window to the input dtype before the conv.
-        v = tl.where(in_row[:, None], xv, wv.to(xbc_ptr.dtype.element_ty)).to(tl.float32)
-        w = tl.load(weight_ptr + c * K + k, mask=cmask, other=0.0).to(tl.float32)
-        acc += v * w[None, :]
+    # Most tiles lie K - 1 tokens or more inside their rows: they read packed inputs only
+    # and skip the window gathers (the address arithmetic of masked-off loads is not free).
+    near_start = tl.min(tl.where(tmask, t, K)) < K - 1
+    if near_start:
+        acc = _conv_taps(xbc_ptr, xbc_stride, weight_ptr, conv_ptr, page_stride, tok64, c,
+                         cmask, mask, t, page, acc, K, True)
+    else:
+        acc = _conv_taps(xbc_ptr, xbc_stride, weight_ptr, conv_ptr, page_stride, tok64, c,
+                         cmask, mask, t, page, acc, K, False)
     if SILU:
         acc = acc * tl.sigmoid(acc)
     tl.store(
@@ -203,28 +230,18 @@ def _conv_varlen_kernel(
     if WRITE_WINDOWS:
         # Entry i of the window after token t is the input K - 2 - i tokens back, from the
         # row or from its initial window, as the taps above; cast as the reference casts.
+        # A tile without a requested window skips this part whole.
         out_page = tl.load(out_pages_ptr + tok, mask=tmask, other=-1).to(tl.int64)
-        wmask = mask & (out_page >= 0)[:, None]
-        for i in tl.static_range(K - 1):
-            src = t - (K - 2 - i)
-            in_row = src >= 0
-            xv = tl.load(
-                xbc_ptr + (tok64 - (K - 2 - i))[:, None] * xbc_stride + c[None, :],
-                mask=wmask & in_row[:, None],
-                other=0.0,
-            )
-            wv = tl.load(
-                conv_ptr + page[:, None] * page_stride + c[None, :] * (K - 1)
-                + (src + K - 1)[:, None],
-                mask=wmask & ((src < 0) & (page >= 0))[:, None],
-                other=0.0,
-            )
-            v = tl.where(in_row[:, None], xv, wv.to(xbc_ptr.dtype.element_ty))
-            tl.store(
-                conv_ptr + out_page[:, None] * page_stride + c[None, :] * (K - 1) + i,
-                v.to(conv_ptr.dtype.element_ty),
-                mask=wmask,
-            )
+        if tl.max(out_page) >= 0:
+            wmask = mask & (out_page >= 0)[:, None]
+            for i in tl.static_range(K - 1):
+                v = _conv_tap(xbc_ptr, xbc_stride, conv_ptr, page_stride, tok64, c, wmask, t,
+                              page, K - 2 - i, K, True)
+                tl.store(
+                    conv_ptr + out_page[:, None] * page_stride + c[None, :] * (K - 1) + i,
+                    v.to(conv_ptr.dtype.element_ty),
+                    mask=wmask,
+                )
 
 
 def conv_varlen(
