@@ -73,6 +73,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hybridserve.kernels import ssd_chunked
 from hybridserve.kernels.ssd import discretize_dt, heads_from_groups, ssd_chunked_reference
 from hybridserve.kernels.ssd_tails import ssd_tail_states, ssd_tail_states_reference
 from hybridserve.kernels.transfer import upload_lists
@@ -274,10 +275,18 @@ def _fla_scan_with_chunk_states(q, k, v, g, initial_states, cu_seqlens, cu_seqle
 
 
 def chunk_states_supported(scan: ScanFn) -> bool:
-    """Whether ``scan`` can return chunk states (``chunk_states=True``)."""
+    """Whether ``scan`` can return chunk states (``chunk_states=True``), or is a fused
+    scan (:func:`is_fused`), which stores them itself."""
     if scan is ssd_scan_varlen_fla:
         return fla_chunk_states_available()
-    return getattr(scan, "func", scan) is ssd_scan_varlen_reference
+    return is_fused(scan) or getattr(scan, "func", scan) is ssd_scan_varlen_reference
+
+
+def is_fused(scan: ScanFn) -> bool:
+    """Whether ``scan`` is a fused scan of :mod:`~hybridserve.kernels.ssd_chunked` (raw dt,
+    the D skip, states into slots) rather than the plain scan primitive."""
+    return getattr(scan, "func", scan) in (ssd_chunked.ssd_scan_fused,
+                                           ssd_chunked.ssd_scan_fused_reference)
 
 
 # --------------------------------------------------------------------------------------
@@ -312,6 +321,22 @@ class Segments:
     tail_chunk: torch.Tensor
     tail_tokens: torch.Tensor
     tail_lengths: torch.Tensor
+    # For a fused scan (:mod:`~hybridserve.kernels.ssd_chunked`), which stores the states
+    # it is asked for straight into rows of one buffer: the request's own row for a row
+    # end or a chunk state (the first request of each distinct state; dup_request [D]
+    # copy theirs from row dup_source [D]), rows num_state_rows - extra.. for the start
+    # states of tails no request asked for. chunk_slot [chunks] / final_slot [S]: the row
+    # of the state before each chunk / after each segment, -1 for none; first_chunk
+    # [S + 1] the flat index of every segment's first chunk; tail_start_slot [M] the row
+    # of each tail's start state. All empty without a chunk.
+    chunk: int | None = None
+    num_state_rows: int = 0
+    first_chunk: torch.Tensor | None = None
+    chunk_slot: torch.Tensor | None = None
+    final_slot: torch.Tensor | None = None
+    tail_start_slot: torch.Tensor | None = None
+    dup_request: torch.Tensor | None = None
+    dup_source: torch.Tensor | None = None
 
     @property
     def reads_chunk_states(self) -> bool:
@@ -382,6 +407,7 @@ def _segment_lists(
     if cu[-1] != query_start[-1]:
         raise ValueError("query_start must start at 0 and be non-decreasing")
     found = [source[(r, off)] for r, off in zip(state_rows, state_offsets)]
+    slots = _state_slots(found, len(cu) - 1, chunks_before) if chunk is not None else {}
     chunk_pos = [j for j, (_, c, tail) in enumerate(found) if c >= 0 and tail is None]
     tail_pos = [j for j, (_, _, tail) in enumerate(found) if tail is not None]
     width = max((len(found[j][2]) for j in tail_pos), default=0)
@@ -393,13 +419,57 @@ def _segment_lists(
         # Tails padded with token 0 to the longest; the padding is masked out.
         "tail_tokens": [t for j in tail_pos for t in found[j][2] + [0] * (width - len(found[j][2]))],
         "tail_lengths": [len(found[j][2]) for j in tail_pos],
+        "chunk": chunk,
+        **slots,
     }
+
+
+def _state_slots(found: list, segments: int, chunks: int) -> dict[str, list]:
+    """The rows of a fused scan's state buffer (see :class:`Segments`) for requests
+    ``found`` ((segment, chunk index or -1, tail tokens or None) each) of a chunk plan
+    with ``segments`` segments and ``chunks`` chunks in all."""
+    k = len(found)
+    row_of: dict[tuple[str, int], int] = {}
+    dup_request, dup_source = [], []
+    for j, (seg, c, tail) in enumerate(found):
+        if tail is not None:
+            continue  # the tail kernel fills this row
+        key = ("c", c) if c >= 0 else ("f", seg)
+        if key in row_of:
+            dup_request.append(j)
+            dup_source.append(row_of[key])
+        else:
+            row_of[key] = j
+    tail_start = []
+    extra = 0
+    for _, c, tail in found:
+        if tail is None:
+            continue
+        if ("c", c) not in row_of:
+            row_of[("c", c)] = k + extra
+            extra += 1
+        tail_start.append(row_of[("c", c)])
+    chunk_slot, final_slot = [-1] * chunks, [-1] * segments
+    for (kind, i), row in row_of.items():
+        (chunk_slot if kind == "c" else final_slot)[i] = row
+    return {"num_state_rows": k + extra, "chunk_slot": chunk_slot, "final_slot": final_slot,
+            "tail_start_slot": tail_start, "dup_request": dup_request, "dup_source": dup_source}
 
 
 def _segments(lists: dict[str, list], device: torch.device) -> Segments:
     """:class:`Segments` from :func:`_segment_lists`' host lists, with one upload."""
     keys = ["cu", "first_segment", "first_row", "later", "request", "chunk_pos", "chunk_index",
             "tail_pos", "tail_chunk", "tail_tokens", "tail_lengths"]
+    fused = ["first_chunk", "chunk_slot", "final_slot", "tail_start_slot", "dup_request",
+             "dup_source"]
+    chunked = lists["chunk"] is not None
+    if chunked:
+        q, cu = lists["chunk"], lists["cu"]
+        firsts = [0]
+        for a, b in zip(cu[:-1], cu[1:]):
+            firsts.append(firsts[-1] + -(-(b - a) // q))
+        lists = {**lists, "first_chunk": firsts}
+        keys += fused
     t = dict(zip(keys, _to_device([lists[k] for k in keys], device)))
     steps = _to_device(lists["steps"], device) if lists["steps"] else []
     tails = len(lists["tail_pos"])
@@ -419,6 +489,9 @@ def _segments(lists: dict[str, list], device: torch.device) -> Segments:
         tail_tokens=t["tail_tokens"].view(tails, width),
         tail_lengths=t["tail_lengths"],
         chain_steps=tuple(steps),
+        chunk=lists["chunk"],
+        num_state_rows=lists["num_state_rows"] if chunked else 0,
+        **{k: t[k] for k in fused if chunked},
     )
 
 
@@ -470,16 +543,24 @@ def ssd_prefill(
     initial_states: torch.Tensor,
     segments: Segments,
     scan: ScanFn = ssd_scan_varlen_reference,
+    *,
+    dt_bias: torch.Tensor | None = None,
+    time_step_limit: tuple[float, float] | None = (0.0, float("inf")),
+    unclamped: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The SSD scan of every row of a packed step, with states at the requested offsets.
 
     Args:
-        x: ``[T, H, P]``; dt: ``[T, H]`` discretised (:func:`discretize_dt_varlen`);
-        A: ``[H]``; B, C: ``[T, G, N]``; D: ``[H]`` or None.
+        x: ``[T, H, P]``; dt: ``[T, H]`` discretised (:func:`discretize_dt_varlen`), or
+            raw when ``dt_bias`` is given; A: ``[H]``; B, C: ``[T, G, N]``; D: ``[H]`` or None.
         initial_states: ``[B, H, P, N]``, row ``i``'s state before its first token (zeros
             for a row that starts a sequence); only read.
         segments: :func:`plan_segments` of the step's rows and requests.
-        scan: the scan primitive (module docstring).
+        scan: the scan primitive (module docstring), or a fused scan (:func:`is_fused`),
+            which needs a plan with its chunk and the raw dt.
+        dt_bias, time_step_limit, unclamped: with ``dt_bias``, ``dt`` is raw and is
+            discretised as :func:`discretize_dt_varlen` does: inside a fused scan, in
+            float32 at least; before a plain one, in the dtype of ``dt``.
 
     Returns:
         ``(y [T, H, P]`` with the D skip, ``states [K, H, P, N])`` in
@@ -489,14 +570,21 @@ def ssd_prefill(
     compute = torch.promote_types(x.dtype, torch.float32)
     tokens, heads, head_dim = x.shape
     d_state = B.shape[-1]
+    if is_fused(scan):
+        if dt_bias is None:
+            raise ValueError("a fused scan takes the raw dt: pass dt_bias")
+        if segments.chunk != ssd_chunked.CHUNK:
+            raise ValueError(f"a fused scan needs a plan with chunk={ssd_chunked.CHUNK}, "
+                             f"got chunk={segments.chunk}")
+        return _fused_prefill(x, dt, A, B, C, D, initial_states, segments, scan, dt_bias,
+                              time_step_limit, unclamped)
+    if dt_bias is not None:
+        dt = discretize_dt_varlen(dt, dt_bias, time_step_limit, unclamped)
     x, dt, A, B, C = (t.to(compute) for t in (x, dt, A, B, C))
     if segments.num_segments == 0:
         y = x.new_zeros(tokens, heads, head_dim)
         return y, x.new_empty(segments.request_segment.shape[0], heads, head_dim, d_state)
-    init = x.new_zeros(segments.num_segments, heads, head_dim, d_state)
-    init.index_copy_(
-        0, segments.first_segment, initial_states.index_select(0, segments.first_row).to(compute)
-    )
+    init = _segment_initial_states(initial_states, segments, compute)
     cu, cu_cpu = segments.cu_seqlens, segments.cu_seqlens_cpu
     chunked = segments.reads_chunk_states
     if segments.single_scan:
@@ -537,3 +625,48 @@ def ssd_prefill(
             ).to(compute))
     return y, states
 
+
+
+def _segment_initial_states(
+    initial_states: torch.Tensor, segments: Segments, dtype: torch.dtype
+) -> torch.Tensor:
+    """``[S, H, P, N]``: each segment's initial state, its row's for a first segment."""
+    init = initial_states.new_zeros(segments.num_segments, *initial_states.shape[1:],
+                                    dtype=dtype)
+    init.index_copy_(
+        0, segments.first_segment, initial_states.index_select(0, segments.first_row).to(dtype)
+    )
+    return init
+
+
+def _fused_prefill(x, dt, A, B, C, D, initial_states, segments, scan, dt_bias,
+                   time_step_limit, unclamped):
+    """:func:`ssd_prefill` through a fused scan: one launch stores the row ends and the
+    chunk states asked for (and the tails' start states) into the rows of one buffer; the
+    tails run on from theirs; repeated requests copy."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    tokens, heads, head_dim = x.shape
+    d_state = B.shape[-1]
+    requests = segments.request_segment.shape[0]
+    if segments.num_segments == 0:
+        y = torch.zeros(tokens, heads, head_dim, dtype=compute, device=x.device)
+        return y, y.new_empty(requests, heads, head_dim, d_state)
+    states = torch.empty(segments.num_state_rows, heads, head_dim, d_state, dtype=compute,
+                         device=x.device)
+    init = _segment_initial_states(initial_states, segments, compute)
+    y, dt_out = scan(
+        x, dt, A, B, C, D, dt_bias, segments.cu_seqlens, init, segments.chunk_slot,
+        segments.final_slot, states, time_step_limit=time_step_limit, unclamped=unclamped,
+        cu_seqlens_cpu=segments.cu_seqlens_cpu, first_chunk=segments.first_chunk,
+    )
+    if segments.dup_request.numel():
+        states.index_copy_(0, segments.dup_request, states.index_select(0, segments.dup_source))
+    if segments.tail_request.numel():
+        start = states.index_select(0, segments.tail_start_slot)
+        # Triton on CUDA (float32); the torch twin elsewhere, and for float64.
+        run = (ssd_tail_states if x.is_cuda and compute == torch.float32
+               else ssd_tail_states_reference)
+        states.index_copy_(0, segments.tail_request, run(
+            x, dt_out, A, B, start, segments.tail_tokens, segments.tail_lengths
+        ).to(compute))
+    return y.to(compute), states[:requests]

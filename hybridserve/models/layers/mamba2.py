@@ -270,12 +270,16 @@ class Mamba2Mixer(RecurrentLayer):
         plan: StatePlan,
         conv_cache: torch.Tensor,
         fast: bool,
+        discretize: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The conv of a packed step (the Triton kernel when ``fast``, else its twin), which
         also writes the window after every token with a page in ``plan.token_out_pages``,
-        and the step's dt: ``x [T, H, P]``, ``B, C [T, G, N]``, ``dt [T, H]``."""
+        and the step's dt: ``x [T, H, P]``, ``B, C [T, G, N]``, ``dt [T, H]`` (discretised
+        unless ``discretize`` is False)."""
         p = self.p
         conv = conv_varlen if fast else conv_varlen_reference
+        # A step that asks for no state asks for no window: the conv then skips that mode.
+        windows = plan.out_pages is None or plan.out_pages.numel() > 0
         xbc = conv(
             # The kernel takes rows at any stride (a column slice of the projection).
             xbc if fast else xbc.contiguous(),
@@ -286,9 +290,11 @@ class Mamba2Mixer(RecurrentLayer):
             plan.in_pages,
             p.activation,
             plan.token_row,
-            out_pages=plan.token_out_pages,
+            out_pages=plan.token_out_pages if windows else None,
         )
         x, B, C = self._split_heads(xbc)
+        if not discretize:
+            return x, B, C, dt
         # As per row: one-token continuation rows skip the clamp unless the model asks for it.
         unclamped = None if p.clamp_dt_in_single_token_step else plan.unclamped
         dt = ssd_varlen.discretize_dt_varlen(dt, self.dt_bias, p.time_step_limit, unclamped)
@@ -316,7 +322,10 @@ class Mamba2Mixer(RecurrentLayer):
             0, plan.init_rows, ssm_cache.index_select(0, plan.init_pages).to(compute)
         )
         # Triton on CUDA (float32 accumulation); the torch twin elsewhere, and for float64.
-        x, B, C, dt = self._packed_conv_dt(xbc, dt, plan, conv_cache, plan.triton)
+        # The raw dt goes to the scan, which discretises it (a fused scan: in float32,
+        # inside its kernel) with the per-row clamp exception of the per-row path.
+        x, B, C, dt = self._packed_conv_dt(xbc, dt, plan, conv_cache, plan.triton,
+                                           discretize=False)
         y, states = ssd_varlen.ssd_prefill(
             x,
             dt,
@@ -327,6 +336,9 @@ class Mamba2Mixer(RecurrentLayer):
             initial,
             plan.segments,
             plan.scan,
+            dt_bias=self.dt_bias,
+            time_step_limit=p.time_step_limit,
+            unclamped=None if p.clamp_dt_in_single_token_step else plan.unclamped,
         )
         ssm_cache[plan.out_pages] = states.to(ssm_cache.dtype)
         return y.reshape(t, p.intermediate_size)
