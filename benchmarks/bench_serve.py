@@ -449,6 +449,8 @@ def write_random_model(shape_name: str, dtype: str, device: str, path: Path) -> 
     randomize_(model, seed=0)
     model.save_pretrained(path)
     del model
+    # The servers this script starts size their caches from the device's free memory.
+    torch.cuda.empty_cache()
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -528,6 +530,33 @@ def main() -> int:
     out_path = Path(args.out) if args.out else RESULTS / ("serve_smoke.json" if args.smoke else "serve.json")
     out_path.parent.mkdir(parents=True, exist_ok=True)
 
+    import torch
+
+    def write(results: dict, profile: dict | None, complete: bool) -> dict:
+        # Written after every configuration, so a run cut short by a time limit keeps
+        # what it measured (``complete`` says whether every configuration ran).
+        doc = {
+            "benchmark": "bench_serve",
+            "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu",
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "commit": git_commit(),
+            "config": {**{k: v for k, v in vars(args).items() if k != "out"}, "server_args": server_args,
+                       "model": portable_path(args.model) if args.model else "embedded default model"},
+            "slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms},
+            "complete": complete,
+            "results": results,
+            "profile": profile,
+        }
+        try:
+            import triton
+
+            doc["triton"] = triton.__version__
+        except ImportError:
+            pass
+        out_path.write_text(json.dumps(doc, indent=1))
+        return doc
+
     results: dict = {}
     for name in configs:
         flags = []
@@ -567,6 +596,7 @@ def main() -> int:
                           f"restores {s['host_restores']:.0f}", flush=True)
         finally:
             server.stop()
+        write(results, None, complete=False)
 
     profile = None
     if not args.no_profile:
@@ -576,27 +606,7 @@ def main() -> int:
               f"{profile['pure_decode']['host_ms_p50']:.2f} ms, mixed (+{profile['prefill_chunk']}-token "
               f"chunk) {profile['mixed']['host_ms_p50']:.2f} ms: ratio {profile['host_ratio_mixed_over_decode']:.2f}")
 
-    import torch
-
-    doc = {
-        "benchmark": "bench_serve",
-        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "commit": git_commit(),
-        "config": {**{k: v for k, v in vars(args).items() if k != "out"}, "server_args": server_args,
-                   "model": portable_path(args.model) if args.model else "embedded default model"},
-        "slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms},
-        "results": results,
-        "profile": profile,
-    }
-    try:
-        import triton
-
-        doc["triton"] = triton.__version__
-    except ImportError:
-        pass
-    out_path.write_text(json.dumps(doc, indent=1))
+    doc = write(results, profile, complete=True)
     print(f"wrote {portable_path(out_path)}")
     plot(doc, out_path.with_suffix(".png"))
     return 0

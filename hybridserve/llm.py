@@ -146,6 +146,12 @@ class LLM:
         torch_dtype = resolve_dtype(dtype)
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={device!r} was asked for but this machine has no CUDA device")
+        if gpu_memory_utilization is not None:
+            from hybridserve.engine import sizing
+
+            # As vLLM does: the share is of the whole device, so memory other processes
+            # hold must leave it free at start, or the caches would be sized past it.
+            sizing.check_free_memory(device, gpu_memory_utilization)
         self.model = load_model(path, dtype=torch_dtype, device=device, policy=kernel_policy)
         mcfg = self.model.config
         self.model_config = mcfg
@@ -190,6 +196,7 @@ class LLM:
                 max_num_seqs=max_num_seqs,
                 pages_per_seq=d + 4,
                 checkpoint_memory_fraction=checkpoint_memory_fraction,
+                checkpoint_pages=max_checkpoint_pages,
             )
             log.info("%s", plan.log_line())
             num_kv_blocks = plan.num_kv_blocks if num_kv_blocks is None else num_kv_blocks

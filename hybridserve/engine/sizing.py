@@ -73,10 +73,13 @@ def plan_memory(
     max_num_seqs: int,
     pages_per_seq: int,
     checkpoint_memory_fraction: float = 0.2,
+    checkpoint_pages: int | None = None,
     slack_pages: int = 8,
 ) -> MemoryPlan:
     """Split the device memory by the module's rule; ValueError naming the knob when
-    the configuration cannot work."""
+    the configuration cannot work. ``checkpoint_pages`` (an explicit
+    ``max_checkpoint_pages``) replaces step 2's share: that many checkpoint pages, and the
+    memory the share would have taken goes to KV."""
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise ValueError(
             f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
@@ -103,7 +106,18 @@ def plan_memory(
             "gpu_memory_utilization"
         )
     rest = cache - live_bytes
-    ckpt_pages = int(rest * checkpoint_memory_fraction) // state_page_bytes if state_page_bytes else 0
+    if checkpoint_pages is not None:
+        if checkpoint_pages < 0:
+            raise ValueError(f"max_checkpoint_pages must be >= 0, got {checkpoint_pages}")
+        if checkpoint_pages * state_page_bytes > rest:
+            raise ValueError(
+                f"max_checkpoint_pages={checkpoint_pages} needs "
+                f"{checkpoint_pages * state_page_bytes / GiB:.2f} GiB but {rest / GiB:.2f} GiB are "
+                "left after live state: lower max_checkpoint_pages or raise gpu_memory_utilization"
+            )
+        ckpt_pages = checkpoint_pages
+    else:
+        ckpt_pages = int(rest * checkpoint_memory_fraction) // state_page_bytes if state_page_bytes else 0
     kv_left = rest - ckpt_pages * state_page_bytes
     num_blocks = kv_left // kv_block_bytes if kv_block_bytes else 0
     blocks_per_seq = -(-max_model_len // kv_block_size)
@@ -184,6 +198,24 @@ def profile_activation_peak(
     del logits
     torch.cuda.empty_cache()
     return int(peak)
+
+
+def check_free_memory(device: torch.device | str, gpu_memory_utilization: float) -> None:
+    """Refuse to start when the device's free memory is below the share asked for
+    (memory held by other processes counts against it), naming the knob. A no-op off
+    CUDA: RAM is not measured this way."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return
+    free, total = (int(x) for x in torch.cuda.mem_get_info(device))
+    want = int(total * gpu_memory_utilization)
+    if free < want:
+        raise ValueError(
+            f"gpu_memory_utilization={gpu_memory_utilization} asks for {want / GiB:.2f} GiB of "
+            f"{device} ({total / GiB:.2f} GiB), but only {free / GiB:.2f} GiB are free at start "
+            f"(other processes hold {(total - free) / GiB:.2f} GiB): lower "
+            "gpu_memory_utilization or free the device"
+        )
 
 
 def device_capacity_bytes(device: torch.device | str) -> int:

@@ -49,6 +49,29 @@ def test_more_checkpoint_share_moves_memory_from_kv_to_checkpoints():
     assert hi.num_state_pages - hi.max_checkpoint_pages == lo.num_state_pages - lo.max_checkpoint_pages
 
 
+def test_an_explicit_checkpoint_count_replaces_the_share_and_the_rest_goes_to_kv():
+    share = _plan()
+    fixed = _plan(checkpoint_pages=8)
+    assert fixed.max_checkpoint_pages == 8
+    assert fixed.num_state_pages == share.num_state_pages - share.max_checkpoint_pages + 8
+    freed = (share.max_checkpoint_pages - 8) * 100 * MiB
+    assert fixed.num_kv_blocks - share.num_kv_blocks == pytest.approx(freed / (2 * MiB), abs=1)
+    with pytest.raises(ValueError, match="lower max_checkpoint_pages"):
+        _plan(checkpoint_pages=10**6)
+
+
+def test_free_memory_below_the_share_is_refused_naming_the_knob(monkeypatch):
+    import torch
+
+    # Another process holds 18 of 140 GiB: 0.9 of the device is not free.
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (122 * GiB, 140 * GiB))
+    with pytest.raises(ValueError, match="lower gpu_memory_utilization") as err:
+        sizing.check_free_memory("cuda:0", 0.9)
+    assert "other processes hold 18.00 GiB" in str(err.value)
+    sizing.check_free_memory("cuda:0", 0.85)
+    sizing.check_free_memory("cpu", 1.0)  # RAM is not measured this way
+
+
 @pytest.mark.parametrize(
     "over,knob",
     [
