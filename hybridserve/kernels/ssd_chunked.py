@@ -22,7 +22,9 @@ So the state is never stored between chunks and never read back: the only state 
 is the initial state read and the requested states written. The state *before* chunk
 ``j`` of a sequence (the state after its token ``64 j - 1``: every point of the
 checkpoint grid) is stored to row ``chunk_slot[first_chunk[s] + j]`` of ``states`` when
-that is ``>= 0``; the final state to row ``final_slot[s]``. Slots are distinct (the
+that is ``>= 0`` (and, optionally, to row ``start_slot[...]`` of a float32 ``starts``);
+the final state to row ``final_slot[s]``. ``states`` may be the cache of state pages
+itself, the slots page ids: then no state is copied after the scan. Slots are distinct (the
 plan's job), so no two programs write one location. The discretised dt goes to
 ``dt_out [T, H]`` (float32; the tails of :mod:`~hybridserve.kernels.ssd_tails` read it),
 written by the programs of the first head_dim block only.
@@ -65,7 +67,7 @@ def chunk_starts(bounds: Sequence[int]) -> list[int]:
 
 
 def _check(x, dt, A, B, C, D, dt_bias, cu_seqlens, initial_states, chunk_slot, final_slot,
-           states, unclamped):
+           states, unclamped, start_slot=None, starts=None):
     tokens, heads, head_dim = x.shape
     if dt.shape != (tokens, heads):
         raise ValueError(f"dt must be [T={tokens}, H={heads}], got {tuple(dt.shape)}")
@@ -87,6 +89,11 @@ def _check(x, dt, A, B, C, D, dt_bias, cu_seqlens, initial_states, chunk_slot, f
         raise ValueError(f"states must be [rows, {state}], got {tuple(states.shape)}")
     if unclamped is not None and unclamped.shape != (tokens,):
         raise ValueError(f"unclamped must be [T={tokens}], got {tuple(unclamped.shape)}")
+    if (start_slot is None) != (starts is None):
+        raise ValueError("start_slot and starts go together")
+    if start_slot is not None and (start_slot.shape != chunk_slot.shape
+                                   or starts.shape[1:] != state):
+        raise ValueError(f"start_slot must be shaped as chunk_slot and starts [rows, {state}]")
 
 
 def ssd_scan_fused_reference(
@@ -107,6 +114,8 @@ def ssd_scan_fused_reference(
     unclamped: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
     first_chunk: torch.Tensor | None = None,
+    start_slot: torch.Tensor | None = None,
+    starts: torch.Tensor | None = None,
     precision: str = "tf32",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch twin of :func:`ssd_scan_fused` (module docstring): writes the requested rows
@@ -115,7 +124,7 @@ def ssd_scan_fused_reference(
     kernel."""
     del first_chunk, precision
     _check(x, dt, A, B, C, D, dt_bias, cu_seqlens, initial_states, chunk_slot, final_slot,
-           states, unclamped)
+           states, unclamped, start_slot, starts)
     compute = torch.promote_types(x.dtype, torch.float32)
     bounds = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
     tokens, heads, head_dim = x.shape
@@ -130,6 +139,7 @@ def ssd_scan_fused_reference(
     firsts = chunk_starts(bounds)
     slots = chunk_slot.tolist()
     finals = final_slot.tolist()
+    start_slots = start_slot.tolist() if start_slot is not None else [-1] * len(slots)
     for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
         init = None if initial_states is None else initial_states[i]
         # The state before chunk j is the state after token j * CHUNK - 1.
@@ -141,6 +151,8 @@ def ssd_scan_fused_reference(
         for j, state in enumerate(before):
             if slots[firsts[i] + j] >= 0:
                 states[slots[firsts[i] + j]] = state.to(states.dtype)
+            if start_slots[firsts[i] + j] >= 0:
+                starts[start_slots[firsts[i] + j]] = state.to(starts.dtype)
         if finals[i] >= 0:
             states[finals[i]] = st[-1].to(states.dtype)
     return y, out_dt
@@ -179,6 +191,8 @@ def _ssd_scan_kernel(
     chunk_slot_ptr,
     final_slot_ptr,
     states_ptr,
+    start_slot_ptr,
+    starts_ptr,
     y_ptr,
     dt_out_ptr,
     heads,
@@ -194,6 +208,7 @@ def _ssd_scan_kernel(
     HAS_INIT: tl.constexpr,
     CLAMP: tl.constexpr,
     HAS_UNCLAMPED: tl.constexpr,
+    HAS_STARTS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     # Axis 0: (head, head_dim block), heads fastest, so the programs that run together
@@ -230,6 +245,11 @@ def _ssd_scan_kernel(
         if slot >= 0:
             tl.store(states_ptr + slot * heads * head_dim * d_state + block,
                      S.to(states_ptr.dtype.element_ty), mask=smask)
+        if HAS_STARTS:
+            start_slot = tl.load(start_slot_ptr + first + j).to(tl.int64)
+            if start_slot >= 0:
+                tl.store(starts_ptr + start_slot * heads * head_dim * d_state + block, S,
+                         mask=smask)
         tok = bos + j * CHUNK + q
         tm = tok < eos
         # dt in float32, discretised here (bias, softplus, clamp); 0 past the sequence,
@@ -293,6 +313,8 @@ def ssd_scan_fused(
     unclamped: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
     first_chunk: torch.Tensor | None = None,
+    start_slot: torch.Tensor | None = None,
+    starts: torch.Tensor | None = None,
     precision: str = "tf32",
     block_p: int | None = None,
     num_warps: int | None = None,
@@ -307,8 +329,12 @@ def ssd_scan_fused(
         chunk_slot: ``[chunks]`` integer, the row of ``states`` that receives the state
             before each chunk (flat numbering of :func:`chunk_starts`), -1 for none.
         final_slot: ``[S]`` integer, the row that receives each final state, or -1.
-        states: ``[rows, H, P, N]`` contiguous output (any float dtype; the slots must be
-            distinct and the buffer must not overlap ``initial_states``).
+        states: ``[rows, H, P, N]`` contiguous output (any float dtype: a cache of state
+            pages, the slots then page ids; the slots must be distinct and the buffer must
+            not overlap ``initial_states``).
+        start_slot, starts: optional second output, float32 ``[rows', H, P, N]``: the
+            state before chunk ``c`` also goes to row ``start_slot[c]`` when that is ``>= 0``
+            (the start states of tails, kept in float32 whatever the pages' dtype).
         time_step_limit: the clamp of the discretised dt, None for none; unclamped:
             ``[T]`` bool / integer, tokens that skip it, or None.
         cu_seqlens_cpu: host copy of ``cu_seqlens`` (spares a device read) and
@@ -320,14 +346,15 @@ def ssd_scan_fused(
         ``(y [T, H, P]`` float32 with the D skip, ``dt_out [T, H]`` float32).
     """
     _check(x, dt, A, B, C, D, dt_bias, cu_seqlens, initial_states, chunk_slot, final_slot,
-           states, unclamped)
+           states, unclamped, start_slot, starts)
     if precision not in _PRECISIONS:
         raise ValueError(f"precision={precision!r}: choose from {_PRECISIONS}")
     if x.stride(2) != 1 or B.stride(2) != 1 or C.stride(2) != 1 or dt.stride(1) != 1:
         raise ValueError("x, dt, B and C must be contiguous along their last axis")
-    if not states.is_contiguous() or (initial_states is not None
-                                      and not initial_states.is_contiguous()):
-        raise ValueError("states and initial_states must be contiguous")
+    if starts is not None and starts.dtype != torch.float32:
+        raise ValueError(f"starts must be float32, got {starts.dtype}")
+    if any(t is not None and not t.is_contiguous() for t in (states, initial_states, starts)):
+        raise ValueError("states, initial_states and starts must be contiguous")
     tokens, heads, head_dim = x.shape
     groups, d_state = B.shape[1], B.shape[2]
     seqs = cu_seqlens.shape[0] - 1
@@ -358,12 +385,15 @@ def ssd_scan_fused(
         unclamped if unclamped is not None else final_slot,
         cu_seqlens, first_chunk,
         initial_states if initial_states is not None else states,
-        chunk_slot, final_slot, states, y, dt_out,
+        chunk_slot, final_slot, states,
+        start_slot if start_slot is not None else chunk_slot,
+        starts if starts is not None else states, y, dt_out,
         heads, head_dim, d_state, heads // groups,
         float(limit[0]), float(limit[1]),
         CHUNK=CHUNK, BLOCK_P=block_p, BLOCK_N=block_n,
         HAS_D=D is not None, HAS_INIT=initial_states is not None,
         CLAMP=time_step_limit is not None, HAS_UNCLAMPED=unclamped is not None,
+        HAS_STARTS=starts is not None,
         PRECISION=precision, num_warps=num_warps,
     )
     return y, dt_out

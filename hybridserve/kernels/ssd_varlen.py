@@ -322,18 +322,19 @@ class Segments:
     tail_tokens: torch.Tensor
     tail_lengths: torch.Tensor
     # For a fused scan (:mod:`~hybridserve.kernels.ssd_chunked`), which stores the states
-    # it is asked for straight into rows of one buffer: the request's own row for a row
-    # end or a chunk state (the first request of each distinct state; dup_request [D]
-    # copy theirs from row dup_source [D]), rows num_state_rows - extra.. for the start
-    # states of tails no request asked for. chunk_slot [chunks] / final_slot [S]: the row
-    # of the state before each chunk / after each segment, -1 for none; first_chunk
-    # [S + 1] the flat index of every segment's first chunk; tail_start_slot [M] the row
-    # of each tail's start state. All empty without a chunk.
+    # it is asked for itself: chunk_slot [chunks] / final_slot [S] name the request that
+    # receives the state before each chunk / after each segment (the first request of
+    # each distinct state; -1 for none), dup_request [D] copy theirs from request
+    # dup_source [D]; start_slot [chunks] is the row of a float32 buffer of num_starts
+    # rows that receives the start state of a tail (tail_start_slot [M]: each tail's);
+    # first_chunk [S + 1] the flat index of every segment's first chunk. All empty
+    # without a chunk.
     chunk: int | None = None
-    num_state_rows: int = 0
+    num_starts: int = 0
     first_chunk: torch.Tensor | None = None
     chunk_slot: torch.Tensor | None = None
     final_slot: torch.Tensor | None = None
+    start_slot: torch.Tensor | None = None
     tail_start_slot: torch.Tensor | None = None
     dup_request: torch.Tensor | None = None
     dup_source: torch.Tensor | None = None
@@ -425,43 +426,40 @@ def _segment_lists(
 
 
 def _state_slots(found: list, segments: int, chunks: int) -> dict[str, list]:
-    """The rows of a fused scan's state buffer (see :class:`Segments`) for requests
-    ``found`` ((segment, chunk index or -1, tail tokens or None) each) of a chunk plan
-    with ``segments`` segments and ``chunks`` chunks in all."""
-    k = len(found)
-    row_of: dict[tuple[str, int], int] = {}
+    """Where a fused scan stores each state (see :class:`Segments`), for requests ``found``
+    ((segment, chunk index or -1, tail tokens or None) each) of a chunk plan with
+    ``segments`` segments and ``chunks`` chunks in all."""
+    request_of: dict[tuple[str, int], int] = {}
     dup_request, dup_source = [], []
     for j, (seg, c, tail) in enumerate(found):
         if tail is not None:
-            continue  # the tail kernel fills this row
+            continue  # the tail kernel fills this one
         key = ("c", c) if c >= 0 else ("f", seg)
-        if key in row_of:
+        if key in request_of:
             dup_request.append(j)
-            dup_source.append(row_of[key])
+            dup_source.append(request_of[key])
         else:
-            row_of[key] = j
-    tail_start = []
-    extra = 0
-    for _, c, tail in found:
-        if tail is None:
-            continue
-        if ("c", c) not in row_of:
-            row_of[("c", c)] = k + extra
-            extra += 1
-        tail_start.append(row_of[("c", c)])
+            request_of[key] = j
+    start_of: dict[int, int] = {}
+    tail_start = [start_of.setdefault(c, len(start_of)) for _, c, tail in found
+                  if tail is not None]
     chunk_slot, final_slot = [-1] * chunks, [-1] * segments
-    for (kind, i), row in row_of.items():
-        (chunk_slot if kind == "c" else final_slot)[i] = row
-    return {"num_state_rows": k + extra, "chunk_slot": chunk_slot, "final_slot": final_slot,
-            "tail_start_slot": tail_start, "dup_request": dup_request, "dup_source": dup_source}
+    for (kind, i), j in request_of.items():
+        (chunk_slot if kind == "c" else final_slot)[i] = j
+    start_slot = [-1] * chunks
+    for c, row in start_of.items():
+        start_slot[c] = row
+    return {"num_starts": len(start_of), "chunk_slot": chunk_slot, "final_slot": final_slot,
+            "start_slot": start_slot, "tail_start_slot": tail_start,
+            "dup_request": dup_request, "dup_source": dup_source}
 
 
 def _segments(lists: dict[str, list], device: torch.device) -> Segments:
     """:class:`Segments` from :func:`_segment_lists`' host lists, with one upload."""
     keys = ["cu", "first_segment", "first_row", "later", "request", "chunk_pos", "chunk_index",
             "tail_pos", "tail_chunk", "tail_tokens", "tail_lengths"]
-    fused = ["first_chunk", "chunk_slot", "final_slot", "tail_start_slot", "dup_request",
-             "dup_source"]
+    fused = ["first_chunk", "chunk_slot", "final_slot", "start_slot", "tail_start_slot",
+             "dup_request", "dup_source"]
     chunked = lists["chunk"] is not None
     if chunked:
         q, cu = lists["chunk"], lists["cu"]
@@ -490,7 +488,7 @@ def _segments(lists: dict[str, list], device: torch.device) -> Segments:
         tail_lengths=t["tail_lengths"],
         chain_steps=tuple(steps),
         chunk=lists["chunk"],
-        num_state_rows=lists["num_state_rows"] if chunked else 0,
+        num_starts=lists["num_starts"] if chunked else 0,
         **{k: t[k] for k in fused if chunked},
     )
 
@@ -547,7 +545,9 @@ def ssd_prefill(
     dt_bias: torch.Tensor | None = None,
     time_step_limit: tuple[float, float] | None = (0.0, float("inf")),
     unclamped: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    out_cache: torch.Tensor | None = None,
+    out_pages: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The SSD scan of every row of a packed step, with states at the requested offsets.
 
     Args:
@@ -561,11 +561,15 @@ def ssd_prefill(
         dt_bias, time_step_limit, unclamped: with ``dt_bias``, ``dt`` is raw and is
             discretised as :func:`discretize_dt_varlen` does: inside a fused scan, in
             float32 at least; before a plain one, in the dtype of ``dt``.
+        out_cache, out_pages: (fused scans only) store the ``j``-th requested state
+            straight into page ``out_pages[j]`` of ``out_cache [pages, H, P, N]``
+            (contiguous, cast to its dtype; no page may repeat or be an input page) and
+            return None for the states: no copy after the scan.
 
     Returns:
         ``(y [T, H, P]`` with the D skip, ``states [K, H, P, N])`` in
         ``promote(x.dtype, float32)``: ``states[j]`` is the state after the token of the
-        ``j``-th request.
+        ``j``-th request (None with ``out_cache``).
     """
     compute = torch.promote_types(x.dtype, torch.float32)
     tokens, heads, head_dim = x.shape
@@ -577,7 +581,9 @@ def ssd_prefill(
             raise ValueError(f"a fused scan needs a plan with chunk={ssd_chunked.CHUNK}, "
                              f"got chunk={segments.chunk}")
         return _fused_prefill(x, dt, A, B, C, D, initial_states, segments, scan, dt_bias,
-                              time_step_limit, unclamped)
+                              time_step_limit, unclamped, out_cache, out_pages)
+    if out_cache is not None:
+        raise ValueError("out_cache needs a fused scan")
     if dt_bias is not None:
         dt = discretize_dt_varlen(dt, dt_bias, time_step_limit, unclamped)
     x, dt, A, B, C = (t.to(compute) for t in (x, dt, A, B, C))
@@ -640,33 +646,58 @@ def _segment_initial_states(
 
 
 def _fused_prefill(x, dt, A, B, C, D, initial_states, segments, scan, dt_bias,
-                   time_step_limit, unclamped):
+                   time_step_limit, unclamped, out_cache, out_pages):
     """:func:`ssd_prefill` through a fused scan: one launch stores the row ends and the
-    chunk states asked for (and the tails' start states) into the rows of one buffer; the
-    tails run on from theirs; repeated requests copy."""
+    chunk states asked for (to the requests' rows of a buffer, or straight to their pages)
+    and the tails' start states; the tails run on from theirs; repeated requests copy."""
     compute = torch.promote_types(x.dtype, torch.float32)
     tokens, heads, head_dim = x.shape
     d_state = B.shape[-1]
     requests = segments.request_segment.shape[0]
+    if out_cache is None:
+        states = torch.empty(requests, heads, head_dim, d_state, dtype=compute, device=x.device)
+        chunk_slot, final_slot = segments.chunk_slot, segments.final_slot
+
+        def dest(j):
+            return j
+    else:
+        if out_pages is None or out_pages.shape != (requests,):
+            raise ValueError(f"out_pages must be [K={requests}] with out_cache")
+        states = out_cache
+        pages = out_pages.to(torch.int64)
+
+        def dest(j):
+            return pages.index_select(0, j)
+
+        # Request slots -> their pages (-1 stays -1).
+        def paged(slot):
+            return torch.where(slot >= 0, pages.index_select(0, slot.clamp(min=0)), -1)
+
+        chunk_slot, final_slot = paged(segments.chunk_slot), paged(segments.final_slot)
     if segments.num_segments == 0:
         y = torch.zeros(tokens, heads, head_dim, dtype=compute, device=x.device)
-        return y, y.new_empty(requests, heads, head_dim, d_state)
-    states = torch.empty(segments.num_state_rows, heads, head_dim, d_state, dtype=compute,
-                         device=x.device)
+        return y, (None if out_cache is not None else states)
+    starts = None
+    if segments.num_starts:
+        starts = torch.empty(segments.num_starts, heads, head_dim, d_state,
+                             dtype=torch.float32 if compute == torch.float32 else compute,
+                             device=x.device)
     init = _segment_initial_states(initial_states, segments, compute)
     y, dt_out = scan(
-        x, dt, A, B, C, D, dt_bias, segments.cu_seqlens, init, segments.chunk_slot,
-        segments.final_slot, states, time_step_limit=time_step_limit, unclamped=unclamped,
+        x, dt, A, B, C, D, dt_bias, segments.cu_seqlens, init, chunk_slot, final_slot, states,
+        time_step_limit=time_step_limit, unclamped=unclamped,
         cu_seqlens_cpu=segments.cu_seqlens_cpu, first_chunk=segments.first_chunk,
+        start_slot=segments.start_slot if starts is not None else None, starts=starts,
     )
     if segments.dup_request.numel():
-        states.index_copy_(0, segments.dup_request, states.index_select(0, segments.dup_source))
+        states.index_copy_(0, dest(segments.dup_request),
+                           states.index_select(0, dest(segments.dup_source)))
     if segments.tail_request.numel():
-        start = states.index_select(0, segments.tail_start_slot)
+        start = starts.index_select(0, segments.tail_start_slot)
         # Triton on CUDA (float32); the torch twin elsewhere, and for float64.
         run = (ssd_tail_states if x.is_cuda and compute == torch.float32
                else ssd_tail_states_reference)
-        states.index_copy_(0, segments.tail_request, run(
+        states.index_copy_(0, dest(segments.tail_request), run(
             x, dt_out, A, B, start, segments.tail_tokens, segments.tail_lengths
-        ).to(compute))
-    return y.to(compute), states[:requests]
+        ).to(states.dtype))
+    return y.to(compute), (None if out_cache is not None else states)

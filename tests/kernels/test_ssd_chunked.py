@@ -56,12 +56,15 @@ def _step(g, lens, heads=4, head_dim=6, groups=2, d_state=5, dtype=torch.float32
 
 
 def _slots(g, lens):
-    """Distinct random rows for a random subset of chunk states and final states."""
+    """Distinct random rows for a random subset of chunk states and final states, and
+    distinct rows of a second buffer for another random subset of chunk states."""
     chunks = chunk_starts([0, *torch.tensor(lens).cumsum(0).tolist()])[-1]
     rows = torch.randperm(chunks + len(lens) + 3, generator=g)
     keep = torch.rand(chunks + len(lens), generator=g) < 0.7
     picked = torch.where(keep, rows[: chunks + len(lens)], -1)
-    return picked[:chunks], picked[chunks:], chunks + len(lens) + 3
+    start_slot = torch.where(torch.rand(chunks, generator=g) < 0.5,
+                             torch.randperm(chunks + 2, generator=g)[:chunks], -1)
+    return picked[:chunks], picked[chunks:], chunks + len(lens) + 3, start_slot, chunks + 2
 
 
 def _discretized(dt, bias, limit, unclamped):
@@ -77,11 +80,12 @@ def test_twin_matches_the_token_recurrence_float64(lens, limit):
     g = torch.Generator().manual_seed(_seed())
     x, dt, A, B, C, D, bias, init, unclamped = _step(g, lens, dtype=torch.float64)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
-    chunk_slot, final_slot, rows = _slots(g, lens)
+    chunk_slot, final_slot, rows, start_slot, start_rows = _slots(g, lens)
     states = torch.full((rows, *init.shape[1:]), float("nan"), dtype=torch.float64)
+    starts = torch.full((start_rows, *init.shape[1:]), float("nan"), dtype=torch.float64)
     y, dt_out = ssd_scan_fused_reference(
         x, dt, A, B, C, D, bias, cu, init, chunk_slot, final_slot, states,
-        time_step_limit=limit, unclamped=unclamped,
+        time_step_limit=limit, unclamped=unclamped, start_slot=start_slot, starts=starts,
     )
     want_dt = _discretized(dt, bias, limit, unclamped)
     torch.testing.assert_close(dt_out, want_dt, rtol=1e-12, atol=1e-12)
@@ -97,11 +101,15 @@ def test_twin_matches_the_token_recurrence_float64(lens, limit):
             if slot >= 0:
                 torch.testing.assert_close(states[slot], state, rtol=1e-9, atol=1e-9)
                 written.add(slot)
+            if start_slot[firsts[i] + j] >= 0:
+                torch.testing.assert_close(starts[int(start_slot[firsts[i] + j])], state,
+                                           rtol=1e-9, atol=1e-9)
         if final_slot[i] >= 0:
             torch.testing.assert_close(states[int(final_slot[i])], st[-1], rtol=1e-9, atol=1e-9)
             written.add(int(final_slot[i]))
     unwritten = [r for r in range(rows) if r not in written]
     assert states[unwritten].isnan().all()
+    assert starts[sorted(set(range(start_rows)) - set(start_slot.tolist()))].isnan().all()
 
 
 KERNEL_CASES = [
@@ -118,14 +126,22 @@ def _run_both(case, g, dtype=torch.float32):
     x, dt, A, B, C, D, bias, init, unclamped = _step(g, lens, heads, head_dim, groups,
                                                      d_state, dtype)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
-    chunk_slot, final_slot, rows = _slots(g, lens)
+    chunk_slot, final_slot, rows, start_slot, start_rows = _slots(g, lens)
     kwargs = dict(time_step_limit=limit, unclamped=unclamped if has_unc else None)
+    if has_init:  # the second output in the cases with initial states only
+        kwargs["start_slot"] = start_slot
+        kwargs["starts"] = torch.full((start_rows, heads, head_dim, d_state), float("nan"))
     args = [x, dt, A, B, C, D if has_d else None, bias, cu, init if has_init else None,
             chunk_slot, final_slot]
     wide = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
             for a in args]
     want_states = torch.full((rows, heads, head_dim, d_state), float("nan"), dtype=torch.float64)
-    want = ssd_scan_fused_reference(*wide, want_states, **kwargs)
+    wide_kwargs = {**kwargs}
+    if has_init:
+        wide_kwargs["starts"] = kwargs["starts"].double()
+    want = ssd_scan_fused_reference(*wide, want_states, **wide_kwargs)
+    if has_init:
+        want = (*want, wide_kwargs["starts"])
     states = torch.full((rows, heads, head_dim, d_state), float("nan"))
     before = [a.clone() for a in args if isinstance(a, torch.Tensor)]
     return args, kwargs, block_p, states, want, want_states, before
@@ -145,6 +161,11 @@ def test_kernel_matches_twin_race_free(case):
     assert torch.equal(states.isnan(), want_states.isnan())
     torch.testing.assert_close(states.double().nan_to_num(7.0), want_states.nan_to_num(7.0),
                                rtol=1e-4, atol=1e-4)
+    if "starts" in kwargs:
+        starts = kwargs["starts"]
+        assert torch.equal(starts.isnan(), want[2].isnan()) and not starts.isnan().all()
+        torch.testing.assert_close(starts.double().nan_to_num(7.0), want[2].nan_to_num(7.0),
+                                   rtol=1e-4, atol=1e-4)
     after = [a for a in args if isinstance(a, torch.Tensor)]
     assert all(torch.equal(a, b) for a, b in zip(after, before))  # inputs only read
 
@@ -173,12 +194,14 @@ def test_kernel_independent_of_program_order():
              "chunk_slot", "final_slot")
 
     def launch(x, dt, A, B, C, D, dt_bias, cu_seqlens, initial_states, chunk_slot,
-               final_slot, states):
+               final_slot, states, starts):
         return ssd_scan_fused(x, dt, A, B, C, D, dt_bias, cu_seqlens, initial_states,
-                              chunk_slot, final_slot, states, **kwargs, block_p=16)
+                              chunk_slot, final_slot, states, **{**kwargs, "starts": starts},
+                              block_p=16)
 
     report = racecheck.run_launcher_in_orders(
-        launch, lambda: {**dict(zip(names, args)), "states": states.clone()}
+        launch, lambda: {**dict(zip(names, args)), "states": states.clone(),
+                         "starts": kwargs["starts"].clone()}
     )
     assert report.consistent, str(report)
 
@@ -256,6 +279,29 @@ def test_ssd_prefill_through_the_fused_scan_matches_per_row(kernel):
                             time_step_limit=LIMIT, unclamped=unclamped)
     assert states.shape == (len(rows), *init.shape[1:])
     _assert_per_row(y, states, inputs, qs, rows, offs, 1e-4 if kernel else 1e-10)
+
+
+@pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=interpreted)])
+def test_ssd_prefill_stores_states_straight_into_pages(kernel):
+    """With ``out_cache`` every requested state lands on its page (row ends and chunk
+    states from the scan, tails and repeats after it), the others stay untouched."""
+    g = torch.Generator().manual_seed(_seed())
+    dtype = torch.float32 if kernel else torch.float64
+    lens, qs, rows, offs, inputs = _prefill_case(g, dtype)
+    x, dt, A, B, C, D, bias, init, unclamped = inputs
+    segments = plan_segments(qs, rows, offs, chunk=CHUNK)
+    scan = ssd_scan_fused if kernel else ssd_scan_fused_reference
+    kw = dict(dt_bias=bias, time_step_limit=LIMIT, unclamped=unclamped)
+    y_ref, want = ssd_prefill(x, dt, A, B, C, D, init, segments, scan, **kw)
+    cache = torch.full((len(rows) + 7, *init.shape[1:]), float("nan"), dtype=dtype)
+    pages = torch.randperm(cache.shape[0], generator=g)[: len(rows)]
+    y, none = ssd_prefill(x, dt, A, B, C, D, init, segments, scan, **kw, out_cache=cache,
+                          out_pages=pages)
+    assert none is None
+    assert torch.equal(y, y_ref)
+    torch.testing.assert_close(cache[pages], want, rtol=0, atol=0)
+    others = sorted(set(range(cache.shape[0])) - set(pages.tolist()))
+    assert cache[others].isnan().all()
 
 
 def test_ssd_prefill_fused_needs_the_raw_dt_and_the_chunk_plan():

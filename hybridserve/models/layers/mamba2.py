@@ -326,6 +326,9 @@ class Mamba2Mixer(RecurrentLayer):
         # inside its kernel) with the per-row clamp exception of the per-row path.
         x, B, C, dt = self._packed_conv_dt(xbc, dt, plan, conv_cache, plan.triton,
                                            discretize=False)
+        direct = {}
+        if ssd_varlen.is_fused(plan.scan) and ssm_cache.is_contiguous():
+            direct = {"out_cache": ssm_cache, "out_pages": plan.out_pages}
         y, states = ssd_varlen.ssd_prefill(
             x,
             dt,
@@ -339,6 +342,9 @@ class Mamba2Mixer(RecurrentLayer):
             dt_bias=self.dt_bias,
             time_step_limit=p.time_step_limit,
             unclamped=None if p.clamp_dt_in_single_token_step else plan.unclamped,
+            # A fused scan stores the states straight into their pages (no copy after).
+            **direct,
         )
-        ssm_cache[plan.out_pages] = states.to(ssm_cache.dtype)
+        if states is not None:
+            ssm_cache[plan.out_pages] = states.to(ssm_cache.dtype)
         return y.reshape(t, p.intermediate_size)
