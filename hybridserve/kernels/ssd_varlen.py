@@ -47,17 +47,20 @@ segment's chunk grid from them, without a cut. Prefix-cache checkpoints sit on a
 positions and rows mostly start on it (a fresh prompt at 0, a cached prefix at a grid
 point), so a prefill that writes a checkpoint every 64 tokens takes one scan.
 
-Why not one custom kernel that emits states at chosen offsets in a single pass (as
-:func:`~hybridserve.kernels.ssd.ssd_chunked_reference` does on the CPU)? It would do
-about half the scan work, but it would be our own chunked scan to write, tune, keep
-race-free and keep accurate on every GPU generation, where DESIGN.md section 7 prefers
-the well-kept library kernel. The two-scan design uses the library as a black box: any
-varlen scan with initial and final states plugs in, and the whole orchestration runs
-(and is tested) on the CPU with the torch twin. Its cost is a second scan only in steps
-that need states inside a row, plus a chain of ``max segments per row`` element-wise
-steps on ``[rows, H, P, N]``; cutting at offsets also restarts the library's chunking at
-segment starts, so with checkpoints on a grid as fine as its chunk the scans do little
-extra work.
+**The fused scan.** :mod:`~hybridserve.kernels.ssd_chunked` is our own chunked scan in
+one launch (the GPU path since fla-core's needed the groups expanded to heads and float32
+copies of the inputs): it reads grouped B/C and the raw dt, discretises dt in float32
+inside, adds the D skip, and stores the requested row ends and chunk states itself, into
+the rows of a buffer or straight into their pages (``out_cache``); :func:`is_fused` tells
+it from the plain primitive above. It needs a plan with its chunk (:data:`SCAN_CHUNK`),
+whose :class:`Segments` then also say where each state goes. The two-scan design below
+stays for plain primitives without chunk states.
+
+The two-scan design uses a library scan as a black box: any varlen scan with initial and
+final states plugs in, and the whole orchestration runs (and is tested) on the CPU with
+the torch twin. Its cost is a second scan only in steps that need states inside a row,
+plus a chain of ``max segments per row`` element-wise steps on ``[rows, H, P, N]``;
+cutting at offsets also restarts the library's chunking at segment starts.
 
 :func:`plan_segments` turns a step's host lists into the scan's index tensors (the model's
 step plan calls it once per step); :func:`discretize_dt_varlen` applies the
