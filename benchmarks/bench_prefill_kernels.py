@@ -58,13 +58,14 @@ FULL = dict(heads=128, head_dim=64, groups=8, d_state=128, conv_dim=10240, d_con
                  True), ("1x8192 initial+final", 1, 8192, False)),
             conv_rows=(8, 4096), reps=20, check_groups=2,
             ssd_variants=((64, 8, "tf32"), (32, 4, "tf32"), (64, 4, "tf32"), (32, 8, "tf32"),
-                          (64, 8, "ieee")),
-            conv_tiles=((32, 128), (64, 128), (16, 256), (32, 256), (64, 64)))
+                          (16, 4, "tf32"), (64, 8, "ieee")),
+            conv_tiles=((32, 128, None), (64, 128, None), (16, 256, None), (32, 256, 8),
+                        (64, 256, 8), (64, 64, None), (128, 128, 8)))
 SMOKE = dict(heads=4, head_dim=16, groups=2, d_state=16, conv_dim=48, d_conv=4,
              ssd=(("2x70 initial+final", 2, 70, False), ("1x130 state every 64", 1, 130,
                   True)),
              conv_rows=(2, 70), reps=1, check_groups=1,
-             ssd_variants=((16, 4, "ieee"),), conv_tiles=((32, 64),))
+             ssd_variants=((16, 4, "ieee"),), conv_tiles=((32, 64, None),))
 
 
 def _time(fn, reps: int, device: str) -> float:
@@ -234,12 +235,12 @@ def _conv_case(cfg, device, reps):
         want = conv_varlen_reference(xbc, weight, bias, cache.clone(), qs, in_pages, "silu",
                                      out_pages=outs)
         tiles = []
-        for bt, bc in cfg["conv_tiles"]:
-            def run(bt=bt, bc=bc, outs=outs):
+        for bt, bc, warps in cfg["conv_tiles"]:
+            def run(bt=bt, bc=bc, warps=warps, outs=outs):
                 return conv_varlen(xbc, weight, bias, cache, qs, in_pages, "silu", trow,
-                                   out_pages=outs, block_t=bt, block_c=bc)
+                                   out_pages=outs, block_t=bt, block_c=bc, num_warps=warps)
             got = run()
-            tiles.append({"block_t": bt, "block_c": bc,
+            tiles.append({"block_t": bt, "block_c": bc, "num_warps": warps,
                           "median_ms": 1e3 * _time(run, reps, device),
                           "rel_err": _rel(got.float(), want.float())})
         out["modes"].append({"mode": name, "default_tile_ms": tiles[0]["median_ms"],

@@ -258,6 +258,7 @@ def conv_varlen(
     *,
     block_t: int = 32,
     block_c: int = 128,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Causal depthwise conv of every row of a packed step, each from its initial window.
 
@@ -278,7 +279,8 @@ def conv_varlen(
             docstring) is written to page ``out_pages[t]`` when that is ``>= 0``. Must not
             repeat a page or name an input page (then no program reads what another
             writes).
-        block_t, block_c: tile of one program (powers of two).
+        block_t, block_c: tile of one program (powers of two); num_warps: its warps
+            (Triton's default when None).
 
     Returns:
         ``out [T, C]`` in ``xbc.dtype`` (accumulated in float32).
@@ -315,5 +317,6 @@ def conv_varlen(
         WRITE_WINDOWS=out_pages is not None,
         BLOCK_T=block_t,
         BLOCK_C=block_c,
+        **({} if num_warps is None else {"num_warps": num_warps}),
     )
     return out

@@ -672,8 +672,10 @@ def _fused_prefill(x, dt, A, B, C, D, initial_states, segments, scan, dt_bias,
         def dest(j):
             return pages.index_select(0, j)
 
-        # Request slots -> their pages (-1 stays -1).
+        # Request slots -> their pages (-1 stays -1; without requests every slot is -1).
         def paged(slot):
+            if requests == 0:
+                return slot
             return torch.where(slot >= 0, pages.index_select(0, slot.clamp(min=0)), -1)
 
         chunk_slot, final_slot = paged(segments.chunk_slot), paged(segments.final_slot)

@@ -64,6 +64,8 @@ def _slots(g, lens):
     picked = torch.where(keep, rows[: chunks + len(lens)], -1)
     start_slot = torch.where(torch.rand(chunks, generator=g) < 0.5,
                              torch.randperm(chunks + 2, generator=g)[:chunks], -1)
+    if (start_slot < 0).all():  # at least one, whatever the draw
+        start_slot[0] = chunks + 1
     return picked[:chunks], picked[chunks:], chunks + len(lens) + 3, start_slot, chunks + 2
 
 
@@ -340,3 +342,17 @@ def test_gpu_kernel_matches_float64_twin(precision, record_property):
     record_property(f"ssd_fused_{precision}_rel_err_state", rs)
     print(f"fused scan ({precision}): relative error y {ry:.3e}, states {rs:.3e}")
     assert ry < 2e-3 and rs < 2e-3
+
+
+def test_ssd_prefill_into_pages_without_requests():
+    """A step that asks for no state: outputs only, no page written."""
+    g = torch.Generator().manual_seed(_seed())
+    x, dt, A, B, C, D, bias, init, _ = _step(g, [70, 3], dtype=torch.float64)
+    segments = plan_segments([0, 70, 73], [], [], chunk=CHUNK)
+    cache = torch.full((4, *init.shape[1:]), float("nan"), dtype=torch.float64)
+    y, none = ssd_prefill(x, dt, A, B, C, D, init, segments, ssd_scan_fused_reference,
+                          dt_bias=bias, out_cache=cache, out_pages=torch.empty(0, dtype=torch.int64))
+    assert none is None and cache.isnan().all()
+    d = discretize_dt_varlen(dt, bias, (0.0, float("inf")))
+    want, _ = ssd_chunked_reference(x[:70], d[:70], A, B[:70], C[:70], 8, D, init[0])
+    torch.testing.assert_close(y[:70], want, rtol=1e-10, atol=1e-10)
