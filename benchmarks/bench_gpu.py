@@ -233,8 +233,11 @@ def engine_with(model):
 
 def with_policy(model, **fields):
     """``model``'s weights (shared, not copied) under its kernel policy with ``fields``
-    changed: how a comparison picks other paths."""
-    return with_kernel_policy(model, dataclasses.replace(model.kernel_policy, **fields))
+    changed: how a comparison picks other paths. No gradients (``load_state_dict``'s
+    ``assign`` keeps the new module's ``requires_grad``): a forward outside inference
+    mode on the engine's inference-mode buffers would otherwise fail."""
+    other = with_kernel_policy(model, dataclasses.replace(model.kernel_policy, **fields))
+    return other.requires_grad_(False)
 
 
 @contextlib.contextmanager
@@ -354,8 +357,11 @@ def with_engine(llm, enforce_eager, device):
 
 
 def engine_decode(model, path, device, dtype, batch, prompt_len, warmup, steps, vocab, seed,
-                  enforce_eager=None, profile=False, temperature=0.0):
+                  enforce_eager=None, profile=False, temperature=0.0, llm_kw=None):
     """Median wall time of full-batch decode steps (every request decoding).
+
+    ``llm_kw``: ``LLM`` arguments that replace this function's cache sizing (e.g.
+    ``num_state_pages``, ``ssm_state_dtype`` where large state pages would not fit).
 
     ``temperature > 0``: every request samples (seeded, top-p 0.95), drawn by the batched
     sampler, inside the graph when graphs are on.
@@ -366,12 +372,11 @@ def engine_decode(model, path, device, dtype, batch, prompt_len, warmup, steps, 
     graphs on) the step's graph is then profiled (:func:`profile_graph_step`).
     """
     max_len = prompt_len + 3 * (warmup + steps) + batch // 4 + 64
-    llm = make_llm(
-        model, path, device, dtype, batch, max_len, enforce_eager,
-        enable_prefix_caching=False, num_state_pages=3 * batch + 8, max_checkpoint_pages=1,
-        max_num_batched_tokens=max(8192, batch),
-        num_kv_blocks=batch * (-(-max_len // 16)) + 8,
-    )
+    kw = dict(enable_prefix_caching=False, num_state_pages=3 * batch + 8, max_checkpoint_pages=1,
+              max_num_batched_tokens=max(8192, batch),
+              num_kv_blocks=batch * (-(-max_len // 16)) + 8)
+    kw.update(llm_kw or {})
+    llm = make_llm(model, path, device, dtype, batch, max_len, enforce_eager, **kw)
     eng = llm.engine
     runner = eng.runner
     graphs = runner.graphs

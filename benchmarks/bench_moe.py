@@ -6,7 +6,7 @@ Shapes (random weights, bf16 on CUDA), one MoE layer each:
                     (plain relu2), top-6 sigmoid routing with routed_scaling_factor 2.5,
                     one shared expert of width 3712
   granite-4.0-h-small  Granite 4.0-H Small: hidden 4096, 72 routed experts of width 768
-                    (gated silu), top-10, plus the layer's dense shared_mlp of width 8192
+                    (gated silu), top-10, plus the layer's dense shared_mlp of width 1536
 
 (the published config.json values; ``--shapes`` picks a subset). For 1 / 16 / 64 / 256 /
 2048 tokens (``--tokens``), all measured in the same run (DESIGN.md section 9):
@@ -84,7 +84,7 @@ SHAPES = {
         "granite-4.0-h-small", 4096,
         MoEParams(TOPK_THEN_SOFTMAX, 72, 10, 768, gated=True, activation="silu",
                   norm_topk_prob=False),
-        dense_beside=8192,
+        dense_beside=1536,  # shared_intermediate_size in the published config.json
     ),
 }
 

@@ -46,6 +46,7 @@ import platform
 import random
 import socket
 import statistics
+import string
 import subprocess
 import sys
 import tempfile
@@ -425,15 +426,35 @@ def profile_mixed_steps(model: str | None, device: str, dtype: str, batch: int, 
 # ---- a random-weight model at a real shape -------------------------------------------
 
 
+def byte_tokenizer(vocab_size: int):
+    """A byte-level tokenizer for a random model of ``vocab_size`` ids: ids 0-255 are the
+    bytes (all a prompt encodes to); returns it and its byte alphabet."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    # Random weights pick ids across the whole vocabulary: every id past the bytes decodes
+    # to three ASCII letters (no merge ever produces them), so each generated token streams
+    # visible text and the client's first-token time is the server's.
+    letters = string.ascii_letters
+    for i in range(len(alphabet), vocab_size):
+        k = i - len(alphabet)
+        vocab[letters[k % 52] + letters[k // 52 % 52] + letters[k // 2704 % 52]] = i
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok, alphabet
+
+
 def write_random_model(shape_name: str, dtype: str, device: str, path: Path) -> Path:
     """A Nemotron-H checkpoint of ``bench_gpu``'s shapes (``tiny``, ``nemotron_1b``,
-    ``nemotron_8b``) with random weights, saved with a byte-level tokenizer (ids 0-255 are
-    the bytes; the rest of the vocabulary is never produced by the tokenizer), so the
-    server takes text prompts. Returns ``path``."""
+    ``nemotron_8b``) with random weights, saved with :func:`byte_tokenizer`, so the server
+    takes text prompts. Its answers do not survive re-encoding (three letters become three
+    byte ids), so on this model a turn can reuse its previous prompt but not the answer:
+    the reusable-hit rate counts both and is a lower bound. Returns ``path``."""
     import torch
     import transformers
     from bench_gpu import NEMOTRON_1B, NEMOTRON_8B, TINY, hf_config, randomize_
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     from hybridserve.config import resolve_dtype
 
@@ -451,10 +472,7 @@ def write_random_model(shape_name: str, dtype: str, device: str, path: Path) -> 
     del model
     # The servers this script starts size their caches from the device's free memory.
     torch.cuda.empty_cache()
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
+    tok, alphabet = byte_tokenizer(cfg.vocab_size)
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": alphabet[2]}))
     return path

@@ -73,3 +73,15 @@ def test_smoke_run_writes_every_configuration(tmp_path):
     on = res["caching_host_tier"]["agentic"]["4.0"]
     assert off["token_hit_rate"] == 0.0 and on["reusable_hit_rate"] > 0.8
     assert doc["profile"]["pure_decode"]["host_ms_p50"] > 0
+
+
+def test_random_model_tokenizer_decodes_every_id_and_encodes_to_bytes():
+    # Random weights generate ids across the vocabulary; each must stream visible text,
+    # or the client never sees a first token.
+    tok, alphabet = bench_serve.byte_tokenizer(131072)
+    assert tok.get_vocab_size() == 131072
+    for i in (256, 257, 4096, 131071):
+        text = tok.decode([i])
+        assert len(text) == 3 and text.isascii() and text.isalpha()
+    ids = tok.encode("def f(x):\n    return x  # é").ids
+    assert ids and max(ids) < 256
