@@ -6,8 +6,9 @@ Measured in one run (DESIGN.md section 9), kernel medians from CUDA events:
          for 8 x 4,096 tokens with initial and final states, the same with a state every
          64 tokens (the checkpoint grid), and 1 x 8,192:
            ``new``  :func:`~hybridserve.kernels.ssd_varlen.ssd_prefill` on the fused scan
-                    (:mod:`hybridserve.kernels.ssd_chunked`: grouped B/C, raw dt), also
-                    over a few tiles / dot precisions;
+                    (:mod:`hybridserve.kernels.ssd_chunked`: grouped B/C, raw dt, states
+                    straight into their pages), its defaults, then a few tiles and product
+                    precisions (``split``: 16-bit halves, the default for bf16 inputs);
            ``old``  the previous engine path: dt discretised in the activations' dtype,
                     float32 copies, groups expanded, fla-core's scan (where importable);
          each checked against the float64 twin on the heads of the first two groups
@@ -57,8 +58,9 @@ FULL = dict(heads=128, head_dim=64, groups=8, d_state=128, conv_dim=10240, d_con
             ssd=(("8x4096 initial+final", 8, 4096, False), ("8x4096 state every 64", 8, 4096,
                  True), ("1x8192 initial+final", 1, 8192, False)),
             conv_rows=(8, 4096), reps=20, check_groups=2,
-            ssd_variants=((64, 8, "tf32"), (32, 4, "tf32"), (64, 4, "tf32"), (32, 8, "tf32"),
-                          (16, 4, "tf32"), (64, 8, "ieee")),
+            ssd_variants=((64, 8, "split"), (32, 8, "split"), (32, 4, "split"),
+                          (16, 4, "split"), (64, 8, "tf32"), (32, 8, "tf32"),
+                          (32, 8, "bf16x3")),
             conv_tiles=((32, 128, None), (64, 128, None), (16, 256, None), (32, 256, 8),
                         (64, 256, 8), (64, 64, None), (128, 128, 8)))
 SMOKE = dict(heads=4, head_dim=16, groups=2, d_state=16, conv_dim=48, d_conv=4,

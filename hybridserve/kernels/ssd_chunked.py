@@ -29,9 +29,14 @@ plan's job), so no two programs write one location. The discretised dt goes to
 ``dt_out [T, H]`` (float32; the tails of :mod:`~hybridserve.kernels.ssd_tails` read it),
 written by the programs of the first head_dim block only.
 
-Products go through ``tl.dot`` on float32 operands at ``precision`` (``"tf32"`` by
-default: exact products for bf16 inputs such as B, C and x, a 10-bit mantissa for the
-float32 weights and states; ``"tf32x3"`` / ``"ieee"`` for full float32).
+Every product has one input operand (x, B or C) on one side. With 16-bit inputs
+(``precision="split"``, what ``"auto"`` takes for them) that operand is exact in its
+dtype and the float32 side (the decay-weighted scores, the state, the weighted x) goes
+in as two 16-bit halves ``hi + lo``: two 16-bit tensor-core products carry it to about
+2^-16, better than one tf32 product (2^-11) at the same cost, with half the registers;
+``C B^T`` multiplies inputs only and is exact. Otherwise (float32 inputs, or asked for)
+both operands go in as float32 at ``precision``: ``"tf32"`` (what ``"auto"`` takes),
+``"tf32x3"``, ``"bf16x3"`` or ``"ieee"``.
 
 - :func:`ssd_scan_fused`: the Triton kernel.
 - :func:`ssd_scan_fused_reference`: its torch twin (same arguments, same results): the
@@ -41,6 +46,7 @@ float32 weights and states; ``"tf32x3"`` / ``"ieee"`` for full float32).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -53,7 +59,7 @@ __all__ = ["CHUNK", "chunk_starts", "ssd_scan_fused", "ssd_scan_fused_reference"
 
 # Tokens per chunk: the engine's checkpoint grid (and ssd_varlen.SCAN_CHUNK).
 CHUNK = 64
-_PRECISIONS = ("tf32", "tf32x3", "ieee")
+_PRECISIONS = ("auto", "split", "tf32", "tf32x3", "bf16x3", "ieee")
 
 
 def chunk_starts(bounds: Sequence[int]) -> list[int]:
@@ -116,7 +122,7 @@ def ssd_scan_fused_reference(
     first_chunk: torch.Tensor | None = None,
     start_slot: torch.Tensor | None = None,
     starts: torch.Tensor | None = None,
-    precision: str = "tf32",
+    precision: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch twin of :func:`ssd_scan_fused` (module docstring): writes the requested rows
     of ``states`` (cast to its dtype) and returns ``(y [T, H, P], dt_out [T, H])`` in
@@ -169,6 +175,42 @@ def _softplus(v):
 
 
 @triton.jit
+def _dot16(a, b, acc, DOT16: tl.constexpr):
+    """``acc + a @ b`` of 16-bit operands, float32 accumulation. Triton's CPU interpreter
+    multiplies 16-bit dot operands wrongly (3.9: their bits as integers), so under it
+    (``DOT16`` False) the same values multiply as float32, which holds them exactly."""
+    if DOT16:
+        return tl.dot(a, b, acc=acc)
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc=acc, input_precision="ieee")
+
+
+@triton.jit
+def _dot_split(a, b, SPLIT: tl.constexpr, PRECISION: tl.constexpr, DOT16: tl.constexpr):
+    """``a @ b`` accumulated in float32. ``SPLIT``: ``a`` is exact in its 16-bit input
+    dtype and ``b`` (float32) goes in as two 16-bit halves, ``hi + lo``: two 16-bit
+    products carry ``b`` to about 2^-16 (tf32 carries 2^-11). Otherwise both in float32
+    at ``PRECISION``."""
+    if SPLIT:
+        hi = b.to(a.dtype)
+        lo = (b - hi.to(tl.float32)).to(a.dtype)
+        return _dot16(a, lo, _dot16(a, hi, None, DOT16), DOT16)
+    else:
+        return tl.dot(a.to(tl.float32), b, input_precision=PRECISION)
+
+
+@triton.jit
+def _dot_split_left(a, b, SPLIT: tl.constexpr, PRECISION: tl.constexpr, DOT16: tl.constexpr):
+    """:func:`_dot_split` with the roles swapped: ``a`` float32 (split), ``b`` exact."""
+    if SPLIT:
+        hi = a.to(b.dtype)
+        lo = (a - hi.to(tl.float32)).to(b.dtype)
+        return _dot16(lo, b, _dot16(hi, b, None, DOT16), DOT16)
+    else:
+        return tl.dot(a, b.to(tl.float32), input_precision=PRECISION)
+
+
+@triton.jit
 def _ssd_scan_kernel(
     x_ptr,
     x_tok_stride,
@@ -210,6 +252,8 @@ def _ssd_scan_kernel(
     HAS_UNCLAMPED: tl.constexpr,
     HAS_STARTS: tl.constexpr,
     PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT16: tl.constexpr,
 ):
     # Axis 0: (head, head_dim block), heads fastest, so the programs that run together
     # read the same group's B and C (shared through L2); axis 1: the sequence.
@@ -226,30 +270,37 @@ def _ssd_scan_kernel(
     q = tl.arange(0, CHUNK)
     pmask = p < head_dim
     nmask = n < d_state
-    smask = pmask[:, None] & nmask[None, :]
+    # The state block is held transposed, ST [BLOCK_N, BLOCK_P] (= S^T), so that both its
+    # products have 64 rows or more (Hopper's warp-group MMA): C ST and B^T (x w).
+    # Offsets inside one state (int32: a state has well under 2^31 entries) off scalar
+    # int64 bases: a [BLOCK_N, BLOCK_P] int64 tensor live across the loop would cost
+    # registers the products need.
+    smask = nmask[:, None] & pmask[None, :]
+    state_size = head_dim * d_state
+    head_base = h.to(tl.int64) * state_size
     a_rate = tl.load(A_ptr + h).to(tl.float32)
     bias = tl.load(dt_bias_ptr + h).to(tl.float32)
     skip = 0.0
     if HAS_D:
         skip = tl.load(D_ptr + h).to(tl.float32)
-    block = (h.to(tl.int64) * head_dim + p[:, None]) * d_state + n[None, :]
+    block = p[None, :] * d_state + n[:, None]
     if HAS_INIT:
-        S = tl.load(init_ptr + s.to(tl.int64) * heads * head_dim * d_state + block, mask=smask,
-                    other=0.0)
-        S = S.to(tl.float32)
+        ST = tl.load(init_ptr + (s.to(tl.int64) * heads * state_size + head_base) + block,
+                     mask=smask, other=0.0)
+        ST = ST.to(tl.float32)
     else:
-        S = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-    causal = q[:, None] >= q[None, :]
+        ST = tl.zeros([BLOCK_N, BLOCK_P], dtype=tl.float32)
     for j in range(0, tl.cdiv(eos - bos, CHUNK)):
         slot = tl.load(chunk_slot_ptr + first + j).to(tl.int64)
         if slot >= 0:
-            tl.store(states_ptr + slot * heads * head_dim * d_state + block,
-                     S.to(states_ptr.dtype.element_ty), mask=smask)
+            tl.store(states_ptr + (slot * heads * state_size + head_base) + block,
+                     ST.to(states_ptr.dtype.element_ty),
+                     mask=(n < d_state)[:, None] & (p < head_dim)[None, :])
         if HAS_STARTS:
             start_slot = tl.load(start_slot_ptr + first + j).to(tl.int64)
             if start_slot >= 0:
-                tl.store(starts_ptr + start_slot * heads * head_dim * d_state + block, S,
-                         mask=smask)
+                tl.store(starts_ptr + (start_slot * heads * state_size + head_base) + block,
+                         ST, mask=(n < d_state)[:, None] & (p < head_dim)[None, :])
         tok = bos + j * CHUNK + q
         tm = tok < eos
         # dt in float32, discretised here (bias, softplus, clamp); 0 past the sequence,
@@ -268,30 +319,40 @@ def _ssd_scan_kernel(
         a = d * a_rate
         cum = tl.cumsum(a, 0)  # [Q]: decay from the chunk start through token l
         total = tl.sum(a, 0)
+        # Inputs stay in their dtype in registers (half the registers for bf16); C B^T
+        # multiplies them as they are (exact products for bf16, float32 accumulation).
         xv = tl.load(x_ptr + tok[:, None] * x_tok_stride + h * x_head_stride + p[None, :],
-                     mask=tm[:, None] & pmask[None, :], other=0.0).to(tl.float32)
+                     mask=tm[:, None] & pmask[None, :], other=0.0)
         bv = tl.load(B_ptr + tok[:, None] * B_tok_stride + g * B_group_stride + n[None, :],
-                     mask=tm[:, None] & nmask[None, :], other=0.0).to(tl.float32)
+                     mask=tm[:, None] & nmask[None, :], other=0.0)
         cv = tl.load(C_ptr + tok[:, None] * C_tok_stride + g * C_group_stride + n[None, :],
-                     mask=tm[:, None] & nmask[None, :], other=0.0).to(tl.float32)
+                     mask=tm[:, None] & nmask[None, :], other=0.0)
         # Inside the chunk: y_l += sum_{s <= l} (C_l . B_s) exp(cum_l - cum_s) dt_s x_s.
-        cb = tl.dot(cv, tl.trans(bv), input_precision=PRECISION)  # [Q, Q]
+        if SPLIT:
+            cb = _dot16(cv, tl.trans(bv), None, DOT16)  # [Q, Q], exact products
+        else:
+            cb = tl.dot(cv.to(tl.float32), tl.trans(bv.to(tl.float32)),
+                        input_precision=PRECISION)
+        causal = q[:, None] >= q[None, :]
         seg = tl.where(causal, cum[:, None] - cum[None, :], 0.0)
         mix = tl.where(causal, cb * tl.exp(seg) * d[None, :], 0.0)
-        y = tl.dot(mix, xv, input_precision=PRECISION)  # [Q, BLOCK_P]
+        xf = xv.to(tl.float32)
+        # [Q, BLOCK_P]; x is the exact operand, the float32 weights are split.
+        y = _dot_split_left(mix, xv, SPLIT, PRECISION, DOT16)
         # From the state before the chunk, decayed to token l.
-        y += tl.exp(cum)[:, None] * tl.dot(cv, tl.trans(S), input_precision=PRECISION)
+        y += tl.exp(cum)[:, None] * _dot_split(cv, ST, SPLIT, PRECISION, DOT16)
         if HAS_D:
-            y += skip * xv
+            y += skip * xf
         tl.store(y_ptr + (tok[:, None] * heads + h) * head_dim + p[None, :], y,
                  mask=tm[:, None] & pmask[None, :])
         # The state after the chunk.
         w = tl.exp(total - cum) * d
-        S = S * tl.exp(total) + tl.dot(tl.trans(xv * w[:, None]), bv, input_precision=PRECISION)
+        ST = ST * tl.exp(total) + _dot_split(tl.trans(bv), xf * w[:, None], SPLIT, PRECISION,
+                                                    DOT16)
     fslot = tl.load(final_slot_ptr + s).to(tl.int64)
     if fslot >= 0:
-        tl.store(states_ptr + fslot * heads * head_dim * d_state + block,
-                 S.to(states_ptr.dtype.element_ty),
+        tl.store(states_ptr + (fslot * heads * state_size + head_base) + block,
+                 ST.to(states_ptr.dtype.element_ty),
                  mask=smask)
 
 
@@ -315,7 +376,7 @@ def ssd_scan_fused(
     first_chunk: torch.Tensor | None = None,
     start_slot: torch.Tensor | None = None,
     starts: torch.Tensor | None = None,
-    precision: str = "tf32",
+    precision: str = "auto",
     block_p: int | None = None,
     num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -339,7 +400,9 @@ def ssd_scan_fused(
             ``[T]`` bool / integer, tokens that skip it, or None.
         cu_seqlens_cpu: host copy of ``cu_seqlens`` (spares a device read) and
             first_chunk: ``[S + 1]`` device copy of :func:`chunk_starts` (computed when None).
-        precision: of ``tl.dot`` on float32 operands: ``"tf32"``, ``"tf32x3"`` or ``"ieee"``.
+        precision: of the products (module docstring): ``"auto"``, ``"split"``
+            (16-bit inputs), or float32 operands at ``"tf32"``, ``"tf32x3"``,
+            ``"bf16x3"`` or ``"ieee"``.
         block_p, num_warps: tile of a program (head_dim block) and its warps.
 
     Returns:
@@ -349,6 +412,13 @@ def ssd_scan_fused(
            states, unclamped, start_slot, starts)
     if precision not in _PRECISIONS:
         raise ValueError(f"precision={precision!r}: choose from {_PRECISIONS}")
+    sixteen = (torch.bfloat16, torch.float16)
+    inputs16 = x.dtype in sixteen and B.dtype == x.dtype and C.dtype == x.dtype
+    if precision == "split" and not inputs16:
+        raise ValueError("precision='split' needs x, B and C in one 16-bit dtype")
+    split = precision == "split" or (precision == "auto" and inputs16)
+    if precision == "auto":
+        precision = "tf32"
     if x.stride(2) != 1 or B.stride(2) != 1 or C.stride(2) != 1 or dt.stride(1) != 1:
         raise ValueError("x, dt, B and C must be contiguous along their last axis")
     if starts is not None and starts.dtype != torch.float32:
@@ -373,7 +443,9 @@ def ssd_scan_fused(
     block_p = max(16, min(block_p, triton.next_power_of_2(head_dim)))
     block_n = max(16, triton.next_power_of_2(d_state))
     if num_warps is None:
-        num_warps = 8 if block_p * block_n >= 8192 else 4
+        # The program holds its state block and a chunk's tiles at 255 registers a thread
+        # (sm_90 build): 8 warps spill least.
+        num_warps = 8
     if unclamped is not None and unclamped.dtype == torch.bool:
         unclamped = unclamped.view(torch.int8)  # the same bytes, a type Triton loads plainly
     limit = time_step_limit if time_step_limit is not None else (0.0, float("inf"))
@@ -394,7 +466,8 @@ def ssd_scan_fused(
         HAS_D=D is not None, HAS_INIT=initial_states is not None,
         CLAMP=time_step_limit is not None, HAS_UNCLAMPED=unclamped is not None,
         HAS_STARTS=starts is not None,
-        PRECISION=precision, num_warps=num_warps,
+        PRECISION="tf32" if split else precision, SPLIT=split,
+        DOT16=os.environ.get("TRITON_INTERPRET", "0") != "1", num_warps=num_warps,
     )
     return y, dt_out
 
