@@ -61,8 +61,8 @@ FULL = dict(heads=128, head_dim=64, groups=8, d_state=128, conv_dim=10240, d_con
             ssd_variants=((64, 8, "split"), (32, 8, "split"), (32, 4, "split"),
                           (16, 4, "split"), (64, 8, "tf32"), (32, 8, "tf32"),
                           (32, 8, "bf16x3")),
-            conv_tiles=((32, 128, None), (64, 128, None), (16, 256, None), (32, 256, 8),
-                        (64, 256, 8), (64, 64, None), (128, 128, 8)))
+            conv_tiles=((32, 128, None), (32, 128, 4), (64, 128, 8), (16, 256, 8),
+                        (32, 256, 8), (64, 256, 8), (128, 128, 8)))
 SMOKE = dict(heads=4, head_dim=16, groups=2, d_state=16, conv_dim=48, d_conv=4,
              ssd=(("2x70 initial+final", 2, 70, False), ("1x130 state every 64", 1, 130,
                   True)),
