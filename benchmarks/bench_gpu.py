@@ -2324,8 +2324,7 @@ def main(argv=None) -> int:
 
     result["prefill"] = section("prefill", prefill)
     result["prefill_paths"] = {
-        "mamba": "packed (fla-core scan)" if ssd_varlen.fla_available() and device == "cuda"
-        else "per-row",
+        "mamba": "packed (fused Triton scan)" if device == "cuda" else "per-row",
         "attention": "triton" if runs_triton(model.kernel_policy.prefill_attention, device)
         else "per-row",
     }
