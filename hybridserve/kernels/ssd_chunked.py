@@ -443,9 +443,10 @@ def ssd_scan_fused(
     block_p = max(16, min(block_p, triton.next_power_of_2(head_dim)))
     block_n = max(16, triton.next_power_of_2(d_state))
     if num_warps is None:
-        # The program holds its state block and a chunk's tiles at 255 registers a thread
-        # (sm_90 build): 8 warps spill least.
-        num_warps = 8
+        # A program takes 255 registers a thread (sm_90 build): at 8 warps one fits an SM
+        # and spills least; at 4 two fit, so a small grid (a long row or two) runs in
+        # one wave.
+        num_warps = 8 if seqs * heads >= 512 else 4
     if unclamped is not None and unclamped.dtype == torch.bool:
         unclamped = unclamped.view(torch.int8)  # the same bytes, a type Triton loads plainly
     limit = time_step_limit if time_step_limit is not None else (0.0, float("inf"))
