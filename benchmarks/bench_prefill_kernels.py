@@ -21,7 +21,8 @@ Shapes: 128 heads x 64, state 128, 8 groups, conv dim 10,240, kernel 4; bf16
 activations (views of the projection, as the mixer passes them), float32 state pages.
 Writes ``benchmarks/results/prefill_kernels.json``; ``--smoke`` runs tiny shapes (on the
 CPU through Triton's interpreter when there is no GPU) and writes
-``prefill_kernels_smoke.json``.
+``prefill_kernels_smoke.json``; ``--quick`` times the defaults only (fewer compiles);
+``--no-old`` skips the previous path (fla-core's autotuning).
 """
 
 from __future__ import annotations
@@ -255,10 +256,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter)")
     ap.add_argument("--no-old", action="store_true",
                     help="skip the previous path (fla-core's autotuning takes a while)")
+    ap.add_argument("--quick", action="store_true",
+                    help="defaults only: no sweep of tiles and precisions (fewer compiles)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = SMOKE if a.smoke or device == "cpu" else FULL
+    if a.quick:
+        cfg = {**cfg, "ssd_variants": (), "conv_tiles": cfg["conv_tiles"][:1]}
     use_fla = device == "cuda" and ssd_varlen.fla_available()
     started = time.time()
     ssd = []
@@ -279,13 +284,13 @@ def main(argv: list[str] | None = None) -> dict:
         "versions": {"torch": torch.__version__, "triton": triton.__version__,
                      "fla_core": ssd_varlen.fla_version()},
         "commit": git_commit(),
-        "config": {k: v for k, v in cfg.items()},
+        "config": {**cfg, "quick": a.quick},
         "ssd": ssd,
         "conv": conv,
         "wall_s": time.time() - started,
     }
-    out = a.out or RESULTS / ("prefill_kernels_smoke.json" if cfg is SMOKE
-                              else "prefill_kernels.json")
+    smoke = a.smoke or device == "cpu"
+    out = a.out or RESULTS / ("prefill_kernels_smoke.json" if smoke else "prefill_kernels.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out} in {result['wall_s']:.0f} s")

@@ -144,41 +144,6 @@ def conv_varlen_reference(
 
 
 @triton.jit
-def _conv_tap(xbc_ptr, xbc_stride, conv_ptr, page_stride, tok64, c, mask, t, page, back,
-              K: tl.constexpr, FROM_WINDOW: tl.constexpr):
-    """The conv input ``back`` tokens before each token of the tile, in the input dtype:
-    the packed input inside the row, else (only when ``FROM_WINDOW``) entry
-    ``(K - 1) + (offset in row) - back`` of the row's initial window, cast to the input
-    dtype as the reference concatenates it."""
-    src = t - back
-    in_row = src >= 0
-    xv = tl.load(
-        xbc_ptr + (tok64 - back)[:, None] * xbc_stride + c[None, :],
-        mask=mask & in_row[:, None],
-        other=0.0,
-    )
-    if FROM_WINDOW:
-        wv = tl.load(
-            conv_ptr + page[:, None] * page_stride + c[None, :] * (K - 1) + (src + K - 1)[:, None],
-            mask=mask & ((src < 0) & (page >= 0))[:, None],
-            other=0.0,
-        )
-        xv = tl.where(in_row[:, None], xv, wv.to(xbc_ptr.dtype.element_ty))
-    return xv
-
-
-@triton.jit
-def _conv_taps(xbc_ptr, xbc_stride, weight_ptr, conv_ptr, page_stride, tok64, c, cmask, mask,
-               t, page, acc, K: tl.constexpr, FROM_WINDOW: tl.constexpr):
-    for k in tl.static_range(K):
-        v = _conv_tap(xbc_ptr, xbc_stride, conv_ptr, page_stride, tok64, c, mask, t, page,
-                      K - 1 - k, K, FROM_WINDOW).to(tl.float32)
-        w = tl.load(weight_ptr + c * K + k, mask=cmask, other=0.0).to(tl.float32)
-        acc += v * w[None, :]
-    return acc
-
-
-@triton.jit
 def _conv_varlen_kernel(
     xbc_ptr,
     xbc_stride,

@@ -198,19 +198,22 @@ def test_kernel_without_bias_int32_indices_and_bf16():
 
 
 @interpreted
-def test_kernel_independent_of_program_order():
+@pytest.mark.parametrize("windows", [False, True])
+def test_kernel_independent_of_program_order(windows):
     g = torch.Generator().manual_seed(_seed())
     lens = [5, 0, 1, 9, 2]
-    xbc, weight, bias, cache, qs, in_pages = _step(g, lens, 10, 4, torch.float32)
+    xbc, weight, bias, cache, qs, in_pages = _step(g, lens, 10, 4, torch.float32,
+                                                   num_pages=3 * sum(lens) + 4)
+    out_pages = _out_pages(g, lens, cache, in_pages) if windows else None
 
     def launch(xbc, weight, bias, conv_cache, query_start, in_pages, out):
         return conv_varlen(xbc, weight, bias, conv_cache, query_start, in_pages, "silu",
-                           out=out, block_t=4, block_c=4)
+                           out=out, out_pages=out_pages, block_t=4, block_c=4)
 
     report = racecheck.run_launcher_in_orders(
         launch,
-        lambda: dict(xbc=xbc, weight=weight, bias=bias, conv_cache=cache, query_start=qs,
-                     in_pages=in_pages, out=torch.full_like(xbc, float("nan"))),
+        lambda: dict(xbc=xbc, weight=weight, bias=bias, conv_cache=cache.clone(),
+                     query_start=qs, in_pages=in_pages, out=torch.full_like(xbc, float("nan"))),
     )
     assert report.consistent, str(report)
     assert not report.outputs["forward"]["return"].isnan().any()
