@@ -82,12 +82,16 @@ def rotating(items):
 
 
 def inputs(g, tokens, s, device):
+    """``[q, k, v, a, b]`` (a, b the projections' raw gate inputs) and the gate parameters
+    ``{A_log, dt_bias}`` the kernels take by keyword."""
     q = l2_normalize(torch.randn(tokens, s["hk"], s["dk"], generator=g)) * s["dk"] ** -0.5
     k = l2_normalize(torch.randn(tokens, s["hk"], s["dk"], generator=g))
     v = torch.randn(tokens, s["hv"], s["dv"], generator=g)
-    gd = -torch.rand(tokens, s["hv"], generator=g)
-    beta = torch.rand(tokens, s["hv"], generator=g)
-    return [x.to(device) for x in (q, k, v, gd, beta)]
+    a = torch.randn(tokens, s["hv"], generator=g) * 1.5
+    b = torch.randn(tokens, s["hv"], generator=g) * 2
+    gate = {"A_log": (torch.randn(s["hv"], generator=g) * 0.5).to(device),
+            "dt_bias": (torch.randn(s["hv"], generator=g) * 0.5).to(device)}
+    return [x.to(device) for x in (q, k, v, a, b)], gate
 
 
 def rel_err(got, want) -> float:
@@ -109,9 +113,10 @@ def bench_decode(s, device, g) -> list[dict]:
             cache = torch.randn(pages, s["hv"], s["dk"], s["dv"], generator=g).to(device)
             perm = torch.randperm(pages, generator=g).to(torch.int32).view(s["variants"], -1)
             sets = [(p[:rows].to(device), p[rows:].view(rows, q).to(device)) for p in perm]
-            x = inputs(g, rows * q, s, device)
+            x, gate = inputs(g, rows * q, s, device)
             nxt = rotating(sets)
-            us = time_us(lambda x=x, c=cache, n=nxt: gdn_decode_update(*x, c, *n()), device)
+            us = time_us(lambda x=x, c=cache, n=nxt, k=gate: gdn_decode_update(*x, c, *n(), **k),
+                         device)
             moved = rows * (q + 1) * state_bytes  # one page read, q pages written per row
             ref = copy_us(moved // 2, device)  # a copy reads and writes: half the bytes each
             # The check: the kernel against its twin on the same pages (a copy of some).
@@ -119,8 +124,8 @@ def bench_decode(s, device, g) -> list[dict]:
             perm_small = torch.randperm(small.shape[0], generator=g).to(torch.int32).to(device)
             ip, op = perm_small[:rows], perm_small[rows : rows * (q + 1)].view(rows, q)
             want_cache = small.clone()
-            want = gdn_decode_update_reference(*x, want_cache, ip, op)
-            got = gdn_decode_update(*x, small, ip, op)
+            want = gdn_decode_update_reference(*x, want_cache, ip, op, **gate)
+            got = gdn_decode_update(*x, small, ip, op, **gate)
             out.append(dict(
                 rows=rows, q=q, us=us, bytes=moved, tb_per_s=moved / us / 1e6,
                 copy_us_same_bytes=ref, fraction_of_copy=ref / us,
@@ -155,18 +160,19 @@ def bench_prefill(s, device, g) -> list[dict]:
         pages = rows + rows * per_row
         cache = torch.randn(pages, s["hv"], s["dk"], s["dv"], generator=g).to(device) * 0.1
         plan = varlen_plan(rows, length, s["interval"], pages, device)
-        x = inputs(g, rows * length, s, device)
+        x, gate = inputs(g, rows * length, s, device)
         args = (cache, plan.query_start, plan.in_pages, plan.token_out_pages)
         entry = dict(rows=rows, length=length, states_per_row=per_row - 1,
-                     token_kernel_us=time_us(lambda x=x, a=args: gdn_varlen_update(*x, *a), device))
-        got = gdn_varlen_update(*x, *args)
+                     token_kernel_us=time_us(
+                         lambda x=x, a=args, k=gate: gdn_varlen_update(*x, *a, **k), device))
+        got = gdn_varlen_update(*x, *args, **gate)
         if rows * length <= 4096:  # the twin is a host loop per token: check one row's worth
-            want = gdn_varlen_update_reference(*x, cache.clone(), *args[1:])
+            want = gdn_varlen_update_reference(*x, cache.clone(), *args[1:], **gate)
             entry["token_kernel_rel_err_vs_twin"] = rel_err(got, want)
         if device == "cuda" and gdn_chunked.fla_chunk_scan_available():
-            def fla(x=x, plan=plan, cache=cache):
+            def fla(x=x, plan=plan, cache=cache, gate=gate):
                 return gdn_chunked.gdn_prefill(*x, cache, plan, gdn_chunked.chunk_scan_fla,
-                                               gdn_varlen_update, 64)
+                                               gdn_varlen_update, 64, **gate)
             entry["fla_chunked_us"] = time_us(fla, device)
             entry["fla_chunked_rel_err_vs_token_kernel"] = rel_err(fla(), got)
         out.append(entry)

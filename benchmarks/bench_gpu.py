@@ -63,7 +63,7 @@ from provenance import git_commit, portable_path  # noqa: E402
 
 import hybridserve.models.loader as loader  # noqa: E402
 from hybridserve import LLM, SamplingParams  # noqa: E402
-from hybridserve.config import runs_triton  # noqa: E402
+from hybridserve.config import KernelPolicy, runs_triton  # noqa: E402
 from hybridserve.engine.engine_core import EngineCore, prefill_flops  # noqa: E402
 from hybridserve.kernels import (  # noqa: E402
     conv_varlen,
@@ -737,11 +737,19 @@ def hf_decode(hf, device, batch, prompt_len, new_tokens, vocab, seed):
 
 
 def ttft(model, path, device, dtype, prompt_len, cached_len, interval, vocab, seed,
-         tails=(64, 128, 256, 512)):
+         tails=(64, 128, 256, 512), target=20.0):
     """First token of a ``prompt_len`` prompt, cold and with ``cached_len`` tokens cached,
     then, over the same cached prefix, tails of ``tails`` new tokens through the short-row
     path and through the chunked scan (``KernelPolicy.short_rows`` "auto" / "off"), each warmed
-    once first."""
+    once first.
+
+    ``cached_split``: where the cached first token's time goes: the device time of its
+    kernels (``torch.profiler``, one profiled run) against its wall time, unprofiled
+    (the median) and profiled; the rest is the host's (admission, the prefix lookup,
+    metadata, launches or the graph replay, the read-back, the commit). With decode
+    graphs on (CUDA) the cached step replays a short-row graph: ``short_graph_steps``
+    counts the cached runs that did. ``target``: the speedup the cached first token is
+    held to (``meets_target``)."""
     max_len = max(prompt_len, cached_len + max(tails, default=0)) + 16
     pages = cached_len // interval + 16 + 4 * len(tails)
     llm = make_llm(
@@ -770,13 +778,18 @@ def ttft(model, path, device, dtype, prompt_len, cached_len, interval, vocab, se
     run(prompt(warm_prefix))
     run(prompt(warm_prefix))
     llm.reset_prefix_cache()
+    graphs = llm.engine.runner.graphs
+    counters = graphs.counters if graphs is not None else {}
     cold, warm = [], []
+    replayed = 0
     for _ in range(2):
         prefix = torch.randint(3, vocab, (cached_len,), generator=g).tolist()
         llm.reset_prefix_cache()
         t, hit = run(prompt(prefix))
         cold.append((t, hit))
+        before = counters.get("short_graph_steps", 0)
         t, hit = run(prompt(prefix))  # same prefix, new tail: served from the checkpoint
+        replayed += counters.get("short_graph_steps", 0) > before
         warm.append((t, hit))
     # One more cached run (the last prefix is still cached) under the profiler: where
     # the time of a cached-prefix first token goes.
@@ -804,9 +817,22 @@ def ttft(model, path, device, dtype, prompt_len, cached_len, interval, vocab, se
     free_memory(device)
     cold_s = statistics.median(t for t, _ in cold)
     warm_s = statistics.median(t for t, _ in warm)
+    kernel_s = cached_profile["kernel_s_total"]
+    split = {
+        "wall_s": warm_s, "kernel_s": kernel_s, "host_s": warm_s - kernel_s,
+        "kernel_share": kernel_s / warm_s,
+        "profiled_wall_s": cached_profile["wall_s"],
+        "profiled_host_s": cached_profile["wall_s"] - kernel_s,
+        # The speedup if the host took no time at all: the kernels' bound.
+        "kernel_bound_speedup": cold_s / kernel_s if kernel_s > 0 else None,
+        "short_graph_steps": replayed, "cached_runs": len(warm),
+        "graph_capture_errors": list(graphs.capture_errors) if graphs is not None else [],
+    }
     return {"prompt_len": prompt_len, "cached_len": cached_len, "state_interval": interval,
             "max_short_tokens": limit,
             "cold_s": cold_s, "cached_s": warm_s, "speedup": cold_s / warm_s,
+            "target_speedup": target, "meets_target": cold_s / warm_s >= target,
+            "cached_split": split,
             "cold_runs": cold, "cached_runs": warm, "cached_profile": cached_profile,
             "cached_syncs": cached_syncs, "cached_by_tail": by_tail}
 
@@ -977,7 +1003,9 @@ def layer_kernels(model, device, batches):
         in_pages = torch.arange(b, dtype=torch.int32, device=device)
         out_pages = (torch.arange(b, dtype=torch.int32, device=device) + b)[:, None]
         x = torch.randn(b, p.n_heads, p.head_dim, device=device, generator=g).to(dtype)
-        dt = torch.rand(b, p.n_heads, device=device, generator=g) * 0.5
+        # Raw dt (the projection's); the kernel discretises it with the layer's dt_bias.
+        dt = (torch.randn(b, p.n_heads, device=device, generator=g) * 0.5).to(dtype)
+        dt_kw = {"dt_bias": mixer.dt_bias.detach()}
         A = -torch.rand(p.n_heads, device=device, generator=g) - 0.5
         B = torch.randn(b, p.n_groups, p.d_state, device=device, generator=g).to(dtype)
         C = torch.randn_like(B)
@@ -996,16 +1024,16 @@ def layer_kernels(model, device, batches):
                 continue
             ssm_args = (x, dt, A, B, C, mixer.D, ssm_cache, in_pages, out_pages)
             conv_args = (xbc, w, mixer.conv1d.bias, conv_cache, in_pages, out_pages, p.activation)
-            ts = bench_fn(lambda s=ssm, a=ssm_args: s(*a), device)
+            ts = bench_fn(lambda s=ssm, a=ssm_args, k=dt_kw: s(*a, **k), device)
             tc = bench_fn(lambda c=conv, a=conv_args: c(*a), device)
             rec[name] = {"ssm_s": ts, "ssm_bytes_per_s": ssm_bytes / ts,
                          "conv_s": tc, "conv_bytes_per_s": conv_bytes / tc}
         if fast:
             want_cache = ssm_cache.clone()
             want = mamba_decode.ssm_update_reference(
-                x, dt, A, B, C, mixer.D, want_cache, in_pages, out_pages)
+                x, dt, A, B, C, mixer.D, want_cache, in_pages, out_pages, **dt_kw)
             got = mamba_decode.ssm_update(
-                x, dt, A, B, C, mixer.D, ssm_cache, in_pages, out_pages)
+                x, dt, A, B, C, mixer.D, ssm_cache, in_pages, out_pages, **dt_kw)
             rec["triton_vs_twin_rel_err"] = float((got - want).norm() / want.norm())
         out.append(rec)
         free_memory(device)
@@ -1085,6 +1113,17 @@ def _mamba_dt_A(g, tokens, heads, device):
     return dt, A
 
 
+def _mamba_raw_dt_A(g, tokens, heads, device, dtype):
+    """The recurrence's raw dt operands: dt as the projection gives it (``dtype``) and
+    ``dt_bias`` per head, such that ``softplus(dt + dt_bias)`` spreads over about
+    [1e-3, 1e-1] (``dt_bias`` the inverse softplus of a log-uniform draw, as Mamba2
+    initialises it), and A as :func:`_mamba_dt_A`'s."""
+    target, A = _mamba_dt_A(g, 1, heads, device)
+    dt_bias = (target[0] + torch.log(-torch.expm1(-target[0]))).float()
+    dt = _randn(g, tokens, heads, device=device, dtype=dtype, scale=0.5)
+    return dt, dt_bias, A
+
+
 def _decode_pages(h, rows, q, pages, device):
     """Distinct input and output pages of a uniform step. In a verify step some states
     before a row's last token are not asked for (-1): the kernel must skip them."""
@@ -1152,7 +1191,7 @@ def check_ssm_decode(shape, step, dtype, device, seed, verify):
     pages = rows * (q + 1) + 2
     tokens = rows * q
     x = _randn(g, tokens, heads, head_dim, device=device, dtype=dtype)
-    dt, A = _mamba_dt_A(g, tokens, heads, device)
+    dt, dt_bias, A = _mamba_raw_dt_A(g, tokens, heads, device, dtype)
     B = _randn(g, tokens, groups, d_state, device=device, dtype=dtype)
     C = _randn(g, tokens, groups, d_state, device=device, dtype=dtype)
     D = _randn(g, heads, device=device, shift=1.0, scale=0.3)
@@ -1164,12 +1203,13 @@ def check_ssm_decode(shape, step, dtype, device, seed, verify):
     untouched = cache[others].clone()
     twin_cache = cache.clone()
     want = mamba_decode.ssm_update_reference(
-        x, dt, A, B, C, D, twin_cache, in_pages, out_pages)
+        x, dt, A, B, C, D, twin_cache, in_pages, out_pages, dt_bias=dt_bias)
     cache64 = cache.double()
     ref = mamba_decode.ssm_update_reference(
-        *(t.double() for t in (x, dt, A, B, C, D)), cache64, in_pages, out_pages)
+        *(t.double() for t in (x, dt, A, B, C, D)), cache64, in_pages, out_pages,
+        dt_bias=dt_bias.double())
     args = (x, dt, A, B, C, D, cache, in_pages, out_pages)
-    got = mamba_decode.ssm_update(*args)
+    got = mamba_decode.ssm_update(*args, dt_bias=dt_bias)
     out = {
         "kernel": "ssm_update", "twin": "ssm_update_reference",
         "shapes": {"rows": rows, "q": q, "heads": heads, "head_dim": head_dim,
@@ -1181,7 +1221,8 @@ def check_ssm_decode(shape, step, dtype, device, seed, verify):
                                         cache64[written], 1e-4)},
         "invariants": {"states_written": not bool(cache[written].isnan().any()),
                        "other_pages_unchanged": torch.equal(cache[others], untouched)},
-        "kernel_s": kernel_time(lambda: mamba_decode.ssm_update(*args), device),
+        "kernel_s": kernel_time(lambda: mamba_decode.ssm_update(*args, dt_bias=dt_bias),
+                                device),
     }
     out["state_bytes_per_s"] = 2 * tokens * heads * head_dim * d_state * 4 / out["kernel_s"]
     return out
@@ -1440,7 +1481,7 @@ def check_ssm_short(shape, step, dtype, device, seed):
     lens, qs, in_pages, out_pages, pages = _short_step(h, device)
     tokens = int(qs[-1])
     x = _randn(g, tokens, heads, head_dim, device=device, dtype=dtype)
-    dt, A = _mamba_dt_A(g, tokens, heads, device)
+    dt, dt_bias, A = _mamba_raw_dt_A(g, tokens, heads, device, dtype)
     B = _randn(g, tokens, groups, d_state, device=device, dtype=dtype)
     C = _randn(g, tokens, groups, d_state, device=device, dtype=dtype)
     D = _randn(g, heads, device=device, shift=1.0, scale=0.3)
@@ -1451,12 +1492,13 @@ def check_ssm_short(shape, step, dtype, device, seed):
     others = _pages_except(pages, written)
     twin_cache = cache.clone()
     want = mamba_decode.ssm_update_reference(
-        x, dt, A, B, C, D, twin_cache, in_pages, out_pages, qs)
+        x, dt, A, B, C, D, twin_cache, in_pages, out_pages, qs, dt_bias=dt_bias)
     cache64 = cache.double()
     ref = mamba_decode.ssm_update_reference(
-        *(t.double() for t in (x, dt, A, B, C, D)), cache64, in_pages, out_pages, qs)
+        *(t.double() for t in (x, dt, A, B, C, D)), cache64, in_pages, out_pages, qs,
+        dt_bias=dt_bias.double())
     args = (x, dt, A, B, C, D, cache, in_pages, out_pages, qs)
-    got = mamba_decode.ssm_update(*args)
+    got = mamba_decode.ssm_update(*args, dt_bias=dt_bias)
     return {
         "kernel": "ssm_update", "twin": "ssm_update_reference",
         "shapes": {"rows": lens, "heads": heads, "head_dim": head_dim, "groups": groups,
@@ -1468,7 +1510,8 @@ def check_ssm_short(shape, step, dtype, device, seed):
         "invariants": {"states_written": not bool(cache[written].isnan().any()),
                        "other_pages_unchanged": torch.equal(cache[others].nan_to_num(7.0),
                                                             twin_cache[others].nan_to_num(7.0))},
-        "kernel_s": kernel_time(lambda: mamba_decode.ssm_update(*args), device),
+        "kernel_s": kernel_time(lambda: mamba_decode.ssm_update(*args, dt_bias=dt_bias),
+                                device),
     }
 
 
@@ -1819,16 +1862,20 @@ def _gdn_shapes(device: str) -> dict:
 
 
 def _gdn_inputs(g, tokens, s, dtype, device):
-    """q, k L2-normalised (q scaled by ``dk ** -0.5``), v, log decays in [-2, 0) and betas
-    in (0, 1), as the mixer hands them to the recurrence."""
+    """``(q, k, v, a, b)`` as the mixer hands them to the recurrence: q, k L2-normalised
+    (q scaled by ``dk ** -0.5``), v, and the projections' raw gate inputs ``a, b`` (in
+    ``dtype``); and the gate parameters ``{A_log, dt_bias}`` (float32) that make the
+    decays exp(g) span about (0.05, 1)."""
     q = torch.nn.functional.normalize(_randn(g, tokens, s["hk"], s["dk"], device=device), dim=-1)
     k = torch.nn.functional.normalize(_randn(g, tokens, s["hk"], s["dk"], device=device), dim=-1)
     q = (q * s["dk"] ** -0.5).to(dtype)
     k = k.to(dtype)
     v = _randn(g, tokens, s["hv"], s["dv"], device=device, dtype=dtype)
-    decay = -2.0 * torch.rand(tokens, s["hv"], generator=g, device=device)
-    beta = torch.rand(tokens, s["hv"], generator=g, device=device)
-    return q, k, v, decay, beta
+    a = _randn(g, tokens, s["hv"], device=device, dtype=dtype, scale=1.5)
+    b = _randn(g, tokens, s["hv"], device=device, dtype=dtype, scale=2.0)
+    gate = {"A_log": _randn(g, s["hv"], device=device, scale=0.5),
+            "dt_bias": _randn(g, s["hv"], device=device, scale=0.5)}
+    return (q, k, v, a, b), gate
 
 
 def _gdn_result(kernel, twin, shapes, got, want, ref, cache, twin_cache, cache64, written,
@@ -1855,7 +1902,8 @@ def check_gdn_decode(shape, step, dtype, device, seed, verify):
     q_len = step["verify_q"] if verify else 1
     rows = step["rows"]
     pages = rows * (q_len + 1) + 2
-    inputs = _gdn_inputs(g, rows * q_len, s, dtype, device)
+    inputs, gate = _gdn_inputs(g, rows * q_len, s, dtype, device)
+    gate64 = {k: t.double() for k, t in gate.items()}
     perm = torch.randperm(pages, generator=h)
     in_pages = perm[:rows].to(torch.int32).to(device)
     out_pages = perm[rows : rows + rows * q_len].view(rows, q_len).to(torch.int32).to(device)
@@ -1863,15 +1911,16 @@ def check_gdn_decode(shape, step, dtype, device, seed, verify):
     cache[in_pages.long()] = _randn(g, rows, s["hv"], s["dk"], s["dv"], device=device)
     written = out_pages.flatten().long()
     twin_cache, cache64 = cache.clone(), cache.double()
-    want = gdn_decode.gdn_decode_update_reference(*inputs, twin_cache, in_pages, out_pages)
+    want = gdn_decode.gdn_decode_update_reference(*inputs, twin_cache, in_pages, out_pages,
+                                                  **gate)
     ref = gdn_decode.gdn_decode_update_reference(
-        *(t.double() for t in inputs), cache64, in_pages, out_pages)
+        *(t.double() for t in inputs), cache64, in_pages, out_pages, **gate64)
     args = (*inputs, cache, in_pages, out_pages)
-    got = gdn_decode.gdn_decode_update(*args)
+    got = gdn_decode.gdn_decode_update(*args, **gate)
     return _gdn_result("gdn_decode_update", "gdn_decode_update_reference",
                        {"rows": rows, "q": q_len, **s}, got, want, ref, cache, twin_cache,
                        cache64, written, _pages_except(pages, written),
-                       lambda: gdn_decode.gdn_decode_update(*args), device)
+                       lambda: gdn_decode.gdn_decode_update(*args, **gate), device)
 
 
 def check_gdn_varlen(shape, step, dtype, device, seed):
@@ -1880,21 +1929,23 @@ def check_gdn_varlen(shape, step, dtype, device, seed):
     g, h = _generators(seed, device)
     s = _gdn_shapes(device)
     lens, qs, in_pages, out_pages, pages = _short_step(h, device)
-    inputs = _gdn_inputs(g, int(qs[-1]), s, dtype, device)
+    inputs, gate = _gdn_inputs(g, int(qs[-1]), s, dtype, device)
+    gate64 = {k: t.double() for k, t in gate.items()}
     cache = torch.full((pages, s["hv"], s["dk"], s["dv"]), float("nan"), device=device)
     read = in_pages[in_pages >= 0].long()
     cache[read] = _randn(g, read.numel(), s["hv"], s["dk"], s["dv"], device=device)
     written = out_pages[out_pages >= 0].long()
     twin_cache, cache64 = cache.clone(), cache.double()
-    want = gdn_varlen.gdn_varlen_update_reference(*inputs, twin_cache, qs, in_pages, out_pages)
+    want = gdn_varlen.gdn_varlen_update_reference(*inputs, twin_cache, qs, in_pages, out_pages,
+                                                  **gate)
     ref = gdn_varlen.gdn_varlen_update_reference(
-        *(t.double() for t in inputs), cache64, qs, in_pages, out_pages)
+        *(t.double() for t in inputs), cache64, qs, in_pages, out_pages, **gate64)
     args = (*inputs, cache, qs, in_pages, out_pages)
-    got = gdn_varlen.gdn_varlen_update(*args)
+    got = gdn_varlen.gdn_varlen_update(*args, **gate)
     return _gdn_result("gdn_varlen_update", "gdn_varlen_update_reference",
                        {"rows": lens, **s, "states_written": int(written.numel())}, got, want,
                        ref, cache, twin_cache, cache64, written, _pages_except(pages, written),
-                       lambda: gdn_varlen.gdn_varlen_update(*args), device)
+                       lambda: gdn_varlen.gdn_varlen_update(*args, **gate), device)
 
 def check_moe_experts(shape, step, dtype, device, seed):
     """``moe_experts`` (sort by expert + the two grouped launches) against its twin on
@@ -2066,6 +2117,102 @@ def print_kernel_checks(kc: dict) -> None:
 
 
 # --------------------------------------------------------------------------------------
+# Numerics: state error against float64 at bf16 activations' rounding
+# --------------------------------------------------------------------------------------
+
+
+def numerics(device, shape, decode_steps=256, decode_rows=2, prefill_rows=(4096, 4096),
+             seed=0):
+    """One Mamba2 layer of ``shape`` with bfloat16 activations (x, B, C, the raw dt, the
+    dt_bias and D weights rounded to bfloat16; A and the state pages float32): the state's
+    relative error against a float64 recurrence of the same rounded inputs
+
+    - after 1 and ``decode_steps`` decode steps through the engine's decode recurrence
+      (``ssm_update``: the Triton kernel on CUDA, its twin elsewhere), each step from the
+      page the previous one wrote (:mod:`hybridserve.testing.numerics`, the drift test's
+      driver), and
+    - at the end of prefill rows of ``prefill_rows`` tokens through the engine's prefill
+      path (dt discretised as the mixer does, then ``ssd_prefill`` on the packed path's
+      scan: fla-core's on CUDA, the twin's elsewhere).
+
+    ``bf16_dt`` rows repeat each with dt discretised in bfloat16 (the arithmetic before
+    the decode kernels took the raw dt; float32 recurrence otherwise), for comparison. The
+    bf16-vs-float32 greedy agreement is the ``agreement`` section's (not repeated here)."""
+    from hybridserve.kernels.ssd import discretize_dt
+    from hybridserve.models.step_plan import packed_scan
+    from hybridserve.testing import numerics as nm
+
+    m = _mamba_shapes(shape)
+    heads, head_dim, groups, d_state = m["heads"], m["head_dim"], m["groups"], m["d_state"]
+    g = torch.Generator(device=device).manual_seed(seed)
+    _rel = nm.rel_err
+
+    # Decode: one launch per step, page to page (the engine's single-token step: no clamp).
+    on_gpu = device.startswith("cuda")
+    keep = (1, decode_steps)
+    v = nm.decode_at_bf16_rounding(g, decode_steps, decode_rows, heads, head_dim, groups,
+                                   d_state, device)
+    after = nm.decode_states(
+        mamba_decode.ssm_update if on_gpu else mamba_decode.ssm_update_reference, v,
+        decode_steps, keep)
+    want = nm.reference_states(
+        v, discretize_dt(v["dt"].double(), v["dt_bias"].double(), None), keep)
+    old = nm.reference_states(v, discretize_dt(v["dt"], v["dt_bias"], None), keep,
+                              torch.float32)
+    decode = {
+        "kernel": "ssm_update" if on_gpu else "ssm_update_reference",
+        "rows": decode_rows, "steps": decode_steps,
+        **{f"state_rel_err_after_{t}": _rel(after[t], want[t]) for t in keep},
+        "bf16_dt": {f"state_rel_err_after_{t}": _rel(old[t], want[t]) for t in keep},
+    }
+    del want, old, after
+    free_memory(device)
+
+    # Prefill: the packed path's scan from zero states, the final state of every row.
+    lens = list(prefill_rows)
+    qs = [0]
+    for n in lens:
+        qs.append(qs[-1] + n)
+    v = nm.decode_at_bf16_rounding(g, qs[-1], 1, heads, head_dim, groups, d_state, device)
+    scan = packed_scan(KernelPolicy(), torch.device(device), torch.float32) or (
+        ssd_varlen.ssd_scan_varlen_reference)
+    chunk = ssd_varlen.SCAN_CHUNK if ssd_varlen.chunk_states_supported(scan) else None
+    ends = [n - 1 for n in lens]
+    segments = ssd_varlen.plan_segments(qs, list(range(len(lens))), ends, device, chunk)
+    zeros = torch.zeros(len(lens), heads, head_dim, d_state, device=device)
+    x, B, C = v["x"], v["B"], v["C"]
+
+    def final_states(dt, dtype, scan_fn):
+        _, st = ssd_varlen.ssd_prefill(
+            x.to(dtype), dt.to(dtype), v["A"].to(dtype), B.to(dtype), C.to(dtype),
+            v["D"].to(dtype), zeros.to(dtype), segments, scan_fn)
+        return st
+
+    limit = (0.0, math.inf)
+    # The mixer discretises in float32 (mamba2._prefill_rows); x, B, C stay bfloat16.
+    dt32 = ssd_varlen.discretize_dt_varlen(v["dt"].float(), v["dt_bias"].float(), limit)
+    _, got = ssd_varlen.ssd_prefill(x, dt32, v["A"], B, C, v["D"], zeros, segments, scan)
+    want = final_states(
+        ssd_varlen.discretize_dt_varlen(v["dt"].double(), v["dt_bias"].double(), limit),
+        torch.float64, ssd_varlen.ssd_scan_varlen_reference)
+    dt_bf16 = ssd_varlen.discretize_dt_varlen(v["dt"], v["dt_bias"], limit).float()
+    _, old = ssd_varlen.ssd_prefill(x, dt_bf16, v["A"], B, C, v["D"], zeros, segments, scan)
+    prefill = {
+        "scan": scan.__name__, "rows": lens,
+        "final_state_rel_err": _rel(got, want),
+        "bf16_dt": {"final_state_rel_err": _rel(old, want)},
+    }
+    free_memory(device)
+    return {
+        "layer": {"heads": heads, "head_dim": head_dim, "groups": groups, "d_state": d_state,
+                  "activations": "torch.bfloat16", "state_dtype": "torch.float32"},
+        "decode": decode,
+        "prefill": prefill,
+        "bf16_vs_float32_greedy_agreement": "see the agreement section",
+    }
+
+
+# --------------------------------------------------------------------------------------
 # bf16 GPU vs float32 CPU agreement on a tiny model
 # --------------------------------------------------------------------------------------
 
@@ -2153,6 +2300,30 @@ def plot(result: dict, png: Path) -> str:
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     return portable_path(png)
+
+
+def print_ttft(t: dict, label: str = "") -> None:
+    """The TTFT section's summary lines."""
+    print(f"TTFT{label} {t['prompt_len']} tokens: cold {t['cold_s']:.3f}s, "
+          f"{t['cached_len']} cached {t['cached_s']:.3f}s ({t['speedup']:.1f}x)")
+    sp = t.get("cached_split")
+    if sp:
+        print(f"  cached step: wall {1e3 * sp['wall_s']:.1f} ms = kernels "
+              f"{1e3 * sp['kernel_s']:.1f} ms + host {1e3 * sp['host_s']:.1f} ms "
+              f"(kernel bound {sp['kernel_bound_speedup'] or float('nan'):.1f}x; target "
+              f"{t['target_speedup']:.0f}x {'met' if t['meets_target'] else 'NOT met'}; "
+              f"short-row graph in {sp['short_graph_steps']} of {sp['cached_runs']} runs)")
+    for row in t.get("cached_syncs", [])[:12]:
+        print(f"  sync x{row['count']} at {row['site']}: {row['message']}")
+    for row in t.get("cached_by_tail", []):
+        print(f"  cached + {row['tail']} new tokens, short_rows={row['short_rows']}: "
+              f"{1e3 * row['s']:.1f} ms")
+    cp = t.get("cached_profile")
+    if cp:
+        print(f"  profiled cached run: wall {1e3 * cp['wall_s']:.1f} ms, kernels "
+              f"{1e3 * cp['kernel_s_total']:.1f} ms, {cp['counts']}")
+        for k in cp["top_kernels"][:5] or cp["top_host_ops"][:5]:
+            print(f"    {1e3 * k['s']:.2f} ms x{k['calls']} {k['name']}")
 
 
 def main(argv=None) -> int:
@@ -2357,6 +2528,14 @@ def main(argv=None) -> int:
     result["agreement"] = section(
         "agreement", lambda: agreement(device, "bfloat16" if device == "cuda" else "float32",
                                        workdir))
+    # The numerics always at the 8B layer's shape (the CPU smoke run too: one row, fewer
+    # decode steps and a shorter prefill row, to stay within its time).
+    result["numerics"] = section("numerics", lambda: numerics(
+        device, NEMOTRON_8B, decode_steps=32 if args.smoke else 256,
+        decode_rows=1 if args.smoke else 2, prefill_rows=(128,) if args.smoke else (4096, 4096)))
+    if result["numerics"] and result.get("agreement"):
+        result["numerics"]["bf16_vs_float32_greedy_agreement"] = (
+            result["agreement"]["positional_agreement"])
     for b in [int(x) for x in args.ref_batches.split(",") if x]:
         def ref(b=b):
             with host_sampling():
@@ -2416,7 +2595,7 @@ def main(argv=None) -> int:
                 3, rate, args.prefill_max_s)),
             "ttft": section("ttft_1b", lambda: ttft(
                 m, pth, device, dtype, args.ttft_prompt, args.ttft_cached, 64, c.vocab_size,
-                seed=7, tails=(128,))),
+                seed=7, tails=(128,), target=10.0)),
         }
         m = built_1b = None  # noqa: F841
         free_memory(device)
@@ -2485,20 +2664,9 @@ def main(argv=None) -> int:
         print(f"decode b{r['batch']} sampled: {r['tokens_per_s']:.1f} tok/s ({r['mode']}), "
               f"eager {e.get('tokens_per_s', float('nan')):.1f} tok/s")
     if result.get("ttft"):
-        t = result["ttft"]
-        print(f"TTFT {t['prompt_len']} tokens: cold {t['cold_s']:.3f}s, "
-              f"{t['cached_len']} cached {t['cached_s']:.3f}s ({t['speedup']:.1f}x)")
-        for row in t.get("cached_syncs", [])[:12]:
-            print(f"  sync x{row['count']} at {row['site']}: {row['message']}")
-        for row in t.get("cached_by_tail", []):
-            print(f"  cached + {row['tail']} new tokens, short_rows={row['short_rows']}: "
-                  f"{1e3 * row['s']:.1f} ms")
-        cp = t.get("cached_profile")
-        if cp:
-            print(f"  profiled cached run: wall {1e3 * cp['wall_s']:.1f} ms, kernels "
-                  f"{1e3 * cp['kernel_s_total']:.1f} ms, {cp['counts']}")
-            for k in cp["top_kernels"][:5] or cp["top_host_ops"][:5]:
-                print(f"    {1e3 * k['s']:.2f} ms x{k['calls']} {k['name']}")
+        print_ttft(result["ttft"])
+    if (result.get("model_1b") or {}).get("ttft"):
+        print_ttft(result["model_1b"]["ttft"], " (~1B)")
     if result.get("agreement"):
         a = result["agreement"]
         for f in (a, a.get("float32_on_device")):
@@ -2506,6 +2674,17 @@ def main(argv=None) -> int:
                 print(f"agreement {f['dtype']} vs cpu float32: {f['positional_agreement']:.3f}, "
                       f"first divergence {f['first_divergence']}; graphs vs eager "
                       f"{f['graphs_vs_eager']['identical_sequences']}/{a['prompts']} identical")
+    if result.get("numerics"):
+        n = result["numerics"]
+        d, p = n["decode"], n["prefill"]
+        last = f"state_rel_err_after_{d['steps']}"
+        print(f"numerics (bf16 activations, {d['kernel']}): decode state error vs float64 "
+              f"after 1 step {d['state_rel_err_after_1']:.2e}, after {d['steps']} "
+              f"{d[last]:.2e} (bf16 dt: {d['bf16_dt']['state_rel_err_after_1']:.2e}, "
+              f"{d['bf16_dt'][last]:.2e}); prefill {p['rows']} final states "
+              f"{p['final_state_rel_err']:.2e} (bf16 dt: "
+              f"{p['bf16_dt']['final_state_rel_err']:.2e}); greedy agreement "
+              f"{n['bf16_vs_float32_greedy_agreement']}")
     if result.get("kernel_checks"):
         print_kernel_checks(result["kernel_checks"])
     if result["errors"]:

@@ -101,6 +101,10 @@ def render_chat(
     ``apply_chat_template(**kwargs)`` passes them. ``continue_final_message``: the text
     ends where the last message's content ends (what the template writes after it,
     an end-of-turn tag, is cut), so the model continues that message."""
+    # As transformers does: a key whose value is None is left out of its message (an
+    # API's ``content: null`` or ``tool_calls: null``), since templates test for
+    # missing keys and would write a literal "None".
+    messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
     pieces: list[str] = []
     size = 0
     try:

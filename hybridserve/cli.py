@@ -128,6 +128,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="never replay decode steps from CUDA graphs",
     )
     p.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1,
+        help="split the model over this many ranks, one process each (on cuda[:k], rank r "
+        "uses cuda:k+r; on cpu every rank runs on the CPU)",
+    )
+    p.add_argument(
         "--num-threads", type=int, default=None,
         help="torch CPU threads (default: $HYBRIDSERVE_NUM_THREADS, else torch's own when "
         "$OMP_NUM_THREADS is set, else 1: more threads gain little on this engine's small "
@@ -165,6 +170,7 @@ def llm_kwargs_from_args(args: argparse.Namespace) -> dict:
         speculative_config=spec,
         enforce_eager=True if args.enforce_eager else None,
         num_threads=args.num_threads,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

@@ -79,6 +79,22 @@ def check_cache_fits(
     return kv + state
 
 
+def _check_tensor_parallel_options(enforce_eager, async_scheduling, speculative_config) -> None:
+    """Refuse, naming the knob, what tensor parallelism does not run yet."""
+    if enforce_eager is False:
+        raise ValueError("enforce_eager=False (decode graphs) does not run under "
+                         "tensor_parallel_size > 1 yet; leave it unset")
+    if async_scheduling:
+        raise ValueError("async_scheduling needs decode graphs, which do not run under "
+                         "tensor_parallel_size > 1 yet")
+    method = (speculative_config or {}).get("method")
+    if method not in (None, "ngram"):
+        raise ValueError(
+            f"speculative_config method {method!r} runs a drafter model on one rank; under "
+            "tensor_parallel_size > 1 only 'ngram' speculation is supported"
+        )
+
+
 class LLM:
     """An engine over one model, for batch generation in-process.
 
@@ -92,6 +108,12 @@ class LLM:
     ``max_model_len`` defaults to the model's own, uncapped; explicit sizes still win.
     ``kernel_policy`` picks which implementation each op of the forward takes
     (:class:`~hybridserve.config.KernelPolicy`; the defaults suit serving).
+
+    ``tensor_parallel_size``: ranks the model is split over, one process each (this one
+    is rank 0 and runs the engine; the others are spawned and load their shards; see
+    :mod:`hybridserve.distributed`). On ``cuda[:k]`` rank ``r`` uses ``cuda:k+r``
+    (NCCL); on ``cpu`` every rank computes on the CPU (gloo). Call :meth:`shutdown`
+    to stop the other ranks before the process ends (they also end with it).
 
     ``num_threads``: torch's CPU thread count, a process-wide setting that the
     constructor applies (see :func:`resolve_num_threads` for the default, 1).
@@ -127,8 +149,18 @@ class LLM:
         async_scheduling: bool | None = None,
         num_threads: int | None = None,
         kernel_policy: KernelPolicy | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         from hybridserve.models.loader import load_model
+
+        tp = tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        if tp > 1:
+            _check_tensor_parallel_options(enforce_eager, async_scheduling, speculative_config)
+            enforce_eager = True
+        self.tensor_parallel_size = tp
+        self._tensor = None
 
         kernel_policy = kernel_policy or KernelPolicy()
         threads = resolve_num_threads(num_threads)
@@ -152,8 +184,52 @@ class LLM:
             # As vLLM does: the share is of the whole device, so memory other processes
             # hold must leave it free at start, or the caches would be sized past it.
             sizing.check_free_memory(device, gpu_memory_utilization)
-        self.model = load_model(path, dtype=torch_dtype, device=device, policy=kernel_policy)
-        mcfg = self.model.config
+        if tp == 1:
+            self.model = load_model(path, dtype=torch_dtype, device=device, policy=kernel_policy)
+        else:
+            from hybridserve.distributed.worker import start_tensor_parallel
+
+            self.model, group, workers = start_tensor_parallel(dict(
+                path=str(path), world_size=tp, dtype=torch_dtype, device=device,
+                policy=kernel_policy, num_threads=threads,
+            ))
+            self._tensor = (group, workers)
+        try:
+            # Every option by name: the engine is built in its own method so that a
+            # failure there can stop the other ranks first.
+            self._build_engine(
+                name=name, path=path, torch_dtype=torch_dtype, device=device,
+                seed=seed, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                max_num_batched_tokens=max_num_batched_tokens,
+                kv_block_size=kv_block_size, num_kv_blocks=num_kv_blocks,
+                num_state_pages=num_state_pages,
+                enable_prefix_caching=enable_prefix_caching,
+                state_interval=state_interval,
+                checkpoint_policies=checkpoint_policies,
+                max_checkpoint_pages=max_checkpoint_pages,
+                ssm_state_dtype=ssm_state_dtype, eviction_policy=eviction_policy,
+                checkpoint_offload_gib=checkpoint_offload_gib,
+                checkpoint_offload_pages=checkpoint_offload_pages,
+                gpu_memory_utilization=gpu_memory_utilization,
+                checkpoint_memory_fraction=checkpoint_memory_fraction,
+                enforce_eager=enforce_eager, speculative_config=speculative_config,
+                async_scheduling=async_scheduling, kernel_policy=kernel_policy,
+            )
+        except BaseException:
+            self._stop_workers()
+            raise
+
+    def _build_engine(
+        self, *, name, path, torch_dtype, device, seed, max_num_seqs, max_model_len,
+        max_num_batched_tokens, kv_block_size, num_kv_blocks, num_state_pages,
+        enable_prefix_caching, state_interval, checkpoint_policies, max_checkpoint_pages,
+        ssm_state_dtype, eviction_policy, checkpoint_offload_gib, checkpoint_offload_pages,
+        gpu_memory_utilization, checkpoint_memory_fraction, enforce_eager, speculative_config,
+        async_scheduling, kernel_policy,
+    ) -> None:
+        # A rank's model is built from its share of the heads: the model's own config is
+        # the full one.
+        mcfg = self.model.config if self._tensor is None else self.model.shard_layout.config
         self.model_config = mcfg
         self.tokenizer = Tokenizer.maybe_load(path)
         self.generation_config = load_generation_config(path)
@@ -186,8 +262,8 @@ class LLM:
                 capacity_bytes=sizing.device_capacity_bytes(device),
                 gpu_memory_utilization=gpu_memory_utilization,
                 weights_bytes=sizing.weights_bytes(self.model),
-                activation_peak_bytes=sizing.profile_activation_peak(
-                    self.model, max_num_batched_tokens, kv_block_size, torch_dtype, ssm_dtype, device
+                activation_peak_bytes=self._activation_peak(
+                    max_num_batched_tokens, kv_block_size, torch_dtype, ssm_dtype, device
                 ),
                 kv_block_bytes=self.model.cache_spec.kv_block_bytes(kv_block_size, torch_dtype),
                 kv_block_size=kv_block_size,
@@ -259,12 +335,52 @@ class LLM:
         # CUDA and runs eagerly elsewhere; True always runs eagerly (as vLLM's flag).
         # async_scheduling: None pipelines plain decode steps wherever graphs run and
         # speculative decoding is off.
+        group, workers = self._tensor or (None, ())
         self.engine = EngineCore(
             self.config, self.model, self.tokenizer, mcfg.vocab_size, eos,
             enforce_eager=enforce_eager, async_scheduling=async_scheduling,
+            tensor_group=group, tensor_workers=workers,
         )
         self._next_id = 0
         self._warned_capped = False
+
+    def _activation_peak(self, num_tokens, kv_block_size, dtype, ssm_dtype, device) -> int:
+        """The profiling forward's peak (:func:`~hybridserve.engine.sizing.profile_activation_peak`);
+        under tensor parallelism every rank runs it (its collectives pair up) and the
+        largest rank's peak counts."""
+        from hybridserve.engine import sizing
+
+        args = (num_tokens, kv_block_size, dtype, ssm_dtype)
+        if self._tensor is None:
+            return sizing.profile_activation_peak(self.model, *args, device)
+        group, _ = self._tensor
+        group.broadcast_object(("profile", args))
+        peak = sizing.profile_activation_peak(self.model, *args, device)
+        return max(group.all_gather_object(peak))
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do with one rank). The
+        engine cannot run steps afterwards."""
+        self._stop_workers()
+
+    def _stop_workers(self) -> None:
+        if self._tensor is None:
+            return
+        group, workers = self._tensor
+        self._tensor = None
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.runner.close()
+            return
+        # The engine was never built: the workers wait for their cache sizes.
+        try:
+            group.broadcast_object(("stop", None))
+        finally:
+            group.close()
+            for proc in workers:
+                proc.join(30)
+                if proc.is_alive():
+                    proc.terminate()
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer

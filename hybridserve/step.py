@@ -50,7 +50,12 @@ class SamplingParams:
     (:class:`~hybridserve.structured.StructuredOutputsParams`; a dict of its fields is
     accepted too). ``min_tokens``: EOS and ``stop_token_ids`` cannot be sampled, and
     stop strings do not end the output, before that many tokens (as vLLM's).
-    ``allowed_token_ids``: only these tokens can be sampled.
+    ``allowed_token_ids``: only these tokens can be sampled. ``logit_bias``: ``{token
+    id: bias}`` added to the logits before penalties and sampling (OpenAI's and vLLM's
+    field; biases are clamped to [-100, 100] as theirs are). ``prompt_logprobs=k``:
+    for every prompt token after the first, its log probability given the tokens before
+    it and the ``k`` most likely tokens there (``RequestOutput.prompt_logprobs``); the
+    request then computes its whole prompt (the prefix cache is not read for it).
     """
 
     n: int = 1
@@ -72,6 +77,8 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     min_tokens: int = 0
     allowed_token_ids: list[int] | None = None
+    logit_bias: dict[int, float] | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
@@ -136,6 +143,38 @@ class SamplingParams:
             ):
                 raise ValueError("allowed_token_ids must be a non-empty list of non-negative integers")
             self.allowed_token_ids = list(ids)
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int)
+            or isinstance(self.prompt_logprobs, bool)
+            or not 0 <= self.prompt_logprobs <= 20
+        ):
+            raise ValueError(
+                f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}"
+            )
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError("logit_bias must be a dict of token id -> bias")
+            bias = {}
+            for t, v in self.logit_bias.items():
+                if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                    raise ValueError(f"logit_bias: {t!r} is not a token id (a non-negative integer)")
+                if not _finite(v):
+                    raise ValueError(f"logit_bias: the bias of token {t} must be a finite number, got {v!r}")
+                bias[t] = float(min(max(v, -100.0), 100.0))
+            self.logit_bias = bias or None
+
+    @property
+    def plain_logits(self) -> bool:
+        """Whether sampling sees the model's logits unchanged before temperature: no
+        penalty, bias, mask or grammar."""
+        return (
+            self.repetition_penalty == 1.0
+            and not self.presence_penalty
+            and not self.frequency_penalty
+            and self.logit_bias is None
+            and self.structured_outputs is None
+            and not self.token_masked
+        )
 
     @property
     def token_masked(self) -> bool:
@@ -252,6 +291,9 @@ class RowResult:
 
     new_tokens: list[int]
     logprobs: list[dict[int, Logprob]]
+    # With the request's prompt_logprobs, a prefill row's: entry j is the prompt token
+    # at position num_computed + 1 + j, given the tokens before it.
+    prompt_logprobs: list[dict[int, Logprob]] | None = None
 
 
 @dataclass(frozen=True)
@@ -301,6 +343,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # With prompt_logprobs: one entry per prompt token, None for the first (nothing
+    # predicts it), else {token id: Logprob} (the k most likely and the prompt's token).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # Per-request counters: spec_draft_tokens, spec_accepted_tokens,
     # spec_mean_accepted_length (tokens per verify step), num_preemptions.
     metrics: dict[str, float] = field(default_factory=dict)

@@ -36,6 +36,7 @@ from hybridserve.engine.request import (
     SamplingParams,
 )
 from hybridserve.engine.scheduler import ScheduledRow, Scheduler, SchedulerOutput
+from hybridserve.engine.stats import AdmittedStats, FinishedStats, StatsObserver, StepStats
 from hybridserve.runner.model_runner import ModelRunner, PendingStep
 from hybridserve.step import PostprocessDecision, RowResult, StepResult
 from hybridserve.tokenizer import Tokenizer
@@ -83,6 +84,8 @@ class EngineCore:
         eos_token_ids: tuple[int, ...],
         enforce_eager: bool | None = None,
         async_scheduling: bool | None = None,
+        tensor_group=None,
+        tensor_workers=(),
     ) -> None:
         """``enforce_eager``: True runs every step eagerly; False replays greedy decode
         and verify steps from CUDA graphs (on a CPU: the same static-buffer step,
@@ -91,7 +94,12 @@ class EngineCore:
         ``async_scheduling``: schedule and launch the next plain decode step before the
         current one's tokens are read back, so the host's work for a step overlaps the
         device's work on the step before (:meth:`step`). Needs decode graphs and no
-        speculative decoding; None (the default) turns it on wherever both hold."""
+        speculative decoding; None (the default) turns it on wherever both hold.
+
+        ``tensor_group``: the :class:`~hybridserve.distributed.group.TensorGroup` of a
+        tensor-parallel engine (this process is rank 0; ``model`` is its shard and
+        ``tensor_workers`` the processes of the other ranks): the runner broadcasts every
+        step to them (:mod:`hybridserve.distributed.runner`); steps run eagerly."""
         policy = getattr(model, "kernel_policy", config.kernels)
         if policy != config.kernels:
             raise ValueError(
@@ -111,16 +119,32 @@ class EngineCore:
         # Decode graphs pad steps with rows that write one KV block and read one state
         # page past the ranges the pools hand out.
         scratch = 0 if enforce_eager else 1
-        caches = model.cache_spec.allocate(
-            cc.num_kv_blocks + scratch, cc.kv_block_size, cc.num_state_pages + scratch,
-            config.dtype, cc.ssm_state_dtype, config.device,
+        self.tensor_parallel = tensor_group is not None
+        if tensor_group is not None and not enforce_eager:
+            raise ValueError("enforce_eager=False (decode graphs) does not run under "
+                             "tensor_parallel_size > 1 yet; leave it unset")
+        sizes = dict(
+            num_kv_blocks=cc.num_kv_blocks + scratch, kv_block_size=cc.kv_block_size,
+            num_state_pages=cc.num_state_pages + scratch, dtype=config.dtype,
+            ssm_dtype=cc.ssm_state_dtype,
         )
+        caches = model.cache_spec.allocate(**sizes, device=config.device)
         # The runner launches the state postprocess as soon as a step's choices exist on
         # the device; its decisions come back with the choices, in the step's result.
-        self.runner = ModelRunner(
-            model, caches, cc.kv_block_size, config.scheduler.max_num_seqs, config.device,
-            boundary_interval=self.scheduler.boundary_interval(),
-        )
+        runner_args = (model, caches, cc.kv_block_size, config.scheduler.max_num_seqs,
+                       config.device)
+        if tensor_group is None:
+            self.runner = ModelRunner(
+                *runner_args, boundary_interval=self.scheduler.boundary_interval()
+            )
+        else:
+            from hybridserve.distributed.runner import TensorParallelRunner
+
+            self.runner = TensorParallelRunner(
+                *runner_args, boundary_interval=self.scheduler.boundary_interval(),
+                group=tensor_group, workers=tensor_workers, allocate=sizes,
+                host_pages=host_pages if self.scheduler.host.enabled else 0,
+            )
         if self.scheduler.host.enabled:
             # The host tier mirrors every state tensor of every recurrent layer.
             self.runner.host_pool = HostStatePool(caches.states, host_pages)
@@ -157,6 +181,9 @@ class EngineCore:
             "spec_drafter_seconds": 0.0,
         }
         self.check_integrity_every_step = False
+        # Gets one StepStats per step (hybridserve.engine.stats); None records nothing.
+        self.stats_observer: StatsObserver | None = None
+        self._step_stats: StepStats | None = None
         self._grammars = None  # the GrammarBackend, built on the first constrained request
 
     def grammar_backend(self):
@@ -191,7 +218,11 @@ class EngineCore:
             raise TypeError("sampling params must be a SamplingParams")
         if not prompt_token_ids:
             raise ValueError("prompt is empty: give at least one token (or non-empty text)")
-        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt_token_ids):
+        # One pass per distinct type, then the range: a long prompt's check costs no
+        # per-token Python (the same rule as checking every token's type and range).
+        if not all(issubclass(t, int) for t in set(map(type, prompt_token_ids))) or not (
+            min(prompt_token_ids) >= 0 and max(prompt_token_ids) < self.vocab_size
+        ):
             raise ValueError(f"prompt_token_ids must be integers in [0, {self.vocab_size})")
         max_len = self.config.scheduler.max_model_len
         if len(prompt_token_ids) >= max_len:
@@ -201,11 +232,18 @@ class EngineCore:
             )
         if params.allowed_token_ids is not None and max(params.allowed_token_ids) >= self.vocab_size:
             raise ValueError(f"allowed_token_ids must be token ids in [0, {self.vocab_size})")
+        if params.logit_bias is not None and max(params.logit_bias) >= self.vocab_size:
+            raise ValueError(f"logit_bias must name token ids in [0, {self.vocab_size})")
+        if params.prompt_logprobs is not None and self.tensor_parallel:
+            # The head is split by vocabulary: every rank would have to run the extra
+            # logits of the prompt positions in step with rank 0.
+            raise ValueError("prompt_logprobs is not supported under tensor_parallel_size > 1 yet")
         so = params.structured_outputs
         if so is not None:
             # Compiling is what can fail on the user's input: before anything is queued.
             self.grammar_backend().compile(so)
         arrival = next(self._arrival)
+        arrival_time = time.monotonic()
         children = []
         for i in range(params.n):
             if params.seed is not None:
@@ -223,7 +261,9 @@ class EngineCore:
                     max_model_len=max_len,
                     sample_seed=seed,
                     parent_id=request_id if params.n > 1 else None,
-                    grammar=None if so is None else self._grammars.matcher(so),
+                    grammar=None if so is None or so.after_token_ids else self._grammars.matcher(so),
+                    pending_grammar=self._grammars.matcher(so) if so is not None and so.after_token_ids else None,
+                    arrival_time=arrival_time,
                 )
             )
         group = _Group(request_id, prompt, list(prompt_token_ids), children, final_only=final_only)
@@ -252,12 +292,27 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the outputs of every request that advanced or finished.
 
+        With a ``stats_observer``, the step's :class:`~hybridserve.engine.stats.StepStats`
+        go to it once the step is committed (also when the step raised: what was
+        recorded before the failure).
+
         With async scheduling, a plain decode step is launched, then the step after it
         is scheduled and launched (:meth:`_launch_ahead`) before the first one's tokens
         are read back and committed; the second stays in flight and the next call
         starts from it. Its rows of requests that finish meanwhile (a stop token, an
         abort) are dropped when it is read back.
         """
+        if self.stats_observer is None:
+            return self._step()
+        self._step_stats = StepStats()
+        try:
+            return self._step()
+        finally:
+            stats, self._step_stats = self._step_stats, None
+            if stats:
+                self.stats_observer.on_step(stats)
+
+    def _step(self) -> list[RequestOutput]:
         if self._inflight is not None:
             sched, pending = self._inflight
             self._inflight = None
@@ -265,6 +320,8 @@ class EngineCore:
         if self.drafter is not None:
             self._propose_drafts()
         sched = self.scheduler.schedule()
+        if self._step_stats is not None:
+            self._stamp_scheduled(sched)
         if not sched.rows:
             if sched.transfers:
                 # Only host-tier copies this step (a restore the waiting head needs).
@@ -288,6 +345,49 @@ class EngineCore:
         outputs = self._process(sched, results)
         self._check_integrity()
         return outputs
+
+    def _stamp_scheduled(self, sched: SchedulerOutput) -> None:
+        """Record the first scheduling of the step's sequences (their queue time ends)."""
+        stats = self._step_stats
+        now = time.monotonic()
+        for row in sched.rows:
+            req = row.request
+            if req.scheduled_time < 0:
+                req.scheduled_time = now
+                stats.admitted.append(
+                    AdmittedStats(
+                        queue_seconds=now - req.arrival_time,
+                        prompt_tokens=req.num_prompt_tokens,
+                        cached_tokens=req.num_cached_tokens,
+                        kv_cached_tokens=req.kv_prefix_tokens,
+                    )
+                )
+
+    def _stamp_tokens(self, req: Request, now: float) -> None:
+        """``req`` got tokens in the step being committed (at ``now``)."""
+        if req.first_token_time < 0:
+            req.first_token_time = now
+            self._step_stats.time_to_first_token.append(now - req.arrival_time)
+        else:
+            self._step_stats.inter_token_latency.append(now - req.last_token_time)
+        req.last_token_time = now
+
+    def _stamp_finished(self, req: Request, reason: str) -> None:
+        first = req.first_token_time if req.first_token_time >= 0 else req.last_token_time
+        scheduled = req.scheduled_time if req.scheduled_time >= 0 else req.arrival_time
+        self._step_stats.finished.append(
+            FinishedStats(
+                finish_reason=reason,
+                e2e_seconds=time.monotonic() - req.arrival_time,
+                queue_seconds=scheduled - req.arrival_time,
+                prefill_seconds=max(first - scheduled, 0.0),
+                decode_seconds=max(req.last_token_time - first, 0.0),
+                prompt_tokens=req.num_prompt_tokens,
+                generation_tokens=len(req.output_token_ids),
+                max_tokens=req.params.max_tokens,
+                n=req.params.n,
+            )
+        )
 
     def _guarded(self, sched: SchedulerOutput, run):
         try:
@@ -354,6 +454,8 @@ class EngineCore:
         are committed as if it had not been in the step.
         """
         results = step.rows
+        # One clock read per step for the statistics: the step's commit time.
+        committed = time.monotonic() if self._step_stats is not None else 0.0
         touched: dict[str, _Group] = {}
         failed: dict[str, Exception] = {}
         dropped: set[int] = set()
@@ -370,6 +472,10 @@ class EngineCore:
             try:
                 if res.new_tokens:
                     self._append_tokens(req, res.new_tokens, res.logprobs)
+                    if self._step_stats is not None:
+                        self._stamp_tokens(req, committed)
+                if res.prompt_logprobs:
+                    self._store_prompt_logprobs(req, row.num_computed, res.prompt_logprobs)
                 if not row.is_decode:
                     self.scheduler.commit_prefill_row(row)
             except Exception as e:
@@ -545,7 +651,24 @@ class EngineCore:
                 # A draft the grammar rejects could never be emitted: the run the
                 # verifier may accept ends before it.
                 drafts = drafts[: req.grammar.valid_prefix(drafts)]
+            elif drafts and req.pending_grammar is not None:
+                # No position may follow the token that starts the grammar within one
+                # row (its mask would be needed before the row exists): the drafts end
+                # before the token that would complete the grammar's start tag.
+                drafts = drafts[: self._before_grammar_start(req, drafts)]
             req.draft_token_ids = drafts
+
+    @staticmethod
+    def _before_grammar_start(req: Request, drafts: list[int]) -> int:
+        """How many of ``drafts`` can be verified in one row while ``req``'s grammar
+        waits for its start tag: all of them before the one completing the tag."""
+        tag = req.params.structured_outputs.after_token_ids
+        seq = req.output_token_ids[-len(tag):] if len(tag) > 1 else []
+        for j, t in enumerate(drafts):
+            seq = (seq + [t])[-len(tag):]
+            if tuple(seq) == tag:
+                return j
+        return len(drafts)
 
     def _max_tokens(self, req: Request) -> int:
         mt = req.params.max_tokens
@@ -569,6 +692,11 @@ class EngineCore:
             req.append_output(tok)
             if req.grammar is not None:
                 req.grammar.accept(tok)
+            elif req.pending_grammar is not None:
+                tag = p.structured_outputs.after_token_ids
+                if tuple(req.output_token_ids[-len(tag):]) == tag:
+                    # The grammar applies from the next token on.
+                    req.grammar, req.pending_grammar = req.pending_grammar, None
             if logprobs:
                 req.logprobs.append(logprobs[i])
             self.counters["generation_tokens"] += 1
@@ -587,6 +715,14 @@ class EngineCore:
                 break
             if self._length_capped(req):
                 break
+
+    @staticmethod
+    def _store_prompt_logprobs(req: Request, n: int, lps: list) -> None:
+        """A prefill row from position ``n`` computed the logprobs of prompt tokens
+        ``n + 1 ...`` (a recompute after preemption writes the same entries again)."""
+        if req.prompt_logprobs is None:
+            req.prompt_logprobs = [None] * req.num_prompt_tokens
+        req.prompt_logprobs[n + 1 : n + 1 + len(lps)] = lps
 
     def _mark_stop(self, req: Request, reason: int | str | None) -> None:
         """Finish ``req`` after this step; ``reason`` is the stop string or token id that
@@ -613,6 +749,8 @@ class EngineCore:
         if self.drafter is not None:
             self.drafter.forget(req.request_id)
         self.counters["requests_finished"] += 1
+        if self._step_stats is not None:
+            self._stamp_finished(req, status.value)
 
     # ---- outputs -----------------------------------------------------------------
 
@@ -669,6 +807,12 @@ class EngineCore:
         }
         if finished:
             self.groups.pop(group.request_id, None)
+        prompt_logprobs = None
+        first = group.children[0]
+        if first.params.prompt_logprobs is not None:
+            # Every child computes the same prompt; the first one's entries are reported.
+            # Before its prefill is done the list has holes (None) past position 0.
+            prompt_logprobs = list(first.prompt_logprobs or [None] * first.num_prompt_tokens)
         return RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,
@@ -676,6 +820,7 @@ class EngineCore:
             outputs=outs,
             finished=finished,
             num_cached_tokens=group.children[0].num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
             metrics=metrics,
             error=group.error,
         )

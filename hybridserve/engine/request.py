@@ -78,6 +78,9 @@ class Request:
     num_registered_blocks: int = 0
     draft_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    # With params.prompt_logprobs: entry p holds prompt token p's logprobs (None for
+    # p = 0, and until a prefill row has computed position p - 1).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_preemptions: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
@@ -88,6 +91,18 @@ class Request:
     # The sequence's GrammarMatcher when its params ask for structured outputs: the
     # grammar state after output_token_ids (drafts are never committed to it).
     grammar: object | None = None
+    # A matcher waiting for the output to write its params' after_token_ids (the end of
+    # a reasoning block); it becomes ``grammar`` from the token after them.
+    pending_grammar: object | None = None
+    # Prefix-cache facts of the first admission: the longest cached KV prefix (with a
+    # checkpoint or not; num_cached_tokens is the part served).
+    kv_prefix_tokens: int = 0
+    # Timestamps (time.monotonic(); -1 until they happen) for the engine's statistics
+    # (hybridserve.engine.stats).
+    arrival_time: float = -1.0
+    scheduled_time: float = -1.0
+    first_token_time: float = -1.0
+    last_token_time: float = -1.0
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

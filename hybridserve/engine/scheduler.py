@@ -16,6 +16,8 @@ One step
    takes a fresh page, queues the copy into it, makes it a device checkpoint again and
    waits one step (the copy overlaps that step's forward); the next step admits the
    request on the device hit. The step's copies travel in ``SchedulerOutput.transfers``.
+   A request asking for ``prompt_logprobs`` is admitted without a lookup: it needs
+   the logits of every prompt position, which a hit would skip.
 
 Which state each row writes (the pages come from :class:`StateCache`)
 -------------------------------------------------------------------
@@ -92,6 +94,7 @@ class Scheduler:
             "prefix_query_tokens": 0,
             "prefix_hit_tokens": 0,
             "prefix_hits": 0,
+            "prefix_state_miss_tokens": 0,
             "preemptions": 0,
             "host_hits": 0,
         }
@@ -216,16 +219,17 @@ class Scheduler:
                 host_key = h
         return best_len, hit_blocks[: best_len // bs], best_page, len(hit_blocks) * bs, host_key
 
-    def _lookup_prefix(self, req: Request) -> tuple[int, list[int], int, int | None]:
-        """Longest usable device hit (length h, its KV blocks, checkpoint page) and the
-        key of a longer host-tier hit; records the junction, where the prompt leaves the
-        cached path, as a checkpoint position."""
+    def _lookup_prefix(self, req: Request) -> tuple[int, list[int], int, int | None, int]:
+        """Longest usable device hit (length h, its KV blocks, checkpoint page), the
+        key of a longer host-tier hit and the longest cached KV prefix (the junction,
+        where the prompt leaves the cached path, which is recorded as a checkpoint
+        position)."""
         tokens = req.all_token_ids
         hashes = self._hashes(req, (len(tokens) - 1) // self.block_size)
         best_len, hit_blocks, best_page, junction, host_key = self._probe(tokens, hashes)
         if junction > best_len and "junction" in self.cache_config.checkpoint_policies:
             req.extra_checkpoints.add(junction)
-        return best_len, hit_blocks, best_page, host_key
+        return best_len, hit_blocks, best_page, host_key, junction
 
     # ---- the host tier -----------------------------------------------------------
 
@@ -284,6 +288,7 @@ class Scheduler:
             not cc.enable_prefix_caching
             or "junction" not in cc.checkpoint_policies
             or req.num_computed_tokens
+            or req.params.prompt_logprobs is not None  # it would not use the checkpoint
         ):
             return False
         bs = self.block_size
@@ -319,7 +324,11 @@ class Scheduler:
         lengths whose state that chunk writes.
         """
         caching = self.cache_config.enable_prefix_caching
-        h, hit_blocks, hit_page, host_key = 0, [], -1, None
+        # A request asking for prompt logprobs needs the logits of every prompt position
+        # (position 0's predicts token 1), so no prefix hit can serve it: it does not
+        # read the cache (it still writes checkpoints and blocks others can hit).
+        reads_cache = caching and req.params.prompt_logprobs is None
+        h, hit_blocks, hit_page, host_key, kv_prefix = 0, [], -1, None, 0
         if caching and req.num_computed_tokens == 0:
             if "prompt_end" in self.cache_config.checkpoint_policies:
                 # The prompt's end serves a prompt that extends it; the last boundary
@@ -329,7 +338,8 @@ class Scheduler:
                 for end in (req.num_prompt_tokens // bs * bs, (req.num_prompt_tokens - 1) // bs * bs):
                     if end > 0:
                         req.extra_checkpoints.add(end)
-            h, hit_blocks, hit_page, host_key = self._lookup_prefix(req)
+            if reads_cache:
+                h, hit_blocks, hit_page, host_key, kv_prefix = self._lookup_prefix(req)
         # One restore per admission: a request that already waited for one takes the
         # device hit it finds now (a longer one may have gone to the host since).
         if (
@@ -357,13 +367,16 @@ class Scheduler:
         req.num_registered_blocks = len(hit_blocks)
         req.state_page = hit_page
         req.num_computed_tokens = h
-        if caching:
+        if reads_cache:
             self.counters["prefix_queries"] += 1
             self.counters["prefix_query_tokens"] += req.num_tokens
             self.counters["prefix_hit_tokens"] += h
             self.counters["prefix_hits"] += int(h > 0)
+            # KV blocks were cached beyond the hit, but no checkpoint of the state there.
+            self.counters["prefix_state_miss_tokens"] += max(kv_prefix - h, 0)
         if req.num_preemptions == 0:
             req.num_cached_tokens = h
+            req.kv_prefix_tokens = max(kv_prefix, h)
         req.seat = self.free_seats.pop()
         req.status = RequestStatus.RUNNING
         return q, outputs

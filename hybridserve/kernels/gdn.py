@@ -22,6 +22,24 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
+
+
+def gdn_gates(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(g, beta)`` of the projections' raw ``a, b [..., Hv]``: the log decay
+    ``g = -exp(A_log) * softplus(a + dt_bias)`` and ``beta = sigmoid(b)``, both computed in
+    ``dtype`` (default ``promote(a.dtype, float32)``: never in bfloat16, whose rounding of
+    the decay compounds over every token). The kernels compute the same in float32
+    (:func:`~hybridserve.kernels.gdn_decode.gdn_token_step`)."""
+    dtype = dtype or torch.promote_types(a.dtype, torch.float32)
+    g = -A_log.to(dtype).exp() * F.softplus(a.to(dtype) + dt_bias.to(dtype))
+    return g, b.to(dtype).sigmoid()
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

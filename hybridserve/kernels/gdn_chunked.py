@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from hybridserve.kernels.gdn import gdn_gates
 from hybridserve.kernels.gdn_decode import _check_operands
 from hybridserve.kernels.gdn_varlen import VarlenPlan, gdn_varlen_update_reference
 
@@ -147,20 +148,26 @@ def gdn_prefill(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
     ssm_cache: torch.Tensor,
     plan: VarlenPlan,
     scan: ChunkScanFn | None = None,
     tail_rule: Callable[..., torch.Tensor] | None = None,
     chunk: int | None = None,
+    *,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
 ) -> torch.Tensor:
     """Every row of a packed step through a chunked scan; the states at the requested
     offsets from its chunk states and tails (module docstring).
 
     Args:
-        q, k, v, g, beta, ssm_cache: as :func:`~hybridserve.kernels.gdn_varlen.gdn_varlen_update`
-            (float32 state pages or wider: no per-token rounding).
+        q, k, v, a, b, ssm_cache, A_log, dt_bias: as
+            :func:`~hybridserve.kernels.gdn_varlen.gdn_varlen_update` (float32 state pages
+            or wider: no per-token rounding); the scan gets the gates of
+            :func:`~hybridserve.kernels.gdn.gdn_gates` in the compute dtype, the tails the
+            raw ``a, b``.
         plan: the step's :class:`~hybridserve.kernels.gdn_varlen.VarlenPlan` (its host
             lists decide which chunk state goes to which page, without a device read).
         scan: the chunked scan primitive (:data:`ChunkScanFn`; default the twin,
@@ -176,12 +183,13 @@ def gdn_prefill(
     writes is an output page of the plan (never an input page), so the order of the
     writes cannot matter.
     """
-    _check_operands(q, k, v, g, beta, ssm_cache)
+    _check_operands(q, k, v, a, b, ssm_cache, A_log, dt_bias)
     chunk = CHUNK if chunk is None else chunk
     scan = chunk_scan_reference if scan is None else scan
     tail_rule = gdn_varlen_update_reference if tail_rule is None else tail_rule
     starts, outs = plan.query_start_host, plan.token_out_pages_host
     compute = torch.promote_types(v.dtype, torch.float32)
+    g, beta = gdn_gates(a, b, A_log, dt_bias, compute)
     hv, dk, dv = ssm_cache.shape[1:]
     rows = [r for r in range(plan.num_rows) if starts[r + 1] > starts[r]]
     if not rows:
@@ -228,12 +236,14 @@ def gdn_prefill(
             init_idx.append(state_index)
         sel = torch.tensor(tokens, device=v.device)
         tail_rule(
-            q[sel], k[sel], v[sel], g[sel], beta[sel], ssm_cache,
+            q[sel], k[sel], v[sel], a[sel], b[sel], ssm_cache,
             torch.tensor(tail_starts, dtype=torch.int32, device=v.device),
             torch.full((len(init_idx),), -1, dtype=torch.int32, device=v.device),
             torch.tensor(tail_outs, dtype=torch.int32, device=v.device),
             False,
             states[torch.tensor(init_idx, device=v.device)],
+            A_log=A_log,
+            dt_bias=dt_bias,
         )
     # Empty rows own no tokens, so the scan's packing of the other rows is the step's.
     return o.to(compute)

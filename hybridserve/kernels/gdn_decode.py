@@ -24,6 +24,12 @@ rule, docs/racecheck.md).
 ``round_state`` rounds the carried state to the page dtype after every token, as the
 per-row path does (:mod:`hybridserve.kernels.gdn`), so bfloat16 pages give the same
 states however tokens are split over steps.
+
+Numerics: the kernels take the projections' raw ``a, b`` and compute the gates themselves
+in float32, ``g = -exp(A_log) * softplus(a + dt_bias)`` and ``beta = sigmoid(b)``
+(:func:`~hybridserve.kernels.gdn.gdn_gates`, the twins' form), then the decay ``exp(g)``
+and the state in float32. One token's update, :func:`gdn_token_step`, is shared with the
+variable-length kernel (:mod:`hybridserve.kernels.gdn_varlen`).
 """
 
 from __future__ import annotations
@@ -32,9 +38,10 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridserve.kernels.mamba_decode import _check_pages
+from hybridserve.kernels.gdn import gdn_gates
+from hybridserve.kernels.mamba_decode import _check_pages, softplus, store_state_page
 
-__all__ = ["gdn_decode_update", "gdn_decode_update_reference"]
+__all__ = ["gdn_decode_update", "gdn_decode_update_reference", "gdn_token_step"]
 
 
 def _check_operands(
@@ -44,7 +51,12 @@ def _check_operands(
     g: torch.Tensor,
     beta: torch.Tensor,
     ssm_cache: torch.Tensor,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
 ) -> None:
+    """Shapes of the delta rule's operands (``g, beta`` or the raw ``a, b``, all
+    ``[T, Hv]``; ``A_log, dt_bias [Hv]`` when given); ValueError naming the one that does
+    not fit."""
     tokens, hk, dk = k.shape
     hv, dv = v.shape[1:]
     if q.shape != k.shape or v.shape[0] != tokens or hv % hk:
@@ -53,7 +65,13 @@ def _check_operands(
             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
     if g.shape != (tokens, hv) or beta.shape != (tokens, hv):
-        raise ValueError(f"g and beta must be [T={tokens}, Hv={hv}]")
+        raise ValueError(
+            f"the gates' operands (a, b) must be [T={tokens}, Hv={hv}], got "
+            f"{tuple(g.shape)}, {tuple(beta.shape)}"
+        )
+    for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+        if t is not None and t.shape != (hv,):
+            raise ValueError(f"{name} must be [Hv={hv}], got {tuple(t.shape)}")
     if ssm_cache.shape[1:] != (hv, dk, dv):
         raise ValueError(
             f"ssm_cache must be [pages, Hv={hv}, Dk={dk}, Dv={dv}], got {tuple(ssm_cache.shape)}"
@@ -64,15 +82,18 @@ def gdn_decode_update_reference(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
     ssm_cache: torch.Tensor,
     in_pages: torch.Tensor,
     out_pages: torch.Tensor,
     round_state: bool = False,
+    *,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
 ) -> torch.Tensor:
     """Torch twin of :func:`gdn_decode_update` (same arguments, same result), the CPU path."""
-    _check_operands(q, k, v, g, beta, ssm_cache)
+    _check_operands(q, k, v, a, b, ssm_cache, A_log, dt_bias)
     tokens, hk, dk = k.shape
     hv, dv = v.shape[1:]
     rows, steps = _check_pages(in_pages, out_pages, tokens)
@@ -80,8 +101,9 @@ def gdn_decode_update_reference(
     rep = hv // hk
     q, k = (x.to(compute).view(rows, steps, hk, dk).repeat_interleave(rep, dim=2) for x in (q, k))
     v = v.to(compute).view(rows, steps, hv, dv)
-    decay = g.to(compute).exp().view(rows, steps, hv)
-    beta = beta.to(compute).view(rows, steps, hv)
+    g, beta = gdn_gates(a, b, A_log, dt_bias, compute)
+    decay = g.exp().view(rows, steps, hv)
+    beta = beta.view(rows, steps, hv)
     state = ssm_cache[in_pages.long()].to(compute)  # [R, Hv, Dk, Dv]
     out = torch.empty(rows, steps, hv, dv, dtype=compute, device=v.device)
     for t in range(steps):
@@ -99,12 +121,66 @@ def gdn_decode_update_reference(
 
 
 @triton.jit
+def gdn_token_step(
+    state,
+    tok,
+    h,
+    hk,
+    kk,
+    vv,
+    kmask,
+    vmask,
+    smask,
+    offs,
+    neg_a,
+    dt_bias,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    a_ptr,
+    b_ptr,
+    ssm_ptr,
+    page_stride,
+    out_pages_ptr,
+    o_ptr,
+    key_heads,
+    value_heads,
+    key_dim,
+    value_dim,
+    ROUND: tl.constexpr,
+):
+    """One token of the gated delta rule for a program's (value head ``h``, value columns
+    ``vv``) slice of the ``[Dk, Dv]`` state: the gates from the raw ``a, b`` of packed token
+    ``tok`` in float32 (``neg_a = -exp(A_log[h])``), the decay, the delta-rule update;
+    stores ``o`` and, when ``out_pages[tok] >= 0``, the new state to that page. Returns the
+    state. Inlined into the decode kernel (unrolled rows) and the variable-length one."""
+    qk_off = tok * key_heads * key_dim + hk * key_dim + kk
+    qt = tl.load(q_ptr + qk_off, mask=kmask, other=0.0).to(tl.float32)
+    kt = tl.load(k_ptr + qk_off, mask=kmask, other=0.0).to(tl.float32)
+    v_off = tok * value_heads * value_dim + h * value_dim + vv
+    vt = tl.load(v_ptr + v_off, mask=vmask, other=0.0).to(tl.float32)
+    gt = neg_a * softplus(tl.load(a_ptr + tok * value_heads + h).to(tl.float32) + dt_bias)
+    bt = tl.sigmoid(tl.load(b_ptr + tok * value_heads + h).to(tl.float32))
+    state = state * tl.exp(gt)
+    predicted = tl.sum(state * kt[:, None], axis=0)
+    delta = (vt - predicted) * bt
+    state = state + kt[:, None] * delta[None, :]
+    if ROUND:
+        state = state.to(ssm_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(o_ptr + v_off, tl.sum(state * qt[:, None], axis=0), mask=vmask)
+    store_state_page(state, tok, offs, smask, ssm_ptr, page_stride, out_pages_ptr)
+    return state
+
+
+@triton.jit
 def _gdn_decode_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
-    g_ptr,
-    beta_ptr,
+    a_ptr,
+    b_ptr,
+    A_log_ptr,
+    dt_bias_ptr,
     ssm_ptr,
     page_stride,
     in_pages_ptr,
@@ -131,30 +207,13 @@ def _gdn_decode_kernel(
     in_page = tl.load(in_pages_ptr + r).to(tl.int64)
     offs = h * key_dim * value_dim + kk[:, None] * value_dim + vv[None, :]
     state = tl.load(ssm_ptr + in_page * page_stride + offs, mask=smask, other=0.0).to(tl.float32)
+    neg_a = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
+    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
     for t in tl.static_range(Q):
-        tok = r * Q + t
-        qk_off = tok * key_heads * key_dim + hk * key_dim + kk
-        qt = tl.load(q_ptr + qk_off, mask=kmask, other=0.0).to(tl.float32)
-        kt = tl.load(k_ptr + qk_off, mask=kmask, other=0.0).to(tl.float32)
-        v_off = tok * value_heads * value_dim + h * value_dim + vv
-        vt = tl.load(v_ptr + v_off, mask=vmask, other=0.0).to(tl.float32)
-        gt = tl.load(g_ptr + tok * value_heads + h).to(tl.float32)
-        bt = tl.load(beta_ptr + tok * value_heads + h).to(tl.float32)
-        state = state * tl.exp(gt)
-        predicted = tl.sum(state * kt[:, None], axis=0)
-        delta = (vt - predicted) * bt
-        state = state + kt[:, None] * delta[None, :]
-        if ROUND:
-            state = state.to(ssm_ptr.dtype.element_ty).to(tl.float32)
-        o = tl.sum(state * qt[:, None], axis=0)
-        tl.store(o_ptr + v_off, o, mask=vmask)
-        out_page = tl.load(out_pages_ptr + tok)
-        # Broadcast the page before comparing: a scalar comparison in a mask is rejected by
-        # the CPU interpreter.
-        tl.store(
-            ssm_ptr + out_page.to(tl.int64) * page_stride + offs,
-            state.to(ssm_ptr.dtype.element_ty),
-            mask=smask & ((offs * 0 + out_page) >= 0),
+        state = gdn_token_step(
+            state, r * Q + t, h, hk, kk, vv, kmask, vmask, smask, offs, neg_a, dt_bias,
+            q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, ssm_ptr, page_stride, out_pages_ptr, o_ptr,
+            key_heads, value_heads, key_dim, value_dim, ROUND,
         )
 
 
@@ -162,19 +221,24 @@ def gdn_decode_update(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
     ssm_cache: torch.Tensor,
     in_pages: torch.Tensor,
     out_pages: torch.Tensor,
     round_state: bool = False,
+    *,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
 ) -> torch.Tensor:
     """Gated delta rule of every row of a uniform step, from and to state pages.
 
     Args:
         q, k: ``[R * Q, Hk, Dk]`` (token-major, rows of ``Q`` tokens; L2-normalised, q
             already scaled by ``Dk ** -0.5``).
-        v: ``[R * Q, Hv, Dv]``; g (log decay), beta: ``[R * Q, Hv]``.
+        v: ``[R * Q, Hv, Dv]``; a, b: ``[R * Q, Hv]``, the projections' raw gate inputs
+            (the kernel computes ``g`` and ``beta`` from them in float32,
+            :func:`~hybridserve.kernels.gdn.gdn_gates`).
         ssm_cache: ``[pages, Hv, Dk, Dv]`` states, contiguous (the recurrence runs in
             float32; each written state is cast to the page dtype).
         in_pages: ``[R]`` int32 page of each row's state before its first token.
@@ -182,11 +246,12 @@ def gdn_decode_update(
             ``out_pages[r, t]`` when it is ``>= 0``. Must not repeat a page or name an
             input page.
         round_state: round the carried state to the page dtype after every token.
+        A_log, dt_bias: ``[Hv]`` the layer's decay parameters.
 
     Returns:
         ``o [R * Q, Hv, Dv]`` float32.
     """
-    _check_operands(q, k, v, g, beta, ssm_cache)
+    _check_operands(q, k, v, a, b, ssm_cache, A_log, dt_bias)
     tokens, hk, dk = k.shape
     hv, dv = v.shape[1:]
     rows, steps = _check_pages(in_pages, out_pages, tokens)
@@ -204,8 +269,10 @@ def gdn_decode_update(
         q.contiguous(),
         k.contiguous(),
         v.contiguous(),
-        g.contiguous(),
-        beta.contiguous(),
+        a.contiguous(),
+        b.contiguous(),
+        A_log.contiguous(),
+        dt_bias.contiguous(),
         ssm_cache,
         ssm_cache.stride(0),
         in_pages.contiguous(),

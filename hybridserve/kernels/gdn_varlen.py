@@ -17,6 +17,9 @@ H200, estimated), so long prompts want the chunked delta rule
 one for short rows (launch-bound), as for Mamba2's short rows (:func:`~hybridserve.kernels.mamba_decode.ssm_update`).
 It also runs the chunked prefill's tails, from dense initial states (chunk states).
 
+The per-token update, gates included (the raw ``a, b`` in, float32 inside), is
+:func:`~hybridserve.kernels.gdn_decode.gdn_token_step`, the decode kernel's.
+
 Race rule (DESIGN.md section 5): a program touches only its own slice of its row's input
 page and output pages; output pages never repeat and are never input pages (the plan
 checks, the step plan), so no program reads or writes what another writes.
@@ -30,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridserve.kernels.gdn import gated_delta_rule_reference
-from hybridserve.kernels.gdn_decode import _check_operands
+from hybridserve.kernels.gdn import gated_delta_rule_reference, gdn_gates
+from hybridserve.kernels.gdn_decode import _check_operands, gdn_token_step
 
 __all__ = ["VarlenPlan", "gdn_varlen_update", "gdn_varlen_update_reference"]
 
@@ -74,19 +77,22 @@ def gdn_varlen_update_reference(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
     ssm_cache: torch.Tensor,
     query_start: torch.Tensor,
     in_pages: torch.Tensor,
     token_out_pages: torch.Tensor,
     round_state: bool = False,
     initial_states: torch.Tensor | None = None,
+    *,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
 ) -> torch.Tensor:
     """Torch twin of :func:`gdn_varlen_update` (same arguments, same result): the per-row
     recurrence of :mod:`hybridserve.kernels.gdn`. Every input state is read before any
     page is written."""
-    _check_operands(q, k, v, g, beta, ssm_cache)
+    _check_operands(q, k, v, a, b, ssm_cache, A_log, dt_bias)
     tokens = q.shape[0]
     rows = _check_pages(query_start, in_pages, token_out_pages, tokens)
     _check_initial(initial_states, rows, ssm_cache)
@@ -94,6 +100,7 @@ def gdn_varlen_update_reference(
     if starts[0] != 0 or starts[-1] != tokens:
         raise ValueError(f"query_start must run from 0 to T={tokens}, got {starts}")
     compute = torch.promote_types(v.dtype, torch.float32)
+    g, beta = gdn_gates(a, b, A_log, dt_bias, compute)
     state_dtype = ssm_cache.dtype if round_state else None
     if initial_states is not None:
         initial = list(initial_states.to(compute))
@@ -120,8 +127,10 @@ def _gdn_varlen_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
-    g_ptr,
-    beta_ptr,
+    a_ptr,
+    b_ptr,
+    A_log_ptr,
+    dt_bias_ptr,
     ssm_ptr,
     page_stride,
     query_start_ptr,
@@ -161,29 +170,13 @@ def _gdn_varlen_kernel(
             mask=smask & ((offs * 0 + in_page) >= 0),
             other=0.0,
         ).to(tl.float32)
+    neg_a = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
+    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
     for i in range(0, end - start):
-        tok = start.to(tl.int64) + i
-        qk_off = tok * key_heads * key_dim + hk * key_dim + kk
-        qt = tl.load(q_ptr + qk_off, mask=kmask, other=0.0).to(tl.float32)
-        kt = tl.load(k_ptr + qk_off, mask=kmask, other=0.0).to(tl.float32)
-        v_off = tok * value_heads * value_dim + h * value_dim + vv
-        vt = tl.load(v_ptr + v_off, mask=vmask, other=0.0).to(tl.float32)
-        gt = tl.load(g_ptr + tok * value_heads + h).to(tl.float32)
-        bt = tl.load(beta_ptr + tok * value_heads + h).to(tl.float32)
-        state = state * tl.exp(gt)
-        predicted = tl.sum(state * kt[:, None], axis=0)
-        delta = (vt - predicted) * bt
-        state = state + kt[:, None] * delta[None, :]
-        if ROUND:
-            state = state.to(ssm_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(o_ptr + v_off, tl.sum(state * qt[:, None], axis=0), mask=vmask)
-        out_page = tl.load(out_pages_ptr + tok)
-        # Broadcast the page before comparing: a scalar comparison in a mask is rejected by
-        # the CPU interpreter.
-        tl.store(
-            ssm_ptr + out_page.to(tl.int64) * page_stride + offs,
-            state.to(ssm_ptr.dtype.element_ty),
-            mask=smask & ((offs * 0 + out_page) >= 0),
+        state = gdn_token_step(
+            state, start.to(tl.int64) + i, h, hk, kk, vv, kmask, vmask, smask, offs, neg_a,
+            dt_bias, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, ssm_ptr, page_stride, out_pages_ptr,
+            o_ptr, key_heads, value_heads, key_dim, value_dim, ROUND,
         )
 
 
@@ -191,20 +184,25 @@ def gdn_varlen_update(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
     ssm_cache: torch.Tensor,
     query_start: torch.Tensor,
     in_pages: torch.Tensor,
     token_out_pages: torch.Tensor,
     round_state: bool = False,
     initial_states: torch.Tensor | None = None,
+    *,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
 ) -> torch.Tensor:
     """Gated delta rule of every row of a packed step, from and to state pages.
 
     Args:
         q, k: ``[T, Hk, Dk]`` packed tokens (L2-normalised, q scaled by ``Dk ** -0.5``).
-        v: ``[T, Hv, Dv]``; g (log decay), beta: ``[T, Hv]``.
+        v: ``[T, Hv, Dv]``; a, b: ``[T, Hv]``, the projections' raw gate inputs (the
+            kernel computes ``g`` and ``beta`` from them in float32,
+            :func:`~hybridserve.kernels.gdn.gdn_gates`).
         ssm_cache: ``[pages, Hv, Dk, Dv]`` states, contiguous.
         query_start: ``[R + 1]`` int32, row ``r`` owns tokens
             ``query_start[r] .. query_start[r + 1]`` (rows may be empty).
@@ -217,11 +215,12 @@ def gdn_varlen_update(
             ``initial_states[r]`` instead of a page (``in_pages`` is then not read): the
             tails of the chunked prefill start from chunk states
             (:mod:`hybridserve.kernels.gdn_chunked`).
+        A_log, dt_bias: ``[Hv]`` the layer's decay parameters.
 
     Returns:
         ``o [T, Hv, Dv]`` float32.
     """
-    _check_operands(q, k, v, g, beta, ssm_cache)
+    _check_operands(q, k, v, a, b, ssm_cache, A_log, dt_bias)
     tokens, hk, dk = k.shape
     hv, dv = v.shape[1:]
     rows = _check_pages(query_start, in_pages, token_out_pages, tokens)
@@ -239,8 +238,10 @@ def gdn_varlen_update(
         q.contiguous(),
         k.contiguous(),
         v.contiguous(),
-        g.contiguous(),
-        beta.contiguous(),
+        a.contiguous(),
+        b.contiguous(),
+        A_log.contiguous(),
+        dt_bias.contiguous(),
         ssm_cache,
         ssm_cache.stride(0),
         query_start.to(torch.int32).contiguous(),

@@ -15,6 +15,13 @@ per op:
   uniform rows (``query_start`` None: the row length is unrolled, the form CUDA graphs
   capture) or rows of any length (``query_start``). One kernel, one twin, for both.
 
+Numerics: ``ssm_update`` takes the projection's raw dt and discretises it itself,
+``dt_t = clamp(softplus(dt_raw + dt_bias), *time_step_limit)``, in float32 (the twin in
+``promote(x.dtype, float32)``), as it computes the decay ``exp(dt_t A)`` and accumulates
+the state. Discretising in the activations' dtype (bfloat16) instead costs a relative state
+error against float64 of about 1e-3 after one step that grows with every step
+(tests/kernels/test_mamba_decode.py measures it).
+
 Both write the window / state *after* packed token ``t`` to page ``out_pages[t]`` when
 that entry is ``>= 0`` and never write an input page (the caller guarantees the output
 pages are disjoint from every input page, DESIGN.md section 4), so no program of a launch
@@ -35,14 +42,19 @@ import triton
 import triton.language as tl
 
 from hybridserve.kernels.conv1d import apply_activation
+from hybridserve.kernels.ssd_varlen import discretize_dt_varlen
 
 __all__ = [
     "check_ssm_operands",
     "conv_decode_update",
     "conv_decode_update_reference",
+    "softplus",
     "ssm_update",
     "ssm_update_reference",
 ]
+
+# The default dt clamp of Mamba2 checkpoints (a no-op after the softplus).
+NO_CLAMP_LIMIT = (0.0, float("inf"))
 
 
 # --------------------------------------------------------------------------------------
@@ -69,11 +81,20 @@ def check_ssm_operands(
     C: torch.Tensor,
     ssm_cache: torch.Tensor,
     kernel: bool = False,
+    dt_bias: torch.Tensor | None = None,
+    unclamped: torch.Tensor | None = None,
 ) -> tuple[int, int]:
     """``(groups, d_state)`` of the recurrence's operands ``x [T, H, P]``, ``dt [T, H]``,
-    ``B, C [T, G, N]`` and ``ssm_cache [pages, H, P, N]``; raises ValueError on a shape
-    that does not fit, and (``kernel``) on a layout the Triton kernels cannot read."""
+    ``B, C [T, G, N]``, ``ssm_cache [pages, H, P, N]`` and, when given, ``dt_bias [H]`` and
+    ``unclamped [T]``; raises ValueError on a shape that does not fit, and (``kernel``) on
+    a layout the Triton kernels cannot read."""
     tokens, heads, head_dim = x.shape
+    if dt_bias is not None and dt_bias.shape != (heads,):
+        raise ValueError(f"dt_bias must be [H={heads}], got {tuple(dt_bias.shape)}")
+    if unclamped is not None and (unclamped.shape != (tokens,) or unclamped.dtype != torch.bool):
+        raise ValueError(
+            f"unclamped must be a bool [T={tokens}], got {unclamped.dtype} {tuple(unclamped.shape)}"
+        )
     groups, d_state = B.shape[-2:]
     if heads % groups or B.shape != (tokens, groups, d_state) or C.shape != B.shape:
         raise ValueError(f"B and C must be [T={tokens}, G, N] with G dividing H={heads}")
@@ -159,13 +180,19 @@ def ssm_update_reference(
     in_pages: torch.Tensor,
     out_pages: torch.Tensor,
     query_start: torch.Tensor | None = None,
+    *,
+    dt_bias: torch.Tensor,
+    time_step_limit: tuple[float, float] | None = NO_CLAMP_LIMIT,
+    unclamped: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch twin of :func:`ssm_update` (same arguments, same result): token index by
     token index, every row that has a token there at once. Every input state is read
     before any page is written."""
     tokens, heads, head_dim = x.shape
     rows, q, outs = _rows(x, in_pages, out_pages, query_start)
-    groups, d_state = check_ssm_operands(x, dt, B, C, ssm_cache)
+    groups, d_state = check_ssm_operands(
+        x, dt, B, C, ssm_cache, dt_bias=dt_bias, unclamped=unclamped
+    )
     if query_start is None:
         starts = [r * q for r in range(rows + 1)]
     else:
@@ -182,6 +209,8 @@ def ssm_update_reference(
         torch.zeros((), dtype=compute, device=x.device),
     )  # [R, H, P, N]
     A = A.to(compute)
+    # Discretised in the compute dtype (float32 at least), never in the activations'.
+    dt = discretize_dt_varlen(dt.to(compute), dt_bias.to(compute), time_step_limit, unclamped)
     y = torch.empty(tokens, heads, head_dim, dtype=compute, device=x.device)
     writes = []
     for t in range(max(lens, default=0)):
@@ -189,7 +218,7 @@ def ssm_update_reference(
         tok = torch.tensor([starts[r] + t for r in active], device=x.device)
         idx = torch.tensor(active, device=x.device)
         xt = x[tok].to(compute)
-        dtt = dt[tok].to(compute)
+        dtt = dt[tok]
         Bh = B[tok].to(compute).repeat_interleave(rep, dim=1)  # [R', H, N]
         Ch = C[tok].to(compute).repeat_interleave(rep, dim=1)
         decay = torch.exp(dtt * A)  # [R', H]
@@ -336,6 +365,32 @@ def conv_decode_update(
 
 
 @triton.jit
+def softplus(x):
+    """``log(1 + exp(x))`` of a float32 block, as torch's softplus computes it: no overflow
+    for large ``x``, and ``exp(x)`` kept when it is tiny next to 1 (``log(u) * e / (u - 1)``
+    with ``u = 1 + e`` is log1p to within an ulp; the interpreter has no log1p)."""
+    e = tl.exp(-tl.abs(x))
+    u = 1.0 + e
+    log1p = tl.where(u == 1.0, e, tl.log(u) * (e / tl.where(u == 1.0, 1.0, u - 1.0)))
+    return tl.maximum(x, 0.0) + log1p
+
+
+@triton.jit
+def store_state_page(state, tok, offs, smask, ssm_ptr, page_stride, out_pages_ptr):
+    """Store a program's slice ``offs`` (mask ``smask``) of the state after packed token
+    ``tok`` to page ``out_pages[tok]`` when that is ``>= 0``, cast to the page dtype (the
+    token steps of Mamba2 here and of Gated DeltaNet share it)."""
+    out_page = tl.load(out_pages_ptr + tok)
+    # Broadcast the page before comparing: a scalar comparison in a mask is rejected by
+    # the CPU interpreter.
+    tl.store(
+        ssm_ptr + out_page.to(tl.int64) * page_stride + offs,
+        state.to(ssm_ptr.dtype.element_ty),
+        mask=smask & ((offs * 0 + out_page) >= 0),
+    )
+
+
+@triton.jit
 def ssm_token_step(
     state,
     tok,
@@ -349,10 +404,14 @@ def ssm_token_step(
     offs,
     a,
     d_skip,
+    dt_bias,
+    dt_min,
+    dt_max,
     x_ptr,
     x_stride,
     dt_ptr,
     dt_stride,
+    unclamped_ptr,
     B_ptr,
     B_stride,
     C_ptr,
@@ -364,27 +423,29 @@ def ssm_token_step(
     heads,
     head_dim,
     d_state,
+    CLAMP: tl.constexpr,
+    HAS_UNCLAMPED: tl.constexpr,
 ):
     """One token of the recurrence for a program's (head ``h``, head-dim rows ``p``) slice:
-    updates ``state`` (returned), stores ``y`` of packed token ``tok`` and, when
-    ``out_pages[tok] >= 0``, the new state to that page. Inlined into both loops of
-    :func:`_ssm_kernel` (unrolled uniform rows, rows of any length)."""
+    discretises the token's raw dt, updates ``state`` (returned), stores ``y`` of packed
+    token ``tok`` and, when ``out_pages[tok] >= 0``, the new state to that page. Inlined
+    into both loops of :func:`_ssm_kernel` (unrolled uniform rows, rows of any length)."""
     x = tl.load(x_ptr + tok * x_stride + h * head_dim + p, mask=pmask, other=0.0).to(tl.float32)
-    dt = tl.load(dt_ptr + tok * dt_stride + h).to(tl.float32)
+    # dt discretised in float32 from the projection's value (module docstring).
+    dt = softplus(tl.load(dt_ptr + tok * dt_stride + h).to(tl.float32) + dt_bias)
+    if CLAMP:
+        clamped = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+        if HAS_UNCLAMPED:
+            dt = tl.where(tl.load(unclamped_ptr + tok) != 0, dt, clamped)
+        else:
+            dt = clamped
     b = tl.load(B_ptr + tok * B_stride + g * d_state + n, mask=nmask, other=0.0).to(tl.float32)
     c = tl.load(C_ptr + tok * C_stride + g * d_state + n, mask=nmask, other=0.0).to(tl.float32)
     decay = tl.exp(dt * a)
     state = state * decay + (dt * b)[None, :] * x[:, None]
     y = tl.sum(state * c[None, :], axis=1) + d_skip * x
     tl.store(y_ptr + tok * heads * head_dim + h * head_dim + p, y, mask=pmask)
-    out_page = tl.load(out_pages_ptr + tok)
-    # Broadcast the page before comparing: a scalar comparison in a mask is rejected by
-    # the CPU interpreter.
-    tl.store(
-        ssm_ptr + out_page.to(tl.int64) * page_stride + offs,
-        state.to(ssm_ptr.dtype.element_ty),
-        mask=smask & ((offs * 0 + out_page) >= 0),
-    )
+    store_state_page(state, tok, offs, smask, ssm_ptr, page_stride, out_pages_ptr)
     return state
 
 
@@ -394,6 +455,10 @@ def _ssm_kernel(
     x_stride,
     dt_ptr,
     dt_stride,
+    dt_bias_ptr,
+    dt_min,
+    dt_max,
+    unclamped_ptr,
     A_ptr,
     B_ptr,
     B_stride,
@@ -412,6 +477,8 @@ def _ssm_kernel(
     heads_per_group,
     Q: tl.constexpr,
     HAS_D: tl.constexpr,
+    CLAMP: tl.constexpr,
+    HAS_UNCLAMPED: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -434,6 +501,7 @@ def _ssm_kernel(
         other=0.0,
     ).to(tl.float32)
     a = tl.load(A_ptr + h).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
     d_skip = 0.0
     if HAS_D:
         d_skip = tl.load(D_ptr + h).to(tl.float32)
@@ -442,8 +510,9 @@ def _ssm_kernel(
         for t in tl.static_range(Q):
             state = ssm_token_step(
                 state, r * Q + t, h, g, p, n, pmask, nmask, smask, offs, a, d_skip,
-                x_ptr, x_stride, dt_ptr, dt_stride, B_ptr, B_stride, C_ptr, C_stride,
-                ssm_ptr, page_stride, out_pages_ptr, y_ptr, heads, head_dim, d_state,
+                dt_bias, dt_min, dt_max, x_ptr, x_stride, dt_ptr, dt_stride, unclamped_ptr,
+                B_ptr, B_stride, C_ptr, C_stride, ssm_ptr, page_stride, out_pages_ptr, y_ptr,
+                heads, head_dim, d_state, CLAMP, HAS_UNCLAMPED,
             )
     else:
         start = tl.load(query_start_ptr + r)
@@ -451,8 +520,9 @@ def _ssm_kernel(
         for i in range(0, end - start):
             state = ssm_token_step(
                 state, start.to(tl.int64) + i, h, g, p, n, pmask, nmask, smask, offs, a,
-                d_skip, x_ptr, x_stride, dt_ptr, dt_stride, B_ptr, B_stride, C_ptr, C_stride,
-                ssm_ptr, page_stride, out_pages_ptr, y_ptr, heads, head_dim, d_state,
+                d_skip, dt_bias, dt_min, dt_max, x_ptr, x_stride, dt_ptr, dt_stride,
+                unclamped_ptr, B_ptr, B_stride, C_ptr, C_stride, ssm_ptr, page_stride,
+                out_pages_ptr, y_ptr, heads, head_dim, d_state, CLAMP, HAS_UNCLAMPED,
             )
 
 
@@ -467,13 +537,19 @@ def ssm_update(
     in_pages: torch.Tensor,
     out_pages: torch.Tensor,
     query_start: torch.Tensor | None = None,
+    *,
+    dt_bias: torch.Tensor,
+    time_step_limit: tuple[float, float] | None = NO_CLAMP_LIMIT,
+    unclamped: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Selective-state recurrence of every row of a step, from and to state pages.
 
     Args:
         x: ``[T, H, P]`` packed tokens (the head and head-dim axes contiguous).
-        dt: ``[T, H]`` already discretised (:func:`~hybridserve.kernels.ssd.discretize_dt`;
-            head axis contiguous).
+        dt: ``[T, H]`` raw, as the input projection gives it (any float dtype, head axis
+            contiguous): the kernel discretises it in float32,
+            ``clamp(softplus(dt + dt_bias), *time_step_limit)``
+            (:func:`~hybridserve.kernels.ssd.discretize_dt`'s function).
         A: ``[H]`` (negative); D: ``[H]`` or None.
         B, C: ``[T, G, N]`` (group and state axes contiguous).
         ssm_cache: ``[pages, H, P, N]`` states, contiguous (any float dtype; the
@@ -486,13 +562,19 @@ def ssm_update(
         query_start: ``[R + 1]`` int32, row ``r`` owns tokens
             ``query_start[r] .. query_start[r + 1]`` (rows may be empty); None for uniform
             rows of ``T / R`` tokens each.
+        dt_bias: ``[H]`` added to dt before the softplus.
+        time_step_limit: ``(min, max)`` clamp of the discretised dt, None for none.
+        unclamped: ``[T]`` bool or None: tokens whose dt skips the clamp (the
+            single-token step's exception, :class:`~hybridserve.models.config.MambaParams`).
 
     Returns:
         ``y [T, H, P]`` float32 (the D skip included, before the gated norm).
     """
     tokens, heads, head_dim = x.shape
     rows, q, outs = _rows(x, in_pages, out_pages, query_start)
-    groups, d_state = check_ssm_operands(x, dt, B, C, ssm_cache, kernel=True)
+    groups, d_state = check_ssm_operands(
+        x, dt, B, C, ssm_cache, kernel=True, dt_bias=dt_bias, unclamped=unclamped
+    )
     y = torch.empty(tokens, heads, head_dim, dtype=torch.float32, device=x.device)
     if rows == 0 or tokens == 0:
         return y
@@ -502,11 +584,17 @@ def ssm_update(
     block_p = max(1, min(triton.next_power_of_2(head_dim), (2048 if q else 1024) // block_n))
     grid = (rows, heads, triton.cdiv(head_dim, block_p))
     in_pages = in_pages.to(torch.int32).contiguous()
+    clamp = time_step_limit is not None
+    dt_min, dt_max = time_step_limit if clamp else NO_CLAMP_LIMIT
     _ssm_kernel[grid](
         x,
         x.stride(0),
         dt,
         dt.stride(0),
+        dt_bias.contiguous(),
+        float(dt_min),
+        float(dt_max),
+        unclamped.contiguous() if unclamped is not None else in_pages,
         A.contiguous(),
         B,
         B.stride(0),
@@ -525,6 +613,8 @@ def ssm_update(
         heads // groups,
         Q=q,
         HAS_D=D is not None,
+        CLAMP=clamp,
+        HAS_UNCLAMPED=clamp and unclamped is not None,
         BLOCK_P=block_p,
         BLOCK_N=block_n,
     )

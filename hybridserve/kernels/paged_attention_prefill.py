@@ -333,6 +333,7 @@ def paged_attention_prefill_triton(
     num_stages: int | None = None,
     pv_precision: str | None = None,
     out: torch.Tensor | None = None,
+    tile_cache: dict[int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """:func:`paged_attention_reference` as one Triton launch over every row of the step.
 
@@ -344,6 +345,11 @@ def paged_attention_prefill_triton(
     No context lengths: a query's keys end at its own position.
     Returns ``[T, H, D]`` in ``q.dtype`` (written into ``out`` when given: that shape and
     dtype, head-dim axis contiguous).
+
+    ``tile_cache``: tile maps on the device by tokens a tile, reused when present and
+    stored when computed. A step whose rows never change shape (a CUDA graph's static
+    step) fills it on its warm-up run, so its capture uploads nothing (a copy captured
+    from a pinned buffer would be replayed from memory the allocator hands out again).
 
     Tiles: ``block_m`` query lines (tokens times the group's heads; a power of two, at
     least 16 and at least the group), ``block_n`` key positions (a power of two, at least
@@ -414,11 +420,18 @@ def paged_attention_prefill_triton(
     block_n = d_n if block_n is None else block_n
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
-    tiles = prefill_tiles(query_start, num_computed, block_m // group)
+    device = k_cache.device
+    per_tile = block_m // group
+    tiles = None if tile_cache is None else tile_cache.get(per_tile)
+    if tiles is None:
+        tiles = prefill_tiles(query_start, num_computed, per_tile)
+        if tiles.shape[0] == 0:
+            return out
+        tiles = upload(tiles, device)
+        if tile_cache is not None:
+            tile_cache[per_tile] = tiles
     if tiles.shape[0] == 0:
         return out
-    device = k_cache.device
-    tiles = upload(tiles, device)
     tables = block_tables.to(device=device, non_blocking=True)
     if tables.stride(-1) != 1:
         tables = tables.contiguous()

@@ -562,8 +562,8 @@ def ssd_prefill(
         scan: the scan primitive (module docstring), or a fused scan (:func:`is_fused`),
             which needs a plan with its chunk and the raw dt.
         dt_bias, time_step_limit, unclamped: with ``dt_bias``, ``dt`` is raw and is
-            discretised as :func:`discretize_dt_varlen` does: inside a fused scan, in
-            float32 at least; before a plain one, in the dtype of ``dt``.
+            discretised as :func:`discretize_dt_varlen` does, in float32 at least: inside
+            a fused scan, before a plain one.
         out_cache, out_pages: (fused scans only) store the ``j``-th requested state
             straight into page ``out_pages[j]`` of ``out_cache [pages, H, P, N]``
             (contiguous, cast to its dtype; no page may repeat or be an input page) and
@@ -588,7 +588,9 @@ def ssd_prefill(
     if out_cache is not None:
         raise ValueError("out_cache needs a fused scan")
     if dt_bias is not None:
-        dt = discretize_dt_varlen(dt, dt_bias, time_step_limit, unclamped)
+        # In the compute dtype (float32 at least), as the short-row and decode paths.
+        dt = discretize_dt_varlen(dt.to(compute), dt_bias.to(compute), time_step_limit,
+                                  unclamped).contiguous()
     x, dt, A, B, C = (t.to(compute) for t in (x, dt, A, B, C))
     if segments.num_segments == 0:
         y = x.new_zeros(tokens, heads, head_dim)

@@ -264,8 +264,12 @@ class HybridForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` -> float32 ``[N, vocab_size]`` (divided by ``logits_scaling``)."""
-        weight = self.model.embed.weight if self.lm_head is None else self.lm_head.weight
-        logits = torch.nn.functional.linear(hidden, weight).float()
+        if self.lm_head is None:
+            logits = torch.nn.functional.linear(hidden, self.model.embed.weight)
+        else:
+            # A module call: a tensor-parallel rank's head gathers the vocabulary shards.
+            logits = self.lm_head(hidden)
+        logits = logits.float()
         if self.config.logits_scaling != 1.0:
             logits = logits / self.config.logits_scaling
         return logits

@@ -41,7 +41,7 @@ from hybridserve.kernels.conv_varlen import token_rows
 from hybridserve.kernels.gdn_varlen import VarlenPlan
 from hybridserve.kernels.transfer import upload_lists as upload
 
-__all__ = ["MAX_DECODE_TOKENS", "StatePlan", "StepKind", "plan_states", "uniform_q"]
+__all__ = ["MAX_DECODE_TOKENS", "StatePlan", "StepKind", "plan_states", "short_triton", "uniform_q"]
 
 # Rows longer than this are prefill chunks: the chunked scan serves them better, and the
 # decode ops unroll their row length.
@@ -116,7 +116,7 @@ def packed_scan(policy: KernelPolicy, device: torch.device, compute: torch.dtype
     return None
 
 
-def _short_triton(policy: KernelPolicy, device: torch.device, compute: torch.dtype) -> bool | None:
+def short_triton(policy: KernelPolicy, device: torch.device, compute: torch.dtype) -> bool | None:
     """Whether short steps take the short path with the Triton kernels (True), with the
     twins (False), or not at all (None)."""
     mode = policy.short_rows
@@ -190,7 +190,7 @@ def _plan_states(
     if not unread or tokens == 0:
         return StatePlan(StepKind.ROWS, rows)
     single = [qs[i] for i in range(rows) if qs[i + 1] - qs[i] == 1 and in_pages[i] >= 0]
-    short = _short_triton(policy, device, compute)
+    short = short_triton(policy, device, compute)
     longest = max(qs[i + 1] - qs[i] for i in range(rows))
     if short is not None and longest <= policy.max_short_tokens:
         flags = [0] * tokens

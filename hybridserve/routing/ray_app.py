@@ -263,6 +263,9 @@ def serve_replicas_main(args) -> int:
     for opt in ("api_key", "chat_template", "served_model_name"):
         if getattr(args, opt, None):
             raise ValueError(f"--{opt.replace('_', '-')} is not supported with --replicas yet")
+    if getattr(args, "tensor_parallel_size", 1) > 1:
+        # A replica would spawn its ranks inside a Ray actor holding one GPU's worth.
+        raise ValueError("--tensor-parallel-size > 1 is not supported with --replicas yet")
     kwargs = llm_kwargs_from_args(args)
     model = kwargs.pop("model")
     ray.init(include_dashboard=False)

@@ -37,6 +37,28 @@ values to a scratch KV block that no request owns; their block table names only 
 block, so their attention sees one key. The engine allocates the scratch block and
 page past the ranges its pools hand out.
 
+Short-row steps (:meth:`DecodeGraphs.replay_short`): the first token of a prompt whose
+prefix is cached runs one step of a few hundred tokens over thousands of cached ones;
+its kernels are short and its launches (several per layer) dominate. Such steps
+(prefill rows only, greedy or sampled without penalties or logprobs, at most
+:data:`SHORT_BATCH_BUCKETS`' largest rows, every row at most the policy's
+``max_short_tokens``) replay a graph keyed by :class:`ShortShape`: the rows bucket, the
+tokens every row is padded to (:func:`short_tokens_bucket`), the kernel policy and the
+draw (:class:`Sampling`); the block tables are always the widest (the prefill attention
+walks a row's keys up to its positions, so one graph serves every context length). The
+static buffer (:class:`_ShortStatic`) has the decode layout for ``q`` = the padded row
+length, plus the offset of each row's last real token (the draw reads its logits). A
+row's padding tokens come after its real ones, repeat its last token and position,
+write their keys to the scratch block and no state; padding rows sit at position 0 of
+the scratch block, read the scratch page and write no state. The prefill attention's
+tile map depends only on the padded shape: the warm-up run before the capture computes
+and uploads it into the batch's ``attention_tiles``, and the capture reuses it (nothing
+is uploaded inside a capture). Exactness: per padded shape the kernels compute every
+real token as the eager step does (no kernel mixes tokens of a row across its padding);
+on CUDA the matrix products of a padded step run on more rows than the eager step's,
+and cuBLAS may pick another kernel for another row count (as for decode graphs' padding
+rows).
+
 Without capture (``capture=False``, the default off CUDA) a "replay" runs the same
 static-buffer forward eagerly: the CPU tests check the buffer building, the padding
 and the fallbacks against the ordinary path that way.
@@ -50,22 +72,43 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hybridserve.config import runs_triton
 from hybridserve.models.batch import ForwardBatch, ModelCaches
-from hybridserve.models.step_plan import MAX_DECODE_TOKENS, StatePlan, StepKind
+from hybridserve.models.step_plan import (
+    MAX_DECODE_TOKENS,
+    StatePlan,
+    StepKind,
+    short_triton,
+    uniform_q,
+)
 from hybridserve.runner import sampler
 from hybridserve.step import SchedulerOutput, kv_slot
 
 __all__ = [
     "BATCH_BUCKETS",
     "GREEDY",
+    "SHORT_BATCH_BUCKETS",
     "DecodeGraphs",
     "Sampling",
+    "ShortShape",
     "StepShape",
     "batch_bucket",
     "blocks_bucket",
+    "short_tokens_bucket",
 ]
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Short-row steps (a prompt's tail after a cached prefix): few rows, many tokens each.
+SHORT_BATCH_BUCKETS = (1, 2, 4, 8)
+# The fewest tokens a short-row graph pads a row to: rows of at most MAX_DECODE_TOKENS
+# would make a uniform step, which the eager plan runs as a decode step.
+MIN_SHORT_TOKENS = 2 * MAX_DECODE_TOKENS
+
+
+def short_tokens_bucket(tokens: int) -> int:
+    """The token count a short-row graph pads a row of ``tokens`` to: the next power of
+    two, at least :data:`MIN_SHORT_TOKENS`."""
+    return max(MIN_SHORT_TOKENS, 1 << max(tokens - 1, 0).bit_length())
 
 
 def batch_bucket(rows: int, buckets: Sequence[int]) -> int | None:
@@ -122,6 +165,25 @@ class StepShape:
         return (self.batch, self.q, self.width, self.sampling)
 
 
+@dataclass(frozen=True)
+class ShortShape:
+    """The graph key of a short-row step: ``rows`` real rows padded to ``batch``, every
+    row padded to ``tokens`` tokens, block tables ``width`` blocks wide (always the
+    graphs' widest: one graph serves every context length), under the model's kernel
+    ``policy`` (a comparison may swap the model for another policy)."""
+
+    rows: int
+    batch: int
+    tokens: int
+    width: int
+    policy: object = None
+    sampling: Sampling = GREEDY
+
+    @property
+    def key(self) -> tuple:
+        return ("short", self.batch, self.tokens, self.width, self.policy, self.sampling)
+
+
 class _Static:
     """The static input buffer of one ``q`` (and its pinned host twin).
 
@@ -131,10 +193,11 @@ class _Static:
     """
 
     def __init__(self, q: int, max_batch: int, max_blocks: int, scratch_block: int,
-                 scratch_page: int, block_size: int, device: torch.device) -> None:
+                 scratch_page: int, block_size: int, device: torch.device,
+                 extra: int = 0) -> None:
         self.q = q
         self.tables = 4 * q + 1
-        cols = self.tables + max_blocks
+        cols = self.tables + max_blocks + extra
         self.meta = torch.zeros(max_batch, cols, dtype=torch.int64, device=device)
         pin = device.type == "cuda"
         # Two pinned host twins, filled in turn: a step scheduled ahead is filled while
@@ -187,8 +250,35 @@ class _Static:
         self.turn = 1 - t
 
 
+class _ShortStatic(_Static):
+    """The static input buffer of short-row steps whose rows are padded to ``q`` tokens:
+    :class:`_Static`'s columns, then one more (``last``): the offset of the row's last
+    real token, whose logits the step draws from. A padding row sits at position 0 for
+    every token (its keys and its block table are the scratch block's), reads the
+    scratch page and writes no state."""
+
+    def __init__(self, q: int, max_batch: int, max_blocks: int, scratch_block: int,
+                 scratch_page: int, block_size: int, device: torch.device) -> None:
+        super().__init__(q, max_batch, max_blocks, scratch_block, scratch_page, block_size,
+                         device, extra=1)
+        self.last = self.tables + max_blocks
+        self.pad[q : 2 * q] = 0
+        self.pad[self.last] = 0
+        # Rows of q tokens each: the row starts and every token's row never change.
+        self.query_start = torch.arange(0, (max_batch + 1) * q, q, dtype=torch.int32,
+                                        device=device)
+        self.token_row = torch.arange(max_batch * q, device=device) // q
+        self.row_base = torch.arange(0, max_batch * q, q, device=device)
+        # Per batch size: the prefill attention's tile maps (ForwardBatch.attention_tiles).
+        self.tiles: dict[int, dict[int, torch.Tensor]] = {}
+        # The rows' context lengths of the last fill (host): only the torch twin of the
+        # attention reads them, which runs without capture.
+        self.context_lens: list[int] = []
+
+
 class DecodeGraphs:
-    """Captures and replays decode and verify steps (see the module docstring)."""
+    """Captures and replays decode and verify steps (see the module docstring), and
+    short-row steps (:meth:`replay_short`)."""
 
     def __init__(
         self,
@@ -230,7 +320,14 @@ class DecodeGraphs:
         # [rows x vocab] temporaries, the largest memory of any step): later sampled
         # steps run eagerly, greedy ones keep their graphs.
         self.sampled_enabled = True
-        self.counters = {"graph_steps": 0, "eager_steps": 0, "captures": 0}
+        self._short_static: dict[int, _ShortStatic] = {}
+        # False after a short-row capture failed: later short-row steps run eagerly.
+        self.short_enabled = True
+        # GDN layers plan short steps with host values (VarlenPlan): no short graphs.
+        spec = getattr(model, "cache_spec", None)
+        self.short_supported = not getattr(spec, "gdn_layers", ())
+        self.counters = {"graph_steps": 0, "eager_steps": 0, "captures": 0,
+                         "short_graph_steps": 0, "short_captures": 0}
         self.capture_errors: list[str] = []
         # The scratch page and block start as zeros: padding rows then compute on finite
         # values (their results are dropped either way).
@@ -283,19 +380,26 @@ class DecodeGraphs:
             blocks = max(blocks, need)
         if blocks > self.max_blocks or in_pages & out_pages:
             return None
-        sampling = GREEDY
-        if not all(sampler.samples_by_argmax(row.request.params) for row in rows):
-            if not self.sampled_enabled:
-                return None
-            vocab = self.model.config.vocab_size
-            k = max((sampler.active_top_k(row.request.params, vocab) for row in rows), default=0)
-            sampling = Sampling(
-                any_sampled=any(not row.request.params.greedy for row in rows),
-                top_k=min(1 << (k - 1).bit_length(), vocab) if k else 0,
-                any_top_p=any(sampler.active_top_p(row.request.params) < 1.0 for row in rows),
-                any_min_p=any(sampler.active_min_p(row.request.params) > 0.0 for row in rows),
-            )
+        sampling = self._sampling_of([row.request.params for row in rows])
+        if sampling is None:
+            return None
         return StepShape(len(rows), batch, q, blocks_bucket(blocks, self.max_blocks), sampling)
+
+    def _sampling_of(self, params: list) -> Sampling | None:
+        """What the draw of rows of ``params`` must do (:class:`Sampling`), or None when
+        they sample and sampled graphs are off."""
+        if all(sampler.samples_by_argmax(p) for p in params):
+            return GREEDY
+        if not self.sampled_enabled:
+            return None
+        vocab = self.model.config.vocab_size
+        k = max((sampler.active_top_k(p, vocab) for p in params), default=0)
+        return Sampling(
+            any_sampled=any(not p.greedy for p in params),
+            top_k=min(1 << (k - 1).bit_length(), vocab) if k else 0,
+            any_top_p=any(sampler.active_top_p(p) < 1.0 for p in params),
+            any_min_p=any(sampler.active_min_p(p) > 0.0 for p in params),
+        )
 
     # ---- one step ------------------------------------------------------------------
 
@@ -310,7 +414,6 @@ class DecodeGraphs:
         if tokens is not None and (shape is None or shape.q != 1):
             return None
         if shape is None:
-            self.counters["eager_steps"] += 1
             return None
         st = self._static.get(shape.q)
         if st is None:
@@ -326,7 +429,6 @@ class DecodeGraphs:
         if entry is None:
             entry = self._capture(st, shape)
             if entry is None:
-                self.counters["eager_steps"] += 1
                 return None
         graph, out = entry
         if graph is not None:
@@ -484,4 +586,239 @@ class DecodeGraphs:
         entry = (graph, out)
         self._graphs[key] = entry
         self.counters["captures"] += 1
+        return entry
+
+    # ---- short-row steps -------------------------------------------------------------
+
+    def short_shape_of(self, sched: SchedulerOutput, model: torch.nn.Module) -> ShortShape | None:
+        """The graph key of a short-row step of ``model``, or None when it runs eagerly.
+
+        Which steps: prefill rows only (no decode or verify rows, no drafts), each of at
+        least two tokens and at most the policy's ``max_short_tokens``, rows of different
+        lengths or longer than :data:`MAX_DECODE_TOKENS` (so the eager plan is the
+        short-row path, not a decode step), at most the largest of
+        :data:`SHORT_BATCH_BUCKETS` rows, no output page repeated or read by any row,
+        no row asking for prompt logprobs (the eager forward computes them from every
+        position's hidden state), no sampling row asking for penalties, logprobs or a
+        grammar (greedy rows take the
+        argmax of their last token's logits, sampled rows draw there as decode graphs
+        do), on a model
+        whose eager plan takes the short-row path and (when capturing) the Triton prefill
+        attention (its twin reads host context lengths). Rows are padded to
+        :func:`short_tokens_bucket` of the longest row: the padding tokens come after the
+        row's real tokens (so no real token sees them), repeat its last token and
+        position, write their keys to the scratch block and no state.
+        """
+        rows = sched.rows
+        if not (self.enabled and self.short_enabled and self.short_supported and rows):
+            return None
+        batch = batch_bucket(len(rows), SHORT_BATCH_BUCKETS)
+        if batch is None or batch > self.max_batch:
+            return None
+        policy = getattr(model, "kernel_policy", None)
+        if policy is None:
+            return None
+        compute = torch.promote_types(self.model_dtype, torch.float32)
+        if self.caches.states and short_triton(policy, self.device, compute) is None:
+            return None
+        if self.capture and not runs_triton(policy.prefill_attention, self.device):
+            return None
+        bs = self.block_size
+        blocks = 0
+        longest = 0
+        starts = [0]
+        in_pages = set()
+        out_pages: list[int] = []
+        for row in rows:
+            n, rq = row.num_computed, row.num_tokens
+            if (
+                row.is_decode
+                or row.num_drafts
+                or rq < 2
+                or rq > policy.max_short_tokens
+                or row.request.params.prompt_logprobs is not None
+                or (row.samples and not sampler.graph_samplable(row.request.params))
+            ):
+                return None
+            for p in row.state_outputs:
+                if not n < p <= n + rq:
+                    return None
+            need = -(-(n + rq) // bs)
+            if need > len(row.request.block_ids):
+                return None
+            blocks = max(blocks, need)
+            longest = max(longest, rq)
+            starts.append(starts[-1] + rq)
+            if row.state_in_page >= 0:
+                in_pages.add(row.state_in_page)
+            out_pages += row.state_outputs.values()
+        if blocks > self.max_blocks or (policy.uniform_decode and uniform_q(starts)):
+            return None
+        if len(set(out_pages)) != len(out_pages) or in_pages.intersection(out_pages):
+            return None
+        # Rows that do not sample draw greedily (their choice is dropped).
+        sampling = self._sampling_of([row.request.params for row in rows if row.samples])
+        if sampling is None:
+            return None
+        # The tables are always the widest: the prefill attention walks a row's keys up to
+        # its positions, not its table's width, so one graph serves every context length.
+        return ShortShape(len(rows), batch, short_tokens_bucket(longest), self.max_blocks,
+                          policy, sampling)
+
+    def replay_short(self, sched: SchedulerOutput, model: torch.nn.Module) -> torch.Tensor | None:
+        """Run the short-row step ``sched`` of ``model`` from a graph if it qualifies
+        (:meth:`short_shape_of`), reading nothing back: the device tensor of the rows'
+        choices (row ``i``'s at ``i``; a row that does not sample has one too, dropped), or
+        None (then nothing ran)."""
+        shape = self.short_shape_of(sched, model)
+        if shape is None:
+            return None
+        st = self._short_static.get(shape.tokens)
+        if st is None:
+            st = self._short_static[shape.tokens] = _ShortStatic(
+                shape.tokens, self.max_batch, self.max_blocks, self.scratch_block,
+                self.scratch_page, self.block_size, self.device,
+            )
+        self.fill_short(st, sched, shape)
+        entry = self._graphs.get(shape.key)
+        if entry is None:
+            entry = self._capture_short(st, shape, model)
+            if entry is None:
+                return None
+        graph, out = entry
+        if graph is not None:
+            graph.replay()
+        else:
+            out = self._short_forward(st, shape, model)
+        self.counters["short_graph_steps"] += 1
+        return out[: shape.rows]
+
+    def fill_short(self, st: _ShortStatic, sched: SchedulerOutput, shape: ShortShape) -> None:
+        """Write the step's rows, each padded to ``shape.tokens`` tokens, then padding rows
+        up to the bucket, into the static buffer (the pinned twin, then one copy)."""
+        st.begin_fill()
+        q, bs, h = shape.tokens, self.block_size, st.host
+        tab, width = st.tables, shape.width
+        scratch = self.scratch_block * bs
+        pad_slots = scratch + np.arange(q) % bs
+        context = []
+        for i, row in enumerate(sched.rows):
+            req = row.request
+            n, rq = row.num_computed, row.num_tokens
+            line = h[i]
+            blocks = np.asarray(req.block_ids[:width], dtype=np.int64)
+            pos = np.arange(n, n + rq, dtype=np.int64)
+            line[0:rq] = req.all_token_ids[n : n + rq]
+            line[rq:q] = line[rq - 1]
+            line[q : q + rq] = pos
+            line[q + rq : 2 * q] = n + rq - 1
+            line[2 * q : 2 * q + rq] = blocks[pos // bs] * bs + pos % bs
+            line[2 * q + rq : 3 * q] = pad_slots[rq:]
+            line[3 * q] = row.state_in_page
+            line[3 * q + 1 : 4 * q + 1] = -1
+            for p, page in row.state_outputs.items():
+                line[3 * q + p - n] = page  # the state after token p - 1 - n of the row
+            line[tab : tab + len(blocks)] = blocks
+            line[tab + len(blocks) : tab + width] = -1
+            line[st.last] = rq - 1
+            context.append(n + rq)
+        h[shape.rows : shape.batch] = st.pad
+        st.context_lens = context + [1] * (shape.batch - shape.rows)
+        params = 0
+        if shape.sampling != GREEDY:
+            # One draw a row, from its last real token: the parameters of its next
+            # generated token, [batch, columns] from the buffer's start (padding rows and
+            # rows that do not sample draw greedily and are dropped).
+            ncol = len(sampler.PARAM_COLUMNS)
+            params = shape.batch * ncol
+            ph = st.params_staging[st.turn].numpy()[:params].reshape(shape.batch, ncol)
+            ph[:] = 0.0
+            vocab = self.model.config.vocab_size
+            for i, row in enumerate(sched.rows):
+                if row.samples:
+                    req = row.request
+                    ph[i] = sampler.position_params(
+                        req.params, req.sample_seed, len(req.output_token_ids), 1, vocab
+                    )[0]
+        st.end_fill(shape.batch, params)
+
+    def _short_forward(self, st: _ShortStatic, shape: ShortShape, model) -> torch.Tensor:
+        """The short-row step over the static buffer: ``[B]`` chosen ids (what is captured):
+        the forward of ``B`` rows of ``q`` tokens each, then the argmax of every row's
+        last real token's logits."""
+        b, q, w = shape.batch, shape.tokens, shape.width
+        m = st.meta[:b]
+        states = None
+        if self.caches.states:
+            compute = torch.promote_types(self.model_dtype, torch.float32)
+            states = StatePlan(
+                StepKind.SHORT, b,
+                in_pages=m[:, 3 * q].to(torch.int32),
+                token_out_pages=m[:, 3 * q + 1 : 4 * q + 1].to(torch.int32).reshape(-1),
+                query_start=st.query_start[: b + 1],
+                token_row=st.token_row[: b * q],
+                triton=bool(short_triton(shape.policy, self.device, compute)),
+            )
+        batch = ForwardBatch(
+            # Host row starts of the padded rows (static); the attention's tile map
+            # comes from them (and from the zero computed counts, which only order it).
+            query_start=list(range(0, (b + 1) * q, q)),
+            num_computed=[0] * b,
+            positions=m[:, q : 2 * q].reshape(-1),
+            # Read by the attention's torch twin only, which is never captured.
+            context_lens=None if self.capture else list(st.context_lens),
+            block_tables=m[:, st.tables : st.tables + w].to(torch.int32),
+            slot_mapping=m[:, 2 * q : 3 * q].reshape(-1),
+            state_in_page=None,
+            state_out_row=None,
+            state_out_offset=None,
+            state_out_page=None,
+            planned=True,
+            uniform_q=0,
+            states=states,
+            max_context=w * self.block_size,
+            attention_tiles=st.tiles.setdefault(b, {}),
+        )
+        hidden = model.forward(m[:, 0:q].reshape(-1), batch, self.caches)
+        last = st.row_base[:b] + m[:, st.last]
+        logits = model.compute_logits(hidden.index_select(0, last))
+        sm = shape.sampling
+        if sm == GREEDY:
+            return sampler.argmax_ids(logits)
+        plan = sampler.DrawPlan(
+            packed=st.params, num_positions=b, num_penalties=0, logprob_positions=[],
+            logprob_k=[], max_logprobs=0, max_top_k=sm.top_k, any_sampled=sm.any_sampled,
+            any_top_p=sm.any_top_p, any_min_p=sm.any_min_p,
+        )
+        return sampler.sample_step(logits, plan, st.params)
+
+    def _capture_short(self, st: _ShortStatic, shape: ShortShape, model):
+        key = shape.key
+        if not self.capture:
+            entry = (None, None)
+            self._graphs[key] = entry
+            return entry
+        try:
+            # The warm-up run compiles the kernels and fills the attention's tile maps;
+            # the forward is idempotent for one step's inputs (as for decode graphs).
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self._short_forward(st, shape, model)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = self._short_forward(st, shape, model)
+        except Exception as e:  # a failed capture turns short graphs off; eager from here
+            self.capture_errors.append(f"{key}: {type(e).__name__}: {e}")
+            if shape.sampling == GREEDY:
+                self.short_enabled = False
+            else:
+                self.sampled_enabled = False
+            return None
+        entry = (graph, out)
+        self._graphs[key] = entry
+        self.counters["short_captures"] += 1
         return entry

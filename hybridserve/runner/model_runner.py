@@ -14,7 +14,10 @@ elsewhere) from per-row inputs, and one read-back of the choices and the decisio
 
 With decode graphs enabled (:meth:`ModelRunner.enable_decode_graphs`, the engine's
 default on CUDA), a greedy decode or verify step replays a captured CUDA graph
-(:mod:`hybridserve.runner.cuda_graph`); every other step runs eagerly as below. A
+(:mod:`hybridserve.runner.cuda_graph`), and so does a short-row step (a prompt's tail
+after a cached prefix: few prefill rows of at most the policy's ``max_short_tokens``
+tokens, without penalties or logprobs; :meth:`~hybridserve.runner.cuda_graph.DecodeGraphs.replay_short`); every
+other step runs eagerly as below. A
 replayed step can also be split in two (:meth:`ModelRunner.launch`, then
 :meth:`ModelRunner.collect`): the engine's async scheduling launches the next step in
 between, its input tokens taken from this one's choices on the device.
@@ -239,6 +242,48 @@ class ModelRunner:
         pending = self.launch(sched)
         if pending is not None:
             return self.collect(pending)
+        if self.graphs is not None:
+            short = self.graphs.replay_short(sched, self.model)
+            if short is not None:
+                # One read-back: every row's choice (rows that do not sample drop theirs).
+                host = short.tolist()
+                return StepResult([
+                    RowResult([host[i]] if row.samples else [], [])
+                    for i, row in enumerate(sched.rows)
+                ])
+            self.graphs.counters["eager_steps"] += 1
+        spans, logits, prompt_lps = self.forward_logits(sched)
+        if logits is None:
+            return StepResult([RowResult([], [], prompt_lps.get(i)) for i in range(len(sched.rows))])
+        sampling = [i for i, (_, k) in enumerate(spans) if k > 0]
+        starts = [start for start, _ in spans]
+        if all(sampler.samples_by_argmax(sched.rows[i].request.params) for i in sampling):
+            # Only plain greedy rows: the choice is the argmax of the raw logits, one id
+            # per position read back, no parameters to send.
+            choices, decisions = self._read_back(sched, sampler.argmax_ids(logits), starts)
+            lps: dict[int, dict[int, Logprob]] = {}
+        else:
+            choices, lps, decisions = self._sample(sched, sampling, logits, starts)
+        results = []
+        for i, (row, (start, k)) in enumerate(zip(sched.rows, spans)):
+            if k == 0:
+                results.append(RowResult([], [], prompt_lps.get(i)))
+                continue
+            drafts = row.request.draft_token_ids[: row.num_drafts]
+            tokens = sampler.verify_choices(choices[start : start + k], drafts)
+            logprobs = [lps[start + j] for j in range(len(tokens))] if start in lps else []
+            results.append(RowResult(tokens, logprobs, prompt_lps.get(i)))
+        return StepResult(results, decisions)
+
+    def forward_logits(
+        self, sched: SchedulerOutput
+    ) -> tuple[list[tuple[int, int]], torch.Tensor | None, dict[int, list[dict[int, Logprob]]]]:
+        """The forward of a step and the logits of the positions that sample: every token
+        of a verify row, the last token of a prefill row that completes its sequence.
+        Returns ``(spans, logits, prompt_logprobs)``: row ``i``'s ``k`` logits rows start
+        at ``spans[i] = (start, k)``; ``logits`` is None when no row samples; the prompt
+        logprobs of the rows that ask for them (:meth:`_prompt_logprobs`). (A
+        tensor-parallel worker runs exactly this part of :meth:`execute`.)"""
         input_ids, batch = self.build_batch(sched)
         # The step plan, once for the whole forward (every layer reads it).
         batch = self.model.plan_step(batch, self.device)
@@ -246,8 +291,7 @@ class ModelRunner:
         if self.keep_hidden:
             # A drafter that reads the target's hidden states (MTP) takes them from here.
             self.last_hidden = hidden
-        # Gather the positions whose logits are needed: every token of a verify row,
-        # the last token of a prefill row that completes its sequence.
+        prompt_lps = self._prompt_logprobs(sched, batch.query_start, hidden)
         gather: list[int] = []
         spans: list[tuple[int, int]] = []
         for i, row in enumerate(sched.rows):
@@ -259,29 +303,77 @@ class ModelRunner:
             spans.append((len(gather), k))
             gather += range(end - k, end)
         if not gather:
-            return StepResult([RowResult([], []) for _ in sched.rows])
+            return spans, None, prompt_lps
         # Asynchronous: the host keeps queueing work instead of waiting for the forward.
         index = upload(torch.tensor(gather, dtype=torch.long), hidden.device)
-        logits = self.model.compute_logits(hidden[index])
-        sampling = [i for i, (_, k) in enumerate(spans) if k > 0]
-        starts = [start for start, _ in spans]
-        if all(sampler.samples_by_argmax(sched.rows[i].request.params) for i in sampling):
-            # Only plain greedy rows: the choice is the argmax of the raw logits, one id
-            # per position read back, no parameters to send.
-            choices, decisions = self._read_back(sched, sampler.argmax_ids(logits), starts)
-            lps: dict[int, dict[int, Logprob]] = {}
-        else:
-            choices, lps, decisions = self._sample(sched, sampling, logits, starts)
-        results = []
-        for row, (start, k) in zip(sched.rows, spans):
-            if k == 0:
-                results.append(RowResult([], []))
+        return spans, self.model.compute_logits(hidden[index]), prompt_lps
+
+    computes_prompt_logprobs = True
+    """False on a tensor-parallel worker: its rows carry no sampling parameters, and
+    engines under tensor parallelism refuse ``prompt_logprobs`` at admission."""
+
+    PROMPT_LOGPROBS_CHUNK = 256
+    """Prompt positions whose logits are computed at once (bounds the float32
+    ``[positions, vocab]`` temporaries of a long prompt)."""
+
+    def _prompt_logprobs(
+        self, sched: SchedulerOutput, query_start: Sequence[int], hidden: torch.Tensor
+    ) -> dict[int, list[dict[int, Logprob]]]:
+        """Per prefill row whose request asks for ``prompt_logprobs``: the logprobs of
+        the prompt tokens this row's positions predict (position p predicts token p + 1,
+        for p + 1 inside the prompt), from the model's raw logits. Keyed by row index.
+        One read-back per chunk of positions; rows that ask nothing cost nothing."""
+        if not self.computes_prompt_logprobs:
+            return {}
+        wanted = []
+        for i, row in enumerate(sched.rows):
+            k = row.request.params.prompt_logprobs
+            if k is None or row.is_decode:
                 continue
-            drafts = row.request.draft_token_ids[: row.num_drafts]
-            tokens = sampler.verify_choices(choices[start : start + k], drafts)
-            logprobs = [lps[start + j] for j in range(len(tokens))] if start in lps else []
-            results.append(RowResult(tokens, logprobs))
-        return StepResult(results, decisions)
+            prompt = row.request.prompt_token_ids
+            count = min(row.num_tokens, len(prompt) - 1 - row.num_computed)
+            if count > 0:
+                wanted.append((i, k, row.num_computed, count))
+        if not wanted:
+            return {}
+        index, targets, ks = [], [], []
+        for i, k, n, count in wanted:
+            start = query_start[i]
+            index += range(start, start + count)
+            targets += sched.rows[i].request.prompt_token_ids[n + 1 : n + 1 + count]
+            ks += [k] * count
+        top = max(ks)
+        device = hidden.device
+        flat: list[dict[int, Logprob]] = []
+        for lo in range(0, len(index), self.PROMPT_LOGPROBS_CHUNK):
+            hi = lo + self.PROMPT_LOGPROBS_CHUNK
+            idx = torch.tensor(index[lo:hi], dtype=torch.long, device=device)
+            tgt = torch.tensor(targets[lo:hi], dtype=torch.long, device=device)[:, None]
+            logp = torch.log_softmax(self.model.compute_logits(hidden[idx]).float(), dim=-1)
+            token_lp = logp.gather(1, tgt)
+            rank = (logp > token_lp).sum(dim=-1)[:, None] + 1
+            parts = [token_lp.double(), rank.double()]
+            if top:
+                best = torch.topk(logp, min(top, logp.shape[-1]), dim=-1)
+                parts += [best.values.double(), best.indices.double()]
+            # One read-back per chunk: float32 values and ids are exact in float64.
+            host = torch.cat(parts, dim=1).tolist()
+            m = (len(host[0]) - 2) // 2
+            for j, h in enumerate(host):
+                k = ks[lo + j]
+                entry = {
+                    int(t): Logprob(logprob=v, rank=r)
+                    for r, (v, t) in enumerate(zip(h[2 : 2 + min(k, m)], h[2 + m : 2 + m + min(k, m)]), 1)
+                }
+                target = targets[lo + j]
+                if target not in entry:
+                    entry[target] = Logprob(logprob=h[0], rank=int(h[1]))
+                flat.append(entry)
+        out, at = {}, 0
+        for i, _, _, count in wanted:
+            out[i] = flat[at : at + count]
+            at += count
+        return out
 
     def _read_back(
         self, sched: SchedulerOutput, values: torch.Tensor, starts: Sequence[int]

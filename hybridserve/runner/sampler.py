@@ -11,7 +11,7 @@ logprobs payload of the positions whose request asks for logprobs. The host read
 back once and :func:`read_step` decodes it. The same code runs on CPU and CUDA.
 
 Processing: the definitions of :func:`process_logits` (the per-row reference), row by
-row with each row's own values: repetition penalty over the prompt and output tokens,
+row with each row's own values: the logit bias, repetition penalty over the prompt and output tokens,
 presence / frequency penalties over the output tokens, then temperature, top-k, top-p
 (the smallest prefix of the sorted distribution whose mass reaches ``top_p``, always
 keeping the top token) and min-p. Greedy positions (temperature 0) take the argmax of
@@ -149,10 +149,15 @@ def process_logits(
     """Apply penalties, temperature and top-k / top-p / min-p to one row of logits.
 
     Returns float32 log-probabilities of the distribution to sample from (``-inf`` for
-    excluded tokens). For greedy requests only the penalties apply and the result's
-    argmax is the choice. The definition that :func:`sample_step` batches.
+    excluded tokens). The ``logit_bias`` is added first (after token masks, which this
+    reference leaves to :func:`apply_bitmasks`), then penalties, as vLLM orders them.
+    For greedy requests only the bias and penalties apply and the result's argmax is
+    the choice. The definition that :func:`sample_step` batches.
     """
     x = logits.float().clone()
+    if params.logit_bias:
+        ids = [t for t in params.logit_bias if t < x.numel()]
+        x[ids] += torch.tensor([params.logit_bias[t] for t in ids], dtype=torch.float32)
     if params.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long)
         if seen.numel():
@@ -189,15 +194,7 @@ def samples_by_argmax(params: SamplingParams) -> bool:
     log-softmax (order preserving) and nothing else of the row's logits is needed, so
     a step made only of such rows needs nothing but :func:`argmax_ids`.
     """
-    return (
-        params.greedy
-        and params.repetition_penalty == 1.0
-        and not params.presence_penalty
-        and not params.frequency_penalty
-        and params.logprobs is None
-        and params.structured_outputs is None
-        and not params.token_masked
-    )
+    return params.greedy and params.logprobs is None and params.plain_logits
 
 
 def argmax_ids(logits: torch.Tensor) -> torch.Tensor:
@@ -319,17 +316,11 @@ def active_min_p(params: SamplingParams) -> float:
 
 def graph_samplable(params: SamplingParams) -> bool:
     """Whether a row of ``params`` can be drawn inside a replayed decode graph: no
-    penalties, no logprobs (their inputs and outputs vary in size from step to step) and
-    no grammar (its masks are filled on the host from the step before's tokens).
+    penalties or biases, no logprobs (their inputs and outputs vary in size from step to
+    step) and no grammar (its masks are filled on the host from the step before's
+    tokens).
     """
-    return (
-        params.repetition_penalty == 1.0
-        and not params.presence_penalty
-        and not params.frequency_penalty
-        and params.logprobs is None
-        and params.structured_outputs is None
-        and not params.token_masked
-    )
+    return params.logprobs is None and params.plain_logits
 
 
 def position_params(
@@ -355,7 +346,8 @@ class DrawPlan:
     ``packed``: one float64 host buffer (every value in it is an integer below 2^53 or
     a float64 parameter, so nothing rounds): ``[num_positions, len(_COLS)]`` parameters,
     then ``num_penalties`` triples ``(position, token, count in the output)`` naming the
-    tokens a penalty touches, then the logprob positions, then the ``num_masked``
+    tokens a penalty touches, then ``num_biases`` triples ``(position, token, bias)``
+    of the rows' ``logit_bias``, then the logprob positions, then the ``num_masked``
     constrained positions and their bitmasks (``mask_words`` int32 words each, two to a
     float64 slot). The flags are known on the host and spare the device work no
     position needs.
@@ -373,13 +365,22 @@ class DrawPlan:
     any_min_p: bool
     num_masked: int = 0
     mask_words: int = 0
+    num_biases: int = 0
+
+    @property
+    def bias_start(self) -> int:
+        """Offset in ``packed`` of the logit-bias triples."""
+        return self.num_positions * len(_COLS) + 3 * self.num_penalties
+
+    @property
+    def logprob_start(self) -> int:
+        """Offset in ``packed`` of the logprob positions."""
+        return self.bias_start + 3 * self.num_biases
 
     @property
     def mask_start(self) -> int:
         """Offset in ``packed`` of the constrained positions (their masks follow)."""
-        return (
-            self.num_positions * len(_COLS) + 3 * self.num_penalties + len(self.logprob_positions)
-        )
+        return self.logprob_start + len(self.logprob_positions)
 
     @property
     def payload_width(self) -> int:
@@ -394,6 +395,7 @@ def plan_draw(rows: Sequence[SampleRow], vocab_size: int) -> DrawPlan:
     gets)."""
     params_rows: list[list[float]] = []
     penalties: list[tuple[int, int, int]] = []
+    biases: list[tuple[int, int, float]] = []
     lp_pos: list[int] = []
     lp_k: list[int] = []
     max_top_k = 0
@@ -437,11 +439,14 @@ def plan_draw(rows: Sequence[SampleRow], vocab_size: int) -> DrawPlan:
             if repetition or (counted and counts):
                 touched = (prompt_set | counts.keys()) if repetition else counts.keys()
                 penalties += [(pos, t, counts.get(t, 0)) for t in sorted(touched)]
+            if p.logit_bias:
+                biases += [(pos, t, b) for t, b in p.logit_bias.items() if t < vocab_size]
             if p.logprobs is not None:
                 lp_pos.append(pos)
                 lp_k.append(p.logprobs)
     flat = [v for r in params_rows for v in r]
     flat += [v for e in penalties for v in e]
+    flat += [v for e in biases for v in e]
     flat += lp_pos
     flat += masked_pos
     if masked_rows:
@@ -472,6 +477,7 @@ def plan_draw(rows: Sequence[SampleRow], vocab_size: int) -> DrawPlan:
         any_min_p=any_min_p,
         num_masked=len(masked_pos),
         mask_words=words if masked_rows else 0,
+        num_biases=len(biases),
     )
 
 
@@ -532,6 +538,11 @@ def process_step(logits: torch.Tensor, plan: DrawPlan, packed: torch.Tensor) -> 
     x = logits.float()
     if plan.num_masked:
         x = apply_bitmasks(x, plan, packed)
+    if plan.num_biases:
+        start = plan.bias_start
+        ent = packed[start : start + 3 * plan.num_biases].view(-1, 3)
+        # Out of place, like the penalties below.
+        x = x.index_put((ent[:, 0].long(), ent[:, 1].long()), ent[:, 2].float(), accumulate=True)
     if plan.num_penalties:
         ent = packed[n * ncol : n * ncol + 3 * plan.num_penalties].view(-1, 3).long()
         pos, tok, count = ent[:, 0], ent[:, 1], ent[:, 2]
@@ -596,7 +607,6 @@ def sample_step(
     ``drafted``: ``(positions [M], logq [M, vocab], drafts [M])`` for draft positions
     whose drafter sampled from a distribution ``q`` of its own: their choice is
     :func:`speculative_choices` instead of the point-mass coupling of :func:`draw`."""
-    n, ncol = plan.num_positions, len(_COLS)
     cols = _columns(plan, packed)
     logp = process_step(logits, plan, packed)
     seed_lo, seed_hi = cols[:, _C["seed_lo"]].long(), cols[:, _C["seed_hi"]].long()
@@ -613,7 +623,7 @@ def sample_step(
         )
     if not plan.logprob_positions:
         return choices
-    start = n * ncol + 3 * plan.num_penalties
+    start = plan.logprob_start
     lp_index = packed[start : start + len(plan.logprob_positions)].long()
     raw = torch.log_softmax(logits[lp_index].float(), dim=-1)
     # With drafts coupled to the draw, the token emitted at a position (when the row

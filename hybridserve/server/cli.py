@@ -74,6 +74,39 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="split reasoning_content out of chat replies: qwen3, deepseek_r1, "
         "nemotron_v3, granite_thinking, granite",
     )
+    p.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action="store_true",
+        help="serve GET /tokenizer_info (the tokenizer's configuration and the chat "
+        "template), as vLLM's; lm-eval's remote tokenizer reads it",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        type=_json_list("--allowed-origins"),
+        default=None,
+        metavar="JSON",
+        help='turn on CORS for these origins, a JSON list (\'["*"]\' for any); '
+        "default: off, no CORS headers",
+    )
+    p.add_argument(
+        "--allowed-methods",
+        type=_json_list("--allowed-methods"),
+        default=None,
+        metavar="JSON",
+        help="with --allowed-origins: the methods allowed, a JSON list (default any)",
+    )
+    p.add_argument(
+        "--allowed-headers",
+        type=_json_list("--allowed-headers"),
+        default=None,
+        metavar="JSON",
+        help="with --allowed-origins: the request headers allowed, a JSON list (default any)",
+    )
+    p.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        help="with --allowed-origins: let browsers send credentials (cookies, auth headers)",
+    )
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log verbosity")
     p.add_argument(
         "--graceful-shutdown-timeout",
@@ -112,6 +145,25 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         metavar="BYTES",
         help="the largest request head (request line and headers) accepted (default: %(default)s)",
     )
+
+
+def _json_list(flag: str):
+    """An argparse type: a JSON list of strings (vLLM's spelling of the CORS flags)."""
+
+    def parse(text: str) -> list[str]:
+        import json
+
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError(
+                f"{flag} takes a JSON list of strings, e.g. '[\"https://example.com\"]', got {text!r}"
+            )
+        return value
+
+    return parse
 
 
 def read_chat_template(path: str | None) -> str | None:
@@ -220,7 +272,14 @@ def serve_main(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         reasoning_parser=args.reasoning_parser,
+        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+        allowed_origins=args.allowed_origins,
+        allowed_methods=args.allowed_methods,
+        allowed_headers=args.allowed_headers,
+        allow_credentials=args.allow_credentials,
     )
+    if (args.allowed_methods or args.allowed_headers or args.allow_credentials) and args.allowed_origins is None:
+        log.warning("--allowed-methods/--allowed-headers/--allow-credentials do nothing without --allowed-origins")
     name = app.state.server.serving.config.model_name
     log.info("%s", startup_line(llm, name, args.host, args.port))
     if args.api_key:

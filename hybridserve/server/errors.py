@@ -70,7 +70,7 @@ def error_body(
 def param_from_message(message: str, fields: set[str]) -> str | None:
     """The field a validation message starts with (``"top_p must be ..."`` -> ``top_p``;
     ``"structured_outputs.regex does not ..."`` -> ``structured_outputs``)."""
-    head = message.split(" ", 1)[0].split("=", 1)[0].split(".", 1)[0]
+    head = message.split(" ", 1)[0].split("=", 1)[0].split(".", 1)[0].rstrip(":")
     return head if head in fields else None
 
 

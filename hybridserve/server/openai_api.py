@@ -3,6 +3,7 @@ lifetime.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize``, ``GET /version``,
+``GET /tokenizer_info`` (when enabled),
 ``GET|HEAD /health``, ``GET /metrics`` (and FastAPI's ``/docs``, ``/redoc``,
 ``/openapi.json``). A client's ``X-Request-Id`` header is echoed on the response. With an API key set, every route but ``/health`` and ``/metrics``
 needs ``Authorization: Bearer <key>``: those two stay open for probes and scrapers.
@@ -33,6 +34,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -75,6 +77,7 @@ class ServerState:
     api_key: str | None
     info: dict[str, str]
     created: int
+    metrics: metrics.ServerMetrics
 
 
 def create_app(
@@ -87,6 +90,11 @@ def create_app(
     tool_call_parser: str | None = None,
     enable_auto_tool_choice: bool = False,
     reasoning_parser: str | None = None,
+    enable_tokenizer_info_endpoint: bool = False,
+    allowed_origins: list[str] | None = None,
+    allowed_methods: list[str] | None = None,
+    allowed_headers: list[str] | None = None,
+    allow_credentials: bool = False,
 ) -> FastAPI:
     """An application serving ``llm`` (an :class:`~hybridserve.LLM`).
 
@@ -100,6 +108,12 @@ def create_app(
     ``api_key`` None means no check; an empty key is refused (ValueError), since it
     would let anyone in while looking like protection. The engine thread runs while
     the application's lifespan is active.
+
+    ``enable_tokenizer_info_endpoint`` adds ``GET /tokenizer_info`` (vLLM's, off by
+    default as there: it shows the chat template). ``allowed_origins`` turns on CORS
+    for those origins (``["*"]`` for any), with ``allowed_methods`` /
+    ``allowed_headers`` (default any) and ``allow_credentials``; None (the default)
+    sends no CORS headers, so browsers keep other origins out.
     """
     if api_key is not None and not api_key.strip():
         raise ValueError("api_key is empty: give a non-empty key, or None for no check")
@@ -143,12 +157,19 @@ def create_app(
     if serving_cfg.default_sampling:
         log.info("default sampling from generation_config.json: %s", serving_cfg.default_sampling)
     engine = AsyncEngine(llm.engine)
+    info = {"model": name, "dtype": str(cfg.dtype).removeprefix("torch."), "device": cfg.device}
+    prometheus = metrics.ServerMetrics(
+        engine.stats, model_name=name, max_model_len=cfg.scheduler.max_model_len, info=info
+    )
+    # The engine's thread observes the latency histograms after each step.
+    llm.engine.stats_observer = prometheus
     state = ServerState(
         engine=engine,
         serving=OpenAIServing(engine, serving_cfg),
         api_key=api_key,
-        info={"model": name, "dtype": str(cfg.dtype).removeprefix("torch."), "device": cfg.device},
+        info=info,
         created=int(time.time()),
+        metrics=prometheus,
     )
 
     @asynccontextmanager
@@ -228,6 +249,12 @@ def create_app(
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         return await state.serving.detokenize(body)
 
+    if enable_tokenizer_info_endpoint:
+
+        @app.get("/tokenizer_info")
+        async def tokenizer_info() -> dict[str, Any]:
+            return state.serving.tokenizer_info(source)
+
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
@@ -246,8 +273,17 @@ def create_app(
 
     @app.get("/metrics")
     async def get_metrics() -> Response:
-        return Response(metrics.render(engine.stats(), state.info), media_type=metrics.CONTENT_TYPE)
+        return Response(state.metrics.render(), media_type=metrics.CONTENT_TYPE)
 
+    if allowed_origins is not None:
+        # Outside the key check: a browser's preflight (OPTIONS) carries no key.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(allowed_origins),
+            allow_methods=list(allowed_methods or ["*"]),
+            allow_headers=list(allowed_headers or ["*"]),
+            allow_credentials=allow_credentials,
+        )
     # Added last, so it runs first: no route, key check or handler sees an oversized body.
     app.add_middleware(BodyLimit, max_bytes=max_request_body_bytes)
     return app

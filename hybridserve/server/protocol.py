@@ -39,9 +39,6 @@ class _Strict(BaseModel):
 
 
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "echo": (False,),
-    "prompt_logprobs": (0,),
-    "logit_bias": ({},),
     "bad_words": ([],),
     "best_of": (1,),
     "suffix": ("",),
@@ -143,6 +140,10 @@ class _SamplingFields(_Strict):
     skip_special_tokens: bool = True
     min_tokens: int = 0
     allowed_token_ids: list[int] | None = None
+    # OpenAI's spelling: token ids as strings (JSON object keys), biases in [-100, 100].
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extra field: the top-k logprobs of every prompt token (after the first).
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
 
@@ -185,6 +186,8 @@ class CompletionRequest(_SamplingFields):
     )
     max_tokens: int | None = 16
     logprobs: int | None = None
+    # Return the prompt before the completion (with its logprobs when logprobs is set).
+    echo: bool = False
 
 
 class TextPart(_Strict):
@@ -298,6 +301,11 @@ def sampling_params(
     ``generation_config.json`` sampling) fill the sampling fields the request leaves
     unset."""
     max_tokens = req.max_tokens
+    prompt_logprobs = req.prompt_logprobs
+    if isinstance(req, CompletionRequest) and req.echo and logprobs is not None:
+        # Echoed prompt tokens come with logprobs as the generated ones do (at least
+        # as many candidates as asked for either).
+        prompt_logprobs = max(logprobs, prompt_logprobs or 0)
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         max_tokens = req.max_completion_tokens
     kwargs = {
@@ -322,8 +330,27 @@ def sampling_params(
         structured_outputs=structured,
         min_tokens=req.min_tokens,
         allowed_token_ids=req.allowed_token_ids,
+        logit_bias=_logit_bias(req.logit_bias),
+        prompt_logprobs=prompt_logprobs,
         **{**(defaults or {}), **{k: v for k, v in kwargs.items() if v is not None}},
     )
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """``logit_bias`` with its keys as token ids; ValueError naming the field for a key
+    that is not one."""
+    if bias is None:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if token < 0 or str(token) != key.strip():
+            raise ValueError(f"logit_bias: {key!r} is not a token id (a non-negative integer)")
+        out[token] = value
+    return out
 
 
 SAMPLING_FIELDS = frozenset(_SamplingFields.model_fields) | {

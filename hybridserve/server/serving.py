@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -41,7 +42,7 @@ from starlette.types import Receive
 
 from hybridserve.chat_template import ChatTemplateError, render_chat
 from hybridserve.engine.request import CompletionOutput, Logprob, RequestOutput, SamplingParams
-from hybridserve.reasoning import get_reasoning_parser
+from hybridserve.reasoning import ReasoningParser, get_reasoning_parser, prompt_opens_reasoning
 from hybridserve.server.async_engine import AsyncEngine, EngineError, EngineStopped, RequestStream
 from hybridserve.server.chat_output import ChoiceSplitter, OutputSplit, SplitDelta
 from hybridserve.server.errors import APIError, error_body, param_from_message
@@ -142,13 +143,22 @@ class OpenAIServing:
         for text_and_ids in prompts:
             self._check_length(text_and_ids[1], params.max_tokens, "prompt")
         rid = f"cmpl-{uuid.uuid4().hex}"
-        fmt = _CompletionFormat(self, rid, req.n, req.logprobs)
+        fmt = _CompletionFormat(
+            self, rid, req.n, req.logprobs, echo=req.echo,
+            prompt_logprobs=req.prompt_logprobs is not None,
+        )
+        fmt.prompts = prompts
         return await self._respond(rid, prompts, params, req, fmt, receive)
 
     async def chat(self, req: ChatCompletionRequest, receive: Receive) -> Any:
         _warn_unknown(req, "/v1/chat/completions")
         self.check_model(req.model)
         _check_stream_options(req)
+        if req.prompt_logprobs is not None and req.stream:
+            raise APIError(
+                400, "prompt_logprobs is not supported with stream=true in chat completions",
+                param="prompt_logprobs", code="invalid_value",
+            )
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         top = req.top_logprobs or 0
@@ -167,6 +177,13 @@ class OpenAIServing:
         if self.config.reasoning_parser is not None:
             split.reasoning = get_reasoning_parser(self.config.reasoning_parser)
         split.constrained = constraint is not None
+        if constraint is not None and split.reasoning is not None:
+            tag = self._reasoning_end_tokens(split.reasoning, prompt[0] or "", req.chat_template_kwargs)
+            if tag:
+                # The output starts as reasoning: the grammar applies after it, as
+                # vLLM's does, and the reasoning is parsed as usual.
+                params.structured_outputs = dataclasses.replace(constraint, after_token_ids=tag)
+                split.constrained = False
         split.prompt = prompt[0] or ""
         split.chat_template_kwargs = req.chat_template_kwargs
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -220,6 +237,42 @@ class OpenAIServing:
             )
         ids = list(req.tokens)
         return {"prompt": await self._offload(lambda: tok.decode(ids, skip_special_tokens=False))}
+
+    def _reasoning_end_tokens(
+        self, parser: type[ReasoningParser], prompt: str, chat_template_kwargs: dict[str, Any] | None
+    ) -> tuple[int, ...] | None:
+        """The token ids of ``parser``'s end tag when the output starts inside a
+        reasoning block (the prompt leaves one open, or the parser starts there and
+        thinking is not turned off); else None."""
+        if (chat_template_kwargs or {}).get("enable_thinking", True) is False:
+            return None
+        opens = prompt_opens_reasoning(prompt, parser.starts[0], parser.ends[0])
+        if not (opens or parser.starts_in_reasoning) or self.config.tokenizer is None:
+            return None
+        ids = self.config.tokenizer.encode(parser.ends[0], add_special_tokens=False)
+        return tuple(ids) or None
+
+    def tokenizer_info(self, chat_template: str | None) -> dict[str, Any]:
+        """``GET /tokenizer_info``: the tokenizer's configuration (its
+        ``tokenizer_config.json`` fields, the special tokens and their ids) and the chat
+        template this server renders with."""
+        tok = self._need_tokenizer("tokenizer")
+        info: dict[str, Any] = {
+            k: v for k, v in tok.config.items() if k not in ("added_tokens_decoder", "chat_template")
+        }
+        info.update(
+            tokenizer_class=tok.config.get("tokenizer_class", "PreTrainedTokenizerFast"),
+            bos_token=tok.bos_token,
+            eos_token=tok.eos_token,
+            pad_token=_token_name(tok.config.get("pad_token")),
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            add_bos_token=tok.add_bos_token,
+            vocab_size=tok.vocab_size,
+            model_max_length=self.config.max_model_len,
+            chat_template=chat_template,
+        )
+        return info
 
     def _need_tokenizer(self, param: str) -> Tokenizer:
         if self.config.tokenizer is None:
@@ -416,14 +469,15 @@ class OpenAIServing:
         messages = []
         total = 0
         for i, m in enumerate(req.messages):
-            # No content (null) renders as empty text, never as the word "None".
-            content = m.text() or ""
-            total += len(content) + len(m.name or "")
+            # No content (null) is left out of the message, as transformers does: the
+            # template sees no key, never the word "None".
+            content = m.text()
+            total += len(content or "") + len(m.name or "")
             self._check_chars(total, "messages")
             if isinstance(m.content, list):
                 for k, part in enumerate(m.content):
                     _check_unicode(part.text, f"messages.{i}.content.{k}.text")
-            else:
+            elif content is not None:
                 _check_unicode(content, f"messages.{i}.content")
             msg: dict[str, Any] = {"role": m.role, "content": content}
             for key in ("name", "tool_call_id", "reasoning_content"):
@@ -547,7 +601,9 @@ class OpenAIServing:
                 raise APIError(
                     400,
                     str(e),
-                    param=param_from_message(str(e), {"prompt", "structured_outputs", "allowed_token_ids"})
+                    param=param_from_message(
+                        str(e), {"prompt", "structured_outputs", "allowed_token_ids", "logit_bias"}
+                    )
                     or "prompt",
                     code="invalid_value",
                 ) from None
@@ -620,7 +676,7 @@ class OpenAIServing:
                     for j, comp in enumerate(out.outputs):
                         if cursors[i][j].done:
                             continue  # sent its finish chunk; later outputs repeat it
-                        chunk = fmt.delta(i * params.n + j, comp, cursors[i][j])
+                        chunk = fmt.delta(i * params.n + j, comp, cursors[i][j], out)
                         if chunk is not None:
                             if continuous_usage:
                                 chunk["usage"] = usage(list(latest.values()))
@@ -675,6 +731,14 @@ def _history_call(call: Any) -> dict[str, Any]:
         "type": "function",
         "function": {"name": call.function.name, "arguments": args},
     }
+
+
+def _token_name(value: Any) -> str | None:
+    """A special token as tokenizer_config.json gives it (text, or an object with
+    ``content``)."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
 
 
 def _choice_text(choice: Any) -> str:
@@ -792,6 +856,8 @@ class _Cursor:
     text: str = ""
     num_tokens: int = 0
     done: bool = False
+    opened: bool = False  # an echoed prompt (or its prompt logprobs) has been sent
+    offset: int = 0  # characters sent before the completion's text (an echoed prompt)
 
     def advance(self, comp: CompletionOutput) -> tuple[str, int, int]:
         """The new text delta and the range of new tokens ``[start, end)``."""
@@ -848,10 +914,28 @@ class _Format:
     def opening(self, num_prompts: int) -> list[dict[str, Any]]:
         return []
 
+    def prompt_logprobs_json(self, out: RequestOutput) -> list[Any] | None:
+        """vLLM's ``prompt_logprobs``: per prompt token None (the first) or ``{token id:
+        {logprob, rank, decoded_token}}``."""
+        if out.prompt_logprobs is None:
+            return None
+        return [
+            None if cands is None else {
+                str(t): {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                         "decoded_token": self.token_text(t)}
+                for t, lp in sorted(cands.items(), key=lambda kv: kv[1].rank)
+            }
+            for cands in out.prompt_logprobs
+        ]
+
     def whole(self, outs: list[RequestOutput]) -> dict[str, Any]:
         raise NotImplementedError
 
-    def delta(self, index: int, comp: CompletionOutput, cursor: _Cursor) -> dict[str, Any] | None:
+    def delta(
+        self, index: int, comp: CompletionOutput, cursor: _Cursor, out: RequestOutput | None = None
+    ) -> dict[str, Any] | None:
+        """The chunk for choice ``index`` after ``out`` (whose sequence ``comp`` is), or
+        None when it has nothing new."""
         raise NotImplementedError
 
     def usage_chunk(self, outs: list[RequestOutput]) -> dict[str, Any]:
@@ -859,60 +943,119 @@ class _Format:
 
 
 class _CompletionFormat(_Format):
+    """Completions; with ``echo`` each choice's text (and, with ``logprobs``, its
+    logprobs) starts with its prompt, as vLLM's: the prompt's first token has logprob
+    None. ``prompt_logprobs`` (vLLM's extra field): each choice carries the prompt's
+    logprobs keyed by token id."""
+
+    def __init__(self, *args: Any, echo: bool = False, prompt_logprobs: bool = False) -> None:
+        super().__init__(*args)
+        self.echo = echo
+        self.prompt_logprobs = prompt_logprobs
+        self.prompts: list[Prompt] = []  # the request's prompts, in order
+
+    def prompt_text(self, i: int) -> str:
+        text, ids = self.prompts[i]
+        if text is not None:
+            return text
+        tok = self.serving.config.tokenizer
+        return tok.decode(ids, skip_special_tokens=False) if tok else ""
+
+    def _entry_lists(
+        self, token_ids: list[int], entries: list[dict[int, Logprob] | None], offset: int
+    ) -> dict[str, list[Any]]:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for tid, cands in zip(token_ids, entries):
+            text = self.token_text(tid)
+            tokens.append(text)
+            if cands is None:
+                token_lps.append(None)
+                tops.append(None)
+            else:
+                token_lps.append(_finite(cands[tid].logprob))
+                ranked = sorted(cands.items(), key=lambda kv: kv[1].rank)
+                tops.append({self.token_text(i): _finite(lp.logprob) for i, lp in ranked})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+                "text_offset": offsets}
+
     def legacy_logprobs(
         self, comp: CompletionOutput, start: int, end: int, offset: int
     ) -> dict[str, Any] | None:
         if self.logprobs is None or comp.logprobs is None:
             return None
-        tokens, token_lps, tops, offsets = [], [], [], []
-        for tid, cands in zip(comp.token_ids[start:end], comp.logprobs[start:end]):
-            text = self.token_text(tid)
-            tokens.append(text)
-            token_lps.append(_finite(cands[tid].logprob))
-            ranked = sorted(cands.items(), key=lambda kv: kv[1].rank)
-            tops.append({self.token_text(i): _finite(lp.logprob) for i, lp in ranked})
-            offsets.append(offset)
-            offset += len(text)
-        return {
-            "tokens": tokens,
-            "token_logprobs": token_lps,
-            "top_logprobs": tops,
-            "text_offset": offsets,
-        }
+        return self._entry_lists(comp.token_ids[start:end], comp.logprobs[start:end], offset)
+
+    def echoed_logprobs(self, out: RequestOutput) -> dict[str, Any] | None:
+        """The prompt's part of an echoed choice's logprobs."""
+        if self.logprobs is None:
+            return None
+        entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+        return self._entry_lists(out.prompt_token_ids, entries, 0)
 
     def whole(self, outs: list[RequestOutput]) -> dict[str, Any]:
         choices = []
         for i, out in enumerate(outs):
+            head = self.prompt_text(i) if self.echo else ""
             for j, comp in enumerate(out.outputs):
-                choices.append(
-                    {
-                        "index": i * self.n + j,
-                        "text": comp.text,
-                        "logprobs": self.legacy_logprobs(comp, 0, len(comp.token_ids), 0),
-                        "finish_reason": comp.finish_reason,
-                        "stop_reason": comp.stop_reason,
-                    }
-                )
+                lps = self.legacy_logprobs(comp, 0, len(comp.token_ids), len(head))
+                if self.echo and lps is not None:
+                    lps = _joined(self.echoed_logprobs(out), lps)
+                choice = {
+                    "index": i * self.n + j,
+                    "text": head + comp.text,
+                    "logprobs": lps,
+                    "finish_reason": comp.finish_reason,
+                    "stop_reason": comp.stop_reason,
+                }
+                if self.prompt_logprobs:
+                    choice["prompt_logprobs"] = self.prompt_logprobs_json(out)
+                choices.append(choice)
         return {**self.header("text_completion"), "choices": choices, "usage": usage(outs)}
 
-    def delta(self, index: int, comp: CompletionOutput, cursor: _Cursor) -> dict[str, Any] | None:
-        offset = len(cursor.text)
+    def delta(
+        self, index: int, comp: CompletionOutput, cursor: _Cursor, out: RequestOutput | None = None
+    ) -> dict[str, Any] | None:
+        # The prompt part goes with the choice's first chunk that has anything to say
+        # (its prompt logprobs are complete once a token has been sampled).
+        opening = (self.echo or self.prompt_logprobs) and not cursor.opened and (
+            comp.token_ids or comp.finish_reason is not None
+        )
+        head = ""
+        if opening:
+            cursor.opened = True
+            if self.echo:
+                head = self.prompt_text(index // self.n)
+                cursor.offset = len(head)
+        offset = cursor.offset + len(cursor.text)
         text, start, end = cursor.advance(comp)
         lps = self.legacy_logprobs(comp, start, end, offset) if end > start else None
-        if not text and comp.finish_reason is None and lps is None:
+        if opening and self.echo and self.logprobs is not None and out is not None:
+            lps = _joined(self.echoed_logprobs(out), lps)
+        if not text and not head and comp.finish_reason is None and lps is None:
             return None
         choice = {
             "index": index,
-            "text": text,
+            "text": head + text,
             "logprobs": lps,
             "finish_reason": comp.finish_reason,
         }
+        if opening and self.prompt_logprobs and out is not None:
+            choice["prompt_logprobs"] = self.prompt_logprobs_json(out)
         if comp.finish_reason is not None:
             choice["stop_reason"] = comp.stop_reason
         return {**self.header("text_completion"), "choices": [choice]}
 
     def usage_chunk(self, outs: list[RequestOutput]) -> dict[str, Any]:
         return {**self.header("text_completion"), "choices": [], "usage": usage(outs)}
+
+
+def _joined(first: dict[str, list[Any]] | None, second: dict[str, list[Any]] | None) -> dict[str, list[Any]] | None:
+    """Two legacy logprobs objects, one after the other."""
+    if first is None or second is None:
+        return first or second
+    return {k: first[k] + second[k] for k in first}
 
 
 class _ChatFormat(_Format):
@@ -976,7 +1119,10 @@ class _ChatFormat(_Format):
                     "stop_reason": comp.stop_reason,
                 }
             )
-        return {**self.header("chat.completion"), "choices": choices, "usage": usage(outs)}
+        body = {**self.header("chat.completion"), "choices": choices, "usage": usage(outs)}
+        if out.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self.prompt_logprobs_json(out)
+        return body
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         return {**self.header("chat.completion.chunk"), "choices": [choice]}
@@ -994,7 +1140,9 @@ class _ChatFormat(_Format):
             for j in range(self.n * num_prompts)
         ]
 
-    def delta(self, index: int, comp: CompletionOutput, cursor: _Cursor) -> dict[str, Any] | None:
+    def delta(
+        self, index: int, comp: CompletionOutput, cursor: _Cursor, out: RequestOutput | None = None
+    ) -> dict[str, Any] | None:
         text, start, end = cursor.advance(comp)
         lps = self.content_logprobs(comp, start, end) if end > start else None
         reason = comp.finish_reason

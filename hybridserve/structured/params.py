@@ -8,7 +8,10 @@ text), ``regex``, ``choice`` (a list of strings, the output is one of them verba
 JSON schema compiles: ``disable_any_whitespace`` (compact JSON, no free whitespace
 between tokens), ``disable_additional_properties`` (objects without an explicit
 ``additionalProperties`` get ``false``), ``whitespace_pattern`` (a regex for the
-whitespace allowed between JSON tokens).
+whitespace allowed between JSON tokens). ``after_token_ids``: the constraint applies
+only once the output has written these tokens (the end of a reasoning block: the
+server sets it to its reasoning parser's end tag, as vLLM applies grammars after the
+reasoning); the tokens up to and including them are free.
 
 The params are plain data, validated on construction (errors name the field); the
 grammar backend (:mod:`hybridserve.structured.backend`) compiles them, cached by
@@ -34,6 +37,7 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
+    after_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in CONSTRAINTS if getattr(self, name) not in (None, False)]
@@ -66,6 +70,13 @@ class StructuredOutputsParams:
             raise ValueError("structured_outputs.json_object must be a boolean")
         if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
             raise ValueError("structured_outputs.whitespace_pattern must be a string")
+        if self.after_token_ids is not None:
+            ids = self.after_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
+            ):
+                raise ValueError("structured_outputs.after_token_ids must be a non-empty list of token ids")
+            self.after_token_ids = tuple(ids)
 
     @property
     def kind(self) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridserve.kernels.gdn import gated_delta_rule_reference, l2_normalize
+from hybridserve.kernels.gdn import gated_delta_rule_reference, gdn_gates, l2_normalize
 from hybridserve.kernels.gdn_chunked import (
     chunk_gated_delta_rule_reference,
     chunk_scan_fla,
@@ -53,7 +53,12 @@ def test_prefill_orchestration_equals_token_by_token_path():
     g = torch.Generator().manual_seed(_seed())
     lengths = [1, 8, 0, 29, 17]
     t = sum(lengths)
-    q, k, v, gd, beta = _seq(g, t, 2, 4, 8, 6)
+    q, k, v, _, _ = _seq(g, t, 2, 4, 8, 6)
+    # The raw gate inputs (the projections'), as the packed path hands them over.
+    a = torch.randn(t, 4, generator=g, dtype=torch.float64) * 1.5
+    b = torch.randn(t, 4, generator=g, dtype=torch.float64) * 2
+    kw = dict(A_log=torch.randn(4, generator=g, dtype=torch.float64) * 0.5,
+              dt_bias=torch.randn(4, generator=g, dtype=torch.float64) * 0.5)
     pages = 40
     cache = torch.randn(pages, 4, 8, 6, generator=g, dtype=torch.float64)
     in_pages = torch.tensor([3, -1, 5, -1, 7], dtype=torch.int32)
@@ -70,13 +75,16 @@ def test_prefill_orchestration_equals_token_by_token_path():
     cache[out_pages[out_pages >= 0].long()] = float("nan")
     query_start = torch.tensor(qs, dtype=torch.int32)
     want_cache, got_cache = cache.clone(), cache.clone()
-    want = gdn_varlen_update_reference(q, k, v, gd, beta, want_cache, query_start, in_pages,
-                                       out_pages)
+    want = gdn_varlen_update_reference(q, k, v, a, b, want_cache, query_start, in_pages,
+                                       out_pages, **kw)
     plan = VarlenPlan(num_rows=len(lengths), query_start=query_start, in_pages=in_pages,
                       token_out_pages=out_pages, token_row=torch.empty(0),
                       query_start_host=tuple(qs), token_out_pages_host=tuple(out_pages.tolist()))
-    got = gdn_prefill(q, k, v, gd, beta, got_cache, plan, chunk=8)
+    got = gdn_prefill(q, k, v, a, b, got_cache, plan, chunk=8, **kw)
     assert (got - want).abs().max() < 1e-10
+    # The gates went in as the formula gives them (float64 here, compute dtype).
+    gd, beta = gdn_gates(a, b, kw["A_log"], kw["dt_bias"])
+    assert gd.dtype == torch.float64 and (gd < 0).all() and ((beta > 0) & (beta < 1)).all()
     written = out_pages[out_pages >= 0].long()
     assert (got_cache[written] - want_cache[written]).abs().max() < 1e-10
     others = [p for p in range(pages) if p not in set(written.tolist())]

@@ -20,6 +20,7 @@ import torch
 from hybridserve.config import KernelPolicy
 from hybridserve.kernels.mamba_decode import ssm_update, ssm_update_reference
 from hybridserve.kernels.ssd import ssd_recurrent_reference
+from hybridserve.kernels.ssd_varlen import discretize_dt_varlen
 from hybridserve.models.batch import ForwardBatch
 from hybridserve.models.step_plan import StepKind, plan_states
 
@@ -38,7 +39,9 @@ def _seed() -> int:
 def _step(g, lens, heads, head_dim, groups, d_state, dtype, cache_dtype=None):
     """Random inputs for rows of ``lens`` tokens: some rows start from a page, some from
     zeros; some tokens request their state. Every page but the input pages is NaN, page 0
-    included (no input), so a read of anything else shows up."""
+    included (no input), so a read of anything else shows up. ``dt`` is raw (the
+    projection's); the last item holds the keyword operands: ``dt_bias``, a clamp that
+    bites on some tokens, and some tokens that skip it (``unclamped``)."""
     rows = len(lens)
     qs = [0]
     for q in lens:
@@ -46,7 +49,7 @@ def _step(g, lens, heads, head_dim, groups, d_state, dtype, cache_dtype=None):
     t = qs[-1]
     num_pages = 1 + rows + t
     x = torch.randn(t, heads, head_dim, generator=g, dtype=dtype)
-    dt = torch.rand(t, heads, generator=g, dtype=dtype) * 0.9 + 0.1
+    dt = torch.randn(t, heads, generator=g, dtype=dtype) * 1.5 - 0.5
     A = -(torch.rand(heads, generator=g, dtype=dtype) * 4 + 0.5)
     B = torch.randn(t, groups, d_state, generator=g, dtype=dtype)
     C = torch.randn(t, groups, d_state, generator=g, dtype=dtype)
@@ -66,7 +69,12 @@ def _step(g, lens, heads, head_dim, groups, d_state, dtype, cache_dtype=None):
         if lens[r] and out_pages[qs[r + 1] - 1] < 0:
             out_pages[qs[r + 1] - 1] = perm.pop()
     as_int = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
-    return x, dt, A, B, C, D, cache, as_int(qs), as_int(in_pages), as_int(out_pages)
+    kw = dict(
+        dt_bias=torch.randn(heads, generator=g, dtype=dtype) * 0.5,
+        time_step_limit=(0.15, 1.2),
+        unclamped=torch.rand(t, generator=g) < 0.3,
+    )
+    return x, dt, A, B, C, D, cache, as_int(qs), as_int(in_pages), as_int(out_pages), kw
 
 
 LENS = [[5, 0, 1, 9, 2], [17], [1, 1, 1], [0, 3, 0, 12]]
@@ -75,9 +83,12 @@ LENS = [[5, 0, 1, 9, 2], [17], [1, 1, 1], [0, 3, 0, 12]]
 @pytest.mark.parametrize("lens", LENS)
 def test_twin_matches_per_token_reference_float64(lens):
     g = torch.Generator().manual_seed(_seed())
-    x, dt, A, B, C, D, cache, qs, in_pages, out_pages = _step(g, lens, 6, 4, 3, 8, torch.float64)
+    x, dt, A, B, C, D, cache, qs, in_pages, out_pages, kw = _step(
+        g, lens, 6, 4, 3, 8, torch.float64
+    )
     before = cache.clone()
-    y = ssm_update_reference(x, dt, A, B, C, D, cache, in_pages, out_pages, qs)
+    y = ssm_update_reference(x, dt, A, B, C, D, cache, in_pages, out_pages, qs, **kw)
+    dt = discretize_dt_varlen(dt, kw["dt_bias"], kw["time_step_limit"], kw["unclamped"])
     for r in range(len(lens)):
         s, e = int(qs[r]), int(qs[r + 1])
         if s == e:
@@ -103,13 +114,13 @@ def test_twin_matches_per_token_reference_float64(lens):
 )
 def test_kernel_matches_twin_race_free(lens, heads, head_dim, groups, d_state):
     g = torch.Generator().manual_seed(_seed())
-    x, dt, A, B, C, D, cache, qs, in_pages, out_pages = _step(
+    x, dt, A, B, C, D, cache, qs, in_pages, out_pages, kw = _step(
         g, lens, heads, head_dim, groups, d_state, torch.float32
     )
     want_cache = cache.clone()
-    want = ssm_update_reference(x, dt, A, B, C, D, want_cache, in_pages, out_pages, qs)
+    want = ssm_update_reference(x, dt, A, B, C, D, want_cache, in_pages, out_pages, qs, **kw)
     with racecheck.record_launches() as rec:
-        got = ssm_update(x, dt, A, B, C, D, cache, in_pages, out_pages, qs)
+        got = ssm_update(x, dt, A, B, C, D, cache, in_pages, out_pages, qs, **kw)
     assert len(rec.reports) == 1 and rec.reports[0].clean, str(rec.reports[0])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # Written pages equal the twin's; every other page keeps its (NaN or random) contents.
@@ -120,12 +131,12 @@ def test_kernel_matches_twin_race_free(lens, heads, head_dim, groups, d_state):
 @interpreted
 def test_kernel_bf16_state_pages_and_no_d():
     g = torch.Generator().manual_seed(_seed())
-    x, dt, A, B, C, _, cache, qs, in_pages, out_pages = _step(
+    x, dt, A, B, C, _, cache, qs, in_pages, out_pages, kw = _step(
         g, [3, 4], 4, 8, 2, 8, torch.float32, cache_dtype=torch.bfloat16
     )
     want_cache = cache.clone()
-    want = ssm_update_reference(x, dt, A, B, C, None, want_cache, in_pages, out_pages, qs)
-    got = ssm_update(x, dt, A, B, C, None, cache, in_pages, out_pages, qs)
+    want = ssm_update_reference(x, dt, A, B, C, None, want_cache, in_pages, out_pages, qs, **kw)
+    got = ssm_update(x, dt, A, B, C, None, cache, in_pages, out_pages, qs, **kw)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(cache.float(), want_cache.float(), rtol=1e-2, atol=1e-2,
                                equal_nan=True)
@@ -134,12 +145,12 @@ def test_kernel_bf16_state_pages_and_no_d():
 @interpreted
 def test_kernel_independent_of_program_order():
     g = torch.Generator().manual_seed(_seed())
-    x, dt, A, B, C, D, cache, qs, in_pages, out_pages = _step(
+    x, dt, A, B, C, D, cache, qs, in_pages, out_pages, kw = _step(
         g, [4, 0, 2, 6], 4, 8, 2, 8, torch.float32
     )
 
     def launch(x, dt, A, B, C, D, ssm_cache, query_start, in_pages, out_pages):
-        return ssm_update(x, dt, A, B, C, D, ssm_cache, in_pages, out_pages, query_start)
+        return ssm_update(x, dt, A, B, C, D, ssm_cache, in_pages, out_pages, query_start, **kw)
 
     report = racecheck.run_launcher_in_orders(
         launch,
@@ -256,11 +267,12 @@ def test_gpu_kernel_matches_twin(record_property):
     """8B shapes: a 128-token row from a page (the tail after a cached prefix) beside decode
     rows and a fresh short prompt."""
     g = torch.Generator().manual_seed(_seed())
-    args = _step(g, [128, 1, 1, 37], 128, 64, 8, 128, torch.float32)
+    *args, kw = _step(g, [128, 1, 1, 37], 128, 64, 8, 128, torch.float32)
     args = [a.cuda() for a in args]
+    kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
     want_cache = args[6].clone()
-    want = ssm_update_reference(*args[:6], want_cache, *args[8:], args[7])
-    got = ssm_update(*args[:7], *args[8:], args[7])
+    want = ssm_update_reference(*args[:6], want_cache, *args[8:], args[7], **kw)
+    got = ssm_update(*args[:7], *args[8:], args[7], **kw)
     rel = ((got - want).norm() / want.norm()).item()
     written = args[9][args[9] >= 0].long()
     rel_state = ((args[6][written] - want_cache[written]).norm()

@@ -10,7 +10,13 @@ import torch
 
 from hybridserve.kernels.ssd import ssd_recurrent_reference
 from hybridserve.kernels.ssd_tails import ssd_tail_states, ssd_tail_states_reference
-from hybridserve.testing import racecheck
+
+if os.environ["TRITON_INTERPRET"] != "1":
+    # Every test here runs kernels through the race checker, which needs the CPU
+    # interpreter: a GPU run (TRITON_INTERPRET=0) skips the module.
+    pytest.skip("needs TRITON_INTERPRET=1 (the race checker)", allow_module_level=True)
+
+from hybridserve.testing import racecheck  # noqa: E402
 
 INTERPRETED = os.environ["TRITON_INTERPRET"] == "1"
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs Triton's CPU interpreter")

@@ -69,6 +69,10 @@ def test_batched_processing_matches_process_logits():
             kw["presence_penalty"] = rng.choice([-0.5, 0.0, 0.8])
         if rng.random() < 0.4:
             kw["frequency_penalty"] = rng.choice([-0.3, 0.0, 0.6])
+        if rng.random() < 0.4:
+            # Biases past the vocabulary are ignored; out-of-range values are clamped.
+            kw["logit_bias"] = {rng.randrange(vocab + 5): rng.choice([-150.0, -2.5, 0.7, 4.0, 101.0])
+                                for _ in range(rng.randint(1, 4))}
         params = SamplingParams(**kw)
         prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
         output = [rng.randrange(vocab) for _ in range(rng.randint(0, 8))]

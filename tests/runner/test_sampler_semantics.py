@@ -90,6 +90,34 @@ def test_greedy_applies_penalties_before_the_argmax(probs):
     _assert_probs(got, _softmax([0.5, -1.0, 0.5, -0.5, 1.0]))
 
 
+@IMPLEMENTATIONS
+def test_logit_bias_adds_to_the_logits_before_penalties_and_temperature(probs):
+    # Token 1 gets +3 (-1.0 -> 2.0), token 4 gets -1.5 (1.0 -> -0.5); then the
+    # repetition penalty on the prompt's token 1 halves its now positive logit (vLLM's
+    # order: bias, then penalties), and temperature 0.5 doubles everything.
+    params = SamplingParams(temperature=0.5, logit_bias={1: 3.0, 4: -1.5}, repetition_penalty=2.0)
+    got = probs(LOGITS, params, prompt=[1])
+    _assert_probs(got, _softmax([2 * v for v in (2.0, 1.0, 0.5, -0.5, -0.5)]))
+
+
+@IMPLEMENTATIONS
+def test_logit_bias_is_clamped_to_100_and_steers_greedy(probs):
+    # -1e4 is clamped to -100 (as OpenAI and vLLM clamp), so token 0 keeps a tiny
+    # probability instead of none; +100 on token 3 makes it the greedy choice.
+    params = SamplingParams(temperature=1.0, logit_bias={0: -1e4})
+    _assert_probs(probs(LOGITS, params), _softmax([2.0 - 100, -1.0, 0.5, -0.5, 1.0]))
+    got = probs(LOGITS, SamplingParams(temperature=0.0, logit_bias={3: 100.0}))
+    assert int(got.argmax()) == 3
+
+
+def test_logit_bias_validation_names_the_field():
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={-1: 1.0})
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={1: float("nan")})
+    assert SamplingParams(logit_bias={}).logit_bias is None
+
+
 # --- temperature and truncation ----------------------------------------------------
 
 

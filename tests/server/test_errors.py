@@ -16,8 +16,13 @@ CASES = [
     (C, {"prompt": "x", "frobnicate": "two"}, 200, None, ""),  # unknown: ignored
     # vLLM fields not implemented here: their defaults pass, other values are refused.
     (C, {"prompt": "x", "echo": False, "logit_bias": {}, "best_of": 1}, 200, None, ""),
-    (C, {"prompt": "x", "echo": True}, 400, "echo", "not supported"),
-    (C, {"prompt": "x", "logit_bias": {"1": 2}}, 400, "logit_bias", "not supported"),
+    (C, {"prompt": "x", "best_of": 2}, 400, "best_of", "not supported"),
+    (C, {"prompt": "x", "use_beam_search": True}, 400, "use_beam_search", "not supported"),
+    (C, {"prompt": "x", "echo": "yes"}, 400, "echo", "boolean"),
+    (C, {"prompt": "x", "logit_bias": {"one": 2}}, 400, "logit_bias", "token id"),
+    (C, {"prompt": "x", "logit_bias": {"1": "2"}}, 400, "logit_bias.1", "number"),
+    (C, {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs", "20"),
+    (CHAT, {"messages": MSGS, "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs", "stream"),
     (C, {"prompt": "x", "min_tokens": -1}, 400, "min_tokens", "min_tokens"),
     (C, {"prompt": "x", "min_tokens": 20, "max_tokens": 5}, 400, "min_tokens", "max_tokens"),
     (CHAT, {"messages": MSGS, "allowed_token_ids": []}, 400, "allowed_token_ids", "allowed_token_ids"),

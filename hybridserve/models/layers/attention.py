@@ -121,7 +121,7 @@ class Attention(nn.Module):
         elif runs_triton(self.policy.prefill_attention, q.device):
             out = paged_attention_prefill.paged_attention_prefill_triton(
                 q, k_cache, v_cache, batch.query_start, batch.num_computed,
-                batch.block_tables, batch.positions, p.scale,
+                batch.block_tables, batch.positions, p.scale, tile_cache=batch.attention_tiles,
             )
         else:
             out = paged_attention_reference(

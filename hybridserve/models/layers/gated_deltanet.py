@@ -4,8 +4,9 @@
 Per token: projections -> ``qkv`` (q, k, v concatenated: the conv's channels), the output
 gate ``z [Hv, Dv]``, ``b`` and ``a [Hv]`` -> causal depthwise conv with SiLU over ``qkv``
 (no bias) -> q and k L2-normalised per head (q also scaled by ``Dk ** -0.5``) ->
-``beta = sigmoid(b)``, log decay ``g = -exp(A_log) * softplus(a + dt_bias)`` -> the gated
-delta rule (:mod:`hybridserve.kernels.gdn`; value head ``h`` reads key head
+``beta = sigmoid(b)``, log decay ``g = -exp(A_log) * softplus(a + dt_bias)`` (both in
+float32 at least, :func:`~hybridserve.kernels.gdn.gdn_gates`; the decode and packed-rows
+kernels compute them from the raw ``a, b`` themselves) -> the gated delta rule (:mod:`hybridserve.kernels.gdn`; value head ``h`` reads key head
 ``h // (Hv // Hk)``) -> per-value-head RMSNorm times ``silu(z)`` -> ``out_proj``.
 
 State contract (the same as Mamba2's, :mod:`hybridserve.models.batch`): every GDN layer
@@ -52,7 +53,7 @@ from hybridserve.config import KernelPolicy
 from hybridserve.kernels import gdn_chunked, gdn_decode, gdn_varlen, mamba_decode
 from hybridserve.kernels.conv1d import causal_conv1d_reference
 from hybridserve.kernels.conv_varlen import conv_varlen, conv_varlen_reference
-from hybridserve.kernels.gdn import gated_delta_rule_reference, l2_normalize
+from hybridserve.kernels.gdn import gated_delta_rule_reference, gdn_gates, l2_normalize
 from hybridserve.models.batch import ForwardBatch
 from hybridserve.models.config import GDNParams
 from hybridserve.models.layers.recurrent import RecurrentLayer, StateTensor
@@ -166,10 +167,10 @@ class GatedDeltaNet(RecurrentLayer):
     def gates(
         self, b: torch.Tensor, a: torch.Tensor, compute: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(beta, g)`` in ``compute``: ``sigmoid(b)`` (in the model dtype, as the reference)
-        and ``-exp(A_log) * softplus(a + dt_bias)``."""
-        beta = b.sigmoid().to(compute)
-        g = -self.A_log.to(compute).exp() * F.softplus(a.to(compute) + self.dt_bias.to(compute))
+        """``(beta, g)`` in ``compute``: ``sigmoid(b)`` and ``-exp(A_log) * softplus(a +
+        dt_bias)``, both computed in ``compute`` (float32 for a bfloat16 model, where the
+        reference takes the sigmoid in bfloat16: the kernels' arithmetic, on every path)."""
+        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias, compute)
         return beta, g
 
     def split_qkv(
@@ -202,7 +203,6 @@ class GatedDeltaNet(RecurrentLayer):
         p = self.p
         qkv, z, b, a = self.project(h)
         compute = torch.promote_types(h.dtype, torch.float32)
-        beta, g = self.gates(b, a, compute)
         weight = self.conv1d.weight[:, 0, :]
         # Rounding to the page dtype after every token is a no-op when it is the compute dtype.
         state_dtype = None if ssm_cache.dtype == compute else ssm_cache.dtype
@@ -210,17 +210,18 @@ class GatedDeltaNet(RecurrentLayer):
         if plan is None:
             raise ValueError("a Gated DeltaNet layer needs a planned batch (model.plan_step)")
         if plan.kind is StepKind.DECODE:
-            core = self._decode_rows(qkv, beta, g, plan, conv_cache, ssm_cache, compute,
+            core = self._decode_rows(qkv, a, b, plan, conv_cache, ssm_cache, compute,
                                      state_dtype is not None)
             y = self.norm(core.to(h.dtype), z)
             return self.out_proj(y.reshape(h.shape[0], p.value_dim))
         mode = packed_rows_mode(self.policy.gdn_rows, h.device, compute)
         packed = plan.varlen if mode else None
         if packed is not None:
-            core = self._packed_rows(qkv, beta, g, packed, conv_cache, ssm_cache, compute,
+            core = self._packed_rows(qkv, a, b, packed, conv_cache, ssm_cache, compute,
                                      state_dtype is not None, mode)
             y = self.norm(core.to(h.dtype), z)
             return self.out_proj(y.reshape(h.shape[0], p.value_dim))
+        beta, g = self.gates(b, a, compute)
         initial = [
             (conv_cache[page], ssm_cache[page]) if page >= 0 else (None, None)
             for page in batch.state_in_page
@@ -253,8 +254,8 @@ class GatedDeltaNet(RecurrentLayer):
     def _decode_rows(
         self,
         qkv: torch.Tensor,
-        beta: torch.Tensor,
-        g: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
         plan: StatePlan,
         conv_cache: torch.Tensor,
         ssm_cache: torch.Tensor,
@@ -262,7 +263,8 @@ class GatedDeltaNet(RecurrentLayer):
         round_state: bool,
     ) -> torch.Tensor:
         """The fast path of a uniform step: ``[T, Hv, Dv]`` delta-rule output (compute
-        dtype). Both launches read the rows' input pages and write only output pages."""
+        dtype). Both launches read the rows' input pages and write only output pages; the
+        recurrence takes the raw gate inputs ``a, b``."""
         # Triton on CUDA (float32 recurrence); the torch twins elsewhere, and for float64.
         fast = qkv.is_cuda and compute == torch.float32
         conv = mamba_decode.conv_decode_update if fast else mamba_decode.conv_decode_update_reference
@@ -277,14 +279,15 @@ class GatedDeltaNet(RecurrentLayer):
             self.p.activation,
         )
         q, k, v = self.split_qkv(x, compute)
-        out = rule(q, k, v, g, beta, ssm_cache, plan.in_pages, plan.decode_out_pages, round_state)
+        out = rule(q, k, v, a, b, ssm_cache, plan.in_pages, plan.decode_out_pages, round_state,
+                   A_log=self.A_log, dt_bias=self.dt_bias)
         return out.to(compute)
 
     def _packed_rows(
         self,
         qkv: torch.Tensor,
-        beta: torch.Tensor,
-        g: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
         plan: gdn_varlen.VarlenPlan,
         conv_cache: torch.Tensor,
         ssm_cache: torch.Tensor,
@@ -313,15 +316,16 @@ class GatedDeltaNet(RecurrentLayer):
         q, k, v = self.split_qkv(x, compute)
         starts = plan.query_start_host
         longest = max(b - a for a, b in zip(starts, starts[1:]))
+        gate_params = dict(A_log=self.A_log, dt_bias=self.dt_bias)
         if mode == "chunked" and not round_state:
             return gdn_chunked.gdn_prefill(
-                q, k, v, g, beta, ssm_cache, plan, chunk=self.policy.gdn_chunk
+                q, k, v, a, b, ssm_cache, plan, chunk=self.policy.gdn_chunk, **gate_params
             )
         if mode == "fla" and not round_state and longest > FLA_MIN_TOKENS:
             return gdn_chunked.gdn_prefill(
-                q, k, v, g, beta, ssm_cache, plan, gdn_chunked.chunk_scan_fla, rule,
-                chunk=self.policy.gdn_chunk,
+                q, k, v, a, b, ssm_cache, plan, gdn_chunked.chunk_scan_fla, rule,
+                chunk=self.policy.gdn_chunk, **gate_params,
             ).to(compute)
-        out = rule(q, k, v, g, beta, ssm_cache, plan.query_start, plan.in_pages,
-                   plan.token_out_pages, round_state)
+        out = rule(q, k, v, a, b, ssm_cache, plan.query_start, plan.in_pages,
+                   plan.token_out_pages, round_state, **gate_params)
         return out.to(compute)

@@ -142,7 +142,8 @@ class Mamba2Mixer(RecurrentLayer):
             limit = p.time_step_limit
             if single and not p.clamp_dt_in_single_token_step:
                 limit = None
-            dt_i = discretize_dt(dt[s:e], self.dt_bias, limit)
+            # float32 at least, whatever the activations' dtype (mamba_decode, Numerics).
+            dt_i = discretize_dt(dt[s:e].to(compute), self.dt_bias.to(compute), limit)
             if single:
                 y0, state = ssd_step_reference(x[0], dt_i[0], A, B[0], C[0], self.D, ssm_in)
                 y_i = y0[None]
@@ -218,10 +219,10 @@ class Mamba2Mixer(RecurrentLayer):
         limit = p.time_step_limit
         if plan.q == 1 and not p.clamp_dt_in_single_token_step:
             limit = None
-        dt = discretize_dt(dt, self.dt_bias, limit)
+        # The projection's raw dt: the recurrence discretises it in float32 itself.
         y = ssm(
             x,
-            dt.contiguous(),
+            dt if fast else dt.contiguous(),
             A,
             B,
             C,
@@ -229,6 +230,8 @@ class Mamba2Mixer(RecurrentLayer):
             ssm_cache,
             plan.in_pages,
             plan.token_out_pages,
+            dt_bias=self.dt_bias,
+            time_step_limit=limit,
         )
         return y.reshape(t, p.intermediate_size)
 
@@ -248,10 +251,12 @@ class Mamba2Mixer(RecurrentLayer):
         t = xbc.shape[0]
         fast = plan.triton
         ssm = mamba_decode.ssm_update if fast else mamba_decode.ssm_update_reference
-        x, B, C, dt = self._packed_conv_dt(xbc, dt, plan, conv_cache, fast)
+        x, B, C = self._packed_conv(xbc, plan, conv_cache, fast)
+        # The projection's raw dt (discretised in float32 by the recurrence); as per row,
+        # one-token continuation rows skip the clamp unless the model asks for it.
         y = ssm(
             x,
-            dt.contiguous(),
+            dt if fast else dt.contiguous(),
             A,
             B,
             C,
@@ -260,22 +265,22 @@ class Mamba2Mixer(RecurrentLayer):
             plan.in_pages,
             plan.token_out_pages,
             plan.query_start,
+            dt_bias=self.dt_bias,
+            time_step_limit=p.time_step_limit,
+            unclamped=None if p.clamp_dt_in_single_token_step else plan.unclamped,
         )
         return y.reshape(t, p.intermediate_size).to(A.dtype)
 
-    def _packed_conv_dt(
+    def _packed_conv(
         self,
         xbc: torch.Tensor,
-        dt: torch.Tensor,
         plan: StatePlan,
         conv_cache: torch.Tensor,
         fast: bool,
-        discretize: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The conv of a packed step (the Triton kernel when ``fast``, else its twin), which
-        also writes the window after every token with a page in ``plan.token_out_pages``,
-        and the step's dt: ``x [T, H, P]``, ``B, C [T, G, N]``, ``dt [T, H]`` (discretised
-        unless ``discretize`` is False)."""
+        also writes the window after every token with a page in ``plan.token_out_pages``:
+        ``x [T, H, P]``, ``B, C [T, G, N]``."""
         p = self.p
         conv = conv_varlen if fast else conv_varlen_reference
         # A step that asks for no state asks for no window: the conv then skips that mode.
@@ -292,13 +297,7 @@ class Mamba2Mixer(RecurrentLayer):
             plan.token_row,
             out_pages=plan.token_out_pages if windows else None,
         )
-        x, B, C = self._split_heads(xbc)
-        if not discretize:
-            return x, B, C, dt
-        # As per row: one-token continuation rows skip the clamp unless the model asks for it.
-        unclamped = None if p.clamp_dt_in_single_token_step else plan.unclamped
-        dt = ssd_varlen.discretize_dt_varlen(dt, self.dt_bias, p.time_step_limit, unclamped)
-        return x, B, C, dt.contiguous()
+        return self._split_heads(xbc)
 
     def _prefill_rows(
         self,
@@ -323,9 +322,9 @@ class Mamba2Mixer(RecurrentLayer):
         )
         # Triton on CUDA (float32 accumulation); the torch twin elsewhere, and for float64.
         # The raw dt goes to the scan, which discretises it (a fused scan: in float32,
-        # inside its kernel) with the per-row clamp exception of the per-row path.
-        x, B, C, dt = self._packed_conv_dt(xbc, dt, plan, conv_cache, plan.triton,
-                                           discretize=False)
+        # inside its kernel; a plain one: in the compute dtype before it) with the per-row
+        # clamp exception of the per-row path.
+        x, B, C = self._packed_conv(xbc, plan, conv_cache, plan.triton)
         direct = {}
         if ssd_varlen.is_fused(plan.scan) and ssm_cache.is_contiguous():
             direct = {"out_cache": ssm_cache, "out_pages": plan.out_pages}

@@ -1,0 +1,310 @@
+"""Short-row graphs (``DecodeGraphs.replay_short``): a prompt's tail after a cached prefix
+replayed from a CUDA graph of rows padded to a token bucket. On the CPU (no capture) the
+same static-buffer step runs eagerly; these tests check it against the ordinary path (the
+same tokens, the same cache entries written), the buffer's layout (padding tokens and
+rows), and every fallback to eager. The capture itself is checked on CUDA (``gpu``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridserve import LLM, SamplingParams
+from hybridserve.config import KernelPolicy
+from hybridserve.engine.engine_core import EngineCore
+from hybridserve.engine.request import Request
+from hybridserve.runner.cuda_graph import (
+    GREEDY,
+    DecodeGraphs,
+    Sampling,
+    ShortShape,
+    _ShortStatic,
+    short_tokens_bucket,
+)
+from hybridserve.step import ScheduledRow, SchedulerOutput
+
+# The short-row path with its torch twins: the path a cached prompt's tail takes on
+# CUDA (with the Triton kernels), which the CPU's "auto" does not take.
+SHORT = KernelPolicy(short_rows="reference")
+
+
+def _seed() -> int:
+    return int(torch.randint(0, 2**31 - 1, ()))
+
+
+def _rebuild(llm: LLM, enforce_eager: bool) -> LLM:
+    eng = llm.engine
+    llm.engine = None
+    llm.engine = EngineCore(llm.config, llm.model, llm.tokenizer, eng.vocab_size,
+                            eng.eos_token_ids, enforce_eager=enforce_eager,
+                            async_scheduling=False)
+    return llm
+
+
+def _prefill_row(n, q, page, outs, blocks, tokens, samples=True, params=None):
+    """A prefill row of ``q`` tokens after ``n`` computed ones; ``outs``: {p: page}."""
+    req = Request("x", list(tokens), params or SamplingParams(temperature=0.0), 0)
+    req.block_ids = list(blocks)
+    return ScheduledRow(request=req, num_computed=n, num_tokens=q, num_drafts=0,
+                        samples=samples, state_in_page=page, is_decode=False,
+                        state_outputs=dict(outs))
+
+
+def test_token_buckets():
+    assert [short_tokens_bucket(n) for n in (2, 17, 32, 33, 100, 128, 129, 512)] == [
+        32, 32, 32, 64, 128, 128, 256, 512]
+
+
+def _graphs(path, policy=SHORT) -> DecodeGraphs:
+    """Graphs for at most 8 rows and 8-block tables; scratch block 60, scratch page 90."""
+    llm = LLM(path, kernel_policy=policy)
+    return DecodeGraphs(llm.model, llm.engine.runner.caches, 16, 8, 8, 60, 90, "cpu",
+                        capture=False)
+
+
+def test_shape_and_fallbacks(tiny_nemotron):
+    graphs = _graphs(tiny_nemotron)
+    model = graphs.model
+    toks = list(range(3, 103))
+
+    def row(**kw):
+        args = dict(n=40, q=30, page=3, outs={70: 5}, blocks=(1, 2, 3, 4, 5), tokens=toks)
+        args.update(kw)
+        return _prefill_row(**args)
+
+    def shape(*rows, m=model):
+        return graphs.short_shape_of(SchedulerOutput(list(rows), []), m)
+
+    assert shape(row()) == ShortShape(1, 1, 32, 8, SHORT)
+    assert shape(row(), row(q=50, page=4, outs={90: 6}, blocks=(1, 2, 3, 4, 6, 7))) == (
+        ShortShape(2, 2, 64, 8, SHORT))
+    assert shape(row(page=-1, n=0, q=70, outs={70: 5})).tokens == 128  # a cold prompt too
+    assert shape(row(samples=False)) is not None  # a middle chunk: its choice is dropped
+    decode = row(q=1, outs={41: 5})
+    decode.is_decode = True
+    assert shape(decode) is None
+    assert shape(row(q=1, outs={41: 5})) is None  # one token: the dt clamp exception
+    assert shape(row(q=8, outs={48: 5}), row(q=8, page=4, outs={48: 6})) is None  # uniform
+    assert shape(row(q=600, n=0, outs={600: 5}, tokens=range(3, 700))) is None  # too long
+    assert shape(*[row(page=10 + i, outs={70: 20 + i}) for i in range(9)]) is None
+    sampled = shape(row(params=SamplingParams(temperature=0.8, top_k=5, seed=3)))
+    assert sampled.sampling == Sampling(any_sampled=True, top_k=8)
+    assert sampled.key != shape(row()).key
+    # A row that does not sample draws nothing: its parameters do not count.
+    assert shape(row(params=SamplingParams(temperature=0.8), samples=False)).sampling == GREEDY
+    assert shape(row(params=SamplingParams(temperature=0.8, presence_penalty=0.5))) is None
+    assert shape(row(params=SamplingParams(temperature=0.0, logprobs=1))) is None
+    assert shape(row(), row(page=5, outs={70: 6})) is None  # writes a page another reads
+    assert shape(row(), row(page=4, outs={70: 5})) is None  # repeats an output page
+    assert shape(row(outs={71: 5})) is None  # an output past the row
+    assert shape(row(blocks=(1, 2, 3))) is None  # blocks missing for the context
+    assert shape(row(n=200, blocks=range(20), tokens=range(3, 300))) is None  # too wide
+    # The CPU's default policy plans these steps on the packed path: no short graphs.
+    default = LLM(tiny_nemotron).model
+    assert shape(row(), m=default) is None
+    graphs.short_enabled = False
+    assert shape(row()) is None
+
+
+def test_gated_deltanet_models_take_no_short_graphs(tiny_qwen3_5):
+    graphs = _graphs(tiny_qwen3_5)
+    row = _prefill_row(40, 30, 3, {70: 5}, (1, 2, 3, 4, 5), range(3, 103))
+    assert not graphs.short_supported
+    assert graphs.short_shape_of(SchedulerOutput([row], []), graphs.model) is None
+
+
+def test_fill_pads_tokens_and_rows(tiny_nemotron):
+    graphs = _graphs(tiny_nemotron)
+    toks = list(range(3, 103))
+    rows = [_prefill_row(40, 20, 3, {48: 7, 60: 8}, (9, 8, 5, 4), toks),
+            _prefill_row(0, 34, -1, {34: 11}, (6, 2, 1), toks)]
+    sched = SchedulerOutput(rows, [])
+    shape = graphs.short_shape_of(sched, graphs.model)
+    assert shape == ShortShape(2, 2, 64, 8, SHORT)  # tables always the widest
+    st = _ShortStatic(64, graphs.max_batch, graphs.max_blocks, 60, 90, 16, torch.device("cpu"))
+    st.host[:] = 999  # stale values must be overwritten where the step reads them
+    three = ShortShape(2, 4, 64, 8, SHORT)  # and a bucket of 4: two padding rows
+    graphs.fill_short(st, sched, three)
+    m = st.meta
+    q, tab = 64, 4 * 64 + 1
+    r0 = m[0].tolist()
+    assert r0[:20] == toks[40:60] and r0[20:q] == [toks[59]] * 44  # padding repeats
+    assert r0[q : q + 20] == list(range(40, 60)) and r0[q + 20 : 2 * q] == [59] * 44
+    slots = [[9, 8, 5, 4][p // 16] * 16 + p % 16 for p in range(40, 60)]
+    assert r0[2 * q : 2 * q + 20] == slots
+    assert r0[2 * q + 20 : 3 * q] == [60 * 16 + t % 16 for t in range(20, 64)]  # scratch
+    outs = [-1] * q
+    outs[7], outs[19] = 7, 8  # the states after positions 47 and 59
+    assert r0[3 * q] == 3 and r0[3 * q + 1 : 4 * q + 1] == outs
+    assert r0[tab : tab + 8] == [9, 8, 5, 4, -1, -1, -1, -1] and r0[st.last] == 19
+    r1 = m[1].tolist()
+    assert r1[:34] == toks[:34] and r1[3 * q] == -1 and r1[3 * q + 34] == 11
+    assert r1[tab : tab + 8] == [6, 2, 1] + [-1] * 5 and r1[st.last] == 33
+    for r in (2, 3):  # padding rows: position 0, the scratch block and page, no state
+        pad = m[r].tolist()
+        assert pad[q : 2 * q] == [0] * q and pad[3 * q] == 90
+        assert pad[3 * q + 1 : 4 * q + 1] == [-1] * q
+        assert pad[tab] == 60 and pad[st.last] == 0
+    assert st.context_lens == [60, 34, 1, 1]
+
+
+def test_static_step_matches_the_eager_step(tiny_nemotron):
+    """One short-row step over random caches (three rows with cached prefixes, one a cold
+    start; a bucket of 4 with a padding row; rows padded from 37, 20 and 50 tokens to 64):
+    the static-buffer step gives the eager step's tokens and writes the same entries."""
+    g = torch.Generator().manual_seed(_seed())
+    runner = LLM(tiny_nemotron, kernel_policy=SHORT, max_num_seqs=8).engine.runner
+    caches = runner.caches
+    scratch_block, scratch_page = caches.kv[next(iter(caches.kv))][0].shape[0] - 1, 103
+    tensors = [(t, scratch_page) for t in [*caches.conv.values(), *caches.ssm.values()]]
+    tensors += [(t, scratch_block) for kv in caches.kv.values() for t in kv]
+    for t, _ in tensors:
+        t.copy_(torch.randn(t.shape, generator=g))
+    pages = torch.randperm(100, generator=g).tolist()
+    blocks = torch.randperm(200, generator=g).tolist()
+    rows = []
+    for i, (n, q) in enumerate([(70, 37), (0, 20), (33, 50)]):
+        toks = torch.randint(3, 256, (n + q,), generator=g).tolist()
+        outs = {n + q: pages[10 + 2 * i]}
+        if q > 16:
+            outs[n + 16] = pages[11 + 2 * i]
+        rows.append(_prefill_row(n, q, pages[i] if n else -1, outs,
+                                 blocks[8 * i : 8 * i + 8], toks, samples=i != 1))
+    sched = SchedulerOutput(rows, [])
+
+    def snapshot():
+        out = []
+        for t, scratch in tensors:
+            c = t.clone()
+            c[scratch] = 0  # padding writes the scratch block
+            out.append(c)
+        return out
+
+    start = [t.clone() for t, _ in tensors]
+    before = snapshot()
+    want = [r.new_tokens for r in runner.execute(sched).rows]
+    eager = snapshot()
+    for (t, _), s in zip(tensors, start):
+        t.copy_(s)
+    graphs = runner.enable_decode_graphs(8, scratch_block, scratch_page)
+    got = [r.new_tokens for r in runner.execute(sched).rows]
+    assert graphs.counters["short_graph_steps"] == 1 and graphs.counters["eager_steps"] == 0
+    assert got == want and got[1] == [] and len(got[0]) == 1
+    for a, b, s in zip(snapshot(), eager, before):
+        assert torch.equal(a != s, b != s)  # the same entries written
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # The scratch page is read by the padding row, never written (graphs zero it).
+    states = len(caches.conv) + len(caches.ssm)
+    for t, _ in tensors[:states]:
+        assert not t[scratch_page].any()
+
+
+def _cached_prompts(g, prefix_len, tails):
+    prefix = torch.randint(3, 256, (prefix_len,), generator=g).tolist()
+    return prefix, [prefix + torch.randint(3, 256, (t,), generator=g).tolist() for t in tails]
+
+
+@pytest.mark.parametrize("fixture", ["tiny_nemotron", "tiny_granite"])
+def test_cached_prefix_generation_same_tokens(request, fixture):
+    """Prompts over a cached prefix (checkpoints every 16 tokens): the first token of each
+    comes from a short-row graph step, then decode graphs; every token equals the eager
+    engine's."""
+    path = request.getfixturevalue(fixture)
+    g = torch.Generator().manual_seed(_seed())
+    prefix, prompts = _cached_prompts(g, 96, (40, 23, 61))
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    kw = dict(kernel_policy=SHORT, enable_prefix_caching=True, state_interval=16,
+              max_num_seqs=4)
+
+    def run(enforce_eager):
+        llm = _rebuild(LLM(path, **kw), enforce_eager)
+        llm.generate([prefix + [5, 6, 7]], params, use_tqdm=False)  # caches the prefix
+        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+        assert all(o.num_cached_tokens == 96 for o in outs)
+        return [o.outputs[0].token_ids for o in outs], llm.engine.runner.graphs
+
+    want, _ = run(True)
+    got, graphs = run(False)
+    assert got == want
+    assert graphs.counters["short_graph_steps"] >= len(prompts), graphs.counters
+
+
+def test_sampled_first_tokens_are_the_eager_draws(tiny_nemotron):
+    """Seeded sampled requests over a cached prefix (temperature, top-k, top-p, min-p,
+    a greedy one beside them, in one step): the short-row graph step draws exactly the
+    eager step's first tokens (one counter-based stream)."""
+    g = torch.Generator().manual_seed(_seed())
+    prefix, prompts = _cached_prompts(g, 64, (40, 23, 61, 35, 50))
+    params = [
+        SamplingParams(temperature=0.9, seed=11, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=0.7, top_k=20, seed=12, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=1.2, top_p=0.8, seed=13, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=0.8, min_p=0.05, seed=14, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+    ]
+    kw = dict(kernel_policy=SHORT, enable_prefix_caching=True, state_interval=16,
+              max_num_seqs=8)
+
+    def run(enforce_eager):
+        llm = _rebuild(LLM(tiny_nemotron, **kw), enforce_eager)
+        llm.generate([prefix + [5, 6, 7]], params[-1], use_tqdm=False)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert all(o.num_cached_tokens == 64 for o in outs)
+        return [o.outputs[0].token_ids for o in outs], llm.engine.runner.graphs
+
+    want, _ = run(True)
+    got, graphs = run(False)
+    assert got == want
+    assert graphs.counters["short_graph_steps"] >= 1, graphs.counters
+    assert any(k[0] == "short" and k[-1].any_sampled for k in graphs._graphs)
+
+
+@pytest.mark.gpu
+def test_captured_short_steps_match_eager_on_cuda(tiny_nemotron):
+    """On CUDA: the cached prompts' first tokens replay from captured short-row graphs
+    (default policy: the Triton short-row path) and every token equals the eager
+    engine's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator().manual_seed(_seed())
+    prefix, prompts = _cached_prompts(g, 160, (128, 100, 37))
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    kw = dict(device="cuda", enable_prefix_caching=True, state_interval=16, max_num_seqs=4)
+
+    def run(enforce_eager):
+        llm = _rebuild(LLM(tiny_nemotron, **kw), enforce_eager)
+        llm.generate([prefix + [5, 6, 7]], params, use_tqdm=False)
+        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+        return [o.outputs[0].token_ids for o in outs], llm.engine.runner.graphs
+
+    want, _ = run(True)
+    got, graphs = run(False)
+    assert not graphs.capture_errors, graphs.capture_errors
+    assert graphs.counters["short_captures"] >= 1, graphs.counters
+    assert graphs.counters["short_graph_steps"] >= len(prompts), graphs.counters
+    assert got == want
+
+
+def test_prefill_attention_reuses_a_tile_cache():
+    """The tile-map cache a short-row graph passes: filled on the first call, then read
+    instead of recomputing (an empty map there runs no program: the output is untouched),
+    with the same result as without a cache."""
+    from hybridserve.kernels.paged_attention_prefill import paged_attention_prefill_triton
+
+    g = torch.Generator().manual_seed(_seed())
+    k = torch.randn(4, 16, 1, 16, generator=g)
+    v = torch.randn(4, 16, 1, 16, generator=g)
+    q = torch.randn(7, 2, 16, generator=g)
+    tables = torch.tensor([[2, 0], [3, -1]], dtype=torch.int32)
+    positions = torch.tensor([17, 18, 19, 20, 3, 4, 5])
+    args = (q, k, v, [0, 4, 7], [17, 3], tables, positions, 0.25)
+    want = paged_attention_prefill_triton(*args)
+    cache: dict[int, torch.Tensor] = {}
+    got = paged_attention_prefill_triton(*args, tile_cache=cache)
+    assert torch.equal(got, want) and len(cache) == 1
+    assert torch.equal(paged_attention_prefill_triton(*args, tile_cache=cache), want)
+    per_tile = next(iter(cache))
+    cache[per_tile] = cache[per_tile][:0]
+    out = torch.full_like(q, 7.0)
+    paged_attention_prefill_triton(*args, tile_cache=cache, out=out)
+    assert (out == 7.0).all()
