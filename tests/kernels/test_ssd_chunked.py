@@ -336,8 +336,10 @@ def test_ssd_prefill_fused_needs_the_raw_dt_and_the_chunk_plan():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.skipif(INTERPRETED, reason="compiles the kernel: run with TRITON_INTERPRET=0")
-@pytest.mark.parametrize("precision", ["tf32", "ieee"])
+@pytest.mark.parametrize("precision", ["auto", "tf32", "ieee"])
 def test_gpu_kernel_matches_float64_twin(precision, record_property):
+    """bf16 inputs: ``auto`` takes the split 16-bit products (expected near 1e-5),
+    ``tf32`` / ``ieee`` float32 operands."""
     g = torch.Generator().manual_seed(_seed())
     case = ([4096, 1, 700, 64, 2000], 16, 64, 2, 128, True, True, LIMIT, True, None)
     args, kwargs, _, states, want, want_states, _ = _run_both(case, g, torch.bfloat16)
