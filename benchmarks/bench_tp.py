@@ -36,6 +36,7 @@ Issue 22's run (two H200s)::
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -373,6 +374,7 @@ def main(argv=None) -> int:
             finally:
                 llm.shutdown()
                 del llm
+                gc.collect()  # the engine's caches, before the next engine allocates its own
                 if args.device.startswith("cuda"):
                     torch.cuda.empty_cache()
         if args.device.startswith("cuda") and tps[0] == 1 and not args.no_graphs_baseline:
@@ -392,6 +394,7 @@ def main(argv=None) -> int:
                 ]
                 llm.shutdown()
                 del llm
+                gc.collect()
                 torch.cuda.empty_cache()
             except Exception as e:  # a baseline: the TP results above stand without it
                 result["tp1_graphs_error"] = f"{type(e).__name__}: {e}"

@@ -120,7 +120,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--speculative-config", type=_json_object, default=None, metavar="JSON",
         help='speculative decoding as vLLM spells it, e.g. \'{"method": "mtp", '
-        '"num_speculative_tokens": 3}\' (methods: ngram, mtp, draft_model with "model": PATH)',
+        '"num_speculative_tokens": 3}\' (methods: ngram, mtp, draft_model with "model": PATH, or "default-draft" for the default model)',
     )
     p.add_argument("--seed", type=int, default=0, help="random seed of sampling")
     p.add_argument(

@@ -262,6 +262,13 @@ class KernelPolicy:
       ``"triton"``, ``"reference"``, ``"chunked"``, ``"fla"`` or ``"off"``
       (:func:`hybridserve.models.layers.gated_deltanet.packed_rows_mode`);
       ``gdn_chunk`` the chunk length of its chunked form (fla-core's is 64).
+    - ``short_graphs``: short-row steps (a cached prefix's tail) replayed from graphs
+      beside the decode graphs (:meth:`hybridserve.runner.cuda_graph.DecodeGraphs.replay_short`):
+      ``"on"``, ``"off"``, or ``"auto"``: on where steps are not captured (the static
+      step runs eagerly, as the CPU tests drive it), off under real CUDA capture until
+      the H200 comparison of captured and eager tokens
+      (``test_captured_short_steps_match_eager_on_cuda``, ``bench_gpu.py``'s first-token
+      section) has passed.
     """
 
     uniform_decode: bool = True
@@ -274,8 +281,13 @@ class KernelPolicy:
     moe: str = "auto"
     gdn_rows: str = "auto"
     gdn_chunk: int = 64
+    short_graphs: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.short_graphs not in ("auto", "on", "off"):
+            raise ValueError(
+                f"kernel_policy.short_graphs={self.short_graphs!r}: choose from ('auto', 'on', 'off')"
+            )
         for name in ("decode_attention", "prefill_attention", "norms", "moe"):
             value = getattr(self, name)
             if value not in KERNEL_MODES:

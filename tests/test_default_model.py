@@ -34,6 +34,7 @@ def test_demo_runs(capsys):
     assert main(["demo", "--num-threads", "1"]) == 0
     text = capsys.readouterr().out
     assert "Shared prefix" in text and "acceptance rate" in text
+    assert "n-gram: acceptance rate" in text and "draft model: acceptance rate" in text  # the trained draft too
     assert "NO" not in text.split()  # every cached and speculative output equals the plain one
 
 

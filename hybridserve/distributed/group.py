@@ -12,6 +12,8 @@ can live in one process one after the other):
   (:meth:`broadcast_object`) and the start-up handshake (:meth:`all_gather_object`). Host
   objects never travel through device memory, so sending a plan costs no device sync.
 
+Rank 0 hosts the store and waits for every rank to count itself in (``check_peers``
+reports a rank whose process died first, instead of waiting out ``timeout``).
 Every rank must call every collective in the same order; a rank that stops calling them
 leaves the others waiting until ``timeout`` (the error then names the collective).
 
@@ -50,6 +52,7 @@ class TensorGroup:
         port: int,
         device: torch.device | str = "cpu",
         timeout_s: float = 600.0,
+        check_peers=None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside tensor_parallel_size={world_size}")
@@ -58,8 +61,9 @@ class TensorGroup:
         self.device = torch.device(device)
         timeout = datetime.timedelta(seconds=timeout_s)
         self._store = dist.TCPStore(
-            "127.0.0.1", port, world_size, rank == 0, timeout=timeout, wait_for_workers=True
+            "127.0.0.1", port, world_size, rank == 0, timeout=timeout, wait_for_workers=False
         )
+        self._join(timeout_s, check_peers)
         self.control = dist.ProcessGroupGloo(
             dist.PrefixStore("control", self._store), rank, world_size, timeout
         )
@@ -79,6 +83,24 @@ class TensorGroup:
         self.timed = False
         self.reduce_seconds = 0.0
         self.num_reduces = 0
+
+    def _join(self, timeout_s: float, check_peers) -> None:
+        """Every rank counts itself in; rank 0 waits for the others, calling
+        ``check_peers()`` (None, or why a peer cannot come: a process that died) while it
+        waits, so a rank that dies at start-up fails rank 0 at once, not at the timeout."""
+        self._store.add("joined", 1)
+        if self.rank != 0:
+            return
+        deadline = time.monotonic() + timeout_s
+        while self._store.add("joined", 0) < self.world_size:
+            problem = check_peers() if check_peers is not None else None
+            if problem:
+                raise RuntimeError(problem)
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"tensor-parallel ranks did not all start within {timeout_s:.0f} s"
+                )
+            time.sleep(0.05)
 
     def close(self) -> None:
         """Release the forward's communicators (NCCL's; gloo needs nothing). The group

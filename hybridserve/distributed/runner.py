@@ -9,7 +9,8 @@ clock or a hash seed; one bug there and ranks run different pages silently. Inst
 the engine (scheduler, drafter, sampler, state postprocess, page bookkeeping) runs on
 rank 0 only and sends, per step, exactly what a worker's forward reads: each row's
 input token ids, block table, computed count, state input page and output pages, and
-the step's host-tier copies. Page ids, checkpoints and postprocess decisions are then
+the step's host-tier copies (and, for a request asking for prompt logprobs, the prompt
+tokens its positions predict: computing those logits is a collective). Page ids, checkpoints and postprocess decisions are then
 the same on every rank by construction (there is one of each), and a worker keeps no
 request state at all.
 
@@ -30,14 +31,14 @@ import torch
 from hybridserve.runner.model_runner import ModelRunner
 from hybridserve.step import SchedulerOutput, StepResult, Transfers
 
-# Row header fields in the plan, in order.
+# Row header fields in the plan, in order (prompt_logprobs: -1 for None).
 _HEADER = ("num_computed", "num_tokens", "num_drafts", "samples", "state_in_page",
-           "is_decode", "num_blocks", "num_outputs")
+           "is_decode", "num_blocks", "num_outputs", "prompt_logprobs", "prompt_len")
 
 
 def encode_step(sched: SchedulerOutput) -> dict:
     """What a worker needs of ``sched``: int64 arrays (see the module docstring)."""
-    header, tokens, blocks, outputs = [], [], [], []
+    header, tokens, blocks, outputs, prompt = [], [], [], [], []
     for row in sched.rows:
         if row.ahead:
             raise RuntimeError("a step scheduled ahead cannot run under tensor parallelism")
@@ -48,14 +49,21 @@ def encode_step(sched: SchedulerOutput) -> dict:
         blocks += req.block_ids
         for p, page in row.state_outputs.items():
             outputs += (p, page)
+        k = req.params.prompt_logprobs
+        if k is not None:
+            # The prompt tokens this row's positions predict (the runner's prompt
+            # logprobs compute the logits there, a collective every rank joins).
+            prompt += req.prompt_token_ids[n + 1 : n + 1 + q]
         header += (n, q, d, int(row.samples), row.state_in_page, int(row.is_decode),
-                   len(req.block_ids), len(row.state_outputs))
+                   len(req.block_ids), len(row.state_outputs), -1 if k is None else k,
+                   len(req.prompt_token_ids))
     t = sched.transfers
     return {
         "header": np.asarray(header, dtype=np.int64),
         "tokens": np.asarray(tokens, dtype=np.int64),
         "blocks": np.asarray(blocks, dtype=np.int64),
         "outputs": np.asarray(outputs, dtype=np.int64),
+        "prompt": np.asarray(prompt, dtype=np.int64),
         "offloads": list(t.offloads),
         "restores": list(t.restores),
     }
@@ -75,16 +83,42 @@ class _Tokens:
         return self.tokens[s.start - self.start : s.stop - self.start]
 
 
+class _Prompt(_Tokens):
+    """The prompt tokens a row's positions predict, standing in for ``prompt_token_ids``
+    (its length is the whole prompt's)."""
+
+    __slots__ = ("length",)
+
+    def __init__(self, start: int, tokens: list[int], length: int) -> None:
+        super().__init__(start, tokens)
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+
+class _PlannedParams:
+    __slots__ = ("prompt_logprobs",)
+
+    def __init__(self, prompt_logprobs: int | None) -> None:
+        self.prompt_logprobs = prompt_logprobs
+
+
+_NO_PROMPT_LOGPROBS = _PlannedParams(None)
+
+
 class _PlannedRequest:
     """The fields of :class:`~hybridserve.step.ScheduledRequest` a worker's forward reads."""
 
-    __slots__ = ("all_token_ids", "draft_token_ids", "block_ids")
+    __slots__ = ("all_token_ids", "draft_token_ids", "block_ids", "params", "prompt_token_ids")
 
     def __init__(self, all_token_ids: _Tokens, draft_token_ids: list[int],
-                 block_ids: list[int]) -> None:
+                 block_ids: list[int], params: _PlannedParams, prompt_token_ids) -> None:
         self.all_token_ids = all_token_ids
         self.draft_token_ids = draft_token_ids
         self.block_ids = block_ids
+        self.params = params
+        self.prompt_token_ids = prompt_token_ids
 
 
 class _PlannedRow:
@@ -111,11 +145,18 @@ def decode_step(plan: dict) -> SchedulerOutput:
     tokens = plan["tokens"].tolist()
     blocks = plan["blocks"].tolist()
     outputs = plan["outputs"].tolist()
+    prompt = plan["prompt"].tolist()
     rows = []
-    t = b = o = 0
-    for n, q, d, samples, state_in, is_decode, nb, no in header:
+    t = b = o = w = 0
+    for n, q, d, samples, state_in, is_decode, nb, no, k, length in header:
         toks = tokens[t : t + q]
-        req = _PlannedRequest(_Tokens(n, toks[: q - d]), toks[q - d :], blocks[b : b + nb])
+        params, window = _NO_PROMPT_LOGPROBS, None
+        if k >= 0:
+            width = len(prompt[w : w + q][: max(0, length - n - 1)])
+            params, window = _PlannedParams(k), _Prompt(n + 1, prompt[w : w + width], length)
+            w += width
+        req = _PlannedRequest(_Tokens(n, toks[: q - d]), toks[q - d :], blocks[b : b + nb],
+                              params, window)
         outs = dict(zip(outputs[o : o + 2 * no : 2], outputs[o + 1 : o + 2 * no : 2]))
         rows.append(_PlannedRow(req, n, q, d, samples, state_in, is_decode, outs))
         t, b, o = t + q, b + nb, o + 2 * no

@@ -94,7 +94,19 @@ def start_tensor_parallel(spec_kwargs: dict):
         proc.start()
         procs.append(proc)
     try:
-        group = TensorGroup(0, spec.world_size, port, rank_device(spec.device, 0), spec.timeout_s)
+        def check_peers() -> str | None:
+            for rank, proc in enumerate(procs, start=1):
+                if not proc.is_alive():
+                    return (
+                        f"tensor-parallel rank {rank} exited (code {proc.exitcode}) before "
+                        "joining; its error is on standard error. If the main module builds "
+                        "the LLM at its top level, guard that with "
+                        "if __name__ == '__main__': (every rank re-imports the main module)"
+                    )
+            return None
+
+        group = TensorGroup(0, spec.world_size, port, rank_device(spec.device, 0),
+                            spec.timeout_s, check_peers)
         error = None
         try:
             model = _load(spec, group)
@@ -150,7 +162,6 @@ def worker_main(rank: int, spec: WorkerSpec) -> None:
             group.all_gather_object(profile_activation_peak(model, *sizes, device))
     caches = model.cache_spec.allocate(**sizes["allocate"], device=device)
     runner = ModelRunner(model, caches, sizes["kv_block_size"], sizes["max_num_seqs"], device)
-    runner.computes_prompt_logprobs = False
     if sizes["host_pages"]:
         runner.host_pool = HostStatePool(caches.states, sizes["host_pages"])
     with torch.inference_mode():

@@ -59,11 +59,25 @@ import torch
 
 from hybridserve.cache.block_pool import BlockPool, chain_hash
 from hybridserve.cache.state_cache import StateCache
+from hybridserve.default_model import DRAFT_PATH
 from hybridserve.drafters.base import DraftRequest, choose_drafts
 from hybridserve.models.batch import ForwardBatch
 
 if TYPE_CHECKING:
     from hybridserve.config import EngineConfig
+
+
+# Short names for ``speculative_config.model``: draft models shipped with the package.
+NAMED_DRAFT_MODELS = {"default-draft": DRAFT_PATH}
+
+
+def resolve_draft_model(model: str) -> Path:
+    """The checkpoint directory ``speculative_config.model`` names: a short name of
+    :data:`NAMED_DRAFT_MODELS` (``"default-draft"``: the draft model trained for the
+    embedded default model, for that model), else a path."""
+    if model in NAMED_DRAFT_MODELS:
+        return NAMED_DRAFT_MODELS[model]
+    return Path(model).expanduser()
 
 
 def _keep_logq(store: dict, requests: Sequence[DraftRequest], logq: dict[int, list]) -> None:
@@ -125,7 +139,7 @@ class DraftModelDrafter:
         from hybridserve.models.loader import load_model
 
         spec = config.speculative
-        path = Path(spec.model).expanduser()
+        path = resolve_draft_model(spec.model)
         if not (path / "config.json").exists():
             raise ValueError(
                 f"speculative_config.model={spec.model!r} is not a checkpoint directory "

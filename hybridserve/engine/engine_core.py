@@ -119,7 +119,6 @@ class EngineCore:
         # Decode graphs pad steps with rows that write one KV block and read one state
         # page past the ranges the pools hand out.
         scratch = 0 if enforce_eager else 1
-        self.tensor_parallel = tensor_group is not None
         if tensor_group is not None and not enforce_eager:
             raise ValueError("enforce_eager=False (decode graphs) does not run under "
                              "tensor_parallel_size > 1 yet; leave it unset")
@@ -234,10 +233,6 @@ class EngineCore:
             raise ValueError(f"allowed_token_ids must be token ids in [0, {self.vocab_size})")
         if params.logit_bias is not None and max(params.logit_bias) >= self.vocab_size:
             raise ValueError(f"logit_bias must name token ids in [0, {self.vocab_size})")
-        if params.prompt_logprobs is not None and self.tensor_parallel:
-            # The head is split by vocabulary: every rank would have to run the extra
-            # logits of the prompt positions in step with rank 0.
-            raise ValueError("prompt_logprobs is not supported under tensor_parallel_size > 1 yet")
         so = params.structured_outputs
         if so is not None:
             # Compiling is what can fail on the user's input: before anything is queued.

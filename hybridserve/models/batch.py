@@ -67,8 +67,10 @@ class ForwardBatch:
     uniform_q: int = 0  # every row runs this many tokens (attention's decode path); 0: not
     states: StatePlan | None = None  # None: the model has no recurrent layers, or unplanned
     max_context: int = 0  # a graph step's key-axis size (no host context_lens)
-    # A graph step of short rows: the prefill attention's tile maps by tokens a tile,
-    # filled on its warm-up run and reused by its capture (nothing uploaded in a capture).
+    # The prefill attention's tile maps by tokens a tile, computed by the step's first
+    # attention layer and reused by the others (None: each layer computes its own). A
+    # short-row graph's static step fills them on its warm-up run and its capture reuses
+    # them (nothing is uploaded inside a capture).
     attention_tiles: dict[int, torch.Tensor] | None = None
 
     @property

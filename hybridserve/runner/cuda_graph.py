@@ -321,8 +321,10 @@ class DecodeGraphs:
         # steps run eagerly, greedy ones keep their graphs.
         self.sampled_enabled = True
         self._short_static: dict[int, _ShortStatic] = {}
-        # False after a short-row capture failed: later short-row steps run eagerly.
-        self.short_enabled = True
+        # KernelPolicy.short_graphs; False after a short-row capture failed: later
+        # short-row steps run eagerly.
+        mode = policy.short_graphs if policy is not None else "auto"
+        self.short_enabled = mode == "on" or (mode == "auto" and not self.capture)
         # GDN layers plan short steps with host values (VarlenPlan): no short graphs.
         spec = getattr(model, "cache_spec", None)
         self.short_supported = not getattr(spec, "gdn_layers", ())

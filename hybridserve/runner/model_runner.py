@@ -176,6 +176,9 @@ class ModelRunner:
             state_out_row=out_row,
             state_out_offset=out_off,
             state_out_page=out_page,
+            # Every attention layer of the step walks the same rows: one tile map (and
+            # one upload) for all of them, not one per layer.
+            attention_tiles={},
         )
         return input_ids, batch
 
@@ -308,10 +311,6 @@ class ModelRunner:
         index = upload(torch.tensor(gather, dtype=torch.long), hidden.device)
         return spans, self.model.compute_logits(hidden[index]), prompt_lps
 
-    computes_prompt_logprobs = True
-    """False on a tensor-parallel worker: its rows carry no sampling parameters, and
-    engines under tensor parallelism refuse ``prompt_logprobs`` at admission."""
-
     PROMPT_LOGPROBS_CHUNK = 256
     """Prompt positions whose logits are computed at once (bounds the float32
     ``[positions, vocab]`` temporaries of a long prompt)."""
@@ -323,8 +322,6 @@ class ModelRunner:
         the prompt tokens this row's positions predict (position p predicts token p + 1,
         for p + 1 inside the prompt), from the model's raw logits. Keyed by row index.
         One read-back per chunk of positions; rows that ask nothing cost nothing."""
-        if not self.computes_prompt_logprobs:
-            return {}
         wanted = []
         for i, row in enumerate(sched.rows):
             k = row.request.params.prompt_logprobs

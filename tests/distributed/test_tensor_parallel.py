@@ -10,6 +10,11 @@ of engines.
 from __future__ import annotations
 
 import multiprocessing
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,7 +120,8 @@ def test_tp2_granite_one_group_replicated(tmp_path):
     """Granite 4.0-H with one Mamba2 group (replicated on both ranks, so the gated norm
     spans the ranks and all-reduces its sums of squares), one KV head (replicated), tied
     embeddings, fused experts beside the shared MLP, and a vocabulary of 251 (the last rank's head shard padded): TP=2 is
-    token-identical to one rank, prefix hits included, the replicated groups' conv
+    token-identical to one rank, prefix hits and prompt logprobs included, the replicated
+    groups' conv
     channels are equal on both ranks, the pages reassemble, host-tier copies run on
     every rank, and a stopped engine refuses further steps; a checkpoint no rank can cut
     fails the constructor and leaves no rank running."""
@@ -133,6 +139,17 @@ def test_tp2_granite_one_group_replicated(tmp_path):
             got, hits = _generate(tp, prompts)
             assert got == want and hits == hits_one
         assert max(hits) >= 16
+        # Prompt logprobs (a prefill computes logits at every prompt position, which
+        # every rank joins): the same top tokens, values to float32 rounding.
+        lp = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2, logprobs=1)
+        a, b = (llm.generate([list(range(60, 90))], lp, use_tqdm=False)[0] for llm in (one, tp))
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.prompt_logprobs[0] is None and len(a.prompt_logprobs) == 30
+        for x, y in zip(a.prompt_logprobs[1:] + a.outputs[0].logprobs,
+                        b.prompt_logprobs[1:] + b.outputs[0].logprobs):
+            assert x.keys() == y.keys()
+            for t in x:
+                assert abs(x[t].logprob - y[t].logprob) < 1e-4 and x[t].rank == y[t].rank
         assert _check_pages_reassemble(one, tp, groups_split=False) >= 2
         # Host-tier copies run on every rank: a checkpoint page offloaded to host page 0
         # and restored into a free page, which rank 0 poisons first, holds on every
@@ -148,11 +165,6 @@ def test_tp2_granite_one_group_replicated(tmp_path):
             for tensors in shard.values():
                 for t in tensors.values():
                     assert torch.equal(t[0], t[1])
-        # Prompt logprobs would need every rank's share of the head: refused at
-        # admission, and the engine keeps serving.
-        with pytest.raises(ValueError, match="prompt_logprobs"):
-            tp.generate([[5, 6, 7]], SamplingParams(max_tokens=2, prompt_logprobs=0), use_tqdm=False)
-        assert _generate(tp, prompts[:1])[0] == _generate(one, prompts[:1])[0]
     finally:
         tp.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
@@ -196,3 +208,23 @@ def test_tp2_qwen3_next_gated_deltanet_moe(tmp_path):
         assert _check_pages_reassemble(one, tp, groups_split=True) >= 2
     finally:
         tp.shutdown()
+
+
+def test_unguarded_script_fails_fast(tmp_path):
+    """A script that builds a tensor-parallel LLM at its top level (no main guard): the
+    spawned rank dies re-importing it, and rank 0 says so within seconds instead of
+    waiting out the start-up timeout."""
+    path = make_tiny_checkpoint("nemotron_h", tmp_path / "m", seed=1, layers="M*")
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from hybridserve import LLM\n"
+        f"LLM({str(path)!r}, tensor_parallel_size=2, num_kv_blocks=16, num_state_pages=16,"
+        " max_model_len=64)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode != 0
+    assert "rank 1 exited" in proc.stderr and "__main__" in proc.stderr
+    assert time.monotonic() - started < 120

@@ -21,6 +21,7 @@ from hybridserve.runner.cuda_graph import (
     _ShortStatic,
     short_tokens_bucket,
 )
+from hybridserve.runner.model_runner import ModelRunner
 from hybridserve.step import ScheduledRow, SchedulerOutput
 
 # The short-row path with its torch twins: the path a cached prompt's tail takes on
@@ -262,14 +263,15 @@ def test_sampled_first_tokens_are_the_eager_draws(tiny_nemotron):
 @pytest.mark.gpu
 def test_captured_short_steps_match_eager_on_cuda(tiny_nemotron):
     """On CUDA: the cached prompts' first tokens replay from captured short-row graphs
-    (default policy: the Triton short-row path) and every token equals the eager
-    engine's."""
+    (the Triton short-row path, short-row graphs asked for) and every token equals the
+    eager engine's."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     g = torch.Generator().manual_seed(_seed())
     prefix, prompts = _cached_prompts(g, 160, (128, 100, 37))
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    kw = dict(device="cuda", enable_prefix_caching=True, state_interval=16, max_num_seqs=4)
+    kw = dict(device="cuda", enable_prefix_caching=True, state_interval=16, max_num_seqs=4,
+              kernel_policy=KernelPolicy(short_graphs="on"))
 
     def run(enforce_eager):
         llm = _rebuild(LLM(tiny_nemotron, **kw), enforce_eager)
@@ -308,3 +310,53 @@ def test_prefill_attention_reuses_a_tile_cache():
     out = torch.full_like(q, 7.0)
     paged_attention_prefill_triton(*args, tile_cache=cache, out=out)
     assert (out == 7.0).all()
+
+
+def test_a_repeated_static_step_uploads_no_tile_map(tiny_nemotron, monkeypatch):
+    """With the Triton prefill attention (the interpreter here; what a CUDA capture
+    records), the static short-row step computes the prefill attention's tile map once, on its first
+    run (the warm-up before a capture), and a second run of the same shape (the capture)
+    reads it from the buffer's cache: nothing is computed or uploaded inside a capture.
+    Both runs give the same tokens. An eager step computes one map for all its attention
+    layers as well."""
+    from hybridserve.kernels import paged_attention_prefill
+
+    # The attention on its Triton kernel; the Mamba layers on their twins (faster here).
+    policy = KernelPolicy(short_rows="reference", prefill_attention="triton")
+    graphs = _graphs(tiny_nemotron, policy)
+    calls = []
+    real = paged_attention_prefill.prefill_tiles
+    monkeypatch.setattr(paged_attention_prefill, "prefill_tiles",
+                        lambda *a, **k: calls.append(a) or real(*a, **k))
+    toks = torch.randint(3, 256, (40,)).tolist()
+    row = _prefill_row(20, 20, 3, {40: 5}, (1, 2, 3), toks)
+    sched = SchedulerOutput([row], [])
+    shape = graphs.short_shape_of(sched, graphs.model)
+    assert shape is not None and shape.tokens == 32
+    st = _ShortStatic(32, graphs.max_batch, graphs.max_blocks, 60, 90, 16, torch.device("cpu"))
+    graphs.fill_short(st, sched, shape)
+    first = graphs._short_forward(st, shape, graphs.model)
+    attention_layers = len(graphs.caches.kv)
+    assert attention_layers and len(calls) == 1  # one map for every attention layer
+    second = graphs._short_forward(st, shape, graphs.model)
+    assert len(calls) == 1
+    assert torch.equal(first[: shape.rows], second[: shape.rows])
+    # And the eager step's token (the same caches: the step rewrites what it writes),
+    # whose attention layers share one tile map too.
+    assert attention_layers >= 2
+    runner = ModelRunner(graphs.model, graphs.caches, 16, 8)
+    assert runner.execute(sched).rows[0].new_tokens == first[:1].tolist()
+    assert len(calls) == 2
+
+
+def test_short_graphs_policy_gates_captured_steps(tiny_nemotron):
+    """``short_graphs``: "auto" keeps the static short step where nothing is captured
+    and leaves captured (CUDA) short steps to an explicit "on"; "off" turns it off."""
+    llm = LLM(tiny_nemotron)
+    caches = llm.engine.runner.caches
+    for mode, capture, want in (("auto", False, True), ("off", False, False), ("on", False, True)):
+        model = LLM(tiny_nemotron, kernel_policy=KernelPolicy(short_graphs=mode)).model
+        graphs = DecodeGraphs(model, caches, 16, 8, 8, 60, 90, "cpu", capture=capture)
+        assert graphs.short_enabled is want, mode
+    with pytest.raises(ValueError, match="short_graphs"):
+        KernelPolicy(short_graphs="yes")

@@ -1,0 +1,25 @@
+"""benchmarks/bench_drafters.py --target default --smoke: it runs on the embedded model and
+its trained draft model, on held-out prompts, and every output equals no speculation."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+
+def test_trained_draft_benchmark_runs():
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_drafters.py"
+    spec = importlib.util.spec_from_file_location("bench_drafters", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    spec.loader.exec_module(bench)
+    report = bench.main(["--target", "default", "--smoke", "--k", "2", "--methods", "draft_model"])
+    rows = report["results"]
+    assert [(r["batch"], r["method"]) for r in rows] == [
+        (1, "none"), (1, "draft_model"), (2, "none"), (2, "draft_model")]
+    assert all(r["matches_no_speculation"] for r in rows)
+    for r in rows[1::2]:
+        assert r["draft_tokens"] > 0 and r["verify_steps"] > 0
+        assert r["tokens_per_target_step"] == round(r["generated_tokens"] /
+                                                    (r["generated_tokens"] - r["accepted_tokens"]), 3)
+    assert report["draft_model"] == "hybridserve/default_model/draft"
+    assert isinstance(report["corpus_matches_manifest"], bool)
