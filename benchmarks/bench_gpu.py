@@ -74,6 +74,7 @@ from hybridserve.kernels import (  # noqa: E402
     norms,
     paged_attention,
     paged_attention_prefill,
+    ssd_chunked,
     ssd_tails,
     ssd_varlen,
     state_postprocess,
@@ -1626,6 +1627,49 @@ def check_ssd_prefill(shape, step, dtype, device, seed, chunk_states=False):
     }
 
 
+def check_ssd_fused(shape, step, dtype, device, seed):
+    """``ssd_prefill`` on the fused scan (``ssd_chunked.ssd_scan_fused``: bf16 x / B / C
+    and the raw dt as the mixer passes them) against the same on its torch twin, states
+    at every grid point and row end of a mixed step."""
+    g, h = _generators(seed, device)
+    specs, (x, _, A, B, C, D, init), shapes = _ssd_inputs(g, h, shape, step, device)
+    dt, dt_bias, _ = _mamba_raw_dt_A(g, x.shape[0], x.shape[1], device, torch.bfloat16)
+    x, B, C = (t.to(torch.bfloat16) for t in (x, B, C))  # exact: drawn through bf16
+    interval = step["state_interval"]
+    query_start, rows, offsets = [0], [], []
+    for r, (c, n) in enumerate(specs):
+        query_start.append(query_start[-1] + n)
+        for off in range(n):
+            if (c + off + 1) % interval == 0 or off == n - 1:
+                rows.append(r)
+                offsets.append(off)
+    segments = ssd_varlen.plan_segments(query_start, rows, offsets, device,
+                                        chunk=ssd_varlen.SCAN_CHUNK)
+    kw = dict(dt_bias=dt_bias, time_step_limit=(0.0, float("inf")))
+
+    def kern():
+        return ssd_varlen.ssd_prefill(x, dt, A, B, C, D, init, segments,
+                                      ssd_chunked.ssd_scan_fused, **kw)
+
+    y, states = kern()
+    y_twin, states_twin = ssd_varlen.ssd_prefill(
+        x.float(), dt.float(), A, B.float(), C.float(), D, init, segments,
+        ssd_chunked.ssd_scan_fused_reference, **kw)
+    y64, states64 = ssd_varlen.ssd_prefill(
+        *(t.double() for t in (x, dt, A, B, C, D, init)), segments,
+        ssd_chunked.ssd_scan_fused_reference, dt_bias=dt_bias.double(),
+        time_step_limit=kw["time_step_limit"])
+    return {
+        "kernel": "ssd_prefill (fused scan)", "twin": "ssd_prefill (fused scan's twin)",
+        "dtype": "torch.bfloat16",
+        "shapes": {**shapes, "state_interval": interval, "states": len(rows)},
+        "outputs": {"y": _compared(y, y_twin, 1e-4, y64, 1e-4),
+                    "states": _compared(states, states_twin, 1e-4, states64, 1e-4)},
+        "invariants": {"outputs_written": not bool(y.isnan().any() or states.isnan().any())},
+        "kernel_s": kernel_time(kern, device),
+    }
+
+
 def check_ssd_tails(shape, step, dtype, device, seed):
     """``ssd_tail_states`` against its torch twin: the states a few tokens past chunk
     states (the off-grid checkpoints of a packed prefill), tails of 1 to 63 tokens."""
@@ -2021,6 +2065,7 @@ KERNEL_CHECKS = [
     ("ssd_scan_varlen_fla", "ssd_varlen", check_ssd_scan, {}),
     ("ssd_prefill", "ssd_varlen", check_ssd_prefill, {}),
     ("ssd_prefill (chunk states)", "ssd_varlen", check_ssd_prefill, {"chunk_states": True}),
+    ("ssd_prefill (fused scan)", "ssd_chunked", check_ssd_fused, {}),
     ("ssd_tail_states", "ssd_tails", check_ssd_tails, {}),
     ("rms_norm", "norms", check_rms_norm, {}),
     ("add_rms_norm", "norms", check_add_rms_norm, {}),
@@ -2505,8 +2550,7 @@ def main(argv=None) -> int:
 
     result["prefill"] = section("prefill", prefill)
     result["prefill_paths"] = {
-        "mamba": "packed (fla-core scan)" if ssd_varlen.fla_available() and device == "cuda"
-        else "per-row",
+        "mamba": "packed (fused Triton scan)" if device == "cuda" else "per-row",
         "attention": "triton" if runs_triton(model.kernel_policy.prefill_attention, device)
         else "per-row",
     }

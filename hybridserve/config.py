@@ -249,9 +249,11 @@ class KernelPolicy:
       ``gpu_ttft_1ab47c5.json``) 28 ms against 50 ms for a 512-token tail, 53 against
       56 ms at 1,024 tokens, where the two meet; hence 512.
     - ``packed_prefill`` (path): every other step runs all rows through one
-      variable-length conv and the segmented chunked scan; ``"auto"`` on CUDA with
-      fla-core and a float32 scan, ``"reference"`` with the torch-twin scan anywhere,
-      ``"triton"`` is ``"auto"`` (the scan is fla-core's). Otherwise rows go one by one
+      variable-length conv and the segmented chunked scan; ``"auto"`` (= ``"triton"``)
+      on CUDA with a float32 scan, through the fused Triton scan of
+      :mod:`hybridserve.kernels.ssd_chunked`; ``"reference"`` with its torch twin
+      anywhere; ``"fla"`` on CUDA through fla-core's scan (groups expanded to heads,
+      float32 copies of the inputs: the comparison point). Otherwise rows go one by one
       (the oracle).
     - ``norms``: the RMS norms.
     - ``moe``: the routed experts of mixture-of-experts layers (grouped kernels or the
@@ -290,10 +292,11 @@ class KernelPolicy:
             value = getattr(self, name)
             if value not in KERNEL_MODES:
                 raise ValueError(f"kernel_policy.{name}={value!r}: choose from {KERNEL_MODES}")
-        for name in ("short_rows", "packed_prefill"):
+        for name, modes in (("short_rows", PATH_MODES),
+                            ("packed_prefill", (*PATH_MODES, "fla"))):
             value = getattr(self, name)
-            if value not in PATH_MODES:
-                raise ValueError(f"kernel_policy.{name}={value!r}: choose from {PATH_MODES}")
+            if value not in modes:
+                raise ValueError(f"kernel_policy.{name}={value!r}: choose from {modes}")
         gdn_modes = ("auto", "triton", "reference", "chunked", "fla", "off")
         if self.gdn_rows not in gdn_modes:
             raise ValueError(f"kernel_policy.gdn_rows={self.gdn_rows!r}: choose from {gdn_modes}")

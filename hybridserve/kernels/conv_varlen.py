@@ -16,12 +16,16 @@ reference concatenates them) when the row has fewer tokens; copies, bit for bit 
 windows the per-row reference returns. Output pages never repeat and are never input
 pages (DESIGN.md section 4), so the launch that reads the initial windows may write them.
 
-- :func:`conv_varlen`: the Triton kernel. One program owns one (token block, channel
-  block) tile of the output, which is a separate buffer (never the input), and the same
-  (token, channel) entries of its tokens' output pages. It reads only inputs (``xbc``,
-  ``weight``, ``bias``, the initial windows and the index tensors), so no program reads
-  what another writes (DESIGN.md section 5). A token block may span several rows: every
-  token looks its row up in ``token_row``.
+- :func:`conv_varlen`: three Triton launches. The conv of every token at least ``K - 1``
+  tokens into its row (one program per (token block, channel block) tile; its taps are
+  packed inputs only, so it carries no window gather and few registers); the conv of
+  each row's first ``K - 1`` tokens (one program per (row, channel block), taps from the
+  initial window); and, given ``out_pages``, the windows (one program per tile; a tile
+  with no output page stops after reading its pages). Each program writes only its own
+  entries of the output (a separate buffer, never the input) or of its tokens' output
+  pages, and reads only inputs (``xbc``, ``weight``, ``bias``, the initial windows and
+  the index tensors), so no program reads what another writes (DESIGN.md section 5). A
+  token block may span several rows: every token looks its row up in ``token_row``.
 - :func:`conv_varlen_reference`: its torch twin (the CPU path and the test oracle), the
   per-row reference loop.
 
@@ -145,81 +149,144 @@ def _conv_varlen_kernel(
     xbc_stride,
     weight_ptr,
     bias_ptr,
-    conv_ptr,
-    page_stride,
     query_start_ptr,
     token_row_ptr,
-    in_pages_ptr,
-    out_pages_ptr,
     out_ptr,
     tokens,
     channels,
     K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
-    WRITE_WINDOWS: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    # One program per (token block, channel block). Tap k of token t reads the input
-    # K - 1 - k tokens back: inside the row it is a packed input, before the row's first
-    # token it is entry (K - 1) + (offset in row) of the row's initial window.
+    # One program per (token block, channel block): every token K - 1 or more tokens
+    # into its row, whose taps are all packed inputs. The first K - 1 tokens of each row
+    # (taps in the initial window) are _conv_row_start_kernel's; this kernel has no
+    # gather of windows, so it keeps few registers.
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     tmask = tok < tokens
     cmask = c < channels
-    mask = tmask[:, None] & cmask[None, :]
     row = tl.load(token_row_ptr + tok, mask=tmask, other=0)
     t = tok - tl.load(query_start_ptr + row, mask=tmask, other=0)  # offset within the row
-    page = tl.load(in_pages_ptr + row, mask=tmask, other=-1).to(tl.int64)
+    inner = tmask & (t >= K - 1)
+    mask = inner[:, None] & cmask[None, :]
     tok64 = tok.to(tl.int64)
     acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
     for k in tl.static_range(K):
-        src = t - (K - 1 - k)
-        in_row = src >= 0
-        xv = tl.load(
-            xbc_ptr + (tok64 - (K - 1 - k))[:, None] * xbc_stride + c[None, :],
-            mask=mask & in_row[:, None],
-            other=0.0,
-        )
-        wv = tl.load(
-            conv_ptr + page[:, None] * page_stride + c[None, :] * (K - 1) + (src + K - 1)[:, None],
-            mask=mask & ((src < 0) & (page >= 0))[:, None],
-            other=0.0,
-        )
-        # The reference casts the window to the input dtype before the conv.
-        v = tl.where(in_row[:, None], xv, wv.to(xbc_ptr.dtype.element_ty)).to(tl.float32)
+        xv = tl.load(xbc_ptr + (tok64 - (K - 1 - k))[:, None] * xbc_stride + c[None, :],
+                     mask=mask, other=0.0)
+        w = tl.load(weight_ptr + c * K + k, mask=cmask, other=0.0).to(tl.float32)
+        acc += xv.to(tl.float32) * w[None, :]
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    tl.store(out_ptr + tok64[:, None] * channels + c[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def _conv_tap(xbc_ptr, xbc_stride, conv_ptr, page_stride, tok64, c, mask, t, page, back,
+              K: tl.constexpr):
+    """The conv input ``back`` tokens before each token of the tile, in the input dtype:
+    the packed input inside the row, else entry ``(K - 1) + (offset in row) - back`` of
+    the row's initial window (zeros without a page), cast to the input dtype as the
+    reference concatenates it."""
+    src = t - back
+    in_row = src >= 0
+    xv = tl.load(
+        xbc_ptr + (tok64 - back)[:, None] * xbc_stride + c[None, :],
+        mask=mask & in_row[:, None],
+        other=0.0,
+    )
+    wv = tl.load(
+        conv_ptr + page[:, None] * page_stride + c[None, :] * (K - 1) + (src + K - 1)[:, None],
+        mask=mask & ((src < 0) & (page >= 0))[:, None],
+        other=0.0,
+    )
+    return tl.where(in_row[:, None], xv, wv.to(xbc_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _conv_row_start_kernel(
+    xbc_ptr,
+    xbc_stride,
+    weight_ptr,
+    bias_ptr,
+    conv_ptr,
+    page_stride,
+    query_start_ptr,
+    in_pages_ptr,
+    out_ptr,
+    channels,
+    K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    # One program per (row, channel block): the row's first K - 1 tokens (fewer in a
+    # shorter row), whose taps reach into the row's initial window.
+    r = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = c < channels
+    s = tl.load(query_start_ptr + r).to(tl.int64)
+    e = tl.load(query_start_ptr + r + 1).to(tl.int64)
+    t = tl.arange(0, BLOCK_K)
+    tmask = (t < K - 1) & (s + t < e)
+    mask = tmask[:, None] & cmask[None, :]
+    page = tl.load(in_pages_ptr + r + t * 0).to(tl.int64)  # the row's page, per token
+    tok64 = s + t
+    acc = tl.zeros([BLOCK_K, BLOCK_C], dtype=tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    for k in tl.static_range(K):
+        v = _conv_tap(xbc_ptr, xbc_stride, conv_ptr, page_stride, tok64, c, mask, t, page,
+                      K - 1 - k, K).to(tl.float32)
         w = tl.load(weight_ptr + c * K + k, mask=cmask, other=0.0).to(tl.float32)
         acc += v * w[None, :]
     if SILU:
         acc = acc * tl.sigmoid(acc)
-    tl.store(
-        out_ptr + tok64[:, None] * channels + c[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=mask,
-    )
-    if WRITE_WINDOWS:
-        # Entry i of the window after token t is the input K - 2 - i tokens back, from the
-        # row or from its initial window, as the taps above; cast as the reference casts.
-        out_page = tl.load(out_pages_ptr + tok, mask=tmask, other=-1).to(tl.int64)
-        wmask = mask & (out_page >= 0)[:, None]
+    tl.store(out_ptr + tok64[:, None] * channels + c[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def _conv_windows_kernel(
+    xbc_ptr,
+    xbc_stride,
+    conv_ptr,
+    page_stride,
+    query_start_ptr,
+    token_row_ptr,
+    in_pages_ptr,
+    out_pages_ptr,
+    tokens,
+    channels,
+    K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    # One program per (token block, channel block) writes the window after each of its
+    # tokens that has an output page; a block without one stops after reading its pages.
+    # Entry i of the window after token t is the input K - 2 - i tokens back, from the
+    # row or from its initial window, cast as the reference casts.
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = tok < tokens
+    out_page = tl.load(out_pages_ptr + tok, mask=tmask, other=-1).to(tl.int64)
+    if tl.max(out_page) >= 0:
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = c < channels
+        row = tl.load(token_row_ptr + tok, mask=tmask, other=0)
+        t = tok - tl.load(query_start_ptr + row, mask=tmask, other=0)
+        page = tl.load(in_pages_ptr + row, mask=tmask, other=-1).to(tl.int64)
+        wmask = (tmask & (out_page >= 0))[:, None] & cmask[None, :]
+        tok64 = tok.to(tl.int64)
         for i in tl.static_range(K - 1):
-            src = t - (K - 2 - i)
-            in_row = src >= 0
-            xv = tl.load(
-                xbc_ptr + (tok64 - (K - 2 - i))[:, None] * xbc_stride + c[None, :],
-                mask=wmask & in_row[:, None],
-                other=0.0,
-            )
-            wv = tl.load(
-                conv_ptr + page[:, None] * page_stride + c[None, :] * (K - 1)
-                + (src + K - 1)[:, None],
-                mask=wmask & ((src < 0) & (page >= 0))[:, None],
-                other=0.0,
-            )
-            v = tl.where(in_row[:, None], xv, wv.to(xbc_ptr.dtype.element_ty))
+            v = _conv_tap(xbc_ptr, xbc_stride, conv_ptr, page_stride, tok64, c, wmask, t, page,
+                          K - 2 - i, K)
             tl.store(
                 conv_ptr + out_page[:, None] * page_stride + c[None, :] * (K - 1) + i,
                 v.to(conv_ptr.dtype.element_ty),
@@ -241,6 +308,7 @@ def conv_varlen(
     *,
     block_t: int = 32,
     block_c: int = 128,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Causal depthwise conv of every row of a packed step, each from its initial window.
 
@@ -261,7 +329,8 @@ def conv_varlen(
             docstring) is written to page ``out_pages[t]`` when that is ``>= 0``. Must not
             repeat a page or name an input page (then no program reads what another
             writes).
-        block_t, block_c: tile of one program (powers of two).
+        block_t, block_c: tile of one program (powers of two); num_warps: the warps
+            of the conv's program (8 when None).
 
     Returns:
         ``out [T, C]`` in ``xbc.dtype`` (accumulated in float32).
@@ -277,26 +346,31 @@ def conv_varlen(
         token_row = token_rows(query_start, tokens)
     block_c = min(block_c, triton.next_power_of_2(channels))
     block_t = min(block_t, triton.next_power_of_2(tokens))
-    grid = (triton.cdiv(tokens, block_t), triton.cdiv(channels, block_c))
-    _conv_varlen_kernel[grid](
-        xbc,
-        xbc.stride(0),
-        weight,
-        bias if bias is not None else weight,
-        conv_cache,
-        conv_cache.stride(0),
-        query_start.contiguous(),
-        token_row.contiguous(),
-        in_pages.contiguous(),
-        out_pages.contiguous() if out_pages is not None else in_pages,
-        out,
-        tokens,
-        channels,
-        K=weight.shape[-1],
-        HAS_BIAS=bias is not None,
-        SILU=activation is not None,
-        WRITE_WINDOWS=out_pages is not None,
-        BLOCK_T=block_t,
-        BLOCK_C=block_c,
+    k = weight.shape[-1]
+    bias_arg = bias if bias is not None else weight
+    # 8 warps: a 32 x 128 tile then takes 70 registers a thread (sm_90 build; 122 with 4).
+    warps = {"num_warps": 8 if num_warps is None else num_warps}
+    query_start = query_start.contiguous()
+    token_row = token_row.contiguous()
+    in_pages = in_pages.contiguous()
+    _conv_varlen_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(channels, block_c))](
+        xbc, xbc.stride(0), weight, bias_arg, query_start, token_row, out, tokens, channels,
+        K=k, HAS_BIAS=bias is not None, SILU=activation is not None,
+        BLOCK_T=block_t, BLOCK_C=block_c, **warps,
     )
+    rows = in_pages.shape[0]
+    if k > 1 and rows:
+        _conv_row_start_kernel[(rows, triton.cdiv(channels, block_c))](
+            xbc, xbc.stride(0), weight, bias_arg, conv_cache, conv_cache.stride(0),
+            query_start, in_pages, out, channels,
+            K=k, HAS_BIAS=bias is not None, SILU=activation is not None,
+            BLOCK_K=triton.next_power_of_2(k - 1), BLOCK_C=block_c,
+        )
+    if out_pages is not None and k > 1:
+        # A launch of its own: the window gathers would cost the conv's tiles registers.
+        _conv_windows_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(channels, block_c))](
+            xbc, xbc.stride(0), conv_cache, conv_cache.stride(0), query_start, token_row,
+            in_pages, out_pages.contiguous(), tokens, channels,
+            K=k, BLOCK_T=block_t, BLOCK_C=block_c,
+        )
     return out

@@ -47,17 +47,20 @@ segment's chunk grid from them, without a cut. Prefix-cache checkpoints sit on a
 positions and rows mostly start on it (a fresh prompt at 0, a cached prefix at a grid
 point), so a prefill that writes a checkpoint every 64 tokens takes one scan.
 
-Why not one custom kernel that emits states at chosen offsets in a single pass (as
-:func:`~hybridserve.kernels.ssd.ssd_chunked_reference` does on the CPU)? It would do
-about half the scan work, but it would be our own chunked scan to write, tune, keep
-race-free and keep accurate on every GPU generation, where DESIGN.md section 7 prefers
-the well-kept library kernel. The two-scan design uses the library as a black box: any
-varlen scan with initial and final states plugs in, and the whole orchestration runs
-(and is tested) on the CPU with the torch twin. Its cost is a second scan only in steps
-that need states inside a row, plus a chain of ``max segments per row`` element-wise
-steps on ``[rows, H, P, N]``; cutting at offsets also restarts the library's chunking at
-segment starts, so with checkpoints on a grid as fine as its chunk the scans do little
-extra work.
+**The fused scan.** :mod:`~hybridserve.kernels.ssd_chunked` is our own chunked scan in
+one launch (the GPU path since fla-core's needed the groups expanded to heads and float32
+copies of the inputs): it reads grouped B/C and the raw dt, discretises dt in float32
+inside, adds the D skip, and stores the requested row ends and chunk states itself, into
+the rows of a buffer or straight into their pages (``out_cache``); :func:`is_fused` tells
+it from the plain primitive above. It needs a plan with its chunk (:data:`SCAN_CHUNK`),
+whose :class:`Segments` then also say where each state goes. The two-scan design below
+stays for plain primitives without chunk states.
+
+The two-scan design uses a library scan as a black box: any varlen scan with initial and
+final states plugs in, and the whole orchestration runs (and is tested) on the CPU with
+the torch twin. Its cost is a second scan only in steps that need states inside a row,
+plus a chain of ``max segments per row`` element-wise steps on ``[rows, H, P, N]``;
+cutting at offsets also restarts the library's chunking at segment starts.
 
 :func:`plan_segments` turns a step's host lists into the scan's index tensors (the model's
 step plan calls it once per step); :func:`discretize_dt_varlen` applies the
@@ -73,6 +76,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hybridserve.kernels import ssd_chunked
 from hybridserve.kernels.ssd import discretize_dt, heads_from_groups, ssd_chunked_reference
 from hybridserve.kernels.ssd_tails import ssd_tail_states, ssd_tail_states_reference
 from hybridserve.kernels.transfer import upload_lists
@@ -274,10 +278,18 @@ def _fla_scan_with_chunk_states(q, k, v, g, initial_states, cu_seqlens, cu_seqle
 
 
 def chunk_states_supported(scan: ScanFn) -> bool:
-    """Whether ``scan`` can return chunk states (``chunk_states=True``)."""
+    """Whether ``scan`` can return chunk states (``chunk_states=True``), or is a fused
+    scan (:func:`is_fused`), which stores them itself."""
     if scan is ssd_scan_varlen_fla:
         return fla_chunk_states_available()
-    return getattr(scan, "func", scan) is ssd_scan_varlen_reference
+    return is_fused(scan) or getattr(scan, "func", scan) is ssd_scan_varlen_reference
+
+
+def is_fused(scan: ScanFn) -> bool:
+    """Whether ``scan`` is a fused scan of :mod:`~hybridserve.kernels.ssd_chunked` (raw dt,
+    the D skip, states into slots) rather than the plain scan primitive."""
+    return getattr(scan, "func", scan) in (ssd_chunked.ssd_scan_fused,
+                                           ssd_chunked.ssd_scan_fused_reference)
 
 
 # --------------------------------------------------------------------------------------
@@ -312,6 +324,23 @@ class Segments:
     tail_chunk: torch.Tensor
     tail_tokens: torch.Tensor
     tail_lengths: torch.Tensor
+    # For a fused scan (:mod:`~hybridserve.kernels.ssd_chunked`), which stores the states
+    # it is asked for itself: chunk_slot [chunks] / final_slot [S] name the request that
+    # receives the state before each chunk / after each segment (the first request of
+    # each distinct state; -1 for none), dup_request [D] copy theirs from request
+    # dup_source [D]; start_slot [chunks] is the row of a float32 buffer of num_starts
+    # rows that receives the start state of a tail (tail_start_slot [M]: each tail's);
+    # first_chunk [S + 1] the flat index of every segment's first chunk. All empty
+    # without a chunk.
+    chunk: int | None = None
+    num_starts: int = 0
+    first_chunk: torch.Tensor | None = None
+    chunk_slot: torch.Tensor | None = None
+    final_slot: torch.Tensor | None = None
+    start_slot: torch.Tensor | None = None
+    tail_start_slot: torch.Tensor | None = None
+    dup_request: torch.Tensor | None = None
+    dup_source: torch.Tensor | None = None
 
     @property
     def reads_chunk_states(self) -> bool:
@@ -382,6 +411,7 @@ def _segment_lists(
     if cu[-1] != query_start[-1]:
         raise ValueError("query_start must start at 0 and be non-decreasing")
     found = [source[(r, off)] for r, off in zip(state_rows, state_offsets)]
+    slots = _state_slots(found, len(cu) - 1, chunks_before) if chunk is not None else {}
     chunk_pos = [j for j, (_, c, tail) in enumerate(found) if c >= 0 and tail is None]
     tail_pos = [j for j, (_, _, tail) in enumerate(found) if tail is not None]
     width = max((len(found[j][2]) for j in tail_pos), default=0)
@@ -393,13 +423,54 @@ def _segment_lists(
         # Tails padded with token 0 to the longest; the padding is masked out.
         "tail_tokens": [t for j in tail_pos for t in found[j][2] + [0] * (width - len(found[j][2]))],
         "tail_lengths": [len(found[j][2]) for j in tail_pos],
+        "chunk": chunk,
+        **slots,
     }
+
+
+def _state_slots(found: list, segments: int, chunks: int) -> dict[str, list]:
+    """Where a fused scan stores each state (see :class:`Segments`), for requests ``found``
+    ((segment, chunk index or -1, tail tokens or None) each) of a chunk plan with
+    ``segments`` segments and ``chunks`` chunks in all."""
+    request_of: dict[tuple[str, int], int] = {}
+    dup_request, dup_source = [], []
+    for j, (seg, c, tail) in enumerate(found):
+        if tail is not None:
+            continue  # the tail kernel fills this one
+        key = ("c", c) if c >= 0 else ("f", seg)
+        if key in request_of:
+            dup_request.append(j)
+            dup_source.append(request_of[key])
+        else:
+            request_of[key] = j
+    start_of: dict[int, int] = {}
+    tail_start = [start_of.setdefault(c, len(start_of)) for _, c, tail in found
+                  if tail is not None]
+    chunk_slot, final_slot = [-1] * chunks, [-1] * segments
+    for (kind, i), j in request_of.items():
+        (chunk_slot if kind == "c" else final_slot)[i] = j
+    start_slot = [-1] * chunks
+    for c, row in start_of.items():
+        start_slot[c] = row
+    return {"num_starts": len(start_of), "chunk_slot": chunk_slot, "final_slot": final_slot,
+            "start_slot": start_slot, "tail_start_slot": tail_start,
+            "dup_request": dup_request, "dup_source": dup_source}
 
 
 def _segments(lists: dict[str, list], device: torch.device) -> Segments:
     """:class:`Segments` from :func:`_segment_lists`' host lists, with one upload."""
     keys = ["cu", "first_segment", "first_row", "later", "request", "chunk_pos", "chunk_index",
             "tail_pos", "tail_chunk", "tail_tokens", "tail_lengths"]
+    fused = ["first_chunk", "chunk_slot", "final_slot", "start_slot", "tail_start_slot",
+             "dup_request", "dup_source"]
+    chunked = lists["chunk"] is not None
+    if chunked:
+        q, cu = lists["chunk"], lists["cu"]
+        firsts = [0]
+        for a, b in zip(cu[:-1], cu[1:]):
+            firsts.append(firsts[-1] + -(-(b - a) // q))
+        lists = {**lists, "first_chunk": firsts}
+        keys += fused
     t = dict(zip(keys, _to_device([lists[k] for k in keys], device)))
     steps = _to_device(lists["steps"], device) if lists["steps"] else []
     tails = len(lists["tail_pos"])
@@ -419,6 +490,9 @@ def _segments(lists: dict[str, list], device: torch.device) -> Segments:
         tail_tokens=t["tail_tokens"].view(tails, width),
         tail_lengths=t["tail_lengths"],
         chain_steps=tuple(steps),
+        chunk=lists["chunk"],
+        num_starts=lists["num_starts"] if chunked else 0,
+        **{k: t[k] for k in fused if chunked},
     )
 
 
@@ -470,33 +544,58 @@ def ssd_prefill(
     initial_states: torch.Tensor,
     segments: Segments,
     scan: ScanFn = ssd_scan_varlen_reference,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    *,
+    dt_bias: torch.Tensor | None = None,
+    time_step_limit: tuple[float, float] | None = (0.0, float("inf")),
+    unclamped: torch.Tensor | None = None,
+    out_cache: torch.Tensor | None = None,
+    out_pages: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The SSD scan of every row of a packed step, with states at the requested offsets.
 
     Args:
-        x: ``[T, H, P]``; dt: ``[T, H]`` discretised (:func:`discretize_dt_varlen`);
-        A: ``[H]``; B, C: ``[T, G, N]``; D: ``[H]`` or None.
+        x: ``[T, H, P]``; dt: ``[T, H]`` discretised (:func:`discretize_dt_varlen`), or
+            raw when ``dt_bias`` is given; A: ``[H]``; B, C: ``[T, G, N]``; D: ``[H]`` or None.
         initial_states: ``[B, H, P, N]``, row ``i``'s state before its first token (zeros
             for a row that starts a sequence); only read.
         segments: :func:`plan_segments` of the step's rows and requests.
-        scan: the scan primitive (module docstring).
+        scan: the scan primitive (module docstring), or a fused scan (:func:`is_fused`),
+            which needs a plan with its chunk and the raw dt.
+        dt_bias, time_step_limit, unclamped: with ``dt_bias``, ``dt`` is raw and is
+            discretised as :func:`discretize_dt_varlen` does, in float32 at least: inside
+            a fused scan, before a plain one.
+        out_cache, out_pages: (fused scans only) store the ``j``-th requested state
+            straight into page ``out_pages[j]`` of ``out_cache [pages, H, P, N]``
+            (contiguous, cast to its dtype; no page may repeat or be an input page) and
+            return None for the states: no copy after the scan.
 
     Returns:
         ``(y [T, H, P]`` with the D skip, ``states [K, H, P, N])`` in
         ``promote(x.dtype, float32)``: ``states[j]`` is the state after the token of the
-        ``j``-th request.
+        ``j``-th request (None with ``out_cache``).
     """
     compute = torch.promote_types(x.dtype, torch.float32)
     tokens, heads, head_dim = x.shape
     d_state = B.shape[-1]
+    if is_fused(scan):
+        if dt_bias is None:
+            raise ValueError("a fused scan takes the raw dt: pass dt_bias")
+        if segments.chunk != ssd_chunked.CHUNK:
+            raise ValueError(f"a fused scan needs a plan with chunk={ssd_chunked.CHUNK}, "
+                             f"got chunk={segments.chunk}")
+        return _fused_prefill(x, dt, A, B, C, D, initial_states, segments, scan, dt_bias,
+                              time_step_limit, unclamped, out_cache, out_pages)
+    if out_cache is not None:
+        raise ValueError("out_cache needs a fused scan")
+    if dt_bias is not None:
+        # In the compute dtype (float32 at least), as the short-row and decode paths.
+        dt = discretize_dt_varlen(dt.to(compute), dt_bias.to(compute), time_step_limit,
+                                  unclamped).contiguous()
     x, dt, A, B, C = (t.to(compute) for t in (x, dt, A, B, C))
     if segments.num_segments == 0:
         y = x.new_zeros(tokens, heads, head_dim)
         return y, x.new_empty(segments.request_segment.shape[0], heads, head_dim, d_state)
-    init = x.new_zeros(segments.num_segments, heads, head_dim, d_state)
-    init.index_copy_(
-        0, segments.first_segment, initial_states.index_select(0, segments.first_row).to(compute)
-    )
+    init = _segment_initial_states(initial_states, segments, compute)
     cu, cu_cpu = segments.cu_seqlens, segments.cu_seqlens_cpu
     chunked = segments.reads_chunk_states
     if segments.single_scan:
@@ -537,3 +636,75 @@ def ssd_prefill(
             ).to(compute))
     return y, states
 
+
+
+def _segment_initial_states(
+    initial_states: torch.Tensor, segments: Segments, dtype: torch.dtype
+) -> torch.Tensor:
+    """``[S, H, P, N]``: each segment's initial state, its row's for a first segment."""
+    init = initial_states.new_zeros(segments.num_segments, *initial_states.shape[1:],
+                                    dtype=dtype)
+    init.index_copy_(
+        0, segments.first_segment, initial_states.index_select(0, segments.first_row).to(dtype)
+    )
+    return init
+
+
+def _fused_prefill(x, dt, A, B, C, D, initial_states, segments, scan, dt_bias,
+                   time_step_limit, unclamped, out_cache, out_pages):
+    """:func:`ssd_prefill` through a fused scan: one launch stores the row ends and the
+    chunk states asked for (to the requests' rows of a buffer, or straight to their pages)
+    and the tails' start states; the tails run on from theirs; repeated requests copy."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    tokens, heads, head_dim = x.shape
+    d_state = B.shape[-1]
+    requests = segments.request_segment.shape[0]
+    if out_cache is None:
+        states = torch.empty(requests, heads, head_dim, d_state, dtype=compute, device=x.device)
+        chunk_slot, final_slot = segments.chunk_slot, segments.final_slot
+
+        def dest(j):
+            return j
+    else:
+        if out_pages is None or out_pages.shape != (requests,):
+            raise ValueError(f"out_pages must be [K={requests}] with out_cache")
+        states = out_cache
+        pages = out_pages.to(torch.int64)
+
+        def dest(j):
+            return pages.index_select(0, j)
+
+        # Request slots -> their pages (-1 stays -1; without requests every slot is -1).
+        def paged(slot):
+            if requests == 0:
+                return slot
+            return torch.where(slot >= 0, pages.index_select(0, slot.clamp(min=0)), -1)
+
+        chunk_slot, final_slot = paged(segments.chunk_slot), paged(segments.final_slot)
+    if segments.num_segments == 0:
+        y = torch.zeros(tokens, heads, head_dim, dtype=compute, device=x.device)
+        return y, (None if out_cache is not None else states)
+    starts = None
+    if segments.num_starts:
+        starts = torch.empty(segments.num_starts, heads, head_dim, d_state,
+                             dtype=torch.float32 if compute == torch.float32 else compute,
+                             device=x.device)
+    init = _segment_initial_states(initial_states, segments, compute)
+    y, dt_out = scan(
+        x, dt, A, B, C, D, dt_bias, segments.cu_seqlens, init, chunk_slot, final_slot, states,
+        time_step_limit=time_step_limit, unclamped=unclamped,
+        cu_seqlens_cpu=segments.cu_seqlens_cpu, first_chunk=segments.first_chunk,
+        start_slot=segments.start_slot if starts is not None else None, starts=starts,
+    )
+    if segments.dup_request.numel():
+        states.index_copy_(0, dest(segments.dup_request),
+                           states.index_select(0, dest(segments.dup_source)))
+    if segments.tail_request.numel():
+        start = starts.index_select(0, segments.tail_start_slot)
+        # Triton on CUDA (float32); the torch twin elsewhere, and for float64.
+        run = (ssd_tail_states if x.is_cuda and compute == torch.float32
+               else ssd_tail_states_reference)
+        states.index_copy_(0, dest(segments.tail_request), run(
+            x, dt_out, A, B, start, segments.tail_tokens, segments.tail_lengths
+        ).to(states.dtype))
+    return y.to(compute), (None if out_cache is not None else states)

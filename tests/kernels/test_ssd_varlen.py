@@ -605,7 +605,7 @@ def test_mixer_hand_built_step_with_an_empty_row(tmp_path, mixer_paths):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_mixer_packed_path_matches_per_row_path(tmp_path, monkeypatch, dtype,
                                                     record_property, mixer_paths):
-    _need_fla()
+    # "auto": the fused Triton scan of ssd_chunked (fla-core is not needed).
     (ph, pc), (rh, rc), start, batch, spec = _packed_vs_per_row(
         tmp_path, mixer_paths, "auto", "cuda", dtype
     )

@@ -283,6 +283,8 @@ class Mamba2Mixer(RecurrentLayer):
         ``x [T, H, P]``, ``B, C [T, G, N]``."""
         p = self.p
         conv = conv_varlen if fast else conv_varlen_reference
+        # A step that asks for no state asks for no window: the conv then skips that mode.
+        windows = plan.out_pages is None or plan.out_pages.numel() > 0
         xbc = conv(
             # The kernel takes rows at any stride (a column slice of the projection).
             xbc if fast else xbc.contiguous(),
@@ -293,7 +295,7 @@ class Mamba2Mixer(RecurrentLayer):
             plan.in_pages,
             p.activation,
             plan.token_row,
-            out_pages=plan.token_out_pages,
+            out_pages=plan.token_out_pages if windows else None,
         )
         return self._split_heads(xbc)
 
@@ -319,13 +321,13 @@ class Mamba2Mixer(RecurrentLayer):
             0, plan.init_rows, ssm_cache.index_select(0, plan.init_pages).to(compute)
         )
         # Triton on CUDA (float32 accumulation); the torch twin elsewhere, and for float64.
+        # The raw dt goes to the scan, which discretises it (a fused scan: in float32,
+        # inside its kernel; a plain one: in the compute dtype before it) with the per-row
+        # clamp exception of the per-row path.
         x, B, C = self._packed_conv(xbc, plan, conv_cache, plan.triton)
-        # As per row: one-token continuation rows skip the clamp unless the model asks for
-        # it. In the compute dtype (float32 at least), as the short-row and decode paths.
-        unclamped = None if p.clamp_dt_in_single_token_step else plan.unclamped
-        dt = ssd_varlen.discretize_dt_varlen(
-            dt.to(compute), self.dt_bias.to(compute), p.time_step_limit, unclamped
-        ).contiguous()
+        direct = {}
+        if ssd_varlen.is_fused(plan.scan) and ssm_cache.is_contiguous():
+            direct = {"out_cache": ssm_cache, "out_pages": plan.out_pages}
         y, states = ssd_varlen.ssd_prefill(
             x,
             dt,
@@ -336,6 +338,12 @@ class Mamba2Mixer(RecurrentLayer):
             initial,
             plan.segments,
             plan.scan,
+            dt_bias=self.dt_bias,
+            time_step_limit=p.time_step_limit,
+            unclamped=None if p.clamp_dt_in_single_token_step else plan.unclamped,
+            # A fused scan stores the states straight into their pages (no copy after).
+            **direct,
         )
-        ssm_cache[plan.out_pages] = states.to(ssm_cache.dtype)
+        if states is not None:
+            ssm_cache[plan.out_pages] = states.to(ssm_cache.dtype)
         return y.reshape(t, p.intermediate_size)

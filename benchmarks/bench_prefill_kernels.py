@@ -1,0 +1,301 @@
+"""Benchmark: one Mamba2 layer's prefill kernels at the Nemotron-H-8B shape, old against new.
+
+Measured in one run (DESIGN.md section 9), kernel medians from CUDA events:
+
+  ssd    the SSD part of a packed prefill step, requested states written to their pages,
+         for 8 x 4,096 tokens with initial and final states, the same with a state every
+         64 tokens (the checkpoint grid), and 1 x 8,192:
+           ``new``  :func:`~hybridserve.kernels.ssd_varlen.ssd_prefill` on the fused scan
+                    (:mod:`hybridserve.kernels.ssd_chunked`: grouped B/C, raw dt, states
+                    straight into their pages), its defaults, then a few tiles and product
+                    precisions (``split``: 16-bit halves, the default for bf16 inputs);
+           ``old``  the previous engine path: dt discretised in the activations' dtype,
+                    float32 copies, groups expanded, fla-core's scan (where importable);
+         each checked against the float64 twin on the heads of the first two groups
+         (relative error of outputs and states);
+  conv   ``conv_varlen`` over 8 x 4,096 tokens of the 10,240-channel conv: no window
+         asked, the window mode on with no window in the step, windows at the row ends
+         (every prefill step), windows every 64 tokens; a few tiles; against its twin.
+
+Shapes: 128 heads x 64, state 128, 8 groups, conv dim 10,240, kernel 4; bf16
+activations (views of the projection, as the mixer passes them), float32 state pages.
+Writes ``benchmarks/results/prefill_kernels.json``; ``--smoke`` runs tiny shapes (on the
+CPU through Triton's interpreter when there is no GPU) and writes
+``prefill_kernels_smoke.json``; ``--quick`` times the defaults only (fewer compiles);
+``--no-old`` skips the previous path (fla-core's autotuning).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run on the CPU only through the interpreter, chosen before they exist.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import git_commit  # noqa: E402
+
+from hybridserve.kernels import ssd_chunked, ssd_varlen  # noqa: E402
+from hybridserve.kernels.conv_varlen import (  # noqa: E402
+    conv_varlen,
+    conv_varlen_reference,
+    token_rows,
+)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+FULL = dict(heads=128, head_dim=64, groups=8, d_state=128, conv_dim=10240, d_conv=4,
+            ssd=(("8x4096 initial+final", 8, 4096, False), ("8x4096 state every 64", 8, 4096,
+                 True), ("1x8192 initial+final", 1, 8192, False)),
+            conv_rows=(8, 4096), reps=20, check_groups=2,
+            ssd_variants=((64, 8, "split"), (32, 8, "split"), (32, 4, "split"),
+                          (16, 4, "split"), (64, 8, "tf32"), (32, 8, "tf32"),
+                          (32, 8, "bf16x3")),
+            conv_tiles=((32, 128, None), (32, 128, 4), (64, 128, 8), (16, 256, 8),
+                        (32, 256, 8), (64, 256, 8), (128, 128, 8)))
+SMOKE = dict(heads=4, head_dim=16, groups=2, d_state=16, conv_dim=48, d_conv=4,
+             ssd=(("2x70 initial+final", 2, 70, False), ("1x130 state every 64", 1, 130,
+                  True)),
+             conv_rows=(2, 70), reps=1, check_groups=1,
+             ssd_variants=((16, 4, "ieee"),), conv_tiles=((32, 64, None),))
+
+
+def _time(fn, reps: int, device: str) -> float:
+    """Median seconds of ``fn`` after one warm-up call (CUDA events; the host clock on
+    the CPU)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+class Layer:
+    """Random weights and bf16 activations of one Mamba2 layer for ``rows x length``
+    tokens: x, B, C are views of the conv output, dt a column view of the projection."""
+
+    def __init__(self, cfg, rows, length, device, seed=0):
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        h, p, gr, n = cfg["heads"], cfg["head_dim"], cfg["groups"], cfg["d_state"]
+        t = rows * length
+        self.rows, self.length, self.tokens = rows, length, t
+        bf = torch.bfloat16
+
+        def rnd(*shape, scale=1.0):
+            return (torch.randn(*shape, generator=g) * scale).to(device)
+
+        conv_out = rnd(t, h * p + 2 * gr * n, scale=0.5).to(bf)
+        proj = rnd(t, 2 * h * p + h, scale=0.5).to(bf)
+        self.x = conv_out[:, : h * p].view(t, h, p)
+        self.B = conv_out[:, h * p : h * p + gr * n].view(t, gr, n)
+        self.C = conv_out[:, h * p + gr * n :].view(t, gr, n)
+        proj[:, -h:] -= 2.0  # softplus(dt + bias) mostly well under 1
+        self.dt = proj[:, -h:]
+        self.A = -torch.exp(rnd(h, scale=0.5))
+        # Nemotron-H's init: dt_bias = softplus^-1(dt), dt log-uniform in [1e-3, 0.1].
+        dt0 = torch.exp(torch.rand(h, generator=g) * (torch.log(torch.tensor(0.1)) - torch.log(
+            torch.tensor(1e-3))) + torch.log(torch.tensor(1e-3)))
+        self.dt_bias = (dt0 + torch.log(-torch.expm1(-dt0))).to(device)
+        self.D = rnd(h)
+        self.init = rnd(rows, h, p, n, scale=0.1)
+        self.limit = (0.0, float("inf"))
+        self.qs = [i * length for i in range(rows + 1)]
+
+    def requests(self, every: int | None):
+        rows, offs = [], []
+        for r in range(self.rows):
+            grid = list(range(every - 1, self.length - 1, every)) if every else []
+            rows += [r] * (len(grid) + 1)
+            offs += [*grid, self.length - 1]
+        return rows, offs
+
+    def heads_of_groups(self, groups: int, cfg):
+        """The inputs restricted to the heads of the first ``groups`` groups, float64."""
+        per = cfg["heads"] // cfg["groups"]
+        hs = groups * per
+        return dict(x=self.x[:, :hs].double(), dt=self.dt[:, :hs].double(),
+                    A=self.A[:hs].double(), B=self.B[:, :groups].double(),
+                    C=self.C[:, :groups].double(), D=self.D[:hs].double(),
+                    dt_bias=self.dt_bias[:hs].double(), init=self.init[:, :hs].double(),
+                    heads=hs)
+
+
+def _ssd_case(cfg, name, rows, length, every64, device, reps, use_fla):
+    lay = Layer(cfg, rows, length, device)
+    req_rows, req_offs = lay.requests(64 if every64 else None)
+    k = len(req_rows)
+    h, p, n = cfg["heads"], cfg["head_dim"], cfg["d_state"]
+    pages = torch.zeros(k + rows, h, p, n, device=device)
+    out_pages = torch.arange(rows, rows + k, device=device)
+    segments = ssd_varlen.plan_segments(lay.qs, req_rows, req_offs, device,
+                                        chunk=ssd_varlen.SCAN_CHUNK)
+    args = (lay.x, lay.dt, lay.A, lay.B, lay.C, lay.D, lay.init, segments)
+    out = {"case": name, "tokens": lay.tokens, "states": k}
+
+    def new(**kw):
+        # As the mixer calls it: the states go straight to their pages.
+        scan = functools.partial(ssd_chunked.ssd_scan_fused, **kw)
+        y, _ = ssd_varlen.ssd_prefill(*args, scan, dt_bias=lay.dt_bias,
+                                      time_step_limit=lay.limit, out_cache=pages,
+                                      out_pages=out_pages)
+        return y
+
+    # float64 twin on the heads of the first groups.
+    sub = lay.heads_of_groups(cfg["check_groups"], cfg)
+    hs = sub["heads"]
+    y64, s64 = ssd_varlen.ssd_prefill(
+        sub["x"], sub["dt"], sub["A"], sub["B"], sub["C"], sub["D"], sub["init"], segments,
+        ssd_chunked.ssd_scan_fused_reference, dt_bias=sub["dt_bias"], time_step_limit=lay.limit)
+
+    def check(y, states):
+        return {"rel_err_y": _rel(y[:, :hs], y64), "rel_err_states": _rel(states[:, :hs], s64)}
+
+    variants = []
+    for block_p, warps, precision in cfg["ssd_variants"]:
+        kw = dict(block_p=block_p, num_warps=warps, precision=precision)
+        pages.zero_()
+        y = new(**kw)
+        variants.append({**kw, "median_ms": 1e3 * _time(lambda kw=kw: new(**kw), reps, device),
+                         **check(y, pages[out_pages])})
+    pages.zero_()
+    y = new()
+    states = pages[out_pages]
+    out["new"] = {"median_ms": 1e3 * _time(new, reps, device), **check(y, states),
+                  "variants": variants}
+    del y, states
+    if use_fla:
+        scan = ssd_varlen.ssd_scan_varlen_fla
+        old_segments = ssd_varlen.plan_segments(
+            lay.qs, req_rows, req_offs, device,
+            ssd_varlen.SCAN_CHUNK if ssd_varlen.chunk_states_supported(scan) else None)
+    else:
+        scan, old_segments = ssd_varlen.ssd_scan_varlen_reference, segments
+
+    def old():
+        # The previous mixer: discretised in the activations' dtype, then the plain scan.
+        dt = ssd_varlen.discretize_dt_varlen(lay.dt, lay.dt_bias, lay.limit)
+        y, states = ssd_varlen.ssd_prefill(lay.x, dt, lay.A, lay.B, lay.C, lay.D, lay.init,
+                                           old_segments, scan)
+        pages[out_pages] = states
+        return y, states
+
+    y, states = old()
+    out["old"] = {"scan": scan.__name__, "median_ms": 1e3 * _time(old, reps, device),
+                  **check(y, states)}
+    return out
+
+
+def _conv_case(cfg, device, reps):
+    rows, length = cfg["conv_rows"]
+    c, kk = cfg["conv_dim"], cfg["d_conv"]
+    t = rows * length
+    g = torch.Generator(device="cpu").manual_seed(1)
+    proj = (torch.randn(t, c + 2 * 64, generator=g)).to(torch.bfloat16).to(device)
+    xbc = proj[:, 64 : 64 + c]  # a column slice, as the mixer passes it
+    weight = torch.randn(c, kk, generator=g).to(torch.bfloat16).to(device)
+    bias = torch.randn(c, generator=g).to(torch.bfloat16).to(device)
+    pages = rows + t // 64 + rows + 2
+    cache = torch.randn(pages, c, kk - 1, generator=g).to(torch.bfloat16).to(device)
+    qs = torch.tensor([i * length for i in range(rows + 1)], device=device)
+    in_pages = torch.arange(rows, device=device)
+    trow = token_rows(qs, t)
+    none = torch.full((t,), -1, dtype=torch.int64, device=device)
+    ends = none.clone()
+    ends[qs[1:] - 1] = torch.arange(rows, 2 * rows, device=device)
+    grid = none.clone()
+    at = torch.arange(63, t, 64, device=device)
+    grid[at] = torch.arange(rows, rows + at.numel(), device=device)
+    modes = {"no window asked": None, "window mode, no window": none,
+             "windows at row ends": ends, "windows every 64": grid}
+    out = {"tokens": t, "channels": c, "modes": []}
+    for name, outs in modes.items():
+        want = conv_varlen_reference(xbc, weight, bias, cache.clone(), qs, in_pages, "silu",
+                                     out_pages=outs)
+        tiles = []
+        for bt, bc, warps in cfg["conv_tiles"]:
+            def run(bt=bt, bc=bc, warps=warps, outs=outs):
+                return conv_varlen(xbc, weight, bias, cache, qs, in_pages, "silu", trow,
+                                   out_pages=outs, block_t=bt, block_c=bc, num_warps=warps)
+            got = run()
+            tiles.append({"block_t": bt, "block_c": bc, "num_warps": warps,
+                          "median_ms": 1e3 * _time(run, reps, device),
+                          "rel_err": _rel(got.float(), want.float())})
+        out["modes"].append({"mode": name, "default_tile_ms": tiles[0]["median_ms"],
+                             "rel_err": tiles[0]["rel_err"], "tiles": tiles})
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter)")
+    ap.add_argument("--no-old", action="store_true",
+                    help="skip the previous path (fla-core's autotuning takes a while)")
+    ap.add_argument("--quick", action="store_true",
+                    help="defaults only: no sweep of tiles and precisions (fewer compiles)")
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = SMOKE if a.smoke or device == "cpu" else FULL
+    if a.quick:
+        cfg = {**cfg, "ssd_variants": (), "conv_tiles": cfg["conv_tiles"][:1]}
+    use_fla = device == "cuda" and ssd_varlen.fla_available()
+    started = time.time()
+    ssd = []
+    for name, rows, length, every in cfg["ssd"]:
+        case = _ssd_case(cfg, name, rows, length, every, device, cfg["reps"],
+                         use_fla and not a.no_old)
+        if a.no_old:
+            case.pop("old", None)
+        ssd.append(case)
+        print(json.dumps(case)[:400], flush=True)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    conv = _conv_case(cfg, device, cfg["reps"])
+    print(json.dumps(conv)[:400], flush=True)
+    result = {
+        "benchmark": "bench_prefill_kernels",
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
+        "versions": {"torch": torch.__version__, "triton": triton.__version__,
+                     "fla_core": ssd_varlen.fla_version()},
+        "commit": git_commit(),
+        "config": {**cfg, "quick": a.quick},
+        "ssd": ssd,
+        "conv": conv,
+        "wall_s": time.time() - started,
+    }
+    smoke = a.smoke or device == "cpu"
+    out = a.out or RESULTS / ("prefill_kernels_smoke.json" if smoke else "prefill_kernels.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out} in {result['wall_s']:.0f} s")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""benchmarks/bench_prefill_kernels.py in its smoke mode (the real run needs a GPU)."""
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+# The interpreter must be chosen before the kernels are defined.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+
+def _load_benchmark():
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_prefill_kernels.py"
+    spec = importlib.util.spec_from_file_location("bench_prefill_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_smoke(tmp_path):
+    if torch.cuda.is_available():
+        import pytest
+
+        pytest.skip("the smoke mode is the CPU interpreter's")
+    bench = _load_benchmark()
+    out = tmp_path / "smoke.json"
+    record = bench.main(["--smoke", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(record))
+    assert record["commit"] and record["versions"]["torch"] == torch.__version__
+    cases = {c["case"]: c for c in record["ssd"]}
+    assert set(cases) == {"2x70 initial+final", "1x130 state every 64"}
+    assert cases["1x130 state every 64"]["states"] == 3  # offsets 63, 127 and the end
+    for case in record["ssd"]:
+        for side in ("new", "old"):
+            assert case[side]["median_ms"] > 0
+            # float32 kernels against the float64 twin on the same inputs
+            assert case[side]["rel_err_y"] < 1e-2 and case[side]["rel_err_states"] < 1e-2
+        assert case["new"]["rel_err_y"] < 1e-5 and case["new"]["rel_err_states"] < 1e-5
+        assert case["new"]["variants"][0]["precision"] == "ieee"
+    modes = [m["mode"] for m in record["conv"]["modes"]]
+    assert modes == ["no window asked", "window mode, no window", "windows at row ends",
+                     "windows every 64"]
+    # bf16 outputs; the interpreter truncates where the GPU rounds: within a few ulps.
+    assert all(m["rel_err"] < 1e-2 for m in record["conv"]["modes"])
