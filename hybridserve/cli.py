@@ -193,8 +193,7 @@ def _json_object(text: str) -> dict:
 
 _VLLM_FLAGS = {
     "--block-size": "--kv-block-size",
-    "--tensor-parallel-size": "none: one device per server",
-    "--pipeline-parallel-size": "none: one device per server",
+    "--pipeline-parallel-size": "none: split a model with --tensor-parallel-size",
     "--trust-remote-code": "none: the supported model families are built in",
     "--tokenizer": "none: the checkpoint's tokenizer.json is used",
     "--kv-cache-dtype": "--dtype (the KV cache has the model's dtype)",

@@ -135,8 +135,8 @@ def test_unknown_flags_name_the_nearest(capsys) -> None:
     assert "--enable-prefix-cashing" in err and "nearest option is --enable-prefix-caching" in err
     err = _cli_error(["serve", "--max-model-length", "5"], capsys)
     assert "--max-model-len" in err
-    err = _cli_error(["serve", "--tensor-parallel-size", "2"], capsys)
-    assert "one device per server" in err
+    err = _cli_error(["serve", "--pipeline-parallel-size", "2"], capsys)
+    assert "--tensor-parallel-size" in err
     assert "not valid JSON" in _cli_error(["serve", "--speculative-config", "{nope"], capsys)
 
 
