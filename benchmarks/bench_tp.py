@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_gpu import random_weight  # noqa: E402
-from provenance import git_commit  # noqa: E402
+from provenance import git_commit, portable_path  # noqa: E402
 
 from hybridserve import LLM, SamplingParams  # noqa: E402
 from hybridserve.models.config import ModelConfig  # noqa: E402
@@ -303,7 +303,7 @@ def main(argv=None) -> int:
         "bench": "tp", "commit": git_commit(), "torch": torch.__version__,
         "device": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else platform.processor() or "cpu",
         "devices": torch.cuda.device_count() if args.device.startswith("cuda") else 0,
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "config": {k: (portable_path(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "shape": shape,
     }
     started = time.perf_counter()
