@@ -56,6 +56,9 @@ class SamplingParams:
     for every prompt token after the first, its log probability given the tokens before
     it and the ``k`` most likely tokens there (``RequestOutput.prompt_logprobs``); the
     request then computes its whole prompt (the prefix cache is not read for it).
+    ``keep_special_token_ids``: special tokens whose text stays in the output text
+    although ``skip_special_tokens`` drops the others (the server sets it to the tags its
+    tool-call and reasoning parsers read; EOS and ``stop_token_ids`` stay out).
     """
 
     n: int = 1
@@ -79,6 +82,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     logit_bias: dict[int, float] | None = None
     prompt_logprobs: int | None = None
+    keep_special_token_ids: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:

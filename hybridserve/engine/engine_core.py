@@ -727,7 +727,10 @@ class EngineCore:
 
     def _output_text(self, req: Request) -> str:
         if req.detokenizer is None:
-            req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.params.skip_special_tokens)
+            p = req.params
+            # EOS and stop tokens' text never shows, even when a parser's tag is one.
+            keep = p.keep_special_token_ids - set(req.eos_token_ids) - set(p.stop_token_ids or ())
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens, keep)
         return req.detokenizer.text(req.output_token_ids)
 
     def _check_stop_strings(self, req: Request) -> bool:

@@ -68,6 +68,14 @@ class OutputSplit:
         return self.reasoning is not None or self.tool_parser is not None
 
     @property
+    def tags(self) -> list[str]:
+        """The literal tags the active parsers look for in the output text."""
+        out = [*self.reasoning.starts, *self.reasoning.ends] if self.reasoning is not None else []
+        if self.tool_parser is not None:
+            out += [t for t in (getattr(self.tool_parser, "start", ""), getattr(self.tool_parser, "end", "")) if t]
+        return out
+
+    @property
     def reports_reasoning(self) -> bool:
         return self.reasoning is not None
 

@@ -112,6 +112,8 @@ class OpenAIServing:
         # Streams of responses in progress, so a shutdown can fail them.
         self._live: set[RequestStream] = set()
         self._closing = False
+        # Parser tag -> its id when it is one special token (else None).
+        self._tag_ids: dict[str, int | None] = {}
 
     def end_in_flight(self, message: str = "the server is shutting down") -> None:
         """Fail every response in progress with a 503 (a JSON error, or an error event
@@ -186,6 +188,7 @@ class OpenAIServing:
                 split.constrained = False
         split.prompt = prompt[0] or ""
         split.chat_template_kwargs = req.chat_template_kwargs
+        params.keep_special_token_ids = self._special_tag_ids(split.tags)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         fmt = _ChatFormat(self, rid, req.n, top if req.logprobs else None, split=split)
         return await self._respond(rid, [prompt], params, req, fmt, receive)
@@ -237,6 +240,28 @@ class OpenAIServing:
             )
         ids = list(req.tokens)
         return {"prompt": await self._offload(lambda: tok.decode(ids, skip_special_tokens=False))}
+
+    def _special_tag_ids(self, tags: list[str]) -> frozenset[int]:
+        """The ids of those ``tags`` that are single special tokens of the tokenizer (a
+        decode skipping special tokens would drop them), so the output keeps their text
+        for the parsers, which then take them out of the content."""
+        tok = self.config.tokenizer
+        if tok is None or not tags:
+            return frozenset()
+        cache = self._tag_ids
+        ids = set()
+        for tag in tags:
+            if tag not in cache:
+                enc = tok.encode(tag, add_special_tokens=False)
+                special = (
+                    len(enc) == 1
+                    and tok.decode(enc, skip_special_tokens=True) == ""
+                    and tok.decode(enc, skip_special_tokens=False) == tag
+                )
+                cache[tag] = enc[0] if special else None
+            if cache[tag] is not None:
+                ids.add(cache[tag])
+        return frozenset(ids)
 
     def _reasoning_end_tokens(
         self, parser: type[ReasoningParser], prompt: str, chat_template_kwargs: dict[str, Any] | None

@@ -79,3 +79,30 @@ def test_engine_decode_work_grows_linearly(tiny_granite):
     assert len(out.token_ids) == n and out.text == counting.tokenizer.decode(out.token_ids)
     assert counting.calls >= n  # every token was checked against the stop string
     assert counting.decoded <= DECODES_PER_TOKEN * n + 2 * n, counting.decoded / n
+
+
+def test_kept_special_tokens_show_and_the_others_stay_skipped(tmp_path):
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    hf = HFTokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.add_special_tokens([AddedToken(t, special=True) for t in ("<think>", "</think>", "<eos>")])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer(tmp_path)
+    think, end, eos = (tok.token_to_id(t) for t in ("<think>", "</think>", "<eos>"))
+    ids = [think, *tok.encode("é日 a", add_special_tokens=False), end, *tok.encode("b🙂", False), eos]
+    rng = random.Random(1)
+    for seq in (ids, [rng.choice([think, end, eos, *range(256)]) for _ in range(150)]):
+        detok = IncrementalDetokenizer(tok, keep_special_ids=frozenset({think, end}))
+        for k in range(1, len(seq) + 1):
+            want = tok.decode(seq[:k], skip_special_tokens=False).replace("<eos>", "")
+            assert detok.text(seq[:k]) == want, k
+    kept = IncrementalDetokenizer(tok, keep_special_ids=frozenset({think, end})).text(ids)
+    assert kept == "<think>é日 a</think>b🙂"
+    # Without a keep set (and with skipping off) the text is the plain decode, as before.
+    assert IncrementalDetokenizer(tok).text(ids) == tok.decode(ids) == "é日 ab🙂"
+    off = IncrementalDetokenizer(tok, skip_special_tokens=False, keep_special_ids=frozenset({think}))
+    assert off.text(ids) == tok.decode(ids, skip_special_tokens=False)
