@@ -125,3 +125,20 @@ def test_requests_without_parsers_are_unchanged(plain: Any) -> None:
     kept = _post(plain, "/v1/chat/completions", messages=MSGS, skip_special_tokens=False)
     assert kept["choices"][0]["message"]["content"].startswith(
         "<think>ab</think><tool_call>" + CALL + "</tool_call>")
+
+
+def test_a_kept_stop_token_still_does_not_show(model: Any) -> None:
+    # The engine's side, offline: kept ids show their text, except a stop token's (and
+    # EOS's), whose text never appears in an output.
+    from hybridserve.llm import LLM, SamplingParams
+
+    llm = LLM(model, max_num_seqs=2, max_model_len=256)
+    keep = frozenset(TAGS.values())
+
+    def text(**kw: Any) -> str:
+        sp = SamplingParams(max_tokens=80, temperature=0, structured_outputs={"grammar": GRAMMAR},
+                            keep_special_token_ids=keep, **kw)
+        return llm.generate(["hi"], sp)[0].outputs[0].text
+
+    assert text() == "<think>ab</think><tool_call>" + CALL + "</tool_call>"
+    assert text(stop_token_ids=[TAGS["</tool_call>"]]) == "<think>ab</think><tool_call>" + CALL
