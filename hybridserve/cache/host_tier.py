@@ -60,6 +60,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridserve.cache.events import CacheEvent, EventSink
+from hybridserve.cache.state_cache import eviction_victim
 from hybridserve.step import Transfers
 
 __all__ = ["HostCheckpoint", "HostCheckpointIndex", "HostStatePool", "Transfers", "host_pages_for"]
@@ -173,14 +174,8 @@ class HostCheckpointIndex:
 
     def _evict(self) -> None:
         keys = list(self.checkpoints)
-        if self.eviction_policy == "lru" or len(keys) == 1:
-            key = keys[0]
-        else:
-            flops = [self.flops_saved(self.checkpoints[k].length) for k in keys]
-            top = max(flops) or 1.0
-            n = len(keys) - 1
-            scores = [i / n + self.alpha * f / top for i, f in enumerate(flops)]
-            key = keys[scores.index(min(scores))]
+        key = eviction_victim(keys, [self.checkpoints[k].length for k in keys],
+                              self.eviction_policy, self.flops_saved, self.alpha)
         self._remove(key)
         self.num_evicted += 1
 

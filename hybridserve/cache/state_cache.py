@@ -39,6 +39,21 @@ from dataclasses import dataclass
 from hybridserve.cache.events import CacheEvent, EventSink
 
 
+def eviction_victim(keys: Sequence[int], lengths: Sequence[int], policy: str,
+                    flops_saved: Callable[[int], float], alpha: float) -> int:
+    """The checkpoint to evict among ``keys`` (least recently used first, ``lengths``
+    their prefix lengths) by the module's rule: ``lru`` the first; ``flop_aware`` the
+    lowest ``recency + alpha * flops_saved / max_flops_saved``. The device index and the
+    host tier evict by this one rule."""
+    if policy == "lru" or len(keys) == 1:
+        return keys[0]
+    flops = [flops_saved(n) for n in lengths]
+    top = max(flops) or 1.0
+    last = len(keys) - 1
+    scores = [i / last + alpha * f / top for i, f in enumerate(flops)]
+    return keys[scores.index(min(scores))]
+
+
 @dataclass(slots=True)
 class Checkpoint:
     page: int
@@ -181,14 +196,8 @@ class StateCache:
         # page); if there are none, any checkpoint.
         keys = [k for k, c in self.checkpoints.items() if self.ref_count[c.page] == 1]
         keys = keys or list(self.checkpoints)
-        if self.eviction_policy == "lru" or len(keys) == 1:
-            key = keys[0]
-        else:
-            flops = [self.flops_saved(self.checkpoints[k].length) for k in keys]
-            top = max(flops) or 1.0
-            n = len(keys) - 1
-            scores = [i / n + self.alpha * f / top for i, f in enumerate(flops)]
-            key = keys[scores.index(min(scores))]
+        key = eviction_victim(keys, [self.checkpoints[k].length for k in keys],
+                              self.eviction_policy, self.flops_saved, self.alpha)
         if self.on_evict is not None:
             self.on_evict(key, self.checkpoints[key])
         self._remove(key, "checkpoint_evicted")

@@ -274,14 +274,15 @@ class ModelConfig:
     norm_eps: float
     norm_weight_in_fp32: bool  # Nemotron-H multiplies the norm weight in float32
     tie_word_embeddings: bool
-    embedding_multiplier: float
-    residual_multiplier: float
-    logits_scaling: float  # logits are divided by this
     max_position_embeddings: int
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
     torch_dtype: str | None  # the dtype named in config.json, e.g. "bfloat16"
+    # Granite's scalings; every other family leaves them at 1.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0  # logits are divided by this
     moe: MoEParams | None = None  # None when no layer has a mixture of experts
     moe_layers: tuple[int, ...] = ()  # decoder layers with a mixture-of-experts block
     gdn: GDNParams | None = None  # None when no layer is a Gated DeltaNet layer
@@ -553,6 +554,24 @@ def _token_ids(r: _Reader) -> tuple[int | None, tuple[int, ...], int | None]:
     return r.opt("bos_token_id", None), eos_ids, r.opt("pad_token_id", None)
 
 
+def _checkpoint_fields(r: _Reader, arch: str, model_type: str, max_len: int) -> dict[str, Any]:
+    """The :class:`ModelConfig` fields every family reads the same way: names, vocabulary,
+    tied head, length, special token ids and dtype (``model_type`` and ``max_len`` are
+    the family's defaults)."""
+    bos, eos, pad = _token_ids(r)
+    return dict(
+        architecture=arch,
+        model_type=r.opt("model_type", model_type, str),
+        vocab_size=r.req("vocab_size"),
+        tie_word_embeddings=r.opt("tie_word_embeddings", False, bool),
+        max_position_embeddings=r.opt("max_position_embeddings", max_len),
+        bos_token_id=bos,
+        eos_token_ids=eos,
+        pad_token_id=pad,
+        torch_dtype=_dtype_name(r),
+    )
+
+
 def _dtype_name(r: _Reader) -> str | None:
     value = r.data.get("dtype", r.data.get("torch_dtype"))
     return value if isinstance(value, str) else None
@@ -679,11 +698,8 @@ def _parse_granite(r: _Reader, arch: str) -> ModelConfig:
         )
     mamba = _mamba_prefixed_params(r, hidden, eps) if MAMBA in layer_types else None
     moe = _granite_moe(r, act)
-    bos, eos, pad = _token_ids(r)
     return ModelConfig(
-        architecture=arch,
-        model_type=r.opt("model_type", "granitemoehybrid", str),
-        vocab_size=r.req("vocab_size"),
+        **_checkpoint_fields(r, arch, "granitemoehybrid", 2048),
         hidden_size=hidden,
         layer_types=tuple(layer_types),
         layer_has_mlp=True,
@@ -692,15 +708,9 @@ def _parse_granite(r: _Reader, arch: str) -> ModelConfig:
         mlp=MLPParams("gated_fused", r.opt("shared_intermediate_size", 1024), act, False),
         norm_eps=eps,
         norm_weight_in_fp32=False,
-        tie_word_embeddings=r.opt("tie_word_embeddings", False, bool),
         embedding_multiplier=r.opt("embedding_multiplier", 1.0, float),
         residual_multiplier=r.opt("residual_multiplier", 1.0, float),
         logits_scaling=r.opt("logits_scaling", 1.0, float),
-        max_position_embeddings=r.opt("max_position_embeddings", 2048),
-        bos_token_id=bos,
-        eos_token_ids=eos,
-        pad_token_id=pad,
-        torch_dtype=_dtype_name(r),
         moe=moe,
         moe_layers=tuple(range(n_layers)) if moe is not None else (),
     )
@@ -900,11 +910,8 @@ def _parse_nemotron(r: _Reader, arch: str) -> ModelConfig:
         moe = _nemotron_moe(
             r, _activation(r, "mlp_hidden_act", "relu2"), r.opt("mlp_bias", False, bool)
         )
-    bos, eos, pad = _token_ids(r)
     return ModelConfig(
-        architecture=arch,
-        model_type=r.opt("model_type", "nemotron_h", str),
-        vocab_size=r.req("vocab_size"),
+        **_checkpoint_fields(r, arch, "nemotron_h", 4096),
         hidden_size=hidden,
         layer_types=tuple(layer_types),
         layer_has_mlp=False,
@@ -913,15 +920,6 @@ def _parse_nemotron(r: _Reader, arch: str) -> ModelConfig:
         mlp=mlp,
         norm_eps=eps,
         norm_weight_in_fp32=True,
-        tie_word_embeddings=r.opt("tie_word_embeddings", False, bool),
-        embedding_multiplier=1.0,
-        residual_multiplier=1.0,
-        logits_scaling=1.0,
-        max_position_embeddings=r.opt("max_position_embeddings", 4096),
-        bos_token_id=bos,
-        eos_token_ids=eos,
-        pad_token_id=pad,
-        torch_dtype=_dtype_name(r),
         moe=moe,
         moe_layers=tuple(i for i, t in enumerate(layer_types) if t == MOE),
     )
@@ -952,11 +950,8 @@ def _parse_bamba(r: _Reader, arch: str) -> ModelConfig:
             default_partial=0.5,
         )
     mamba = _mamba_prefixed_params(r, hidden, eps) if MAMBA in layer_types else None
-    bos, eos, pad = _token_ids(r)
     return ModelConfig(
-        architecture=arch,
-        model_type=r.opt("model_type", "bamba", str),
-        vocab_size=r.req("vocab_size"),
+        **_checkpoint_fields(r, arch, "bamba", 262144),
         hidden_size=hidden,
         layer_types=layer_types,
         layer_has_mlp=True,
@@ -965,15 +960,6 @@ def _parse_bamba(r: _Reader, arch: str) -> ModelConfig:
         mlp=MLPParams("gated", r.req("intermediate_size"), act, r.opt("mlp_bias", False, bool)),
         norm_eps=eps,
         norm_weight_in_fp32=False,
-        tie_word_embeddings=r.opt("tie_word_embeddings", False, bool),
-        embedding_multiplier=1.0,
-        residual_multiplier=1.0,
-        logits_scaling=1.0,
-        max_position_embeddings=r.opt("max_position_embeddings", 262144),
-        bos_token_id=bos,
-        eos_token_ids=eos,
-        pad_token_id=pad,
-        torch_dtype=_dtype_name(r),
     )
 
 
@@ -1083,11 +1069,8 @@ def _parse_qwen(
     eps = r.opt("rms_norm_eps", 1e-6, float)
     attn = _qwen_attention_params(r) if ATTENTION in layer_types else None
     gdn = _qwen_gdn_params(r, fused, eps) if GDN in layer_types else None
-    bos, eos, pad = _token_ids(r)
     return ModelConfig(
-        architecture=arch,
-        model_type=r.opt("model_type", default_model_type, str),
-        vocab_size=r.req("vocab_size"),
+        **_checkpoint_fields(r, arch, default_model_type, 32768),
         hidden_size=hidden,
         layer_types=layer_types,
         layer_has_mlp=True,
@@ -1097,15 +1080,6 @@ def _parse_qwen(
         norm_eps=eps,
         # (1 + weight) is formed and multiplied in float32, then cast once.
         norm_weight_in_fp32=True,
-        tie_word_embeddings=r.opt("tie_word_embeddings", False, bool),
-        embedding_multiplier=1.0,
-        residual_multiplier=1.0,
-        logits_scaling=1.0,
-        max_position_embeddings=r.opt("max_position_embeddings", 32768),
-        bos_token_id=bos,
-        eos_token_ids=eos,
-        pad_token_id=pad,
-        torch_dtype=_dtype_name(r),
         gdn=gdn,
         norm_zero_centred=True,
         moe=moe,
