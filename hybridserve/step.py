@@ -147,6 +147,12 @@ class SamplingParams:
             ):
                 raise ValueError("allowed_token_ids must be a non-empty list of non-negative integers")
             self.allowed_token_ids = list(ids)
+        keep = self.keep_special_token_ids
+        if not isinstance(keep, (set, frozenset, list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in keep
+        ):
+            raise ValueError("keep_special_token_ids must be a set of non-negative integers")
+        self.keep_special_token_ids = frozenset(keep)
         if self.prompt_logprobs is not None and (
             not isinstance(self.prompt_logprobs, int)
             or isinstance(self.prompt_logprobs, bool)

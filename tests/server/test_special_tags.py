@@ -142,3 +142,11 @@ def test_a_kept_stop_token_still_does_not_show(model: Any) -> None:
 
     assert text() == "<think>ab</think><tool_call>" + CALL + "</tool_call>"
     assert text(stop_token_ids=[TAGS["</tool_call>"]]) == "<think>ab</think><tool_call>" + CALL
+
+
+def test_keep_special_token_ids_is_checked() -> None:
+    from hybridserve.llm import SamplingParams
+
+    assert SamplingParams(keep_special_token_ids=[3, 4]).keep_special_token_ids == frozenset({3, 4})
+    with pytest.raises(ValueError, match="keep_special_token_ids"):
+        SamplingParams(keep_special_token_ids=[-1])
