@@ -119,8 +119,9 @@ def test_tp2_nemotron_h_groups_split_with_caching_and_speculation(tmp_path):
 def test_tp2_granite_one_group_replicated(tmp_path):
     """Granite 4.0-H with one Mamba2 group (replicated on both ranks, so the gated norm
     spans the ranks and all-reduces its sums of squares), one KV head (replicated), tied
-    embeddings, fused experts beside the shared MLP, and a vocabulary of 251 (the last rank's head shard padded): TP=2 is
-    token-identical to one rank, prefix hits and prompt logprobs included, the replicated
+    embeddings, fused experts beside the shared MLP, and a vocabulary of 251 (the last rank's head shard padded), with
+    n-gram speculation: TP=2 is token-identical to one rank, prefix hits, accepted drafts
+    and prompt logprobs included, the replicated
     groups' conv
     channels are equal on both ranks, the pages reassemble, host-tier copies run on
     every rank, and a stopped engine refuses further steps; a checkpoint no rank can cut
@@ -130,8 +131,10 @@ def test_tp2_granite_one_group_replicated(tmp_path):
         tie_word_embeddings=True, vocab_size=251, num_local_experts=4, num_experts_per_tok=2,
     )
     prompts = [list(range(20, 56)), list(range(20, 52)) + [3, 1, 4, 1, 5]]
-    one = LLM(path, checkpoint_offload_pages=4, **ENGINE)
-    tp = LLM(path, tensor_parallel_size=2, checkpoint_offload_pages=4, **ENGINE)
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    one = LLM(path, checkpoint_offload_pages=4, speculative_config=spec, **ENGINE)
+    tp = LLM(path, tensor_parallel_size=2, checkpoint_offload_pages=4, speculative_config=spec,
+             **ENGINE)
     try:
         assert tp.model.shard_layout.norm_spans_ranks
         for _ in range(2):  # the second round hits the first's checkpoints
@@ -139,6 +142,9 @@ def test_tp2_granite_one_group_replicated(tmp_path):
             got, hits = _generate(tp, prompts)
             assert got == want and hits == hits_one
         assert max(hits) >= 16
+        # Speculation ran on the replicated-group model too, drafts accepted alike.
+        assert tp.stats()["spec_draft_tokens"] > 0
+        assert tp.stats()["spec_accepted_tokens"] == one.stats()["spec_accepted_tokens"]
         # Prompt logprobs (a prefill computes logits at every prompt position, which
         # every rank joins): the same top tokens, values to float32 rounding.
         lp = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2, logprobs=1)
