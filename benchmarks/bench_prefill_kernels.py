@@ -266,18 +266,9 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = {**cfg, "ssd_variants": (), "conv_tiles": cfg["conv_tiles"][:1]}
     use_fla = device == "cuda" and ssd_varlen.fla_available()
     started = time.time()
-    ssd = []
-    for name, rows, length, every in cfg["ssd"]:
-        case = _ssd_case(cfg, name, rows, length, every, device, cfg["reps"],
-                         use_fla and not a.no_old)
-        if a.no_old:
-            case.pop("old", None)
-        ssd.append(case)
-        print(json.dumps(case)[:400], flush=True)
-        if device == "cuda":
-            torch.cuda.empty_cache()
-    conv = _conv_case(cfg, device, cfg["reps"])
-    print(json.dumps(conv)[:400], flush=True)
+    smoke = a.smoke or device == "cpu"
+    out = a.out or RESULTS / ("prefill_kernels_smoke.json" if smoke else "prefill_kernels.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     result = {
         "benchmark": "bench_prefill_kernels",
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
@@ -285,14 +276,30 @@ def main(argv: list[str] | None = None) -> dict:
                      "fla_core": ssd_varlen.fla_version()},
         "commit": git_commit(),
         "config": {**cfg, "quick": a.quick},
-        "ssd": ssd,
-        "conv": conv,
-        "wall_s": time.time() - started,
+        "ssd": [],
+        "conv": None,
+        "complete": False,
     }
-    smoke = a.smoke or device == "cpu"
-    out = a.out or RESULTS / ("prefill_kernels_smoke.json" if smoke else "prefill_kernels.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+
+    def save() -> None:
+        # Written after every case, so a time limit keeps what was measured.
+        result["wall_s"] = time.time() - started
+        out.write_text(json.dumps(result, indent=1) + "\n")
+
+    for name, rows, length, every in cfg["ssd"]:
+        case = _ssd_case(cfg, name, rows, length, every, device, cfg["reps"],
+                         use_fla and not a.no_old)
+        if a.no_old:
+            case.pop("old", None)
+        result["ssd"].append(case)
+        save()
+        print(json.dumps(case)[:400], flush=True)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    result["conv"] = _conv_case(cfg, device, cfg["reps"])
+    print(json.dumps(result["conv"])[:400], flush=True)
+    result["complete"] = True
+    save()
     print(f"wrote {out} in {result['wall_s']:.0f} s")
     return result
 
