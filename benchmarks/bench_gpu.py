@@ -766,10 +766,6 @@ def ttft(model, path, device, dtype, prompt_len, cached_len, interval, vocab, se
         num_state_pages=pages + 24, max_num_batched_tokens=prompt_len,
         num_kv_blocks=4 * (-(-max_len // 16)) + 8,
     )
-    if llm.engine.runner.graphs is not None:
-        # Measured here, though off by default under CUDA capture until checked there
-        # (KernelPolicy.short_graphs; the GPU test compares their tokens with eager).
-        llm.engine.runner.graphs.short_enabled = True
     g = torch.Generator().manual_seed(seed)
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 

@@ -324,7 +324,7 @@ class DecodeGraphs:
         # KernelPolicy.short_graphs; False after a short-row capture failed: later
         # short-row steps run eagerly.
         mode = policy.short_graphs if policy is not None else "auto"
-        self.short_enabled = mode == "on" or (mode == "auto" and not self.capture)
+        self.short_enabled = mode != "off"
         # GDN layers plan short steps with host values (VarlenPlan): no short graphs.
         spec = getattr(model, "cache_spec", None)
         self.short_supported = not getattr(spec, "gdn_layers", ())

@@ -349,9 +349,9 @@ def test_a_repeated_static_step_uploads_no_tile_map(tiny_nemotron, monkeypatch):
     assert len(calls) == 2
 
 
-def test_short_graphs_policy_gates_captured_steps(tiny_nemotron):
-    """``short_graphs``: "auto" keeps the static short step where nothing is captured
-    and leaves captured (CUDA) short steps to an explicit "on"; "off" turns it off."""
+def test_short_graphs_policy_turns_short_graphs_on_and_off(tiny_nemotron):
+    """``short_graphs``: "auto" and "on" replay short steps from graphs, captured or
+    not; "off" turns them off."""
     llm = LLM(tiny_nemotron)
     caches = llm.engine.runner.caches
     for mode, capture, want in (("auto", False, True), ("off", False, False), ("on", False, True)):
