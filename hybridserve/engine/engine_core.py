@@ -413,8 +413,17 @@ class EngineCore:
         """Schedule and launch the plain decode step after ``sched`` before its tokens
         are on the host, or None: when requests wait (they are admitted by an ordinary
         step), when a row is not plain decode, or when the caches or the graphs cannot
-        take it. A request that ``sched`` surely finishes (its length cap) gets no row."""
+        take it. A request that ``sched`` surely finishes (its length cap) gets no row.
+        Nor does a step with a constrained row go ahead: its next mask follows the token
+        still on the device (such steps replay their graphs one at a time, the masks
+        filled while the forward runs: :meth:`DecodeGraphs.replay
+        <hybridserve.runner.cuda_graph.DecodeGraphs.replay>`)."""
         if self.scheduler.waiting or not sched.plain_decode:
+            return None
+        if any(
+            row.request.grammar is not None or row.request.pending_grammar is not None
+            for row in sched.rows
+        ):
             return None
         rows, sources = [], []
         for i, row in enumerate(sched.rows):
