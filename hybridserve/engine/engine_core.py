@@ -404,8 +404,22 @@ class EngineCore:
         self._inflight = self._launch_ahead(sched, pending)
         results = self._guarded(sched, lambda: self.runner.collect(pending))
         outputs = self._process(sched, results)
+        self._draw_inflight()
         self._check_integrity()
         return outputs
+
+    def _draw_inflight(self) -> None:
+        """Queue the draw of the step in flight where it waits (a step with constrained
+        rows launched ahead: its masks need the tokens just committed). The device runs
+        that step's forward meanwhile, so the masks are filled while it computes."""
+        if self._inflight is None or self._inflight[1].deferred is None:
+            return
+        nxt, launched = self._inflight
+        try:
+            self._guarded(nxt, lambda: self.runner.draw(launched))
+        except BaseException:
+            self._inflight = None
+            raise
 
     def _launch_ahead(
         self, sched: SchedulerOutput, pending: PendingStep
@@ -414,16 +428,10 @@ class EngineCore:
         are on the host, or None: when requests wait (they are admitted by an ordinary
         step), when a row is not plain decode, or when the caches or the graphs cannot
         take it. A request that ``sched`` surely finishes (its length cap) gets no row.
-        Nor does a step with a constrained row go ahead: its next mask follows the token
-        still on the device (such steps replay their graphs one at a time, the masks
-        filled while the forward runs: :meth:`DecodeGraphs.replay
-        <hybridserve.runner.cuda_graph.DecodeGraphs.replay>`)."""
+        A step with constrained rows goes ahead as its forward only: the masks of its
+        draw follow the tokens still on the device, so the draw runs once ``sched`` is
+        committed (:meth:`_draw_inflight`)."""
         if self.scheduler.waiting or not sched.plain_decode:
-            return None
-        if any(
-            row.request.grammar is not None or row.request.pending_grammar is not None
-            for row in sched.rows
-        ):
             return None
         rows, sources = [], []
         for i, row in enumerate(sched.rows):

@@ -89,6 +89,7 @@ from hybridserve.structured.backend import bitmask_words
 __all__ = [
     "BATCH_BUCKETS",
     "GREEDY",
+    "DeferredDraw",
     "SHORT_BATCH_BUCKETS",
     "DecodeGraphs",
     "Sampling",
@@ -189,6 +190,19 @@ class ShortShape:
     @property
     def key(self) -> tuple:
         return ("short", self.batch, self.tokens, self.width, self.policy, self.sampling)
+
+
+@dataclass
+class DeferredDraw:
+    """A masked step whose forward is queued and whose draw is not
+    (:meth:`DecodeGraphs.draw` runs it): its static buffer, key, graphs, the forward's
+    logits where nothing is captured, and whether its masks are filled already."""
+
+    st: _Static
+    shape: StepShape
+    entry: tuple
+    logits: torch.Tensor | None
+    filled: bool = False
 
 
 class _Static:
@@ -370,7 +384,8 @@ class DecodeGraphs:
         spec = getattr(model, "cache_spec", None)
         self.short_supported = not getattr(spec, "gdn_layers", ())
         self.counters = {"graph_steps": 0, "eager_steps": 0, "captures": 0,
-                         "short_graph_steps": 0, "short_captures": 0, "masked_graph_steps": 0}
+                         "short_graph_steps": 0, "short_captures": 0, "masked_graph_steps": 0,
+                         "deferred_draws": 0}
         # Host seconds spent filling masked steps' token masks (the grammar matchers'
         # work; on CUDA it overlaps the forward queued before it).
         self.mask_seconds = 0.0
@@ -426,11 +441,10 @@ class DecodeGraphs:
                 if grammar is not None and getattr(grammar, "words", words) != words:
                     return None  # the eager step names the mismatch
                 masked = True
-            if row.ahead and (
-                req.grammar is not None or getattr(req, "pending_grammar", None) is not None
-            ):
-                # Its mask follows the token still on the device: not known on the host.
-                return None
+            elif row.ahead and getattr(req, "pending_grammar", None) is not None:
+                # The token still on the device may start its grammar: masked, the mask
+                # filled when the draw runs (after that token is committed).
+                masked = True
             in_pages.add(row.state_in_page)
             out_pages.update(outs)
             need = -(-(n + rq) // bs)
@@ -470,11 +484,16 @@ class DecodeGraphs:
 
     def replay(
         self, sched: SchedulerOutput, tokens: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, int] | None:
+    ) -> tuple[torch.Tensor | DeferredDraw, int] | None:
         """Run ``sched`` from a graph if it qualifies, reading nothing back: the device
         output (row ``i``'s choices at ``[i * q, i * q + num_tokens)``) and ``q``, or
         None (then nothing ran). ``tokens`` (device, one per row): the input tokens of a
-        step of one-token rows scheduled ahead, which the host does not have yet."""
+        step of one-token rows scheduled ahead, which the host does not have yet.
+
+        A masked step scheduled ahead (``tokens`` given) runs its forward only and
+        returns a :class:`DeferredDraw` in place of the output: its masks follow the
+        tokens still on the device, so :meth:`draw` fills them and replays the draw
+        once the step before is committed."""
         shape = self.shape_of(sched)
         if tokens is not None and (shape is None or shape.q != 1):
             return None
@@ -490,12 +509,15 @@ class DecodeGraphs:
         if tokens is not None:
             st.meta[: shape.rows, 0] = tokens
         if shape.sampling.masked:
-            out = self._replay_masked(st, sched, shape)
-            if out is None:
+            deferred = self._masked_forward(st, sched, shape, fill_first=tokens is None)
+            if deferred is None:
                 return None
             self.counters["graph_steps"] += 1
             self.counters["masked_graph_steps"] += 1
-            return out, shape.q
+            if tokens is not None:
+                self.counters["deferred_draws"] += 1
+                return deferred, shape.q
+            return self.draw(deferred, sched), shape.q
         key = shape.key
         entry = self._graphs.get(key)
         if entry is None:
@@ -510,35 +532,44 @@ class DecodeGraphs:
         self.counters["graph_steps"] += 1
         return out, shape.q
 
-    def _replay_masked(self, st: _Static, sched: SchedulerOutput, shape: StepShape) -> torch.Tensor | None:
-        """A masked step as two graphs: the forward and the logits, then the masks and
-        the draw. The host fills the token masks (:meth:`fill_masks`, the grammar
-        matchers' work) after the forward's replay is queued, so on CUDA they are
-        computed while the device runs the forward, and uploaded before the draw's
-        replay. The first step of a key fills them before the captures (whose warm-up
-        runs the draw). None when a capture failed (nothing ran)."""
+    def _masked_forward(
+        self, st: _Static, sched: SchedulerOutput, shape: StepShape, fill_first: bool
+    ) -> DeferredDraw | None:
+        """The first half of a masked step: the forward and the logits, as a graph of
+        their own (captured with the draw's on a key's first step). ``fill_first``: fill
+        the masks now where the key is captured, before its warm-up (the step's draw
+        follows at once). None when a capture failed (nothing ran)."""
         entry = self._graphs.get(shape.key)
+        filled = False
         if entry is None:
-            self.fill_masks(st, sched, shape)
+            if fill_first:
+                self.fill_masks(st, sched, shape)
+                filled = True
             entry = self._capture_masked(st, shape)
             if entry is None:
                 return None
-            (forward, logits), (draw, out) = entry
-            if forward is None:
-                return self._draw(st, shape, self._forward_logits(st, shape))
-            forward.replay()
-            draw.replay()
-            return out
-        (forward, logits), (draw, out) = entry
+        (forward, logits), _ = entry
         if forward is not None:
             forward.replay()
         else:
             logits = self._forward_logits(st, shape)
-        self.fill_masks(st, sched, shape)
+        return DeferredDraw(st, shape, entry, logits, filled)
+
+    def draw(self, deferred: DeferredDraw, sched: SchedulerOutput) -> torch.Tensor:
+        """The second half of a masked step (its forward queued by :meth:`replay`): fill
+        the masks on the host (the grammar matchers' work; on CUDA it overlaps the
+        queued forward) and upload them, then replay the draw. ``sched``: the step's
+        schedule; its rows' committed grammar states are the step's (a step scheduled
+        ahead draws after the step before it is committed). Returns the device output
+        (as :meth:`replay`'s)."""
+        st, shape = deferred.st, deferred.shape
+        if not deferred.filled:
+            self.fill_masks(st, sched, shape)
+        _, (draw, out) = deferred.entry
         if draw is not None:
             draw.replay()
             return out
-        return self._draw(st, shape, logits)
+        return self._draw(st, shape, deferred.logits)
 
     def fill_masks(self, st: _Static, sched: SchedulerOutput, shape: StepShape) -> None:
         """Write every position's token mask of a masked step into the static mask
@@ -557,10 +588,14 @@ class DecodeGraphs:
             req = row.request
             if not sampler.needs_mask(req.params, req.grammar):
                 continue
+            if getattr(getattr(req, "status", None), "finished", False):
+                continue  # finished since the step was launched: its row is dropped
             rows.append(sampler.SampleRow(
                 params=req.params,
                 sample_seed=req.sample_seed,
-                first_index=len(req.output_token_ids) + row.ahead,
+                # Also for a row scheduled ahead: its draw runs once the token before
+                # it is committed (draw()).
+                first_index=len(req.output_token_ids),
                 prompt_ids=req.prompt_token_ids,
                 output_ids=req.output_token_ids,
                 drafts=req.draft_token_ids[: row.num_drafts],
@@ -732,7 +767,7 @@ class DecodeGraphs:
         return entry
 
     def _capture_masked(self, st: _Static, shape: StepShape):
-        """Capture a masked step's two graphs (:meth:`_replay_masked`) and return
+        """Capture a masked step's two graphs (:meth:`_masked_forward`, :meth:`draw`) and return
         ``((forward graph, logits), (draw graph, choices))``, the graphs None without
         capture; None when a capture failed (masked and sampled steps then run
         eagerly, greedy unmasked ones keep their graphs)."""

@@ -8,6 +8,8 @@ checked on CUDA (``gpu``)."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -103,8 +105,11 @@ def test_constrained_steps_replay_with_the_eager_tokens(tiny_granite, spec, asyn
     # carry prompt rows), the constrained ones through the masked draw.
     assert eager and all(any(not row.is_decode for row in s.rows) for s in eager)
     assert c["masked_graph_steps"] >= 20, c
+    if async_scheduling:
+        # Constrained steps went ahead: forward launched, draw after the commit.
+        assert c["deferred_draws"] >= 10, c
     masked_keys = {k[-1] for k in graphs._graphs if len(k) == 4 and isinstance(k[-1], Sampling)}
-    assert {s.any_sampled for s in masked_keys if s.masked} == {True}
+    assert any(s.masked and s.any_sampled for s in masked_keys)  # seeded rows drew there
     assert graphs.mask_seconds > 0
     if spec:
         assert llm.stats()["spec_accepted_tokens"] > 0
@@ -127,6 +132,30 @@ def test_greedy_constrained_rows_take_the_masked_greedy_graph(tiny_granite):
     graphs = llm.engine.runner.graphs
     assert graphs.counters["masked_graph_steps"] > 0
     assert any(k[-1] == Sampling(masked=True) for k in graphs._graphs if len(k) == 4)
+
+
+def test_a_grammar_starting_under_async_scheduling(tiny_granite):
+    """A grammar that starts after a tag the free output writes: with async scheduling
+    the step after the tag is launched ahead before the tag is on the host, and its draw
+    (deferred until the tag is committed) takes the new grammar's mask: the eager
+    engine's tokens, and the output after the tag matches."""
+    prompts = PROMPTS[3:4] * 3
+    free = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    kw = dict(max_num_seqs=4, max_model_len=512)
+    (lead,) = LLM(tiny_granite, **kw).generate(prompts[:1], free, use_tqdm=False)
+    tag = (lead.outputs[0].token_ids[3],)
+    so = StructuredOutputsParams(regex=r"[a-c]{2,4}-[0-9]{1,3}", after_token_ids=tag)
+    params = [SamplingParams(max_tokens=30, temperature=t, seed=3, structured_outputs=so)
+              for t in (0.0, 0.8)] + [free]
+    want = [o.outputs[0] for o in LLM(tiny_granite, **kw).generate(prompts, params, use_tqdm=False)]
+    llm = _graph_llm(tiny_granite, async_scheduling=True, **kw)
+    got = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    ids = got[0].token_ids
+    start = ids.index(tag[0]) + 1
+    body = ids[start:-1] if got[0].finish_reason == "stop" else ids[start:]
+    assert re.fullmatch(r"[a-c]{2,4}-[0-9]{1,3}", llm.tokenizer.decode(body))
+    assert llm.engine.runner.graphs.counters["deferred_draws"] > 0
 
 
 # ---- one static step against the eager step, with given masks ----------------------
@@ -257,9 +286,9 @@ def test_masks_are_filled_after_the_forward_is_queued(tiny_granite, monkeypatch)
 
 
 def test_shapes_of_masked_steps(tiny_granite):
-    """The key says whether a step masks, not which rows do; an ahead row with a
-    grammar (its mask follows a token still on the device) and a grammar of another
-    vocabulary leave the graphs; prefill (short-row) steps with a grammar stay eager."""
+    """The key says whether a step masks, not which rows do; a row scheduled ahead
+    whose grammar waits for its start tag makes the step masked (the token on the
+    device may start it); a grammar of another vocabulary leaves the graphs."""
     llm = LLM(tiny_granite, max_num_seqs=8)
     graphs = DecodeGraphs(llm.model, llm.engine.runner.caches, 16, 8, 4, 30, 40, "cpu", capture=False)
     vocab = llm.model.config.vocab_size
@@ -281,5 +310,13 @@ def test_shapes_of_masked_steps(tiny_granite):
     assert graphs.shape_of(limited).sampling == Sampling(masked=True)
     ahead = rows({0})
     ahead.rows[0].ahead = True
-    assert graphs.shape_of(ahead) is None
+    assert graphs.shape_of(ahead) == a
+    waiting = rows(set())
+    for row in waiting.rows:
+        row.ahead = True
+    waiting.rows[1].request.pending_grammar = FixedMasks(masks, vocab)
+    assert graphs.shape_of(waiting).sampling == Sampling(masked=True)
+    for row in waiting.rows:
+        row.ahead = False
+    assert graphs.shape_of(waiting).sampling == Sampling()
     assert graphs.shape_of(rows({0}, FixedMasks(masks, vocab + 64))) is None
