@@ -73,7 +73,9 @@ import numpy as np
 import torch
 
 from hybridserve.config import runs_triton
+from hybridserve.kernels.gdn_varlen import VarlenPlan
 from hybridserve.models.batch import ForwardBatch, ModelCaches
+from hybridserve.models.layers.gated_deltanet import short_rows_on_device
 from hybridserve.models.step_plan import (
     MAX_DECODE_TOKENS,
     StatePlan,
@@ -325,9 +327,10 @@ class DecodeGraphs:
         # short-row steps run eagerly.
         mode = policy.short_graphs if policy is not None else "auto"
         self.short_enabled = mode != "off"
-        # GDN layers plan short steps with host values (VarlenPlan): no short graphs.
+        # Gated DeltaNet layers run a short step from the plan's per-token tensors
+        # (VarlenPlan), which a graph step builds over its static buffer.
         spec = getattr(model, "cache_spec", None)
-        self.short_supported = not getattr(spec, "gdn_layers", ())
+        self.gdn = bool(getattr(spec, "gdn_layers", ()))
         self.counters = {"graph_steps": 0, "eager_steps": 0, "captures": 0,
                          "short_graph_steps": 0, "short_captures": 0}
         self.capture_errors: list[str] = []
@@ -620,7 +623,7 @@ class DecodeGraphs:
         position, write their keys to the scratch block and no state.
         """
         rows = sched.rows
-        if not (self.enabled and self.short_enabled and self.short_supported and rows):
+        if not (self.enabled and self.short_enabled and rows):
             return None
         batch = batch_bucket(len(rows), SHORT_BATCH_BUCKETS)
         if batch is None or batch > self.max_batch:
@@ -666,14 +669,16 @@ class DecodeGraphs:
             return None
         if len(set(out_pages)) != len(out_pages) or in_pages.intersection(out_pages):
             return None
+        tokens = short_tokens_bucket(longest)
+        if self.gdn and not short_rows_on_device(policy, self.device, compute, tokens):
+            return None
         # Rows that do not sample draw greedily (their choice is dropped).
         sampling = self._sampling_of([row.request.params for row in rows if row.samples])
         if sampling is None:
             return None
         # The tables are always the widest: the prefill attention walks a row's keys up to
         # its positions, not its table's width, so one graph serves every context length.
-        return ShortShape(len(rows), batch, short_tokens_bucket(longest), self.max_blocks,
-                          policy, sampling)
+        return ShortShape(len(rows), batch, tokens, self.max_blocks, policy, sampling)
 
     def replay_short(self, sched: SchedulerOutput, model: torch.nn.Module) -> torch.Tensor | None:
         """Run the short-row step ``sched`` of ``model`` from a graph if it qualifies
@@ -761,13 +766,24 @@ class DecodeGraphs:
         states = None
         if self.caches.states:
             compute = torch.promote_types(self.model_dtype, torch.float32)
+            in_pages = m[:, 3 * q].to(torch.int32)
+            out_pages = m[:, 3 * q + 1 : 4 * q + 1].to(torch.int32).reshape(-1)
+            query_start, token_row = st.query_start[: b + 1], st.token_row[: b * q]
+            varlen = None
+            if self.gdn:
+                # Gated DeltaNet's per-token tensors: the same device tensors; on the host
+                # only the padded shape's row starts (constants of the graph), no pages.
+                varlen = VarlenPlan(
+                    num_rows=b, query_start=query_start, in_pages=in_pages,
+                    token_out_pages=out_pages, token_row=token_row,
+                    query_start_host=tuple(range(0, (b + 1) * q, q)),
+                    token_out_pages_host=None,
+                )
             states = StatePlan(
-                StepKind.SHORT, b,
-                in_pages=m[:, 3 * q].to(torch.int32),
-                token_out_pages=m[:, 3 * q + 1 : 4 * q + 1].to(torch.int32).reshape(-1),
-                query_start=st.query_start[: b + 1],
-                token_row=st.token_row[: b * q],
+                StepKind.SHORT, b, in_pages=in_pages, token_out_pages=out_pages,
+                query_start=query_start, token_row=token_row,
                 triton=bool(short_triton(shape.policy, self.device, compute)),
+                varlen=varlen,
             )
         batch = ForwardBatch(
             # Host row starts of the padded rows (static); the attention's tile map
