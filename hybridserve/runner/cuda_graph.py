@@ -50,7 +50,13 @@ static buffer (:class:`_ShortStatic`) has the decode layout for ``q`` = the padd
 length, plus the offset of each row's last real token (the draw reads its logits). A
 row's padding tokens come after its real ones, repeat its last token and position,
 write their keys to the scratch block and no state; padding rows sit at position 0 of
-the scratch block, read the scratch page and write no state. The prefill attention's
+the scratch block, read the scratch page and write no state. Gated DeltaNet layers get
+their packed-rows plan (:class:`~hybridserve.kernels.gdn_varlen.VarlenPlan`) over the same
+buffer: device tensors, and on the host only the padded shape's row starts (no pages), so
+such a step qualifies only where that path runs token by token
+(:func:`~hybridserve.models.layers.gated_deltanet.short_rows_on_device`). Mixture-of-experts
+layers on the grouped kernels route and sort on the device (their per-expert loop reads
+the experts present back: a CPU path, never captured). The prefill attention's
 tile map depends only on the padded shape: the warm-up run before the capture computes
 and uploads it into the batch's ``attention_tiles``, and the capture reuses it (nothing
 is uploaded inside a capture). Exactness: per padded shape the kernels compute every
@@ -617,7 +623,10 @@ class DecodeGraphs:
         argmax of their last token's logits, sampled rows draw there as decode graphs
         do), on a model
         whose eager plan takes the short-row path and (when capturing) the Triton prefill
-        attention (its twin reads host context lengths). Rows are padded to
+        attention (its twin reads host context lengths), and whose Gated DeltaNet layers
+        (if any) run that path from device values
+        (:func:`~hybridserve.models.layers.gated_deltanet.short_rows_on_device`). Rows are
+        padded to
         :func:`short_tokens_bucket` of the longest row: the padding tokens come after the
         row's real tokens (so no real token sees them), repeat its last token and
         position, write their keys to the scratch block and no state.
