@@ -82,6 +82,7 @@ from hybridserve.config import runs_triton
 from hybridserve.kernels.gdn_varlen import VarlenPlan
 from hybridserve.models.batch import ForwardBatch, ModelCaches
 from hybridserve.models.layers.gated_deltanet import short_rows_on_device
+from hybridserve.models.layers.moe import Experts
 from hybridserve.models.step_plan import (
     MAX_DECODE_TOKENS,
     StatePlan,
@@ -337,6 +338,11 @@ class DecodeGraphs:
         # (VarlenPlan), which a graph step builds over its static buffer.
         spec = getattr(model, "cache_spec", None)
         self.gdn = bool(getattr(spec, "gdn_layers", ()))
+        # Mixture-of-experts layers on the per-expert loop read the experts present back
+        # (a host sync no capture can record): such short steps are not captured. Which
+        # path they take, per KernelPolicy.moe (the same for every MoE layer).
+        self._experts = next((m for m in model.modules() if isinstance(m, Experts)), None)
+        self._moe_grouped: dict[str, bool] = {}
         self.counters = {"graph_steps": 0, "eager_steps": 0, "captures": 0,
                          "short_graph_steps": 0, "short_captures": 0}
         self.capture_errors: list[str] = []
@@ -623,8 +629,9 @@ class DecodeGraphs:
         argmax of their last token's logits, sampled rows draw there as decode graphs
         do), on a model
         whose eager plan takes the short-row path and (when capturing) the Triton prefill
-        attention (its twin reads host context lengths), and whose Gated DeltaNet layers
-        (if any) run that path from device values
+        attention (its twin reads host context lengths) and the grouped expert kernels
+        (the per-expert loop reads back the experts present), and whose Gated DeltaNet
+        layers (if any) run that path from device values
         (:func:`~hybridserve.models.layers.gated_deltanet.short_rows_on_device`). Rows are
         padded to
         :func:`short_tokens_bucket` of the longest row: the padding tokens come after the
@@ -643,7 +650,8 @@ class DecodeGraphs:
         compute = torch.promote_types(self.model_dtype, torch.float32)
         if self.caches.states and short_triton(policy, self.device, compute) is None:
             return None
-        if self.capture and not runs_triton(policy.prefill_attention, self.device):
+        if self.capture and not (runs_triton(policy.prefill_attention, self.device)
+                                 and self._moe_captures(policy)):
             return None
         bs = self.block_size
         blocks = 0
@@ -688,6 +696,17 @@ class DecodeGraphs:
         # The tables are always the widest: the prefill attention walks a row's keys up to
         # its positions, not its table's width, so one graph serves every context length.
         return ShortShape(len(rows), batch, tokens, self.max_blocks, policy, sampling)
+
+    def _moe_captures(self, policy) -> bool:
+        """Whether the model's MoE layers (if any) take the grouped kernels under
+        ``policy``: no host sync in their step."""
+        if self._experts is None:
+            return True
+        ok = self._moe_grouped.get(policy.moe)
+        if ok is None:
+            ok = self._moe_grouped[policy.moe] = self._experts.grouped(self.model_dtype,
+                                                                       policy.moe)
+        return ok
 
     def replay_short(self, sched: SchedulerOutput, model: torch.nn.Module) -> torch.Tensor | None:
         """Run the short-row step ``sched`` of ``model`` from a graph if it qualifies

@@ -150,6 +150,20 @@ def test_gated_deltanet_models_take_short_graphs(tiny_qwen3_5):
             assert shape is None, gdn_rows
 
 
+def test_moe_short_steps_on_the_expert_loop_are_not_captured(tiny_nemotron_moe):
+    """Under capture, a MoE model's short step qualifies on the grouped expert kernels
+    (routing on the device) and not on the per-expert loop (it reads the experts present
+    back); without capture both qualify (the CPU runs the loop eagerly)."""
+    row = _prefill_row(40, 30, 3, {70: 5}, (1, 2, 3, 4, 5), range(3, 103))
+    sched = SchedulerOutput([row], [])
+    for moe, captured in (("triton", True), ("reference", False), ("auto", False)):
+        policy = KernelPolicy(short_rows="reference", prefill_attention="triton", moe=moe)
+        graphs = _graphs(tiny_nemotron_moe, policy)
+        assert graphs.short_shape_of(sched, graphs.model) is not None, moe
+        graphs.capture = True  # only the choice: nothing runs
+        assert (graphs.short_shape_of(sched, graphs.model) is not None) is captured, moe
+
+
 def test_fill_pads_tokens_and_rows(tiny_nemotron):
     graphs = _graphs(tiny_nemotron)
     toks = list(range(3, 103))
