@@ -72,3 +72,50 @@ def add_mtp_head(
         tensors["mtp." + name] = value.contiguous()
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
+
+
+def dense_hidden(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
+    """The target's final hidden states of ``tokens`` in one cold forward."""
+    from hybridserve.models.batch import ForwardBatch
+
+    n = len(tokens)
+    bs = 16
+    nblocks = -(-n // bs)
+    caches = model.cache_spec.allocate(nblocks, bs, 2, torch.float32, torch.float32, "cpu")
+    batch = ForwardBatch(
+        query_start=[0, n], num_computed=[0], positions=torch.arange(n), context_lens=[n],
+        block_tables=torch.arange(nblocks, dtype=torch.int32)[None], slot_mapping=torch.arange(n),
+        state_in_page=[-1], state_out_row=[], state_out_offset=[], state_out_page=[],
+    )
+    return model.forward(torch.tensor(tokens), batch, caches)
+
+
+def dense_mtp_drafts(drafter, tokens: list[int], hidden: torch.Tensor, k: int) -> list[int]:
+    """The MTP drafter's head's ``k`` greedy drafts after ``tokens`` from scratch, on the
+    target's ``hidden`` states of them (:func:`dense_hidden`): slots ``0 .. L - 2`` in one
+    row, then one slot per draft, each fed the slot before's output."""
+    from hybridserve.models.batch import ForwardBatch
+
+    head, target = drafter.head, drafter.target
+    length = len(tokens)
+    bs = 16
+    nblocks = -(-(length + k) // bs)
+    caches = head.cache_spec.allocate(nblocks, bs, 1, torch.float32, torch.float32, "cpu")
+    tables = torch.arange(nblocks, dtype=torch.int32)[None]
+
+    def run(first, toks, h):
+        q = len(toks)
+        batch = ForwardBatch(
+            query_start=[0, q], num_computed=[first], positions=torch.arange(first, first + q),
+            context_lens=[first + q], block_tables=tables, slot_mapping=torch.arange(first, first + q),
+            state_in_page=[-1], state_out_row=[], state_out_offset=[], state_out_page=[],
+        )
+        y = head(target.model.embed(torch.tensor(toks)), h, batch, caches)[-1:]
+        return y, int(torch.argmax(target.compute_logits(y), -1))
+
+    y, d = run(0, tokens[1:], hidden[: length - 1])
+    drafts = [d]
+    for i in range(1, k):
+        y, d = run(length - 2 + i, [drafts[-1]], y)
+        drafts.append(d)
+    return drafts
