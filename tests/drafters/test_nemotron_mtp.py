@@ -362,3 +362,44 @@ def test_loader_refuses_what_it_cannot_run(nemotron_mtp, tmp_path):
         LLM(_copy(nemotron_mtp, tmp_path / "f", config=none), speculative_config=_mtp(1))
     # The target alone still loads (its loader skips mtp.*) and runs without speculation.
     assert LLM(nemotron_mtp).generate([[5, 6, 7]], GREEDY)[0].outputs[0].token_ids
+
+
+# ---- the request lifecycle ------------------------------------------------------------
+
+
+def test_preemption_aborts_and_sampling_with_nemotron_mtp(nemotron_mtp, nemotron_bigram):
+    """Few KV blocks (requests preempted and recomputed mid-speculation) and two aborts:
+    the finished outputs are the target's, and the head's K/V blocks all come back.
+    Sampled requests with the head (drafts sampled from its q) reproduce per seed."""
+    rng = random.Random(7)
+    prompts = [_rand(rng, 10 + 3 * i) for i in range(6)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    for path in (nemotron_mtp, nemotron_bigram):
+        ref = _tokens(LLM(path, enable_prefix_caching=False, max_model_len=64).generate(prompts, params))
+        llm = LLM(path, state_interval=16, num_kv_blocks=12, max_model_len=64, speculative_config=_mtp(3))
+        llm.engine.check_integrity_every_step = True
+        engine = llm.engine
+        for i, p in enumerate(prompts + prompts[:2]):
+            engine.add_request(f"r{i}", p, params)
+        done: dict[str, list[int]] = {}
+        steps = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+            steps += 1
+            if steps == 6:
+                assert engine.abort_request("r6") and engine.abort_request("r7")
+        assert [done[f"r{i}"] for i in range(6)] == ref
+        stats = engine.stats()
+        assert stats["spec_draft_tokens"] > 0 and stats["preemptions"] > 0
+        drafter = engine.drafter
+        drafter.check_integrity()
+        assert not drafter._seqs and not drafter._hidden
+        assert drafter.blocks.num_free == drafter.blocks.num_blocks
+    sampled = SamplingParams(n=4, max_tokens=16, temperature=0.8, seed=11, ignore_eos=True)
+    llm = LLM(nemotron_bigram, speculative_config=_mtp(3))
+    first = [c.token_ids for c in llm.generate([prompts[0]], sampled)[0].outputs]
+    s = llm.stats()
+    assert s["spec_draft_tokens"] > 0 and s["spec_accepted_tokens"] > 0
+    assert [c.token_ids for c in llm.generate([prompts[0]], sampled)[0].outputs] == first
