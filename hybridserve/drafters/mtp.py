@@ -35,7 +35,7 @@ MLP); the first layer also holds the input fusion (``enorm``, ``hnorm``, ``eh_pr
 Embedding and LM head are the target's. A Mamba layer in the MTP stack is refused: no
 published checkpoint has one and its state would need pages of its own.
 
-The head has no recurrent state: its only cache is the decoder layer's K/V, paged in
+Neither head has recurrent state: its only cache is its attention layers' K/V, paged in
 blocks of the head's own pool and freed with the request (:meth:`MtpDrafter.forget`).
 Lifecycle of one request with ``L`` tokens at a proposal, ``c`` slots filled:
 
@@ -54,8 +54,9 @@ Lifecycle of one request with ``L`` tokens at a proposal, ``c`` slots filled:
 After a prefix-cache hit the target computes no hidden state for the cached positions;
 the head's slots then start at the first position it has a hidden state for (``base``),
 with positions counted from there: RoPE attention depends only on relative positions,
-so this is the head attending over a shorter window, not a different computation. The
-drafts may be worse than with the full window; the output is the target's regardless.
+so this is the head attending over a shorter window, not a different computation
+(Nemotron-H's attention has no positional encoding at all). The drafts may be worse
+than with the full window; the output is the target's regardless.
 """
 
 from __future__ import annotations
@@ -194,6 +195,16 @@ class MtpHead(nn.Module):
         return self.norm.add_norm(h, pending, self.layer_config.residual_multiplier)[1]
 
 
+def _refuse_recurrent(types: Sequence[str]) -> None:
+    bad = sorted({t for t in types if t in (MAMBA, GDN)})
+    if bad:
+        raise ValueError(
+            f"speculative_config.method='mtp': the MTP layers ({list(types)}) include {bad}; "
+            "only attention, moe and mlp MTP layers are supported (every published "
+            "Nemotron-H MTP head is ['attention', 'moe'])"
+        )
+
+
 class NemotronHMtpHead(nn.Module):
     """The Nemotron-H ``mtp.*`` modules (see the module docstring): ``layers.i`` is
     layer ``i`` of the MTP stack with the target's names; ``layers.0`` also holds
@@ -203,13 +214,7 @@ class NemotronHMtpHead(nn.Module):
 
     def __init__(self, target: nn.Module, layer_config: ModelConfig) -> None:
         super().__init__()
-        bad = sorted({t for t in layer_config.layer_types if t in (MAMBA, GDN)})
-        if bad:
-            raise ValueError(
-                f"speculative_config.method='mtp': the MTP layers ({list(layer_config.layer_types)}) "
-                f"include {bad}; only attention, moe and mlp MTP layers are supported "
-                "(every published Nemotron-H MTP head is ['attention', 'moe'])"
-            )
+        _refuse_recurrent(layer_config.layer_types)
         config = self.layer_config = layer_config
         hidden = config.hidden_size
         self.policy = policy = target.kernel_policy
@@ -236,6 +241,7 @@ class NemotronHMtpHead(nn.Module):
         stack (:func:`nemotron_mtp_block_types`) as its layers."""
         raw = dict(_text_config(path))
         types = nemotron_mtp_block_types(raw)
+        _refuse_recurrent(types)  # before the config parser asks for their parameters
         raw.pop("layer_types", None)
         raw.pop("hybrid_override_pattern", None)
         raw["layers_block_type"] = list(types)
