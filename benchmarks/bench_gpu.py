@@ -2274,10 +2274,15 @@ def numerics(device, shape, decode_steps=256, decode_rows=2, prefill_rows=(4096,
 # --------------------------------------------------------------------------------------
 
 
-def agreement(device, dtype, workdir: Path, prompts=8, prompt_len=24, new_tokens=32):
+def agreement(device, dtype, workdir: Path, prompts=8, prompt_len=24, new_tokens=32,
+              arch="nemotron_h", layers="M*-M-M*-", **overrides):
+    """Greedy tokens of a tiny random ``arch`` checkpoint (``layers``, ``overrides`` as in
+    :func:`~hybridserve.testing.tiny_models.make_tiny_checkpoint`) on ``device`` in
+    ``dtype`` against the CPU's float32 run, decode graphs on and off."""
     from hybridserve.testing.tiny_models import make_tiny_checkpoint
 
-    path = make_tiny_checkpoint("nemotron_h", workdir / "tiny", seed=5, layers="M*-M-M*-")
+    path = make_tiny_checkpoint(arch, workdir / f"tiny_{arch}", seed=5, layers=layers,
+                                **overrides)
     g = torch.Generator().manual_seed(11)
     ids = [torch.randint(3, 256, (prompt_len,), generator=g).tolist() for _ in range(prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
