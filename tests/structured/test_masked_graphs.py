@@ -320,3 +320,27 @@ def test_shapes_of_masked_steps(tiny_granite):
         row.ahead = False
     assert graphs.shape_of(waiting).sampling == Sampling()
     assert graphs.shape_of(rows({0}, FixedMasks(masks, vocab + 64))) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", [None, SPEC], ids=["async", "ngram"])
+def test_captured_constrained_steps_match_eager_on_cuda(tiny_granite, spec):
+    """On CUDA with captured graphs (async scheduling on without drafts): the
+    constrained batch's tokens equal the eager engine's, and its decode steps replayed
+    the masked graphs (ahead, with deferred draws, under async scheduling)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    prompts, params = _batch(_seed())
+    kw = dict(max_num_seqs=16, max_model_len=512, device="cuda", dtype="float32",
+              speculative_config=spec)
+    want = [o.outputs[0].token_ids for o in
+            LLM(tiny_granite, enforce_eager=True, **kw).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(tiny_granite, **kw)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    graphs = llm.engine.runner.graphs
+    c = graphs.counters
+    assert graphs.capture and not graphs.capture_errors, graphs.capture_errors
+    assert c["captures"] >= 2 and c["masked_graph_steps"] >= 20, c
+    if spec is None:
+        assert llm.engine.async_scheduling and c["deferred_draws"] >= 10, c
+    assert got == want
