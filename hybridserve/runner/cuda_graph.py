@@ -13,8 +13,20 @@ most the largest batch bucket of rows. Greedy rows take the argmax; sampled rows
 (temperature, top-k, top-p, min-p, seeds) draw inside the graph with the batched
 sampler's counter-based stream, so a replayed step draws exactly the tokens an eager
 step would. Anything else (prefill, steps mixing prefill and decode, penalties,
-logprobs, too many rows, a context longer than the block tables' width) returns None
-and the runner runs the step eagerly.
+biases, logprobs, too many rows, a context longer than the block tables' width) returns
+None and the runner runs the step eagerly.
+
+Masked steps (rows with a grammar, ``allowed_token_ids`` or ``min_tokens``): the key's
+:class:`Sampling` says the step masks (never which rows do), and the step is two
+graphs, the forward and the logits, then the masks and the draw. Every position's mask
+(int32 bitmask words) goes into a static mask buffer, all ones for rows that mask
+nothing and for padding; the draw sets the excluded tokens to ``-inf`` first, which is
+what the eager sampler does to its masked positions, so the tokens are the eager
+step's. The host replays the forward, then fills the masks (the matchers' work, which
+on CUDA runs while the device computes the forward), then replays the draw
+(:meth:`DecodeGraphs.draw`). A masked step scheduled ahead (async scheduling) returns
+after its forward with a :class:`DeferredDraw`: its masks follow tokens still on the
+device, and its draw runs once the step before is committed.
 
 Shapes: a graph is keyed by ``(B, q, W)`` and, for steps that sample, the draw's needs
 (:class:`Sampling`: top-k rounded up to a power of two, whether top-p / min-p apply):

@@ -13,14 +13,16 @@ draw, the verify rows' accepted counts on the device, then the state postprocess
 elsewhere) from per-row inputs, and one read-back of the choices and the decisions.
 
 With decode graphs enabled (:meth:`ModelRunner.enable_decode_graphs`, the engine's
-default on CUDA), a greedy decode or verify step replays a captured CUDA graph
+default on CUDA), a decode or verify step (greedy, sampled or constrained) replays a captured CUDA graph
 (:mod:`hybridserve.runner.cuda_graph`), and so does a short-row step (a prompt's tail
 after a cached prefix: few prefill rows of at most the policy's ``max_short_tokens``
 tokens, without penalties or logprobs; :meth:`~hybridserve.runner.cuda_graph.DecodeGraphs.replay_short`); every
 other step runs eagerly as below. A
 replayed step can also be split in two (:meth:`ModelRunner.launch`, then
 :meth:`ModelRunner.collect`): the engine's async scheduling launches the next step in
-between, its input tokens taken from this one's choices on the device.
+between, its input tokens taken from this one's choices on the device; a constrained
+step launched so replays its forward only, and its draw (:meth:`ModelRunner.draw`)
+follows once the step before is committed (its masks need those tokens).
 
 Sampling (:mod:`hybridserve.runner.sampler`) stays on the logits' device: a step whose
 sampling rows are all plain greedy reads back one argmax id per position; any other

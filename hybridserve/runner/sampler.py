@@ -47,7 +47,11 @@ step still makes one upload. :func:`process_step` sets the disallowed tokens' lo
 ``-inf`` before anything else; rows without a grammar are not touched, and a step
 without constrained rows does no mask work at all. Drafts reach the sampler already
 cut to the prefix the grammar accepts (the engine checks them), so every position's
-mask is defined, and the token emitted at any position is one its mask allows.
+mask is defined, and the token emitted at any position is one its mask allows. A
+replayed decode graph (:mod:`hybridserve.runner.cuda_graph`) takes the same masks from
+a static buffer of every position's mask instead (:func:`fill_masks`, all ones where
+nothing is masked) and applies them to every row (:func:`apply_dense_bitmasks`): the
+same values at the masked positions, the others unchanged.
 
 Logprobs are the model's raw distribution (log-softmax of the logits before
 penalties, temperature and truncation), as vLLM reports them by default.
