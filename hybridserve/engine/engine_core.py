@@ -401,6 +401,9 @@ class EngineCore:
     def _advance(self, sched: SchedulerOutput, pending: PendingStep) -> list[RequestOutput]:
         """Launch the step after ``sched`` (in flight as ``pending``) if it can go ahead,
         then read back and commit ``sched``."""
+        if pending.deferred is not None:
+            # Its draw was not queued after the step before (that commit raised): now.
+            self._guarded(sched, lambda: self.runner.draw(pending))
         self._inflight = self._launch_ahead(sched, pending)
         results = self._guarded(sched, lambda: self.runner.collect(pending))
         outputs = self._process(sched, results)
