@@ -158,6 +158,21 @@ def test_a_grammar_starting_under_async_scheduling(tiny_granite):
     assert llm.engine.runner.graphs.counters["deferred_draws"] > 0
 
 
+def test_a_deferred_draw_not_queued_after_the_commit_is_queued_before_collect(tiny_granite, monkeypatch):
+    """Where the draw of a step launched ahead was not queued after the commit before
+    it (that commit raised), the next step queues it before reading it back: the same
+    tokens (its masks come from the committed grammar states either way)."""
+    prompts, params = PROMPTS[:2], [SamplingParams(max_tokens=20, temperature=0.0, structured_outputs=so)
+                                    for so in CONSTRAINTS[:2]]
+    kw = dict(max_num_seqs=4, max_model_len=512)
+    want = [o.outputs[0].token_ids for o in LLM(tiny_granite, **kw).generate(prompts, params, use_tqdm=False)]
+    llm = _graph_llm(tiny_granite, async_scheduling=True, **kw)
+    monkeypatch.setattr(llm.engine, "_draw_inflight", lambda: None)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert llm.engine.runner.graphs.counters["deferred_draws"] > 0
+
+
 # ---- one static step against the eager step, with given masks ----------------------
 
 
