@@ -33,6 +33,7 @@ token, so bfloat16 pages keep the token-by-token path.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -249,20 +250,22 @@ def gdn_prefill(
     return o.to(compute)
 
 
+@functools.cache
 def _fla_forward_parts():
-    """The pieces of fla-core's ``chunk_gated_delta_rule`` forward, or None where this
-    fla-core does not have them under these names (written against fla-core's main
-    branch of late 2026; not yet run on a GPU here)."""
+    """The pieces of fla-core's ``chunk_gated_delta_rule`` forward (fla-core 0.6.0's
+    ``chunk_gated_delta_rule_fwd``, whose chunk states its public call does not return),
+    or None where this fla-core does not have them under these names. ``RCP_LN2`` is
+    part of the check: its kernels take the chunk-local log-decay sums in base 2."""
     try:
         from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
         from fla.ops.common.chunk_o import chunk_fwd_o
-        from fla.ops.common.chunk_scaled_dot_kkt import chunk_scaled_dot_kkt_fwd
-        from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
-        from fla.ops.utils import chunk_local_cumsum, solve_tril
+        from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+        from fla.ops.utils import chunk_local_cumsum, prepare_chunk_indices
+        from fla.ops.utils.constant import RCP_LN2
     except Exception:  # absent, or present but unusable here (no GPU Triton backend)
         return None
-    return (chunk_local_cumsum, chunk_scaled_dot_kkt_fwd, solve_tril, recompute_w_u_fwd,
-            chunk_gated_delta_rule_fwd_h, chunk_fwd_o)
+    return (chunk_local_cumsum, prepare_chunk_indices, RCP_LN2,
+            chunk_gated_delta_rule_fwd_intra, chunk_gated_delta_rule_fwd_h, chunk_fwd_o)
 
 
 def fla_chunk_scan_available() -> bool:
@@ -279,37 +282,57 @@ def chunk_scan_fla(
     cu_seqlens: Sequence[int],
     initial_states: torch.Tensor,
     chunk: int,
+    *,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The scan primitive through fla-core's chunked gated delta rule (CUDA): its forward's
-    pieces, keeping the chunk states ``h`` its output pass consumes. q, k, v go in as
-    bfloat16 (the library's compute format), g, beta and the states in float32; key heads
-    are expanded to value heads (the library takes one key per value head)."""
+    """The scan primitive (:data:`ChunkScanFn`) through fla-core's chunked gated delta
+    rule: the pieces of its forward, keeping the chunk states its output pass consumes.
+
+    How our operands map onto fla-core 0.6.0's (each point a way to get it wrong):
+
+    - layout ``[1, T, heads, dim]`` (batch 1 with ``cu_seqlens``: packed rows); states
+      ``[N, Hv, Dk, Dv]`` key-major, ours (not ``state_v_first``);
+    - grouped keys: q and k keep their ``Hk`` heads; its kernels read key head
+      ``h // (Hv // Hk)`` for value head ``h``, as ours do (no expansion);
+    - q is already L2-normalised and scaled by ``Dk ** -0.5`` (the mixer's), k normalised,
+      so ``scale = 1`` (its default is ``Dk ** -0.5``) and no in-kernel L2 norm;
+    - beta after the sigmoid; g the per-token log decay, which the pieces want as
+      chunk-local running sums *in base 2* (``scale = 1 / ln 2``: the kernels use
+      ``exp2``), as its public call forms them before its forward;
+    - chunk states ``h [1, sum_i n_i, Hv, Dk, Dv]`` in ``dtype`` (the dtype of k), the
+      state before every chunk, rows in order; final states float32.
+
+    ``dtype``: what q, k, v go in as. float32 (default): the chunk states stay float32
+    for float32 state pages (the dots run in TF32 on recent GPUs); bfloat16: the
+    library's fast format, chunk states rounded to bfloat16. g, beta and the initial
+    states go in as float32. Returns ``(o [T, Hv, Dv], states)`` float32, as the twin.
+    """
     parts = _fla_forward_parts()
     if parts is None:
         raise RuntimeError("fla-core's chunked gated delta rule is not available here")
-    if chunk != 64:
-        raise ValueError(f"fla-core's chunk is 64, got {chunk}")
-    cumsum, kkt, solve, w_u, fwd_h, fwd_o = parts
-    hv = v.shape[1]
-    rep = hv // k.shape[1]
-    qh, kh = (x.repeat_interleave(rep, dim=1).to(torch.bfloat16)[None] for x in (q, k))
-    vh = v.to(torch.bfloat16)[None]
-    cu = torch.tensor(cu_seqlens, dtype=torch.long, device=v.device)
-    gc = cumsum(g.float()[None], chunk_size=64, cu_seqlens=cu)
-    bt = beta.float()[None]
-    A = solve(A=kkt(k=kh, g=gc, beta=bt, cu_seqlens=cu, output_dtype=torch.float32),
-              cu_seqlens=cu, output_dtype=kh.dtype)
-    w, u = w_u(k=kh, v=vh, beta=bt, A=A, g=gc, cu_seqlens=cu)
-    h, v_new, final = fwd_h(k=kh, w=w, u=u, g=gc, initial_state=initial_states.float(),
-                            output_final_state=True, cu_seqlens=cu)
-    o = fwd_o(q=qh, k=kh, v=v_new, h=h, g=gc, scale=1.0, cu_seqlens=cu)
-    # h [1, NT, H, K, V]: the chunk-start states of every sequence in order; then the
-    # final states, in the layout of ChunkScanFn.
+    if chunk != CHUNK:
+        raise ValueError(f"kernel_policy.gdn_chunk must be {CHUNK} for fla-core's scan, got {chunk}")
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"chunk_scan_fla: dtype must be float32 or bfloat16, got {dtype}")
+    cumsum, chunk_indices_of, rcp_ln2, intra, fwd_h, fwd_o = parts
+    qf, kf, vf = (x.to(dtype).contiguous()[None] for x in (q, k, v))
+    g2 = g.float().contiguous()[None]
+    bt = beta.float().contiguous()[None]
+    cu_cpu = torch.tensor(cu_seqlens, dtype=torch.long)
+    cu = cu_cpu.to(v.device)
+    indices = chunk_indices_of(cu, chunk, cu_seqlens_cpu=cu_cpu)
+    common = dict(cu_seqlens=cu, chunk_indices=indices, chunk_size=chunk)
+    g2 = cumsum(g2, scale=rcp_ln2, **common)
+    w, u, _ = intra(k=kf, v=vf, g=g2, beta=bt, **common)
+    h, v_new, final = fwd_h(k=kf, w=w, u=u, g=g2, initial_state=initial_states.float().contiguous(),
+                            output_final_state=True, **common)
+    o = fwd_o(q=qf, k=kf, v=v_new, h=h, g=g2, scale=1.0, **common)
+    # h [1, NT, Hv, Dk, Dv]: each row's chunk-start states in order; then its final state
+    # (the layout of ChunkScanFn).
     idx, offset = [], 0
-    num = len(cu_seqlens) - 1
-    total = h.shape[1]
+    num, total = len(cu_seqlens) - 1, h.shape[1]
     for i in range(num):
-        n = -(-(cu_seqlens[i + 1] - cu_seqlens[i]) // 64)
+        n = -(-(cu_seqlens[i + 1] - cu_seqlens[i]) // chunk)
         idx += [*range(offset, offset + n), total + i]
         offset += n
     states = torch.cat([h[0].float(), final.float()])[torch.tensor(idx, device=v.device)]
