@@ -1,5 +1,5 @@
 """The chunked form of the gated delta rule, with its chunk states, over packed rows from
-and to state pages: the torch twin of the planned fla-core prefill path.
+and to state pages: the torch twin of the fla-core prefill path, and that path.
 
 Why a chunked form: the token recurrence (:mod:`hybridserve.kernels.gdn`) is ``L``
 dependent steps for a row of ``L`` tokens. The chunked form does the work of a chunk of
@@ -21,11 +21,12 @@ the row anyway. A requested state right before a chunk start (or at the row end)
 of them; any other is a *tail* of fewer than ``C`` tokens, run token by token from the
 chunk state before it. Prefix-cache checkpoints sit on a grid of positions and rows
 mostly start on it, so with ``state_interval`` a multiple of ``C`` most requested states
-are chunk states. This is the orchestration the fla-core path will keep, with its
-forward's chunk states (``h``) in place of this twin's.
+are chunk states. The fla-core path keeps this orchestration, with its forward's chunk
+states (``h``) in place of this twin's.
 
 The scan is pluggable (:data:`ChunkScanFn`): :func:`chunk_scan_reference` here (the CPU
-twin), fla-core's forward pieces on the GPU once wired and checked there. The tails run
+twin), :func:`chunk_scan_fla` (fla-core 0.6.0's forward pieces; checked against the twin
+on the CPU through Triton's interpreter, in float32). The tails run
 with :func:`~hybridserve.kernels.gdn_varlen.gdn_varlen_update` (or its twin) from dense
 initial states. Float32 pages only: a chunked pass cannot round the state after every
 token, so bfloat16 pages keep the token-by-token path.
@@ -115,10 +116,13 @@ def chunk_gated_delta_rule_reference(
     return out.transpose(0, 1), states
 
 
-# ``scan(q, k, v, g, beta, cu_seqlens_host, initial_states, chunk) -> (o, states)`` over
-# packed non-empty sequences: ``o [T, Hv, Dv]`` and ``states [sum_i (n_i + 1), Hv, Dk, Dv]``,
-# sequence i's ``n_i = ceil(L_i / chunk)`` chunk-start states followed by its final state.
-ChunkScanFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+# ``scan(q, k, v, g, beta, cu_seqlens_host, initial_states, chunk) -> (o, chunk_states,
+# final_states)`` over packed non-empty sequences: ``o [T, Hv, Dv]``, ``chunk_states
+# [sum_i n_i, Hv, Dk, Dv]`` (sequence i's ``n_i = ceil(L_i / chunk)`` chunk-start states,
+# sequences in order) and ``final_states [N, Hv, Dk, Dv]``. Apart: a copy that joins them
+# costs as much as the scan's own state pass writes (the chunk states of 8 x 4,096 tokens
+# of one Qwen3.6-27B layer are 1.6 GB in float32).
+ChunkScanFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def chunk_scan_reference(
@@ -130,19 +134,20 @@ def chunk_scan_reference(
     cu_seqlens: Sequence[int],
     initial_states: torch.Tensor,
     chunk: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The scan primitive's torch twin: :func:`chunk_gated_delta_rule_reference` per
     sequence (the CPU path of the chunked prefill and the oracle of fla-core's)."""
     compute = torch.promote_types(v.dtype, torch.float32)
     o = torch.empty(v.shape, dtype=compute, device=v.device)
-    states = []
+    chunk_states, final_states = [], []
     for i in range(len(cu_seqlens) - 1):
         s, e = cu_seqlens[i], cu_seqlens[i + 1]
         o[s:e], st = chunk_gated_delta_rule_reference(
             q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], initial_states[i], chunk
         )
-        states.append(st)
-    return o, torch.cat(states)
+        chunk_states.append(st[:-1])
+        final_states.append(st[-1])
+    return o, torch.cat(chunk_states), torch.stack(final_states)
 
 
 def gdn_prefill(
@@ -202,28 +207,34 @@ def gdn_prefill(
     cu = [0]
     for r in rows:
         cu.append(cu[-1] + starts[r + 1] - starts[r])
-    o, states = scan(q, k, v, g, beta, cu, initial[rows], chunk)
+    o, chunk_states, final_states = scan(q, k, v, g, beta, cu, initial[rows], chunk)
+    # Each requested state: a final state (row end), a chunk state (right before a chunk
+    # start), or a tail from the chunk state before it.
+    final_idx: list[int] = []
+    final_pages: list[int] = []
     grid_idx: list[int] = []
     grid_pages: list[int] = []
     tails: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (state index, start) -> outs
     base = 0
-    for r in rows:
+    for i, r in enumerate(rows):
         s, e = starts[r], starts[r + 1]
-        for t in range(s, e):
-            if outs[t] < 0:
-                continue
+        for t in [t for t in range(s, e) if outs[t] >= 0]:
             done = t + 1 - s
-            if done % chunk == 0 or done == e - s:
-                grid_idx.append(base + -(-done // chunk))
+            if done == e - s:
+                final_idx.append(i)
+                final_pages.append(outs[t])
+            elif done % chunk == 0:
+                grid_idx.append(base + done // chunk)
                 grid_pages.append(outs[t])
             else:
                 c = done // chunk
                 tails.setdefault((base + c, s + c * chunk), []).append((t, outs[t]))
-        base += -(-(e - s) // chunk) + 1
-    if grid_pages:
-        idx = torch.tensor(grid_idx, device=v.device)
-        pages = torch.tensor(grid_pages, device=v.device)
-        ssm_cache[pages] = states[idx].to(ssm_cache.dtype)
+        base += -(-(e - s) // chunk)
+    for idx, page_ids, states in ((grid_idx, grid_pages, chunk_states),
+                                  (final_idx, final_pages, final_states)):
+        if page_ids:
+            pages = torch.tensor(page_ids, device=v.device)
+            ssm_cache[pages] = states[torch.tensor(idx, device=v.device)].to(ssm_cache.dtype)
     if tails:
         # One tail row per (row, chunk) with requested states inside it: from the chunk's
         # start state through its last requested token, every requested state to its page.
@@ -242,7 +253,7 @@ def gdn_prefill(
             torch.full((len(init_idx),), -1, dtype=torch.int32, device=v.device),
             torch.tensor(tail_outs, dtype=torch.int32, device=v.device),
             False,
-            states[torch.tensor(init_idx, device=v.device)],
+            chunk_states[torch.tensor(init_idx, device=v.device)].to(compute),
             A_log=A_log,
             dt_bias=dt_bias,
         )
@@ -305,7 +316,9 @@ def chunk_scan_fla(
     ``dtype``: what q, k, v go in as. float32 (default): the chunk states stay float32
     for float32 state pages (the dots run in TF32 on recent GPUs); bfloat16: the
     library's fast format, chunk states rounded to bfloat16. g, beta and the initial
-    states go in as float32. Returns ``(o [T, Hv, Dv], states)`` float32, as the twin.
+    states go in as float32. Returns ``(o [T, Hv, Dv]`` float32, ``chunk_states`` in
+    ``dtype``, ``final_states`` float32): :data:`ChunkScanFn`'s layout, the library's
+    own tensors (no copy of the chunk states).
     """
     parts = _fla_forward_parts()
     if parts is None:
@@ -327,13 +340,5 @@ def chunk_scan_fla(
     h, v_new, final = fwd_h(k=kf, w=w, u=u, g=g2, initial_state=initial_states.float().contiguous(),
                             output_final_state=True, **common)
     o = fwd_o(q=qf, k=kf, v=v_new, h=h, g=g2, scale=1.0, **common)
-    # h [1, NT, Hv, Dk, Dv]: each row's chunk-start states in order; then its final state
-    # (the layout of ChunkScanFn).
-    idx, offset = [], 0
-    num, total = len(cu_seqlens) - 1, h.shape[1]
-    for i in range(num):
-        n = -(-(cu_seqlens[i + 1] - cu_seqlens[i]) // chunk)
-        idx += [*range(offset, offset + n), total + i]
-        offset += n
-    states = torch.cat([h[0].float(), final.float()])[torch.tensor(idx, device=v.device)]
-    return o[0].float(), states
+    # h [1, sum_i n_i, Hv, Dk, Dv]: the state before every chunk, rows in order.
+    return o[0].float(), h[0], final

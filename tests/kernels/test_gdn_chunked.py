@@ -155,13 +155,21 @@ def _check_fla_scan(device, dtype, bound, lengths, hk, hv, dk, dv):
     q, k, v, gd, beta = _seq(g, sum(lengths), hk, hv, dk, dv)
     init = torch.randn(len(lengths), hv, dk, dv, generator=g, dtype=torch.float64)
     cu = _rows(lengths)
-    want_o, want_states = chunk_scan_reference(q, k, v, gd, beta, cu, init, 64)
+    want_o, want_chunks, want_final = chunk_scan_reference(q, k, v, gd, beta, cu, init, 64)
+    # The twin's layout: every row's chunk-start states in order (the first its initial
+    # state), then one final state per row.
+    assert want_chunks.shape[0] == sum(-(-n // 64) for n in lengths)
+    assert torch.equal(want_chunks[0], init[0])
     args = [x.float().to(device) for x in (q, k, v, gd, beta)]
-    o, states = chunk_scan_fla(*args, cu, init.float().to(device), 64, dtype=dtype)
-    assert o.dtype == states.dtype == torch.float32
-    assert o.shape == want_o.shape and states.shape == want_states.shape
-    err_o = ((o.cpu().double() - want_o).abs().max() / want_o.abs().max()).item()
-    err_s = ((states.cpu().double() - want_states).abs().max() / want_states.abs().max()).item()
+    o, chunks, final = chunk_scan_fla(*args, cu, init.float().to(device), 64, dtype=dtype)
+    assert o.dtype == final.dtype == torch.float32 and chunks.dtype == dtype
+    assert (o.shape, chunks.shape, final.shape) == (want_o.shape, want_chunks.shape,
+                                                     want_final.shape)
+
+    def rel(got, want):
+        return ((got.cpu().double() - want).abs().max() / want.abs().max()).item()
+
+    err_o, err_s = rel(o, want_o), max(rel(chunks, want_chunks), rel(final, want_final))
     assert err_o < bound and err_s < bound, (err_o, err_s)
 
 
