@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -150,6 +151,91 @@ def chunk_scan_reference(
     return o, torch.cat(chunk_states), torch.stack(final_states)
 
 
+@dataclass(frozen=True)
+class _PrefillLayout:
+    """Where a step's requested states come from (:func:`gdn_prefill`), on the device:
+    the same for every layer of the step, so planned once per step (:func:`_prefill_layout`).
+
+    ``rows``: the non-empty rows (``row_index`` on the device), packed for the scan as
+    ``cu_seqlens``; ``grid`` and
+    ``final``: ``(state index, page)`` tensors into the scan's chunk states and final
+    states; ``tails``: the tail rows' ``(tokens, query_start, in_pages (-1),
+    token_out_pages, chunk-state index of each tail's initial state)``."""
+
+    rows: tuple[int, ...]
+    row_index: torch.Tensor
+    cu_seqlens: tuple[int, ...]
+    grid: tuple[torch.Tensor, torch.Tensor] | None
+    final: tuple[torch.Tensor, torch.Tensor] | None
+    tails: tuple[torch.Tensor, ...] | None
+
+
+# The last plan's layout: every GDN layer of a step reads the same plan object.
+_LAST_LAYOUT: list = []
+
+
+def _prefill_layout(plan: VarlenPlan, chunk: int, device: torch.device) -> _PrefillLayout:
+    """The :class:`_PrefillLayout` of ``plan``'s host lists (memoised for the last plan:
+    the host walk over a step's tokens costs milliseconds at 8 x 4,096 tokens)."""
+    if _LAST_LAYOUT and _LAST_LAYOUT[0] is plan and _LAST_LAYOUT[1:3] == [chunk, device]:
+        return _LAST_LAYOUT[3]
+    starts, outs = plan.query_start_host, plan.token_out_pages_host
+    rows = tuple(r for r in range(plan.num_rows) if starts[r + 1] > starts[r])
+    cu = [0]
+    for r in rows:
+        cu.append(cu[-1] + starts[r + 1] - starts[r])
+    # Each requested state: a final state (row end), a chunk state (right before a chunk
+    # start), or a tail from the chunk state before it.
+    final_idx, final_pages, grid_idx, grid_pages = [], [], [], []
+    tails: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (state index, start) -> outs
+    base = 0
+    for i, r in enumerate(rows):
+        s, e = starts[r], starts[r + 1]
+        for off, page in enumerate(outs[s:e]):
+            if page < 0:
+                continue
+            done = off + 1
+            if done == e - s:
+                final_idx.append(i)
+                final_pages.append(page)
+            elif done % chunk == 0:
+                grid_idx.append(base + done // chunk)
+                grid_pages.append(page)
+            else:
+                c = done // chunk
+                tails.setdefault((base + c, s + c * chunk), []).append((s + off, page))
+        base += -(-(e - s) // chunk)
+
+    def on_device(*lists, dtype=torch.long):
+        return tuple(torch.tensor(x, dtype=dtype, device=device) for x in lists)
+
+    tail_tensors = None
+    if tails:
+        # One tail row per (row, chunk) with requested states inside it: from the chunk's
+        # start state through its last requested token, every requested state to its page.
+        tokens, tail_starts, tail_outs, init_idx = [], [0], [], []
+        for (state_index, first), wanted in tails.items():
+            last = max(t for t, _ in wanted)
+            page_of = dict(wanted)
+            tokens += range(first, last + 1)
+            tail_outs += [page_of.get(t, -1) for t in range(first, last + 1)]
+            tail_starts.append(len(tokens))
+            init_idx.append(state_index)
+        tail_tensors = (
+            *on_device(tokens),
+            *on_device(tail_starts, [-1] * len(init_idx), tail_outs, dtype=torch.int32),
+            *on_device(init_idx),
+        )
+    layout = _PrefillLayout(
+        rows=rows, row_index=on_device(rows)[0], cu_seqlens=tuple(cu),
+        grid=on_device(grid_idx, grid_pages) if grid_pages else None,
+        final=on_device(final_idx, final_pages) if final_pages else None,
+        tails=tail_tensors,
+    )
+    _LAST_LAYOUT[:] = [plan, chunk, device, layout]
+    return layout
+
+
 def gdn_prefill(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -193,69 +279,26 @@ def gdn_prefill(
     chunk = CHUNK if chunk is None else chunk
     scan = chunk_scan_reference if scan is None else scan
     tail_rule = gdn_varlen_update_reference if tail_rule is None else tail_rule
-    starts, outs = plan.query_start_host, plan.token_out_pages_host
     compute = torch.promote_types(v.dtype, torch.float32)
-    g, beta = gdn_gates(a, b, A_log, dt_bias, compute)
-    hv, dk, dv = ssm_cache.shape[1:]
-    rows = [r for r in range(plan.num_rows) if starts[r + 1] > starts[r]]
-    if not rows:
+    layout = _prefill_layout(plan, chunk, v.device)
+    if not layout.rows:
         return torch.empty(v.shape, dtype=compute, device=v.device)
-    # Empty rows own no tokens: the scan sees the others only (packed the same way).
-    initial = torch.zeros(plan.num_rows, hv, dk, dv, dtype=compute, device=v.device)
-    has = plan.in_pages >= 0
-    initial[has] = ssm_cache[plan.in_pages[has].long()].to(compute)
-    cu = [0]
-    for r in rows:
-        cu.append(cu[-1] + starts[r + 1] - starts[r])
-    o, chunk_states, final_states = scan(q, k, v, g, beta, cu, initial[rows], chunk)
-    # Each requested state: a final state (row end), a chunk state (right before a chunk
-    # start), or a tail from the chunk state before it.
-    final_idx: list[int] = []
-    final_pages: list[int] = []
-    grid_idx: list[int] = []
-    grid_pages: list[int] = []
-    tails: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (state index, start) -> outs
-    base = 0
-    for i, r in enumerate(rows):
-        s, e = starts[r], starts[r + 1]
-        for t in [t for t in range(s, e) if outs[t] >= 0]:
-            done = t + 1 - s
-            if done == e - s:
-                final_idx.append(i)
-                final_pages.append(outs[t])
-            elif done % chunk == 0:
-                grid_idx.append(base + done // chunk)
-                grid_pages.append(outs[t])
-            else:
-                c = done // chunk
-                tails.setdefault((base + c, s + c * chunk), []).append((t, outs[t]))
-        base += -(-(e - s) // chunk)
-    for idx, page_ids, states in ((grid_idx, grid_pages, chunk_states),
-                                  (final_idx, final_pages, final_states)):
-        if page_ids:
-            pages = torch.tensor(page_ids, device=v.device)
-            ssm_cache[pages] = states[torch.tensor(idx, device=v.device)].to(ssm_cache.dtype)
-    if tails:
-        # One tail row per (row, chunk) with requested states inside it: from the chunk's
-        # start state through its last requested token, every requested state to its page.
-        tokens, tail_starts, tail_outs, init_idx = [], [0], [], []
-        for (state_index, first), wanted in tails.items():
-            last = max(t for t, _ in wanted)
-            page_of = dict(wanted)
-            tokens += range(first, last + 1)
-            tail_outs += [page_of.get(t, -1) for t in range(first, last + 1)]
-            tail_starts.append(len(tokens))
-            init_idx.append(state_index)
-        sel = torch.tensor(tokens, device=v.device)
+    g, beta = gdn_gates(a, b, A_log, dt_bias, compute)
+    # Empty rows own no tokens: the scan sees the others only (packed the same way). A
+    # select, not a mask: no device read.
+    in_pages = plan.in_pages[layout.row_index]
+    gathered = ssm_cache[in_pages.clamp(min=0).long()].to(compute)
+    initial = torch.where((in_pages >= 0)[:, None, None, None], gathered, 0)
+    o, chunk_states, final_states = scan(q, k, v, g, beta, layout.cu_seqlens, initial, chunk)
+    for idx_pages, states in ((layout.grid, chunk_states), (layout.final, final_states)):
+        if idx_pages is not None:
+            idx, pages = idx_pages
+            ssm_cache[pages] = states[idx].to(ssm_cache.dtype)
+    if layout.tails is not None:
+        sel, tail_starts, no_pages, tail_outs, init_idx = layout.tails
         tail_rule(
-            q[sel], k[sel], v[sel], a[sel], b[sel], ssm_cache,
-            torch.tensor(tail_starts, dtype=torch.int32, device=v.device),
-            torch.full((len(init_idx),), -1, dtype=torch.int32, device=v.device),
-            torch.tensor(tail_outs, dtype=torch.int32, device=v.device),
-            False,
-            chunk_states[torch.tensor(init_idx, device=v.device)].to(compute),
-            A_log=A_log,
-            dt_bias=dt_bias,
+            q[sel], k[sel], v[sel], a[sel], b[sel], ssm_cache, tail_starts, no_pages,
+            tail_outs, False, chunk_states[init_idx].to(compute), A_log=A_log, dt_bias=dt_bias,
         )
     # Empty rows own no tokens, so the scan's packing of the other rows is the step's.
     return o.to(compute)

@@ -4,6 +4,7 @@ paged initial states and states requested on and off the chunk grid."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -92,6 +93,22 @@ def test_prefill_orchestration_equals_token_by_token_path():
     assert (got_cache[written] - want_cache[written]).abs().max() < 1e-10
     others = [p for p in range(pages) if p not in set(written.tolist())]
     assert torch.equal(got_cache[others], cache[others])
+    # The next layer of the step (the same plan, its layout planned once): the same again;
+    # a plan of other rows is planned afresh.
+    again = cache.clone()
+    assert torch.equal(gdn_prefill(q, k, v, a, b, again, plan, chunk=8, **kw), got)
+    assert torch.equal(again, got_cache)
+    n = qs[2]
+    first = dataclasses.replace(  # the first two rows only
+        plan, num_rows=2, query_start=query_start[:3], in_pages=in_pages[:2],
+        token_out_pages=out_pages[:n], query_start_host=tuple(qs[:3]),
+        token_out_pages_host=tuple(out_pages[:n].tolist()))
+    want_first = gdn_varlen_update_reference(
+        q[:n], k[:n], v[:n], a[:n], b[:n], cache.clone(), query_start[:3], in_pages[:2],
+        out_pages[:n], **kw)
+    got_first = gdn_prefill(q[:n], k[:n], v[:n], a[:n], b[:n], cache.clone(), first, chunk=8,
+                            **kw)
+    assert (got_first - want_first).abs().max() < 1e-10
 
 
 # --------------------------------------------------------------------------------------
