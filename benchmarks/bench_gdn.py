@@ -10,7 +10,9 @@ Measured in the same run (DESIGN.md section 9):
             with a state every 64 tokens (checkpoints), and, where fla-core's pieces are
             importable (CUDA), fla-core's chunked scan alone (``chunk_scan_fla``, q, k, v
             in float32 and in bfloat16) and the chunked ``gdn_prefill`` on it, the
-            engine's ``gdn_rows="fla"`` path (same outputs and states as the token kernel);
+            engine's ``gdn_rows="fla"`` path (same outputs and states as the token kernel;
+            per layer: the host plan of where the states come from is made once per step
+            and timed apart);
   check     each kernel against its torch twin on fresh random inputs (relative error).
 
 Shapes (Qwen3.6-27B's config.json): 16 key heads, 48 value heads, head dims 128, float32
@@ -171,7 +173,12 @@ def bench_fla(x, gate, cache, plan, token_out, token_args, device) -> dict:
     token_cache = cache.clone()
     gdn_varlen_update(*x, token_cache, *token_args[1:], **gate)
     want_states = token_cache[written]
-    out = {}
+    # Where the step's states come from: planned on the host once per step (every layer
+    # of the step reuses it), so timed apart from the per-layer calls below.
+    gdn_chunked._LAST_LAYOUT.clear()
+    t0 = time.perf_counter()
+    gdn_chunked._prefill_layout(plan, 64, cache.device)
+    out = {"fla_layout_host_us_once_per_step": (time.perf_counter() - t0) * 1e6}
     for name, dtype in (("f32", torch.float32), ("bf16", torch.bfloat16)):
         scan = functools.partial(gdn_chunked.chunk_scan_fla, dtype=dtype)
         out[f"fla_scan_{name}_us"] = time_us(
