@@ -34,6 +34,7 @@ token, so bfloat16 pages keep the token-by-token path.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -378,10 +379,12 @@ def chunk_scan_fla(
     cu = cu_cpu.to(v.device)
     indices = chunk_indices_of(cu, chunk, cu_seqlens_cpu=cu_cpu)
     common = dict(cu_seqlens=cu, chunk_indices=indices, chunk_size=chunk)
-    g2 = cumsum(g2, scale=rcp_ln2, **common)
-    w, u, _ = intra(k=kf, v=vf, g=g2, beta=bt, **common)
-    h, v_new, final = fwd_h(k=kf, w=w, u=u, g=g2, initial_state=initial_states.float().contiguous(),
-                            output_final_state=True, **common)
-    o = fwd_o(q=qf, k=kf, v=v_new, h=h, g=g2, scale=1.0, **common)
+    # The pieces launch on the current device (the public call sets it from its inputs).
+    with torch.cuda.device(v.device) if v.is_cuda else contextlib.nullcontext():
+        g2 = cumsum(g2, scale=rcp_ln2, **common)
+        w, u, _ = intra(k=kf, v=vf, g=g2, beta=bt, **common)
+        h, v_new, final = fwd_h(k=kf, w=w, u=u, g=g2, output_final_state=True,
+                                initial_state=initial_states.float().contiguous(), **common)
+        o = fwd_o(q=qf, k=kf, v=v_new, h=h, g=g2, scale=1.0, **common)
     # h [1, sum_i n_i, Hv, Dk, Dv]: the state before every chunk, rows in order.
     return o[0].float(), h[0], final
