@@ -328,6 +328,25 @@ def fla_chunk_scan_available() -> bool:
     return _fla_forward_parts() is not None
 
 
+# The last packing's tensors: every layer of a step scans the same rows (gdn_prefill hands
+# over one ``cu_seqlens`` tuple per step), and fla-core memoises what it derives from
+# ``cu_seqlens`` by tensor identity.
+_LAST_ROWS: list = []
+
+
+def _fla_rows(cu_seqlens, chunk, device, chunk_indices_of):
+    """``(cu_seqlens, chunk indices)`` on ``device`` for fla-core, reused while the same
+    host tuple comes back (a list is converted afresh: it could have changed)."""
+    if (_LAST_ROWS and _LAST_ROWS[0] is cu_seqlens and isinstance(cu_seqlens, tuple)
+            and _LAST_ROWS[1:3] == [chunk, device]):
+        return _LAST_ROWS[3], _LAST_ROWS[4]
+    cu_cpu = torch.tensor(cu_seqlens, dtype=torch.long)
+    cu = cu_cpu.to(device)
+    indices = chunk_indices_of(cu, chunk, cu_seqlens_cpu=cu_cpu)
+    _LAST_ROWS[:] = [cu_seqlens, chunk, device, cu, indices]
+    return cu, indices
+
+
 def chunk_scan_fla(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -375,9 +394,7 @@ def chunk_scan_fla(
     qf, kf, vf = (x.to(dtype).contiguous()[None] for x in (q, k, v))
     g2 = g.float().contiguous()[None]
     bt = beta.float().contiguous()[None]
-    cu_cpu = torch.tensor(cu_seqlens, dtype=torch.long)
-    cu = cu_cpu.to(v.device)
-    indices = chunk_indices_of(cu, chunk, cu_seqlens_cpu=cu_cpu)
+    cu, indices = _fla_rows(cu_seqlens, chunk, v.device, chunk_indices_of)
     common = dict(cu_seqlens=cu, chunk_indices=indices, chunk_size=chunk)
     # The pieces launch on the current device (the public call sets it from its inputs).
     with torch.cuda.device(v.device) if v.is_cuda else contextlib.nullcontext():

@@ -225,8 +225,12 @@ def _check_fla_prefill(device, dtype, bound, lengths, tail_rule):
     got_cache = cache.float().to(device)
     scan = functools.partial(chunk_scan_fla, dtype=dtype)
     ops = [x.float().to(device) for x in (q, k, v, a, b)]
-    got = gdn_prefill(*ops, got_cache, plan, scan, tail_rule, 64,
-                      **{n: x.float().to(device) for n, x in kw.items()})
+    gate = {n: x.float().to(device) for n, x in kw.items()}
+    fresh = got_cache.clone()
+    got = gdn_prefill(*ops, got_cache, plan, scan, tail_rule, 64, **gate)
+    # The next layer of the step: the step's layout and fla-core's row tensors reused.
+    assert torch.equal(gdn_prefill(*ops, fresh, plan, scan, tail_rule, 64, **gate), got)
+    assert torch.equal(fresh.nan_to_num(), got_cache.nan_to_num())
     got_cache = got_cache.cpu().double()
     assert ((got.cpu().double() - want).abs().max() / want.abs().max()).item() < bound
     written = out_pages[out_pages >= 0].long()
