@@ -280,6 +280,11 @@ def gdn_prefill(
     chunk = CHUNK if chunk is None else chunk
     scan = chunk_scan_reference if scan is None else scan
     tail_rule = gdn_varlen_update_reference if tail_rule is None else tail_rule
+    if plan.token_out_pages_host is None:
+        raise ValueError(
+            "gdn_prefill plans its chunk states from host pages: plan.token_out_pages_host "
+            "is None (a device-only plan takes the token-by-token rule)"
+        )
     compute = torch.promote_types(v.dtype, torch.float32)
     layout = _prefill_layout(plan, chunk, v.device)
     if not layout.rows:
