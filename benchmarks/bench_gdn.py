@@ -55,6 +55,7 @@ from hybridserve.kernels.gdn_varlen import (  # noqa: E402
     gdn_varlen_update,
     gdn_varlen_update_reference,
 )
+from hybridserve.kernels.ssd_varlen import fla_version  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FULL = dict(hk=16, hv=48, dk=128, dv=128, batches=(1, 16, 64, 256), prefill=((1, 4096),
@@ -231,7 +232,7 @@ def main() -> None:
     result = dict(
         device=torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)",
         torch=torch.__version__, triton=triton.__version__, commit=git_commit(),
-        fla_chunk_scan=gdn_chunked.fla_chunk_scan_available(),
+        fla_chunk_scan=gdn_chunked.fla_chunk_scan_available(), fla_core=fla_version(),
         config={k: v for k, v in shapes.items()},
         decode=bench_decode(shapes, device, g),
         prefill=bench_prefill(shapes, device, g),
