@@ -158,10 +158,10 @@ class _PrefillLayout:
     the same for every layer of the step, so planned once per step (:func:`_prefill_layout`).
 
     ``rows``: the non-empty rows (``row_index`` on the device), packed for the scan as
-    ``cu_seqlens``; ``grid`` and
-    ``final``: ``(state index, page)`` tensors into the scan's chunk states and final
-    states; ``tails``: the tail rows' ``(tokens, query_start, in_pages (-1),
-    token_out_pages, chunk-state index of each tail's initial state)``."""
+    ``cu_seqlens``; ``grid`` and ``final``: ``(state index, page)`` tensors into the
+    scan's chunk states and final states; ``tails``: the tail rows' ``(tokens,
+    query_start, in_pages (-1), token_out_pages, chunk-state index of each tail's
+    initial state)``."""
 
     rows: tuple[int, ...]
     row_index: torch.Tensor
