@@ -58,7 +58,7 @@ from hybridserve.server.protocol import (
 )
 from hybridserve.structured.params import StructuredOutputsParams
 from hybridserve.tokenizer import Tokenizer
-from hybridserve.tools.grammar import tool_call_grammar
+from hybridserve.tools.grammar import single_token_tags, tool_call_grammar
 from hybridserve.tools.parsers import get_tool_parser
 
 log = logging.getLogger("hybridserve.server")
@@ -114,6 +114,7 @@ class OpenAIServing:
         self._closing = False
         # Parser tag -> its id when it is one special token (else None).
         self._tag_ids: dict[str, int | None] = {}
+        self._envelope_ids: dict[str, dict[str, int]] = {}
 
     def end_in_flight(self, message: str = "the server is shutting down") -> None:
         """Fail every response in progress with a 503 (a JSON error, or an error event
@@ -263,6 +264,18 @@ class OpenAIServing:
                 ids.add(cache[tag])
         return frozenset(ids)
 
+    def _envelope_tag_ids(self, parser: str) -> dict[str, int]:
+        """The tool-call envelope tags of ``parser`` that the tokenizer has as single
+        tokens (the forcing grammar writes those tokens); computed once."""
+        if parser not in self._envelope_ids:
+            tok = self.config.tokenizer
+            self._envelope_ids[parser] = {} if tok is None else single_token_tags(
+                parser,
+                lambda text: tok.encode(text, add_special_tokens=False),
+                lambda ids: tok.decode(ids, skip_special_tokens=False),
+            )
+        return self._envelope_ids[parser]
+
     def _reasoning_end_tokens(
         self, parser: type[ReasoningParser], prompt: str, chat_template_kwargs: dict[str, Any] | None
     ) -> tuple[int, ...] | None:
@@ -370,7 +383,8 @@ class OpenAIServing:
         wanted = choice if isinstance(choice, str) else choice.model_dump()
         try:
             forced = tool_call_grammar(
-                cfg.tool_call_parser, tools, wanted, parallel_tool_calls=req.parallel_tool_calls
+                cfg.tool_call_parser, tools, wanted, parallel_tool_calls=req.parallel_tool_calls,
+                tag_ids=self._envelope_tag_ids(cfg.tool_call_parser),
             )
         except ValueError as e:
             raise APIError(400, str(e), param="tool_choice", code="invalid_value") from None

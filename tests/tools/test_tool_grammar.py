@@ -123,3 +123,20 @@ def test_bad_tool_choice_names_the_field():
         tool_call_grammar("hermes", TOOLS, "auto")
     with pytest.raises(ValueError, match="parser"):
         tool_call_grammar("mystery", TOOLS, "required")
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_envelope_tags_are_tokens_only_where_the_tokenizer_has_them(llm, parser):
+    from hybridserve.tools.grammar import envelope_tags, single_token_tags
+
+    opening, closing = envelope_tags(parser)
+    tok = llm.tokenizer
+    # The tiny model's byte-level tokenizer has no tag token: the tags stay text.
+    assert single_token_tags(parser, lambda t: tok.encode(t, add_special_tokens=False),
+                             lambda ids: tok.decode(ids, skip_special_tokens=False)) == {}
+    plain = tool_call_grammar(parser, TOOLS, "required").grammar
+    assert "<[" not in plain and f'"{opening}"' in plain and f'"{closing}"' in plain
+    # Given ids, the grammar names them instead of the text.
+    named = tool_call_grammar(parser, TOOLS, "required", tag_ids={opening: 300, closing: 301}).grammar
+    assert "<[300]>" in named and "<[301]>" in named
+    assert f'"{opening}"' not in named and f'"{closing}"' not in named
