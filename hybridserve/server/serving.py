@@ -76,6 +76,11 @@ bound caps."""
 TOKENIZER_THREADS = 2
 """Threads that tokenize and render chat templates, off the event loop."""
 
+PREDICTED_CACHED_HEADER = "x-hybridserve-predicted-cached-tokens"
+"""Response header: the prompt tokens the prefix cache held for the request's prompts
+when they arrived (summed), by the lookup admission makes; ``usage`` reports what
+admission actually took, which differs only if the caches changed in between."""
+
 
 @dataclass
 class ServingConfig:
@@ -90,6 +95,8 @@ class ServingConfig:
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None
     default_sampling: dict[str, Any] = field(default_factory=dict)
+    # usage.prompt_tokens_details.cached_tokens and the predicted-hit header.
+    enable_prompt_tokens_details: bool = True
 
     @property
     def max_prompt_chars(self) -> int:
@@ -597,6 +604,9 @@ class OpenAIServing:
         )
         streams = await self._start(rid, prompts, params, final_only=not req.stream)
         headers = {"X-Request-Id": rid}
+        if self.config.enable_prompt_tokens_details:
+            predicted = sum(s.predicted_cached_tokens for s in streams)
+            headers[PREDICTED_CACHED_HEADER] = str(predicted)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
@@ -718,7 +728,7 @@ class OpenAIServing:
                         chunk = fmt.delta(i * params.n + j, comp, cursors[i][j], out)
                         if chunk is not None:
                             if continuous_usage:
-                                chunk["usage"] = usage(list(latest.values()))
+                                chunk["usage"] = fmt.usage(list(latest.values()))
                                 yield _sse_line(chunk)
                             else:
                                 yield _event(chunk, include_usage)
@@ -865,12 +875,14 @@ def _log_finished(rid: str, outs: list[RequestOutput]) -> None:
     reasons = ",".join(str(c.finish_reason) for o in outs for c in o.outputs)
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     cached = sum(o.num_cached_tokens for o in outs)
+    predicted = sum(int(o.metrics.get("predicted_cached_tokens", 0)) for o in outs)
     log.info(
-        "request %s: finished (%s) completion_tokens=%d cached_tokens=%d",
+        "request %s: finished (%s) completion_tokens=%d cached_tokens=%d predicted_cached_tokens=%d",
         rid,
         reasons,
         tokens,
         cached,
+        predicted,
     )
 
 
@@ -914,14 +926,19 @@ class _Cursor:
         return delta, start, self.num_tokens
 
 
-def usage(outs: list[RequestOutput]) -> dict[str, Any]:
+def usage(outs: list[RequestOutput], details: bool = True) -> dict[str, Any]:
+    """The ``usage`` of ``outs`` (the prompts of one response). ``details``:
+    ``prompt_tokens_details.cached_tokens`` is the prompt tokens the engine took from
+    the prefix cache (each prompt's admission hit, summed); else that field is null."""
     prompt = sum(len(o.prompt_token_ids) for o in outs)
     completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)},
+        "prompt_tokens_details": (
+            {"cached_tokens": sum(o.num_cached_tokens for o in outs)} if details else None
+        ),
     }
 
 
@@ -937,6 +954,9 @@ class _Format:
     n: int
     logprobs: int | None
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def usage(self, outs: list[RequestOutput]) -> dict[str, Any]:
+        return usage(outs, self.serving.config.enable_prompt_tokens_details)
 
     def token_text(self, token_id: int) -> str:
         tok = self.serving.config.tokenizer
@@ -1051,7 +1071,7 @@ class _CompletionFormat(_Format):
                 if self.prompt_logprobs:
                     choice["prompt_logprobs"] = self.prompt_logprobs_json(out)
                 choices.append(choice)
-        return {**self.header("text_completion"), "choices": choices, "usage": usage(outs)}
+        return {**self.header("text_completion"), "choices": choices, "usage": self.usage(outs)}
 
     def delta(
         self, index: int, comp: CompletionOutput, cursor: _Cursor, out: RequestOutput | None = None
@@ -1087,7 +1107,7 @@ class _CompletionFormat(_Format):
         return {**self.header("text_completion"), "choices": [choice]}
 
     def usage_chunk(self, outs: list[RequestOutput]) -> dict[str, Any]:
-        return {**self.header("text_completion"), "choices": [], "usage": usage(outs)}
+        return {**self.header("text_completion"), "choices": [], "usage": self.usage(outs)}
 
 
 def _joined(first: dict[str, list[Any]] | None, second: dict[str, list[Any]] | None) -> dict[str, list[Any]] | None:
@@ -1158,7 +1178,7 @@ class _ChatFormat(_Format):
                     "stop_reason": comp.stop_reason,
                 }
             )
-        body = {**self.header("chat.completion"), "choices": choices, "usage": usage(outs)}
+        body = {**self.header("chat.completion"), "choices": choices, "usage": self.usage(outs)}
         if out.prompt_logprobs is not None:
             body["prompt_logprobs"] = self.prompt_logprobs_json(out)
         return body
@@ -1208,4 +1228,4 @@ class _ChatFormat(_Format):
         return self._chunk(choice)
 
     def usage_chunk(self, outs: list[RequestOutput]) -> dict[str, Any]:
-        return {**self.header("chat.completion.chunk"), "choices": [], "usage": usage(outs)}
+        return {**self.header("chat.completion.chunk"), "choices": [], "usage": self.usage(outs)}
