@@ -276,11 +276,14 @@ class OpenAIServing:
         tokens (the forcing grammar writes those tokens); computed once."""
         if parser not in self._envelope_ids:
             tok = self.config.tokenizer
-            self._envelope_ids[parser] = {} if tok is None else single_token_tags(
+            found = {} if tok is None else single_token_tags(
                 parser,
                 lambda text: tok.encode(text, add_special_tokens=False),
                 lambda ids: tok.decode(ids, skip_special_tokens=False),
             )
+            # A token past the model's logits can never be sampled: such a tag stays text.
+            width = self.engine.engine.vocab_size
+            self._envelope_ids[parser] = {t: i for t, i in found.items() if i < width}
         return self._envelope_ids[parser]
 
     def _reasoning_end_tokens(
