@@ -194,12 +194,14 @@ def render_chat(
         # The fixed variables win over same-named ones from the request.
         reserved = ("messages", "add_generation_prompt", "bos_token", "eos_token")
         context = {k: v for k, v in context.items() if k not in reserved}
+        # A tokenizer without a BOS (or EOS) token leaves the name undefined, as
+        # transformers does (it passes the tokenizer's special tokens it has).
+        specials = {k: v for k, v in (("bos_token", bos_token), ("eos_token", eos_token)) if v is not None}
         for piece in template.generate(
             **context,
             messages=messages,
             add_generation_prompt=add_generation_prompt,
-            bos_token=bos_token or "",
-            eos_token=eos_token or "",
+            **specials,
         ):
             size += len(piece)
             if max_chars is not None and size > max_chars:

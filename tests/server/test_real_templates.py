@@ -229,3 +229,101 @@ def test_renders_as_transformers(name: str, hf_tokenizer: Any) -> None:
             assert got == want, (conv_name, gen)
             compared += 1
     assert compared >= 2, f"{name}: too few conversations rendered to compare"
+
+
+# The server's own path: an OpenAI request (tool-call arguments as JSON text, content as
+# text parts, reasoning_content on an assistant turn) through the chat handler's message
+# conversion and rendering, against transformers over the messages a client library
+# would hand it (arguments as objects, content as one string).
+API_CASES: dict[str, dict[str, Any]] = {
+    "tools_calls_results": {
+        "request": {
+            "messages": [
+                {"role": "system", "content": [{"type": "text", "text": "Use tools."}]},
+                {"role": "user", "content": "Oslo and Rome?"},
+                {"role": "assistant", "content": None, "reasoning_content": "Both cities.", "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+                    {"id": "call_2", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Rome", "unit": "c"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+                {"role": "tool", "tool_call_id": "call_2", "content": "rain"},
+            ],
+            "tools": TWO_TOOLS,
+        },
+        "messages": [
+            {"role": "system", "content": "Use tools."},
+            {"role": "user", "content": "Oslo and Rome?"},
+            {"role": "assistant", "reasoning_content": "Both cities.", "tool_calls": [
+                _call(1, "get_weather", {"city": "Oslo"}), _call(2, "get_weather", {"city": "Rome", "unit": "c"})]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+            {"role": "tool", "tool_call_id": "call_2", "content": "rain"},
+        ],
+        "kwargs": {"tools": TWO_TOOLS},
+    },
+    "thinking_off_documents": {
+        "request": {"messages": [{"role": "user", "content": "What does the note say?"}],
+                    "chat_template_kwargs": {"enable_thinking": False},
+                    "documents": [{"title": "Note", "text": "The sky is green."}]},
+        "messages": [{"role": "user", "content": "What does the note say?"}],
+        "kwargs": {"enable_thinking": False, "documents": [{"title": "Note", "text": "The sky is green."}]},
+    },
+    "continue_final": {
+        "request": {"messages": [{"role": "user", "content": "Write a haiku."},
+                                 {"role": "assistant", "content": "Autumn moonlight,"}],
+                    "add_generation_prompt": False, "continue_final_message": True},
+        "messages": [{"role": "user", "content": "Write a haiku."},
+                     {"role": "assistant", "content": "Autumn moonlight,"}],
+        "kwargs": {"add_generation_prompt": False, "continue_final_message": True},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizers(tmp_path_factory: pytest.TempPathFactory, byte_tokenizer) -> tuple[Any, Any]:
+    """(the server's tokenizer, transformers' over the same files)."""
+    transformers = pytest.importorskip("transformers")
+    from hybridserve.tokenizer import Tokenizer
+
+    path = tmp_path_factory.mktemp("server-tok")
+    byte_tokenizer(path, "{{ messages }}", eos_special=True)
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    cfg["bos_token"] = "Ā"  # byte 1's character: templates that write a BOS get one
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    ours = Tokenizer(path)
+    theirs = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"),
+                                                   bos_token=ours.bos_token, eos_token=ours.eos_token)
+    return ours, theirs
+
+
+@pytest.mark.parametrize("name", sorted(vendored_templates()))
+def test_the_server_renders_requests_as_transformers(name: str, byte_tokenizers: tuple[Any, Any]) -> None:
+    import asyncio
+
+    from hybridserve.server.protocol import ChatCompletionRequest
+    from hybridserve.server.serving import APIError, OpenAIServing, ServingConfig
+
+    ours, theirs = byte_tokenizers
+    source = vendored_templates()[name]["template"]
+    serving = OpenAIServing(None, ServingConfig(  # the engine is not needed to render
+        model_name="m", model_aliases=frozenset({"m"}), max_model_len=1 << 20, tokenizer=ours,
+        chat_template=compile_chat_template(source)))
+    try:
+        compared = 0
+        for case, spec in API_CASES.items():
+            req = ChatCompletionRequest.model_validate({"model": "m", **spec["request"]})
+            tools = [t.to_dict() for t in req.tools or []]
+            try:
+                want = theirs.apply_chat_template(spec["messages"], tokenize=False, chat_template=source,
+                                                  **{"add_generation_prompt": True, **spec["kwargs"]})
+            except Exception:
+                with pytest.raises(APIError):
+                    asyncio.run(serving._chat_prompt(req, tools))
+                continue
+            text, ids = asyncio.run(serving._chat_prompt(req, tools))
+            assert text == want, case
+            assert ids == ours.encode(want, add_special_tokens=False)
+            compared += 1
+        assert compared >= 1, f"{name}: no request rendered to compare"
+    finally:
+        serving.close()
