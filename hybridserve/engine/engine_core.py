@@ -180,6 +180,9 @@ class EngineCore:
             "spec_accepted_tokens": 0,
             "spec_verify_rows": 0,
             "spec_drafter_seconds": 0.0,
+            # Prompt tokens the caches held for requests when they were added (per
+            # request, not per child; Scheduler.predict_hit): set against prefix_hit_tokens.
+            "prefix_predicted_hit_tokens": 0,
         }
         self.check_integrity_every_step = False
         # Gets one StepStats per step (hybridserve.engine.stats); None records nothing.
@@ -269,6 +272,7 @@ class EngineCore:
         for child in children:
             self.scheduler.add(child)
         self.counters["prompt_tokens"] += len(prompt_token_ids)
+        self.counters["prefix_predicted_hit_tokens"] += group.predicted_cached_tokens
 
     def predicted_cached_tokens(self, request_id: str) -> int:
         """The prefix hit the caches held for request ``request_id``'s prompt when it

@@ -17,14 +17,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from hybridserve.server.serving import PREDICTED_CACHED_HEADER
 
 HITS = "hybridserve:prefix_cache_hits"
+PREDICTED = "hybridserve:prefix_cache_predicted_hits"
 SYSTEM = {"role": "system", "content": "You are a careful assistant who answers in one short line. " * 2}
 
 
-def _hits(c: httpx.Client) -> float:
+def _hits(c: httpx.Client, name: str = HITS) -> float:
     for family in text_string_to_metric_families(c.get("/metrics").text):
-        if family.name == HITS:
-            return next(s.value for s in family.samples if s.name == HITS + "_total")
-    raise AssertionError(f"{HITS} missing from /metrics")
+        if family.name == name:
+            return next(s.value for s in family.samples if s.name == name + "_total")
+    raise AssertionError(f"{name} missing from /metrics")
 
 
 def _ask(c: httpx.Client, path: str, stream: bool, **body: Any) -> tuple[dict[str, Any], httpx.Headers, str]:
@@ -51,10 +52,12 @@ def _ask(c: httpx.Client, path: str, stream: bool, **body: Any) -> tuple[dict[st
 
 def _counted(c: httpx.Client, path: str, stream: bool, **body: Any) -> tuple[int, int, int, str]:
     """(cached_tokens, the hit /metrics counted for the request, the predicted hit, text)."""
-    before = _hits(c)
+    before, predicted_before = _hits(c), _hits(c, PREDICTED)
     use, headers, text = _ask(c, path, stream, **body)
     cached = use["prompt_tokens_details"]["cached_tokens"]
-    return cached, int(_hits(c) - before), int(headers[PREDICTED_CACHED_HEADER]), text
+    predicted = int(headers[PREDICTED_CACHED_HEADER])
+    assert _hits(c, PREDICTED) - predicted_before == predicted  # /metrics counts the prediction too
+    return cached, int(_hits(c) - before), predicted, text
 
 
 @pytest.fixture(scope="module")
