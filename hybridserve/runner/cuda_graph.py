@@ -261,6 +261,8 @@ class _Static:
         self.mask_staging: torch.Tensor | None = None
         self.mask_turn = 0
         self.mask_copied: list[torch.cuda.Event | None] = [None, None]
+        # Masked steps' logits ([max_batch * q, vocab]), between their two graphs.
+        self.logits: torch.Tensor | None = None
         # A padding row: token 0 at positions 0 .. q - 1 of the scratch block, reading the
         # scratch page and writing no state.
         pad = np.full(cols, -1, dtype=np.int64)
@@ -579,8 +581,21 @@ class DecodeGraphs:
         if forward is not None:
             forward.replay()
         else:
-            logits = self._forward_logits(st, shape)
+            logits = self._static_logits(st, shape)
         return DeferredDraw(st, shape, entry, logits, filled)
+
+    def _static_logits(self, st: _Static, shape: StepShape) -> torch.Tensor:
+        """The forward of a masked step, its logits copied into the buffer's static
+        logits (what its draw graph reads): one buffer per ``q``, not a captured output
+        per key, which at a large vocabulary would hold ``[B * q, vocab]`` per key. The
+        buffer is allocated on the first call, the warm-up before a capture."""
+        logits = self._forward_logits(st, shape)
+        n = shape.batch * shape.q
+        if st.logits is None or st.logits.dtype != logits.dtype or st.logits.shape[1] != logits.shape[1]:
+            st.logits = torch.empty(st.meta.shape[0] * st.q, logits.shape[1], dtype=logits.dtype,
+                                    device=logits.device)
+        st.logits[:n].copy_(logits)
+        return st.logits[:n]
 
     def draw(self, deferred: DeferredDraw, sched: SchedulerOutput) -> torch.Tensor:
         """The second half of a masked step (its forward queued by :meth:`replay`): fill
@@ -800,7 +815,7 @@ class DecodeGraphs:
         eagerly, greedy unmasked ones keep their graphs)."""
         key = shape.key
         try:
-            forward = self._record(key + ("forward",), lambda: self._forward_logits(st, shape))
+            forward = self._record(key + ("forward",), lambda: self._static_logits(st, shape))
             logits = forward[1]
             draw = self._record(key + ("draw",), lambda: self._draw(st, shape, logits))
         except Exception as e:
