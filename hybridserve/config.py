@@ -267,6 +267,10 @@ class KernelPolicy:
       ``"on"`` (``"auto"``, the default, is the same) or ``"off"``. On the H200 the
       captured steps gave the eager step's tokens (``test_captured_short_steps_match_eager_on_cuda``)
       and the cached first token of the 8B shape 20.7x faster than cold (``gpu_bench.json``).
+    - ``fused_decode`` (bool): uniform Mamba2 steps on the Triton kernels run the conv and
+      the recurrence in one launch (:func:`~hybridserve.kernels.mamba_decode.conv_ssm_update`:
+      no round trip of the conv output through memory, one launch less per layer); False
+      runs them as two (``conv_decode_update``, ``ssm_update``: the benchmarks' comparison).
     """
 
     uniform_decode: bool = True
@@ -280,6 +284,7 @@ class KernelPolicy:
     gdn_rows: str = "auto"
     gdn_chunk: int = 64
     short_graphs: str = "auto"
+    fused_decode: bool = True
 
     def __post_init__(self) -> None:
         if self.short_graphs not in ("auto", "on", "off"):
