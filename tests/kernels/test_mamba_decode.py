@@ -431,10 +431,10 @@ def test_conv_ssm_rejects_channels_that_do_not_split():
                         torch.randn(12, xbc.shape[1], 4), ssm_cache, in_pages, out_pages, **kw)
 
 
-@pytest.mark.parametrize("act", ["silu", None])
-def test_conv_kernel_independent_of_program_order(act):
-    """Several rows and channel blocks (a 2-D grid): outputs and every window page are
-    bit-identical whatever order the programs run in."""
+@pytest.mark.parametrize("act,registers", [("silu", True), (None, True), ("silu", False)])
+def test_conv_kernel_independent_of_program_order(act, registers):
+    """Several rows and channel blocks (a 2-D grid), both kernel forms: outputs and every
+    window page are bit-identical whatever order the programs run in."""
     g = torch.Generator().manual_seed(_seed())
     rows, q = 4, 3
     xbc, weight, bias, cache, in_pages, out_pages = _conv_inputs(
@@ -442,7 +442,7 @@ def test_conv_kernel_independent_of_program_order(act):
     )
     report = racecheck.run_launcher_in_orders(
         lambda xbc, weight, bias, cache, in_pages, out_pages: conv_decode_update(
-            xbc, weight, bias, cache, in_pages, out_pages, act
+            xbc, weight, bias, cache, in_pages, out_pages, act, registers=registers
         ),
         lambda: (xbc, weight, bias, cache.nan_to_num(7.0), in_pages, out_pages),
         seed=5,
@@ -538,3 +538,58 @@ def test_mixer_fast_path_matches_per_row_path(tmp_path, monkeypatch, q, mixer_pa
     for key in fs:
         assert torch.equal(fs[key][0], ss[key][0]), key
         torch.testing.assert_close(fs[key][1], ss[key][1], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("q", [1, 3])
+def test_mixer_decode_step_fused_launch_matches_two_launches_and_twins(q):
+    """The mixer's uniform step on the Triton kernels (interpreted): fused
+    (``conv_ssm_update``, one Mamba launch) against the two launches and against the
+    twins: the layer's output and every written window and state page."""
+    from dataclasses import replace
+
+    from hybridserve.models.config import MambaParams
+    from hybridserve.models.layers.mamba2 import Mamba2Mixer
+
+    g = torch.Generator().manual_seed(_seed())
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=g)))
+    p = MambaParams(n_heads=4, head_dim=8, n_groups=2, d_state=8, d_conv=4, expand=2,
+                    chunk_size=8, conv_bias=True, proj_bias=False, activation="silu",
+                    norm_eps=1e-5, time_step_limit=(0.0, float("inf")), time_step_min=0.001,
+                    time_step_max=0.1)
+    rows, pages, hidden = 3, 16, 16
+    outs = [[(t, rows + r * q + t) for t in range(q) if t == q - 1 or (r + t) % 2]
+            for r in range(rows)]
+    batch = _batch([q] * rows, list(range(rows)), outs)
+    policy = KernelPolicy(short_rows="off", packed_prefill="off")
+    plan = plan_states(batch, policy, torch.device("cpu"), torch.float32)
+    assert plan.kind is StepKind.DECODE and not plan.triton
+    h = torch.randn(rows * q, hidden, generator=g)
+    conv0 = torch.randn(pages, p.conv_dim, p.d_conv - 1, generator=g)
+    ssm0 = torch.randn(pages, p.n_heads, p.head_dim, p.d_state, generator=g)
+    written = [page for o in outs for _, page in o]
+    conv0[written] = float("nan")
+    ssm0[written] = float("nan")
+    weights = Mamba2Mixer(hidden, p).state_dict()
+    with torch.no_grad():
+        for value in weights.values():
+            value.copy_(torch.randn(value.shape, generator=g) * 0.5)
+    results = {}
+    for name, fused, triton_ in (("fused", True, True), ("two", False, True),
+                                 ("twins", True, False)):
+        mixer = Mamba2Mixer(hidden, p, replace(policy, fused_decode=fused))
+        mixer.load_state_dict(weights)
+        step = replace(batch, planned=True, states=replace(plan, triton=triton_))
+        states = {"conv": conv0.clone(), "ssm": ssm0.clone()}
+        with racecheck.record_launches() as rec, torch.no_grad():
+            out = mixer(h, step, states)
+        assert all(r.clean for r in rec.reports)
+        results[name] = (out, states, rec.launches)
+    assert [results[n][2] for n in ("fused", "two", "twins")] == [1, 2, 0]
+    want_out, want_states, _ = results["twins"]
+    for name in ("fused", "two"):
+        out, states, _ = results[name]
+        torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+        assert torch.equal(states["conv"].nan_to_num(7.0), want_states["conv"].nan_to_num(7.0))
+        torch.testing.assert_close(states["ssm"], want_states["ssm"], rtol=1e-5, atol=1e-5,
+                                   equal_nan=True)
+        assert not states["ssm"][written].isnan().any()
