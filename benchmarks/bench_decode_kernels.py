@@ -18,6 +18,10 @@ bandwidth that makes. At batch 1 the ops of 24 layers (distinct weights and page
 model) are also captured in one CUDA graph and replayed: ``layers24_us``, the figure of the
 issue's table (the peer's 150 us; ours 245 us before dt was fused).
 
+Unless ``--no-sweep``, each case also times the new kernels over a few tiles
+(``conv_tiles``: channels and warps a program; ``fused_tiles``: head-dim rows and warps),
+each checked against the twin, to choose the defaults from.
+
 Shapes: 128 heads x 64, state 128, 8 groups, conv dim 10,240, kernel 4; bf16 activations
 (xBC and dt column views of one projection, as the mixer passes them), bf16 conv windows,
 float32 state pages; every token's window and state written to its own page.
@@ -49,10 +53,16 @@ from provenance import git_commit  # noqa: E402
 from hybridserve.kernels import mamba_decode  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# conv_tiles: (channels, warps) a program of conv_decode_update's register form;
+# fused_tiles: (head-dim rows, warps) a program of conv_ssm_update. The defaults first.
 FULL = dict(heads=128, head_dim=64, groups=8, d_state=128, conv_dim=10240, d_conv=4,
-            batches=(1, 64, 256), qs=(1, 4), graph_layers=24)
+            batches=(1, 64, 256), qs=(1, 4), graph_layers=24,
+            conv_tiles=((256, 4), (128, 4), (256, 2), (512, 4), (1024, 4), (1024, 8)),
+            fused_tiles=((16, 4), (8, 2), (8, 4), (16, 2), (16, 8), (32, 4), (32, 8),
+                         (64, 8)))
 SMOKE = dict(heads=2, head_dim=4, groups=1, d_state=8, conv_dim=24, d_conv=4,
-             batches=(1, 2), qs=(1, 4), graph_layers=2)
+             batches=(1, 2), qs=(1, 4), graph_layers=2, conv_tiles=((16, 4), (8, 2)),
+             fused_tiles=((2, 4), (4, 2)))
 
 
 def _time(fn, device: str) -> float:
@@ -107,10 +117,11 @@ class Layer:
         self.written = t
 
     # The ops (each writes windows / states to the output pages, as the engine's step).
-    def conv(self, registers: bool) -> torch.Tensor:
+    def conv(self, registers: bool, tile: tuple[int, int] | None = None) -> torch.Tensor:
+        block_c, warps = tile or (None, 4)
         return mamba_decode.conv_decode_update(
             self.xbc, self.weight, self.bias, self.conv_cache, self.in_pages, self.out_pages,
-            "silu", registers=registers,
+            "silu", registers=registers, block_c=block_c, num_warps=warps,
         )
 
     def ssm(self, conv: torch.Tensor) -> torch.Tensor:
@@ -122,11 +133,12 @@ class Layer:
             time_step_limit=None,
         )
 
-    def fused(self) -> torch.Tensor:
+    def fused(self, tile: tuple[int, int] | None = None) -> torch.Tensor:
+        block_p, warps = tile or (None, 4)
         return mamba_decode.conv_ssm_update(
             self.xbc, self.dt, self.weight, self.bias, self.A, self.D, self.conv_cache,
             self.ssm_cache, self.in_pages, self.out_pages, "silu", dt_bias=self.dt_bias,
-            time_step_limit=None,
+            time_step_limit=None, block_p=block_p, num_warps=warps,
         )
 
     def twin(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -164,7 +176,16 @@ class Layer:
         return {"conv": conv, "ssm": ssm, "two_launches": conv + ssm, "fused": fused}
 
 
-def _case(cfg, rows, q, device) -> dict:
+def _sweep(fn, tiles, want, device) -> list[dict]:
+    """Each tile's median and its output's relative error against ``want``."""
+    out = []
+    for tile in tiles:
+        out.append({"tile": list(tile), "rel_err_vs_twin": _rel(fn(tile), want),
+                    "us": _time(lambda tile=tile: fn(tile), device) * 1e6})
+    return out
+
+
+def _case(cfg, rows, q, device, sweep: bool) -> dict:
     layer = Layer(cfg, rows, q, device, seed=1000 * rows + q)
     conv_want, y_want, conv_pages_want, ssm_pages_want = layer.twin()
     pages = layer.written_pages()
@@ -217,6 +238,10 @@ def _case(cfg, rows, q, device) -> dict:
         },
         "check": check,
     }
+    if sweep:
+        case["conv_tiles"] = _sweep(lambda tile: layer.conv(True, tile), cfg["conv_tiles"],
+                                    conv_want, device)
+        case["fused_tiles"] = _sweep(layer.fused, cfg["fused_tiles"], y_want, device)
     return case
 
 
@@ -264,6 +289,8 @@ def _graph_layers(cfg, device, layers: int) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter)")
+    ap.add_argument("--no-sweep", action="store_true",
+                    help="defaults only: no sweep of the new kernels' tiles")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -290,13 +317,17 @@ def main(argv: list[str] | None = None) -> dict:
 
     for rows in cfg["batches"]:
         for q in cfg["qs"]:
-            case = _case(cfg, rows, q, device)
+            case = _case(cfg, rows, q, device, not a.no_sweep)
             result["cases"].append(case)
             save()
             us = case["us"]
             print(f"batch {rows:4d} q {q}: conv old {us['conv_old']:8.1f} new "
                   f"{us['conv_new']:8.1f} us | ops old {us['ops_old']:8.1f} two "
                   f"{us['ops_two']:8.1f} fused {us['ops_fused']:8.1f} us", flush=True)
+            for kind in ("conv_tiles", "fused_tiles"):
+                if kind in case:
+                    best = min(case[kind], key=lambda v: v["us"])
+                    print(f"  best {kind}: {best['tile']} {best['us']:.1f} us", flush=True)
             if device == "cuda":
                 torch.cuda.empty_cache()
     result["layers24_batch1"] = _graph_layers(cfg, device, cfg["graph_layers"])

@@ -441,6 +441,8 @@ def conv_decode_update(
     activation: str | None = "silu",
     *,
     registers: bool = True,
+    block_c: int | None = None,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """Conv step of every row of a uniform step, from and to conv-window pages.
 
@@ -458,6 +460,8 @@ def conv_decode_update(
             window in registers (the default); False, or any other width, takes the
             previous form, which re-reads every output's K inputs and every window's
             K - 1 entries (the benchmarks' baseline).
+        block_c, num_warps: channels a program (a power of two; default
+            ``min(256, next_power_of_2(C))``) and its warps: the benchmarks' tile sweep.
 
     Returns:
         ``out [R * Q, C]`` in ``xbc.dtype`` (accumulated in float32).
@@ -477,7 +481,10 @@ def conv_decode_update(
     out = torch.empty(tokens, channels, dtype=xbc.dtype, device=xbc.device)
     if rows == 0:
         return out
-    block_c = min(256, triton.next_power_of_2(channels))
+    if block_c is None:
+        block_c = min(256, triton.next_power_of_2(channels))
+    if block_c < 1 or block_c & (block_c - 1):
+        raise ValueError(f"block_c must be a power of two, got {block_c}")
     grid = (rows, triton.cdiv(channels, block_c))
     kernel = _conv_decode_kernel if registers and 2 <= k <= 4 else _conv_decode_reload_kernel
     kernel[grid](
@@ -496,6 +503,7 @@ def conv_decode_update(
         HAS_BIAS=bias is not None,
         SILU=activation is not None,
         BLOCK_C=block_c,
+        num_warps=num_warps,
     )
     return out
 
@@ -996,6 +1004,8 @@ def conv_ssm_update(
     *,
     dt_bias: torch.Tensor,
     time_step_limit: tuple[float, float] | None = NO_CLAMP_LIMIT,
+    block_p: int | None = None,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """:func:`conv_decode_update` and :func:`ssm_update` of a uniform step in one launch:
     the conv output (x, B, C) stays in registers instead of a round trip through memory.
@@ -1016,6 +1026,9 @@ def conv_ssm_update(
             page or name an input page.
         activation: the conv's (``"silu"`` / ``"swish"`` or None).
         dt_bias, time_step_limit: as for :func:`ssm_update`.
+        block_p, num_warps: head-dim rows a program (a power of two; default about 2K
+            state elements a program, as :func:`ssm_update`'s) and its warps: the
+            benchmarks' tile sweep.
 
     Returns:
         ``y [R * Q, H, P]`` float32 (the D skip included, before the gated norm). The conv
@@ -1038,8 +1051,11 @@ def conv_ssm_update(
     if rows == 0:
         return y
     block_n = triton.next_power_of_2(d_state)
-    # The state slice of ssm_update's uniform rows (about 2K elements a program).
-    block_p = max(1, min(triton.next_power_of_2(head_dim), 2048 // block_n))
+    if block_p is None:
+        # The state slice of ssm_update's uniform rows (about 2K elements a program).
+        block_p = max(1, min(triton.next_power_of_2(head_dim), 2048 // block_n))
+    if block_p < 1 or block_p & (block_p - 1):
+        raise ValueError(f"block_p must be a power of two, got {block_p}")
     grid = (rows, heads, triton.cdiv(head_dim, block_p))
     clamp = time_step_limit is not None
     dt_min, dt_max = time_step_limit if clamp else NO_CLAMP_LIMIT
@@ -1075,5 +1091,6 @@ def conv_ssm_update(
         CLAMP=clamp,
         BLOCK_P=block_p,
         BLOCK_N=block_n,
+        num_warps=num_warps,
     )
     return y

@@ -44,6 +44,10 @@ def test_benchmark_smoke(tmp_path):
         assert check["fused"]["windows_equal_twin"]
         assert check["fused"]["y_rel_err_vs_two_launches"] < 1e-5
         assert check["fused"]["states_rel_err_vs_twin"] < 2e-2
+        # Every tile of the sweep computes the twin's function.
+        assert [t["tile"] for t in case["conv_tiles"]] == [[16, 4], [8, 2]]
+        assert all(t["rel_err_vs_twin"] < 2e-2 and t["us"] > 0 for t in case["conv_tiles"])
+        assert all(t["rel_err_vs_twin"] < 2e-2 and t["us"] > 0 for t in case["fused_tiles"])
         # The fused launch moves less than the two: the conv output stays in registers.
         assert case["min_bytes"]["fused"] < case["min_bytes"]["two_launches"]
     assert record["layers24_batch1"]["layers"] == 2
