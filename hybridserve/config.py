@@ -307,6 +307,8 @@ class KernelPolicy:
             raise ValueError(f"kernel_policy.gdn_chunk must be a power of two, got {self.gdn_chunk}")
         if not isinstance(self.uniform_decode, bool):
             raise ValueError(f"kernel_policy.uniform_decode must be a bool, got {self.uniform_decode!r}")
+        if not isinstance(self.fused_decode, bool):
+            raise ValueError(f"kernel_policy.fused_decode must be a bool, got {self.fused_decode!r}")
         if not 1 <= self.max_short_tokens <= 1 << 20:
             raise ValueError(
                 f"kernel_policy.max_short_tokens must be in [1, 2**20], got {self.max_short_tokens}"

@@ -593,3 +593,9 @@ def test_mixer_decode_step_fused_launch_matches_two_launches_and_twins(q):
         torch.testing.assert_close(states["ssm"], want_states["ssm"], rtol=1e-5, atol=1e-5,
                                    equal_nan=True)
         assert not states["ssm"][written].isnan().any()
+
+
+def test_policy_fused_decode_takes_a_bool():
+    with pytest.raises(ValueError, match="kernel_policy.fused_decode must be a bool"):
+        KernelPolicy(fused_decode="off")
+    assert KernelPolicy().fused_decode and not KernelPolicy(fused_decode=False).fused_decode
