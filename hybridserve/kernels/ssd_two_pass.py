@@ -19,7 +19,8 @@ the state, and the output work is spread over every chunk:
    scaled add. It discretises dt (writes ``dt_out``), stores the state *before* every
    chunk to a float32 scratch ``[chunks, H, P, N]`` (what pass 2 reads), and the
    requested chunk states, start states and final states to their slots, as the fused
-   scan does.
+   scan does. A chunk state that goes to a slot of float32 ``states`` (the state pages)
+   skips the scratch: pass 2 reads it from its slot.
 2. **Output pass** (:func:`_ssd_output_kernel`), one program per (head, head_dim block,
    chunk), all independent: ``y = ((C B^T) * exp(c_l - c_s) * dt_s, causal) x +
    exp(c_l) C S_in^T + D x`` with ``S_in`` the chunk's incoming state from the scratch and
@@ -103,6 +104,7 @@ def _ssd_state_pass_kernel(
     CLAMP: tl.constexpr,
     HAS_UNCLAMPED: tl.constexpr,
     HAS_STARTS: tl.constexpr,
+    READ_SLOTS: tl.constexpr,
     PRECISION: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT16: tl.constexpr,
@@ -139,13 +141,15 @@ def _ssd_state_pass_kernel(
         ST = tl.zeros([BLOCK_N, BLOCK_P], dtype=tl.float32)
     for j in range(0, tl.cdiv(eos - bos, CHUNK)):
         c = first + j
-        # The incoming state of chunk c, for the output pass.
-        tl.store(chunk_states_ptr + (c * heads * state_size + head_base) + block, ST,
-                 mask=smask)
+        # The incoming state of chunk c: to its slot when asked for, and for the output
+        # pass to the scratch, unless it reads the slot (float32 states: the same values).
         slot = tl.load(chunk_slot_ptr + c).to(tl.int64)
         if slot >= 0:
             tl.store(states_ptr + (slot * heads * state_size + head_base) + block,
                      ST.to(states_ptr.dtype.element_ty), mask=smask)
+        if not READ_SLOTS or slot < 0:
+            tl.store(chunk_states_ptr + (c * heads * state_size + head_base) + block, ST,
+                     mask=smask)
         if HAS_STARTS:
             start_slot = tl.load(start_slot_ptr + c).to(tl.int64)
             if start_slot >= 0:
@@ -197,6 +201,8 @@ def _ssd_output_kernel(
     cu_ptr,
     first_chunk_ptr,
     chunk_seq_ptr,
+    chunk_slot_ptr,
+    states_ptr,
     chunk_states_ptr,
     dt_out_ptr,
     y_ptr,
@@ -208,6 +214,7 @@ def _ssd_output_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_D: tl.constexpr,
+    READ_SLOTS: tl.constexpr,
     PRECISION: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT16: tl.constexpr,
@@ -235,9 +242,18 @@ def _ssd_output_kernel(
     # The discretised dt of the state pass; 0 past the sequence.
     d = tl.load(dt_out_ptr + tok * heads + h, mask=tm, other=0.0)
     cum = tl.cumsum(d * a_rate, 0)
-    ST = tl.load(chunk_states_ptr + (c * heads * state_size + head_base)
-                 + (p[None, :] * d_state + n[:, None]),
-                 mask=nmask[:, None] & pmask[None, :], other=0.0)
+    # The incoming state: where the state pass put it (its slot, or the scratch).
+    block = p[None, :] * d_state + n[:, None]
+    smask = nmask[:, None] & pmask[None, :]
+    slot = -1
+    if READ_SLOTS:
+        slot = tl.load(chunk_slot_ptr + c).to(tl.int64)
+    if slot >= 0:
+        ST = tl.load(states_ptr + (slot * heads * state_size + head_base) + block, mask=smask,
+                     other=0.0).to(tl.float32)
+    else:
+        ST = tl.load(chunk_states_ptr + (c * heads * state_size + head_base) + block,
+                     mask=smask, other=0.0)
     xv = tl.load(x_ptr + tok[:, None] * x_tok_stride + h * x_head_stride + p[None, :],
                  mask=tm[:, None] & pmask[None, :], other=0.0)
     bv = tl.load(B_ptr + tok[:, None] * B_tok_stride + g * B_group_stride + n[None, :],
@@ -348,6 +364,10 @@ def ssd_scan_two_pass(
     if unclamped is not None and unclamped.dtype == torch.bool:
         unclamped = unclamped.view(torch.int8)  # the same bytes, a type Triton loads plainly
     limit = time_step_limit if time_step_limit is not None else (0.0, float("inf"))
+    # A float32 state stored to its slot is the chunk's incoming state exactly: the output
+    # pass reads it there, and the scratch row stays unwritten (a checkpoint every chunk
+    # then costs no state traffic beyond the pages').
+    read_slots = states.dtype == torch.float32
     dot16 = os.environ.get("TRITON_INTERPRET", "0") != "1"
     products = dict(PRECISION="tf32" if split else precision, SPLIT=split, DOT16=dot16)
     _ssd_state_pass_kernel[(heads * triton.cdiv(head_dim, state_block_p), seqs)](
@@ -363,15 +383,16 @@ def ssd_scan_two_pass(
         CHUNK=CHUNK, BLOCK_P=state_block_p, BLOCK_N=block_n,
         HAS_INIT=initial_states is not None, CLAMP=time_step_limit is not None,
         HAS_UNCLAMPED=unclamped is not None, HAS_STARTS=starts is not None,
-        num_warps=state_warps, **products,
+        READ_SLOTS=read_slots, num_warps=state_warps, **products,
     )
     if chunks:
         _ssd_output_kernel[(heads * triton.cdiv(head_dim, block_p), chunks)](
             x, x.stride(0), x.stride(1), A, D if D is not None else A,
             B, B.stride(0), B.stride(1), C, C.stride(0), C.stride(1),
-            cu_seqlens, first_chunk, chunk_seq, chunk_states, dt_out, y,
+            cu_seqlens, first_chunk, chunk_seq, chunk_slot, states, chunk_states, dt_out, y,
             heads, head_dim, d_state, heads // groups,
             CHUNK=CHUNK, BLOCK_P=block_p, BLOCK_N=block_n, HAS_D=D is not None,
+            READ_SLOTS=read_slots,
             num_warps=num_warps, **products,
         )
     return y, dt_out
