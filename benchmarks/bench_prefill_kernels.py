@@ -64,12 +64,20 @@ FULL = dict(heads=128, head_dim=64, groups=8, d_state=128, conv_dim=10240, d_con
             ssd=(("8x4096 initial+final", 8, 4096, False), ("8x4096 state every 64", 8, 4096,
                  True), ("1x8192 initial+final", 1, 8192, False)),
             conv_rows=(8, 4096), reps=20, check_groups=2,
-            # Two-pass scan: (output block_p, its warps, state block_p, its warps, precision).
-            two_pass_variants=((64, 4, 32, 4, "split"), (64, 8, 32, 4, "split"),
-                               (64, 4, 64, 4, "split"), (64, 4, 64, 8, "split"),
-                               (64, 4, 16, 4, "split"), (64, 4, 32, 2, "split"),
-                               (32, 4, 32, 4, "split"), (32, 2, 32, 4, "split"),
-                               (64, 4, 32, 4, "tf32"), (64, 8, 64, 8, "tf32")),
+            # Two-pass scan: (output block_p, its warps, state pass block_p x block_n,
+            # its warps, precision); registers a thread (sm_90, spilled bytes) in comments.
+            two_pass_variants=(
+                (64, 4, 32, 128, 8, "split"),  # the default: output 255 (40), state 225
+                (64, 8, 32, 128, 8, "split"),  # output 255 (0)
+                (32, 4, 32, 128, 8, "split"),  # output 194 (0)
+                (32, 8, 32, 128, 8, "split"),  # output 187 (0)
+                (64, 4, 64, 64, 8, "split"),  # state 228 (0)
+                (64, 4, 16, 128, 4, "split"),  # state 196 (0)
+                (64, 4, 16, 64, 8, "split"),  # state 128 (0)
+                (64, 4, 32, 64, 4, "split"),  # state 254 (0)
+                (64, 4, 64, 128, 8, "split"),  # state 255 (232)
+                (64, 4, 32, 128, 8, "tf32"),
+            ),
             # One-launch scan: (block_p, warps, precision).
             ssd_variants=((64, 8, "split"), (32, 4, "split"), (64, 8, "tf32")),
             conv_tiles=((32, 128, None), (32, 128, 4), (64, 128, 8), (16, 256, 8),
@@ -78,7 +86,7 @@ SMOKE = dict(heads=4, head_dim=16, groups=2, d_state=16, conv_dim=48, d_conv=4,
              ssd=(("2x70 initial+final", 2, 70, False), ("1x130 state every 64", 1, 130,
                   True)),
              conv_rows=(2, 70), reps=1, check_groups=1,
-             two_pass_variants=((16, 4, 16, 4, "ieee"),), ssd_variants=((16, 4, "ieee"),),
+             two_pass_variants=((16, 4, 16, 16, 4, "ieee"),), ssd_variants=((16, 4, "ieee"),),
              conv_tiles=((32, 64, None),))
 
 
@@ -197,8 +205,9 @@ def _ssd_case(cfg, name, rows, length, every64, device, reps, use_fla):
     two_pass = ssd_two_pass.ssd_scan_two_pass
     out["new"] = {"scan": two_pass.__name__, **measure(two_pass), "variants": [
         {**kw, **measure(two_pass, **kw)} for kw in (
-            dict(block_p=bp, num_warps=w, state_block_p=sbp, state_warps=sw, precision=pr)
-            for bp, w, sbp, sw, pr in cfg["two_pass_variants"])]}
+            dict(block_p=bp, num_warps=w, state_block_p=sbp, state_block_n=sbn,
+                 state_warps=sw, precision=pr)
+            for bp, w, sbp, sbn, sw, pr in cfg["two_pass_variants"])]}
     fused = ssd_chunked.ssd_scan_fused
     out["fused"] = {"scan": fused.__name__, **measure(fused), "variants": [
         {**kw, **measure(fused, **kw)} for kw in (

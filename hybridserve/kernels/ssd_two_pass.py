@@ -109,23 +109,26 @@ def _ssd_state_pass_kernel(
     SPLIT: tl.constexpr,
     DOT16: tl.constexpr,
 ):
-    # Axis 0: (head, head_dim block), heads fastest (programs that run together read one
-    # group's B through L2); axis 1: the sequence.
+    # Axis 0: (head, state block: head_dim block x state block), so the programs that run
+    # together read one group's B through L2; axis 1: the sequence. The update is
+    # separable in both axes of the state, so a program may hold any block of it.
     blocks_p = tl.cdiv(head_dim, BLOCK_P)
-    h = tl.program_id(0) // blocks_p
-    pb = tl.program_id(0) % blocks_p
+    blocks_n = tl.cdiv(d_state, BLOCK_N)
+    h = tl.program_id(0) // (blocks_p * blocks_n)
+    pb = tl.program_id(0) % (blocks_p * blocks_n) // blocks_n
+    nb = tl.program_id(0) % blocks_n
     s = tl.program_id(1)
     g = h // heads_per_group
     bos = tl.load(cu_ptr + s).to(tl.int64)
     eos = tl.load(cu_ptr + s + 1).to(tl.int64)
     first = tl.load(first_chunk_ptr + s).to(tl.int64)
     p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
-    n = tl.arange(0, BLOCK_N)
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     q = tl.arange(0, CHUNK)
     pmask = p < head_dim
     nmask = n < d_state
     # The state block held transposed, ST [BLOCK_N, BLOCK_P] (= S^T): its update
-    # B^T (x w) then has BLOCK_N >= 64 rows (Hopper's warp-group MMA). int32 offsets
+    # B^T (x w) then has BLOCK_N rows (64 for Hopper's warp-group MMA). int32 offsets
     # inside a state off scalar int64 bases, as in the fused scan.
     smask = nmask[:, None] & pmask[None, :]
     state_size = head_dim * d_state
@@ -147,7 +150,11 @@ def _ssd_state_pass_kernel(
         if slot >= 0:
             tl.store(states_ptr + (slot * heads * state_size + head_base) + block,
                      ST.to(states_ptr.dtype.element_ty), mask=smask)
-        if not READ_SLOTS or slot < 0:
+        if READ_SLOTS:
+            if slot < 0:
+                tl.store(chunk_states_ptr + (c * heads * state_size + head_base) + block, ST,
+                         mask=smask)
+        else:
             tl.store(chunk_states_ptr + (c * heads * state_size + head_base) + block, ST,
                      mask=smask)
         if HAS_STARTS:
@@ -155,26 +162,30 @@ def _ssd_state_pass_kernel(
             if start_slot >= 0:
                 tl.store(starts_ptr + (start_slot * heads * state_size + head_base) + block,
                          ST, mask=smask)
-        tok = bos + j * CHUNK + q
-        tm = tok < eos
+        # Token offsets inside the chunk in int32 off scalar int64 bases: int64 address
+        # tensors kept across the loop would take the registers the products need.
+        start = bos + j * CHUNK
+        tm = q < eos - start
         # dt in float32, discretised here; 0 past the sequence (no decay, no input).
-        d = _softplus(tl.load(dt_ptr + tok * dt_tok_stride + h, mask=tm, other=0.0).to(tl.float32)
-                      + bias)
+        d = tl.load(dt_ptr + start * dt_tok_stride + h + q * dt_tok_stride, mask=tm, other=0.0)
+        d = _softplus(d.to(tl.float32) + bias)
         if CLAMP:
             dc = tl.minimum(tl.maximum(d, dt_min), dt_max)
             if HAS_UNCLAMPED:
-                free = tl.load(unclamped_ptr + tok, mask=tm, other=0) != 0
+                free = tl.load(unclamped_ptr + start + q, mask=tm, other=0) != 0
                 dc = tl.where(free, d, dc)
             d = dc
         d = tl.where(tm, d, 0.0)
-        if pb == 0:
-            tl.store(dt_out_ptr + tok * heads + h, d, mask=tm)
+        if pb == 0 and nb == 0:
+            tl.store(dt_out_ptr + start * heads + h + q * heads, d, mask=tm)
         a = d * a_rate
         cum = tl.cumsum(a, 0)
         total = tl.sum(a, 0)
-        xv = tl.load(x_ptr + tok[:, None] * x_tok_stride + h * x_head_stride + p[None, :],
+        xv = tl.load(x_ptr + start * x_tok_stride + h * x_head_stride
+                     + (q[:, None] * x_tok_stride + p[None, :]),
                      mask=tm[:, None] & pmask[None, :], other=0.0)
-        bv = tl.load(B_ptr + tok[:, None] * B_tok_stride + g * B_group_stride + n[None, :],
+        bv = tl.load(B_ptr + start * B_tok_stride + g * B_group_stride
+                     + (q[:, None] * B_tok_stride + n[None, :]),
                      mask=tm[:, None] & nmask[None, :], other=0.0)
         w = tl.exp(total - cum) * d
         ST = ST * tl.exp(total) + _dot_split(tl.trans(bv), xv.to(tl.float32) * w[:, None],
@@ -237,28 +248,34 @@ def _ssd_output_kernel(
     state_size = head_dim * d_state
     head_base = h.to(tl.int64) * state_size
     a_rate = tl.load(A_ptr + h).to(tl.float32)
-    tok = bos + j * CHUNK + q
-    tm = tok < eos
+    # In-chunk offsets in int32 off scalar int64 bases (registers, as in the state pass).
+    start = bos + j * CHUNK
+    tm = q < eos - start
     # The discretised dt of the state pass; 0 past the sequence.
-    d = tl.load(dt_out_ptr + tok * heads + h, mask=tm, other=0.0)
+    d = tl.load(dt_out_ptr + start * heads + h + q * heads, mask=tm, other=0.0)
     cum = tl.cumsum(d * a_rate, 0)
     # The incoming state: where the state pass put it (its slot, or the scratch).
     block = p[None, :] * d_state + n[:, None]
     smask = nmask[:, None] & pmask[None, :]
-    slot = -1
     if READ_SLOTS:
         slot = tl.load(chunk_slot_ptr + c).to(tl.int64)
-    if slot >= 0:
-        ST = tl.load(states_ptr + (slot * heads * state_size + head_base) + block, mask=smask,
-                     other=0.0).to(tl.float32)
+        if slot >= 0:
+            ST = tl.load(states_ptr + (slot * heads * state_size + head_base) + block,
+                         mask=smask, other=0.0)
+        else:
+            ST = tl.load(chunk_states_ptr + (c * heads * state_size + head_base) + block,
+                         mask=smask, other=0.0)
     else:
         ST = tl.load(chunk_states_ptr + (c * heads * state_size + head_base) + block,
                      mask=smask, other=0.0)
-    xv = tl.load(x_ptr + tok[:, None] * x_tok_stride + h * x_head_stride + p[None, :],
+    xv = tl.load(x_ptr + start * x_tok_stride + h * x_head_stride
+                 + (q[:, None] * x_tok_stride + p[None, :]),
                  mask=tm[:, None] & pmask[None, :], other=0.0)
-    bv = tl.load(B_ptr + tok[:, None] * B_tok_stride + g * B_group_stride + n[None, :],
+    bv = tl.load(B_ptr + start * B_tok_stride + g * B_group_stride
+                 + (q[:, None] * B_tok_stride + n[None, :]),
                  mask=tm[:, None] & nmask[None, :], other=0.0)
-    cv = tl.load(C_ptr + tok[:, None] * C_tok_stride + g * C_group_stride + n[None, :],
+    cv = tl.load(C_ptr + start * C_tok_stride + g * C_group_stride
+                 + (q[:, None] * C_tok_stride + n[None, :]),
                  mask=tm[:, None] & nmask[None, :], other=0.0)
     # Inside the chunk: y_l += sum_{s <= l} (C_l . B_s) exp(cum_l - cum_s) dt_s x_s.
     if SPLIT:
@@ -273,8 +290,8 @@ def _ssd_output_kernel(
     y += tl.exp(cum)[:, None] * _dot_split(cv, ST, SPLIT, PRECISION, DOT16)
     if HAS_D:
         y += tl.load(D_ptr + h).to(tl.float32) * xv.to(tl.float32)
-    tl.store(y_ptr + (tok[:, None] * heads + h) * head_dim + p[None, :], y,
-             mask=tm[:, None] & pmask[None, :])
+    tl.store(y_ptr + (start * heads + h) * head_dim + (q[:, None] * (heads * head_dim) + p[None, :]),
+             y, mask=tm[:, None] & pmask[None, :])
 
 
 def ssd_scan_two_pass(
@@ -301,6 +318,7 @@ def ssd_scan_two_pass(
     block_p: int | None = None,
     num_warps: int | None = None,
     state_block_p: int | None = None,
+    state_block_n: int | None = None,
     state_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The scan in two launches (module docstring); arguments and results as
@@ -309,8 +327,8 @@ def ssd_scan_two_pass(
     ``chunk_slot`` must have exactly one entry per chunk of the flat numbering
     (:func:`~hybridserve.kernels.ssd_chunked.chunk_starts`' last entry): its length sizes
     the float32 scratch of chunk states. ``block_p`` / ``num_warps``: the output pass's
-    tile (head_dim block) and warps; ``state_block_p`` / ``state_warps``: the state
-    pass's.
+    tile (head_dim block) and warps; ``state_block_p`` x ``state_block_n`` (head_dim x
+    state) / ``state_warps``: the state pass's.
     """
     _check(x, dt, A, B, C, D, dt_bias, cu_seqlens, initial_states, chunk_slot, final_slot,
            states, unclamped, start_slot, starts)
@@ -354,12 +372,15 @@ def ssd_scan_two_pass(
                                device=x.device)
     width = max(16, triton.next_power_of_2(head_dim))
     block_n = max(16, triton.next_power_of_2(d_state))
-    if state_block_p is None:
-        # Narrower state programs when there are few sequences: more of them in flight.
-        state_block_p = 64 if seqs * heads >= 1024 else 32
-    state_block_p = max(16, min(state_block_p, width))
+    # Defaults from sm_90 builds (Triton 3.9, head_dim 64, state 128, bf16 inputs), not
+    # yet timed: the state pass at 32 x 128 and 8 warps takes 225 registers a thread and
+    # spills nothing (64 x 128 spills at 4 and 8 warps); the output pass at 64 and 4
+    # warps takes 255 and spills 40 bytes (32 wide: 194 and none, but C B^T twice).
+    # bench_prefill_kernels.py sweeps the alternatives.
+    state_block_p = max(16, min(state_block_p or 32, width))
+    state_block_n = max(16, min(state_block_n or 128, block_n))
+    state_warps = state_warps or 8
     block_p = max(16, min(block_p or 64, width))
-    state_warps = state_warps or 4
     num_warps = num_warps or 4
     if unclamped is not None and unclamped.dtype == torch.bool:
         unclamped = unclamped.view(torch.int8)  # the same bytes, a type Triton loads plainly
@@ -370,7 +391,8 @@ def ssd_scan_two_pass(
     read_slots = states.dtype == torch.float32
     dot16 = os.environ.get("TRITON_INTERPRET", "0") != "1"
     products = dict(PRECISION="tf32" if split else precision, SPLIT=split, DOT16=dot16)
-    _ssd_state_pass_kernel[(heads * triton.cdiv(head_dim, state_block_p), seqs)](
+    state_blocks = triton.cdiv(head_dim, state_block_p) * triton.cdiv(d_state, state_block_n)
+    _ssd_state_pass_kernel[(heads * state_blocks, seqs)](
         x, x.stride(0), x.stride(1), dt, dt.stride(0), dt_bias, A,
         B, B.stride(0), B.stride(1),
         unclamped if unclamped is not None else final_slot,
@@ -380,7 +402,7 @@ def ssd_scan_two_pass(
         start_slot if start_slot is not None else chunk_slot,
         starts if starts is not None else states, chunk_states, dt_out,
         heads, head_dim, d_state, heads // groups, float(limit[0]), float(limit[1]),
-        CHUNK=CHUNK, BLOCK_P=state_block_p, BLOCK_N=block_n,
+        CHUNK=CHUNK, BLOCK_P=state_block_p, BLOCK_N=state_block_n,
         HAS_INIT=initial_states is not None, CLAMP=time_step_limit is not None,
         HAS_UNCLAMPED=unclamped is not None, HAS_STARTS=starts is not None,
         READ_SLOTS=read_slots, num_warps=state_warps, **products,

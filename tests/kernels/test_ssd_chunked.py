@@ -162,8 +162,9 @@ def _run_both(case, g, dtype=torch.float32):
 
 def _tiles(name: str, block_p: int | None) -> dict:
     """Tile arguments of scan ``name``: the two-pass scan's state pass takes a tile of
-    its own (16 here: several head_dim blocks even for tiny head_dims)."""
-    return {"block_p": block_p, **({"state_block_p": 16} if name == "two_pass" else {})}
+    its own (16 x 16 here: several head_dim and state blocks even for tiny shapes)."""
+    state = {"state_block_p": 16, "state_block_n": 16}
+    return {"block_p": block_p, **(state if name == "two_pass" else {})}
 
 
 @interpreted
@@ -262,7 +263,7 @@ def test_two_pass_reads_chunk_states_from_their_slots_or_the_scratch(every):
     """Every chunk state asked for (the output pass reads each from its slot) or none
     (each from the scratch): the same outputs as the twin either way."""
     g = torch.Generator().manual_seed(_seed())
-    case = ([64, 5, 129, 63], 4, 8, 2, 16, True, True, LIMIT, False, 16)
+    case = ([64, 5, 129, 63], 4, 8, 2, 40, True, True, LIMIT, False, 16)
     lens = case[0]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
     x, dt, A, B, C, D, bias, init, _ = _step(g, lens, *case[1:5], dtype=torch.bfloat16)
@@ -276,8 +277,8 @@ def test_two_pass_reads_chunk_states_from_their_slots_or_the_scratch(every):
     want = ssd_scan_fused_reference(*(a.double() if a.is_floating_point() else a for a in args),
                                     want_states, time_step_limit=LIMIT)
     states = torch.full(want_states.shape, float("nan"))
-    y, dt_out = ssd_scan_two_pass(*args, states, time_step_limit=LIMIT, block_p=16,
-                                  state_block_p=16)
+    y, dt_out = ssd_scan_two_pass(*args, states, time_step_limit=LIMIT,
+                                  **_tiles("two_pass", 16))
     torch.testing.assert_close(dt_out.double(), want[1], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(y.double(), want[0], rtol=1e-4, atol=_atol(want[0]))
     assert torch.equal(states.isnan(), want_states.isnan())
