@@ -2225,33 +2225,39 @@ def numerics(device, shape, decode_steps=256, decode_rows=2, prefill_rows=(4096,
     for n in lens:
         qs.append(qs[-1] + n)
     v = nm.decode_at_bf16_rounding(g, qs[-1], 1, heads, head_dim, groups, d_state, device)
-    scan = packed_scan(KernelPolicy(), torch.device(device), torch.float32) or (
-        ssd_varlen.ssd_scan_varlen_reference)
-    chunk = ssd_varlen.SCAN_CHUNK if ssd_varlen.chunk_states_supported(scan) else None
+    # The engine's packed scan: the fused Triton scan on CUDA, its fused twin elsewhere
+    # (the same call, raw dt and dt_bias, so the CPU smoke run takes the GPU's branch).
+    on_cpu_policy = KernelPolicy(packed_prefill="auto" if on_gpu else "reference")
+    scan = packed_scan(on_cpu_policy, torch.device(device), torch.float32)
+    # The previous arithmetic: dt discretised in bf16, then a plain scan (fla-core's on
+    # CUDA where importable, the reference elsewhere).
+    plain = (ssd_varlen.ssd_scan_varlen_fla if on_gpu and ssd_varlen.fla_available()
+             else ssd_varlen.ssd_scan_varlen_reference)
     ends = [n - 1 for n in lens]
-    segments = ssd_varlen.plan_segments(qs, list(range(len(lens))), ends, device, chunk)
+
+    def plan(scan_fn):
+        chunk = ssd_varlen.SCAN_CHUNK if ssd_varlen.chunk_states_supported(scan_fn) else None
+        return ssd_varlen.plan_segments(qs, list(range(len(lens))), ends, device, chunk)
+
     zeros = torch.zeros(len(lens), heads, head_dim, d_state, device=device)
     x, B, C = v["x"], v["B"], v["C"]
-
-    def final_states(dt, dtype, scan_fn):
-        _, st = ssd_varlen.ssd_prefill(
-            x.to(dtype), dt.to(dtype), v["A"].to(dtype), B.to(dtype), C.to(dtype),
-            v["D"].to(dtype), zeros.to(dtype), segments, scan_fn)
-        return st
-
     limit = (0.0, math.inf)
-    # The mixer discretises in float32 (mamba2._prefill_rows); x, B, C stay bfloat16.
-    dt32 = ssd_varlen.discretize_dt_varlen(v["dt"].float(), v["dt_bias"].float(), limit)
-    _, got = ssd_varlen.ssd_prefill(x, dt32, v["A"], B, C, v["D"], zeros, segments, scan)
-    want = final_states(
-        ssd_varlen.discretize_dt_varlen(v["dt"].double(), v["dt_bias"].double(), limit),
-        torch.float64, ssd_varlen.ssd_scan_varlen_reference)
+    # Raw dt: the fused scan discretises it in float32 inside its kernel; x, B, C bf16.
+    _, got = ssd_varlen.ssd_prefill(x, v["dt"], v["A"], B, C, v["D"], zeros, plan(scan), scan,
+                                    dt_bias=v["dt_bias"], time_step_limit=limit)
+    dt64 = ssd_varlen.discretize_dt_varlen(v["dt"].double(), v["dt_bias"].double(), limit)
+    ref = ssd_varlen.ssd_scan_varlen_reference
+    _, want = ssd_varlen.ssd_prefill(
+        x.double(), dt64, v["A"].double(), B.double(), C.double(), v["D"].double(),
+        zeros.double(), plan(ref), ref)
     dt_bf16 = ssd_varlen.discretize_dt_varlen(v["dt"], v["dt_bias"], limit).float()
-    _, old = ssd_varlen.ssd_prefill(x, dt_bf16, v["A"], B, C, v["D"], zeros, segments, scan)
+    _, old = ssd_varlen.ssd_prefill(x, dt_bf16, v["A"], B, C, v["D"], zeros, plan(plain),
+                                    plain)
     prefill = {
-        "scan": scan.__name__, "rows": lens,
+        "scan": getattr(scan, "func", scan).__name__, "rows": lens,
         "final_state_rel_err": _rel(got, want),
-        "bf16_dt": {"final_state_rel_err": _rel(old, want)},
+        "bf16_dt": {"scan": getattr(plain, "func", plain).__name__,
+                    "final_state_rel_err": _rel(old, want)},
     }
     free_memory(device)
     return {
@@ -2268,10 +2274,15 @@ def numerics(device, shape, decode_steps=256, decode_rows=2, prefill_rows=(4096,
 # --------------------------------------------------------------------------------------
 
 
-def agreement(device, dtype, workdir: Path, prompts=8, prompt_len=24, new_tokens=32):
+def agreement(device, dtype, workdir: Path, prompts=8, prompt_len=24, new_tokens=32,
+              arch="nemotron_h", layers="M*-M-M*-", **overrides):
+    """Greedy tokens of a tiny random ``arch`` checkpoint (``layers``, ``overrides`` as in
+    :func:`~hybridserve.testing.tiny_models.make_tiny_checkpoint`) on ``device`` in
+    ``dtype`` against the CPU's float32 run, decode graphs on and off."""
     from hybridserve.testing.tiny_models import make_tiny_checkpoint
 
-    path = make_tiny_checkpoint("nemotron_h", workdir / "tiny", seed=5, layers="M*-M-M*-")
+    path = make_tiny_checkpoint(arch, workdir / f"tiny_{arch}", seed=5, layers=layers,
+                                **overrides)
     g = torch.Generator().manual_seed(11)
     ids = [torch.randint(3, 256, (prompt_len,), generator=g).tolist() for _ in range(prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)

@@ -137,6 +137,8 @@ SHAPES = {
         "config": _NEMOTRON3_NANO,
         # One stretch of the pattern with every kind: 3 M, 3 E, 1 attention.
         "truncated_layers": 7,
+        # The agreement section's tiny model: (architecture, layer pattern, overrides).
+        "tiny_family": ("nemotron_h", "ME*EM-", {}),
         "smoke": {"vocab_size": 256, "hidden_size": 64, "num_attention_heads": 4,
                   "num_key_value_heads": 2, "head_dim": 16, "mamba_num_heads": 8,
                   "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2, "chunk_size": 16,
@@ -158,6 +160,8 @@ SHAPES = {
                   "tie_word_embeddings",
         "config": _GRANITE4_H_SMALL,
         "truncated_layers": 6,  # 5 Mamba2 + 1 attention, each with its MoE and shared_mlp
+        "tiny_family": ("granitemoehybrid", "MAMMA", {"num_local_experts": 4,
+                                                      "num_experts_per_tok": 2}),
         "smoke": {"vocab_size": 256, "hidden_size": 64, "num_attention_heads": 4,
                   "num_key_value_heads": 2, "num_local_experts": 8, "num_experts_per_tok": 3,
                   "intermediate_size": 32, "shared_intermediate_size": 48,
@@ -178,6 +182,7 @@ SHAPES = {
                   "(partial_rotary_factor, mrope_section), tie_word_embeddings",
         "config": _QWEN36_27B,
         "truncated_layers": 4,  # 3 Gated DeltaNet + 1 gated attention
+        "tiny_family": ("qwen3_5", "MMAM", {}),
         "smoke": {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
                   "linear_num_key_heads": 2, "linear_num_value_heads": 4,
@@ -501,6 +506,11 @@ def run_shape(name: str, args, env: dict, result: dict, save, workdir: Path) -> 
         args.prefill_max_s), needs(15))
     model = built = None  # noqa: F841
     bg.free_memory(device)
+    # GPU bf16 against CPU float32 greedy tokens on a tiny model of the same family.
+    arch, layers, overrides = SHAPES[name]["tiny_family"]
+    out["agreement"] = section("agreement", lambda: bg.agreement(
+        device, "bfloat16" if device == "cuda" else "float32", workdir / name, arch=arch,
+        layers=layers, **overrides), needs(20))
 
     # transformers' baseline and the checkpoint load, on the truncated shape.
     layers = SHAPES[name]["truncated_layers"]
@@ -595,6 +605,11 @@ def print_shape(name: str, s: dict) -> None:
     if p:
         print(f"  prefill {p['prompts_run']} x {p['prompt_len']}: {p['tokens_per_s']:.0f} tok/s, "
               f"{100 * p['fraction_of_roofline']:.0f}% of the FLOP roofline")
+    a = s.get("agreement")
+    if a:
+        f32 = (a.get("float32_on_device") or {}).get("positional_agreement")
+        print(f"  agreement with CPU float32 (tiny model): {a['dtype']} "
+              f"{a['positional_agreement']:.3f}" + (f", float32 {f32:.3f}" if f32 else ""))
     tr = s.get("truncated") or {}
     if tr.get("load"):
         ld = tr["load"]
