@@ -9,7 +9,8 @@ Measured in one run (DESIGN.md section 9), kernel medians from CUDA events:
                       scan (:mod:`hybridserve.kernels.ssd_two_pass`, the default: a state
                       pass, then every chunk's outputs in parallel; grouped B/C, raw dt,
                       states straight into their pages), its defaults, then a sweep of
-                      both passes' tiles and warps and the product precisions;
+                      both passes' tiles and warps and the product precisions, and of
+                      output chunks of 128 tokens (``out_chunk=128``);
            ``fused``  the same through the one-launch scan
                       (:mod:`hybridserve.kernels.ssd_chunked`, ``packed_prefill="fused"``),
                       its defaults and a few tiles and precisions (``split``: 16-bit
@@ -78,6 +79,9 @@ FULL = dict(heads=128, head_dim=64, groups=8, d_state=128, conv_dim=10240, d_con
                 (64, 4, 64, 128, 8, "split"),  # state 255 (232)
                 (64, 4, 32, 128, 8, "tf32"),
             ),
+            # The two-pass scan's output pass over 128-token chunks (the state pass still
+            # stores every 64): (output block_p, its warps); the state pass at its default.
+            two_pass_128_variants=((32, 8), (64, 8), (32, 4)),  # output 255 (8), (104), (216)
             # One-launch scan: (block_p, warps, precision).
             ssd_variants=((64, 8, "split"), (32, 4, "split"), (64, 8, "tf32")),
             conv_tiles=((32, 128, None), (32, 128, 4), (64, 128, 8), (16, 256, 8),
@@ -86,7 +90,8 @@ SMOKE = dict(heads=4, head_dim=16, groups=2, d_state=16, conv_dim=48, d_conv=4,
              ssd=(("2x70 initial+final", 2, 70, False), ("1x130 state every 64", 1, 130,
                   True)),
              conv_rows=(2, 70), reps=1, check_groups=1,
-             two_pass_variants=((16, 4, 16, 16, 4, "ieee"),), ssd_variants=((16, 4, "ieee"),),
+             two_pass_variants=((16, 4, 16, 16, 4, "ieee"),), two_pass_128_variants=((16, 4),),
+             ssd_variants=((16, 4, "ieee"),),
              conv_tiles=((32, 64, None),))
 
 
@@ -207,7 +212,10 @@ def _ssd_case(cfg, name, rows, length, every64, device, reps, use_fla):
         {**kw, **measure(two_pass, **kw)} for kw in (
             dict(block_p=bp, num_warps=w, state_block_p=sbp, state_block_n=sbn,
                  state_warps=sw, precision=pr)
-            for bp, w, sbp, sbn, sw, pr in cfg["two_pass_variants"])]}
+            for bp, w, sbp, sbn, sw, pr in cfg["two_pass_variants"])] + [
+        {"out_chunk": 128, "block_p": bp, "num_warps": w,
+         **measure(two_pass, out_chunk=128, block_p=bp, num_warps=w)}
+        for bp, w in cfg["two_pass_128_variants"]]}
     fused = ssd_chunked.ssd_scan_fused
     out["fused"] = {"scan": fused.__name__, **measure(fused), "variants": [
         {**kw, **measure(fused, **kw)} for kw in (
@@ -286,7 +294,7 @@ def main(argv: list[str] | None = None) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = SMOKE if a.smoke or device == "cpu" else FULL
     if a.quick:
-        cfg = {**cfg, "two_pass_variants": (), "ssd_variants": (),
+        cfg = {**cfg, "two_pass_variants": (), "two_pass_128_variants": (), "ssd_variants": (),
                "conv_tiles": cfg["conv_tiles"][:1]}
     use_fla = device == "cuda" and ssd_varlen.fla_available()
     started = time.time()

@@ -12,8 +12,8 @@ that walks its sequence's chunks in order and does each chunk's whole work (the
 (``sequences x heads``), each long and register-bound. Here the only sequential part is
 the state, and the output work is spread over every chunk:
 
-1. **State pass** (:func:`_ssd_state_pass_kernel`), one program per (head, head_dim
-   block, sequence): per chunk of :data:`CHUNK` tokens, ``S <- exp(c_last) S +
+1. **State pass** (:func:`_ssd_state_pass_kernel`), one program per (head, block of the
+   state: head_dim x state, sequence): per chunk of :data:`CHUNK` tokens, ``S <- exp(c_last) S +
    (x * exp(c_last - c_s) dt_s)^T B`` (``c`` the running sum of ``a = dt * A`` inside the
    chunk). The product does not depend on ``S``, so the chain between chunks is one
    scaled add. It discretises dt (writes ``dt_out``), stores the state *before* every
@@ -22,9 +22,11 @@ the state, and the output work is spread over every chunk:
    scan does. A chunk state that goes to a slot of float32 ``states`` (the state pages)
    skips the scratch: pass 2 reads it from its slot.
 2. **Output pass** (:func:`_ssd_output_kernel`), one program per (head, head_dim block,
-   chunk), all independent: ``y = ((C B^T) * exp(c_l - c_s) * dt_s, causal) x +
+   output chunk), all independent: ``y = ((C B^T) * exp(c_l - c_s) * dt_s, causal) x +
    exp(c_l) C S_in^T + D x`` with ``S_in`` the chunk's incoming state from the scratch and
-   ``dt`` from ``dt_out``.
+   ``dt`` from ``dt_out``. An output chunk is one chunk, or two (``out_chunk=128``: the
+   state pass then stores the scratch rows of every other chunk only, and the output
+   pass reads half as many states for a 128 x 128 ``C B^T``).
 
 Chunks never cross a sequence boundary (sequence ``s``'s chunk ``j`` starts at token
 ``cu_seqlens[s] + CHUNK j``; flat numbering of
@@ -33,8 +35,8 @@ is the state after the sequence's token ``CHUNK j - 1``: the checkpoint grid.
 
 Compared with a split into a parallel local-state kernel and a separate state-passing
 kernel, the state pass reads ``x`` and ``B`` of a chunk (24 KiB per head at bf16,
-head_dim 64, state 128) instead of writing and reading back a local float32 state (64
-KiB): two trips of the state scratch through memory instead of four.
+head_dim 64, state 128) instead of writing a local float32 state (32 KiB) and reading it
+back: two trips of the state scratch through memory instead of four.
 
 The scratch's size comes from host-known shapes only (``chunk_slot`` has one entry per
 chunk) and the chunk -> sequence map is computed on the device, so a call makes no host
@@ -105,6 +107,7 @@ def _ssd_state_pass_kernel(
     HAS_UNCLAMPED: tl.constexpr,
     HAS_STARTS: tl.constexpr,
     READ_SLOTS: tl.constexpr,
+    OUT_EVERY: tl.constexpr,
     PRECISION: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT16: tl.constexpr,
@@ -150,13 +153,15 @@ def _ssd_state_pass_kernel(
         if slot >= 0:
             tl.store(states_ptr + (slot * heads * state_size + head_base) + block,
                      ST.to(states_ptr.dtype.element_ty), mask=smask)
-        if READ_SLOTS:
-            if slot < 0:
+        # (The output pass reads the states before every OUT_EVERY-th chunk only.)
+        if j % OUT_EVERY == 0:
+            if READ_SLOTS:
+                if slot < 0:
+                    tl.store(chunk_states_ptr + (c * heads * state_size + head_base) + block,
+                             ST, mask=smask)
+            else:
                 tl.store(chunk_states_ptr + (c * heads * state_size + head_base) + block, ST,
                          mask=smask)
-        else:
-            tl.store(chunk_states_ptr + (c * heads * state_size + head_base) + block, ST,
-                     mask=smask)
         if HAS_STARTS:
             start_slot = tl.load(start_slot_ptr + c).to(tl.int64)
             if start_slot >= 0:
@@ -222,6 +227,7 @@ def _ssd_output_kernel(
     d_state,
     heads_per_group,
     CHUNK: tl.constexpr,
+    OUT_EVERY: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_D: tl.constexpr,
@@ -240,9 +246,12 @@ def _ssd_output_kernel(
     bos = tl.load(cu_ptr + s).to(tl.int64)
     eos = tl.load(cu_ptr + s + 1).to(tl.int64)
     j = c - tl.load(first_chunk_ptr + s).to(tl.int64)
+    if j % OUT_EVERY != 0:
+        return  # inside the output chunk of the program of chunk c - j % OUT_EVERY
     p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
     n = tl.arange(0, BLOCK_N)
-    q = tl.arange(0, CHUNK)
+    # The output chunk: OUT_EVERY chunks from chunk c on (its row's tokens only).
+    q = tl.arange(0, CHUNK * OUT_EVERY)
     pmask = p < head_dim
     nmask = n < d_state
     state_size = head_dim * d_state
@@ -317,6 +326,7 @@ def ssd_scan_two_pass(
     precision: str = "auto",
     block_p: int | None = None,
     num_warps: int | None = None,
+    out_chunk: int = CHUNK,
     state_block_p: int | None = None,
     state_block_n: int | None = None,
     state_warps: int | None = None,
@@ -327,7 +337,8 @@ def ssd_scan_two_pass(
     ``chunk_slot`` must have exactly one entry per chunk of the flat numbering
     (:func:`~hybridserve.kernels.ssd_chunked.chunk_starts`' last entry): its length sizes
     the float32 scratch of chunk states. ``block_p`` / ``num_warps``: the output pass's
-    tile (head_dim block) and warps; ``state_block_p`` x ``state_block_n`` (head_dim x
+    tile (head_dim block) and warps, ``out_chunk`` its chunk (:data:`CHUNK` or twice that:
+    half the incoming states to store and read, a larger ``C B^T``); ``state_block_p`` x ``state_block_n`` (head_dim x
     state) / ``state_warps``: the state pass's.
     """
     _check(x, dt, A, B, C, D, dt_bias, cu_seqlens, initial_states, chunk_slot, final_slot,
@@ -355,6 +366,8 @@ def ssd_scan_two_pass(
     dt_out = torch.empty(tokens, heads, dtype=torch.float32, device=x.device)
     if seqs == 0 or tokens == 0:
         return y, dt_out
+    if out_chunk not in (CHUNK, 2 * CHUNK):
+        raise ValueError(f"out_chunk must be {CHUNK} or {2 * CHUNK}, got {out_chunk}")
     if chunks > 65535:  # the output pass's grid axis 1
         raise ValueError(f"at most 65,535 chunks of {CHUNK} tokens a call, got {chunks}")
     if first_chunk is None:
@@ -405,7 +418,8 @@ def ssd_scan_two_pass(
         CHUNK=CHUNK, BLOCK_P=state_block_p, BLOCK_N=state_block_n,
         HAS_INIT=initial_states is not None, CLAMP=time_step_limit is not None,
         HAS_UNCLAMPED=unclamped is not None, HAS_STARTS=starts is not None,
-        READ_SLOTS=read_slots, num_warps=state_warps, **products,
+        READ_SLOTS=read_slots, OUT_EVERY=out_chunk // CHUNK, num_warps=state_warps,
+        **products,
     )
     if chunks:
         _ssd_output_kernel[(heads * triton.cdiv(head_dim, block_p), chunks)](
@@ -413,7 +427,8 @@ def ssd_scan_two_pass(
             B, B.stride(0), B.stride(1), C, C.stride(0), C.stride(1),
             cu_seqlens, first_chunk, chunk_seq, chunk_slot, states, chunk_states, dt_out, y,
             heads, head_dim, d_state, heads // groups,
-            CHUNK=CHUNK, BLOCK_P=block_p, BLOCK_N=block_n, HAS_D=D is not None,
+            CHUNK=CHUNK, OUT_EVERY=out_chunk // CHUNK, BLOCK_P=block_p, BLOCK_N=block_n,
+            HAS_D=D is not None,
             READ_SLOTS=read_slots,
             num_warps=num_warps, **products,
         )

@@ -48,6 +48,9 @@ def test_benchmark_smoke(tmp_path):
             assert variant["precision"] == "ieee"
             assert variant["rel_err_y"] < 1e-5 and variant["rel_err_states"] < 1e-5
         assert case["new"]["variants"][0]["state_block_p"] == 16
+        wide = case["new"]["variants"][-1]  # the 128-token output chunks
+        assert wide["out_chunk"] == 128 and wide["rel_err_y"] < 1e-5
+        assert wide["rel_err_states"] < 1e-5
     modes = [m["mode"] for m in record["conv"]["modes"]]
     assert modes == ["no window asked", "window mode, no window", "windows at row ends",
                      "windows every 64"]

@@ -9,6 +9,7 @@ rows).
 GPU tests (``-m gpu``) compile the kernel: run them with ``TRITON_INTERPRET=0``.
 """
 
+import functools
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -33,8 +34,10 @@ if INTERPRETED:
     from hybridserve.testing import racecheck
 
 LIMIT = (0.05, 0.9)
-# The Triton scans (one twin for both) and the launches each makes.
-SCANS = {"fused": (ssd_scan_fused, 1), "two_pass": (ssd_scan_two_pass, 2)}
+# The Triton scans (one twin for all) and the launches each makes; "two_pass_128": the
+# output pass over chunks of 128 tokens (the state pass still stores every 64).
+SCANS = {"fused": (ssd_scan_fused, 1), "two_pass": (ssd_scan_two_pass, 2),
+         "two_pass_128": (functools.partial(ssd_scan_two_pass, out_chunk=2 * CHUNK), 2)}
 
 
 def _seed() -> int:
@@ -164,7 +167,7 @@ def _tiles(name: str, block_p: int | None) -> dict:
     """Tile arguments of scan ``name``: the two-pass scan's state pass takes a tile of
     its own (16 x 16 here: several head_dim and state blocks even for tiny shapes)."""
     state = {"state_block_p": 16, "state_block_n": 16}
-    return {"block_p": block_p, **(state if name == "two_pass" else {})}
+    return {"block_p": block_p, **(state if name.startswith("two_pass") else {})}
 
 
 @interpreted
@@ -237,8 +240,9 @@ def test_kernel_independent_of_program_order(name):
 
 
 @interpreted
+@pytest.mark.parametrize("out_chunk", [CHUNK, 2 * CHUNK])
 @pytest.mark.parametrize("states_dtype", [torch.bfloat16, torch.float64])
-def test_two_pass_states_of_any_dtype(states_dtype):
+def test_two_pass_states_of_any_dtype(states_dtype, out_chunk):
     """States that are not float32 (bf16 pages, say): the output pass cannot read the
     chunk states back from their slots, so every chunk's goes through the scratch; the
     outputs stay those of float32 and the states are the twin's, rounded to the dtype."""
@@ -247,7 +251,8 @@ def test_two_pass_states_of_any_dtype(states_dtype):
     args, kwargs, block_p, _, want, want_states, _ = _run_both(case, g, torch.bfloat16)
     states = torch.full(want_states.shape, float("nan"), dtype=states_dtype)
     with racecheck.record_launches() as rec:
-        y, _ = ssd_scan_two_pass(*args, states, **kwargs, **_tiles("two_pass", block_p))
+        y, _ = ssd_scan_two_pass(*args, states, **kwargs, out_chunk=out_chunk,
+                                 **_tiles("two_pass", block_p))
     assert len(rec.reports) == 2 and all(r.clean for r in rec.reports)
     torch.testing.assert_close(y.double(), want[0], rtol=1e-4, atol=_atol(want[0]))
     assert torch.equal(states.isnan(), want_states.isnan())
@@ -258,10 +263,12 @@ def test_two_pass_states_of_any_dtype(states_dtype):
 
 
 @interpreted
+@pytest.mark.parametrize("out_chunk", [CHUNK, 2 * CHUNK])
 @pytest.mark.parametrize("every", [True, False])
-def test_two_pass_reads_chunk_states_from_their_slots_or_the_scratch(every):
+def test_two_pass_reads_chunk_states_from_their_slots_or_the_scratch(every, out_chunk):
     """Every chunk state asked for (the output pass reads each from its slot) or none
-    (each from the scratch): the same outputs as the twin either way."""
+    (each from the scratch): the same outputs as the twin either way, with output chunks
+    of 64 or 128 tokens (rows of 5, 63, 64 and 129 tokens: odd chunk counts too)."""
     g = torch.Generator().manual_seed(_seed())
     case = ([64, 5, 129, 63], 4, 8, 2, 40, True, True, LIMIT, False, 16)
     lens = case[0]
@@ -277,7 +284,7 @@ def test_two_pass_reads_chunk_states_from_their_slots_or_the_scratch(every):
     want = ssd_scan_fused_reference(*(a.double() if a.is_floating_point() else a for a in args),
                                     want_states, time_step_limit=LIMIT)
     states = torch.full(want_states.shape, float("nan"))
-    y, dt_out = ssd_scan_two_pass(*args, states, time_step_limit=LIMIT,
+    y, dt_out = ssd_scan_two_pass(*args, states, time_step_limit=LIMIT, out_chunk=out_chunk,
                                   **_tiles("two_pass", 16))
     torch.testing.assert_close(dt_out.double(), want[1], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(y.double(), want[0], rtol=1e-4, atol=_atol(want[0]))
@@ -305,6 +312,8 @@ def test_rejects_bad_inputs():
         for bad in ("bf16", "bf16x3"):  # bf16x3 was wrong on the H200: not offered
             with pytest.raises(ValueError, match="precision"):
                 fn(x, dt, A, B, C, D, bias, cu, init, *slots, states, precision=bad)
+    with pytest.raises(ValueError, match="out_chunk"):
+        ssd_scan_two_pass(x, dt, A, B, C, D, bias, cu, init, *slots, states, out_chunk=96)
     with pytest.raises(ValueError, match="one entry per chunk"):
         ssd_scan_two_pass(x, dt, A, B, C, D, bias, cu, init, torch.tensor([0, 1, -1]),
                           slots[1], states)
