@@ -76,6 +76,7 @@ from hybridserve.kernels import (  # noqa: E402
     paged_attention_prefill,
     ssd_chunked,
     ssd_tails,
+    ssd_two_pass,
     ssd_varlen,
     state_postprocess,
 )
@@ -1687,10 +1688,13 @@ def check_ssd_prefill(shape, step, dtype, device, seed, chunk_states=False):
     }
 
 
-def check_ssd_fused(shape, step, dtype, device, seed):
-    """``ssd_prefill`` on the fused scan (``ssd_chunked.ssd_scan_fused``: bf16 x / B / C
-    and the raw dt as the mixer passes them) against the same on its torch twin, states
-    at every grid point and row end of a mixed step."""
+def check_ssd_fused(shape, step, dtype, device, seed, two_pass=False):
+    """``ssd_prefill`` on the fused scan (``ssd_chunked.ssd_scan_fused``, or with
+    ``two_pass`` the default ``ssd_two_pass.ssd_scan_two_pass``: bf16 x / B / C and the raw
+    dt as the mixer passes them) against the same on its torch twin, states at every grid
+    point and row end of a mixed step."""
+    scan = ssd_two_pass.ssd_scan_two_pass if two_pass else ssd_chunked.ssd_scan_fused
+    label = "two-pass scan" if two_pass else "fused scan"
     g, h = _generators(seed, device)
     specs, (x, _, A, B, C, D, init), shapes = _ssd_inputs(g, h, shape, step, device)
     dt, dt_bias, _ = _mamba_raw_dt_A(g, x.shape[0], x.shape[1], device, torch.bfloat16)
@@ -1708,8 +1712,7 @@ def check_ssd_fused(shape, step, dtype, device, seed):
     kw = dict(dt_bias=dt_bias, time_step_limit=(0.0, float("inf")))
 
     def kern():
-        return ssd_varlen.ssd_prefill(x, dt, A, B, C, D, init, segments,
-                                      ssd_chunked.ssd_scan_fused, **kw)
+        return ssd_varlen.ssd_prefill(x, dt, A, B, C, D, init, segments, scan, **kw)
 
     y, states = kern()
     y_twin, states_twin = ssd_varlen.ssd_prefill(
@@ -1720,7 +1723,7 @@ def check_ssd_fused(shape, step, dtype, device, seed):
         ssd_chunked.ssd_scan_fused_reference, dt_bias=dt_bias.double(),
         time_step_limit=kw["time_step_limit"])
     return {
-        "kernel": "ssd_prefill (fused scan)", "twin": "ssd_prefill (fused scan's twin)",
+        "kernel": f"ssd_prefill ({label})", "twin": "ssd_prefill (fused scans' twin)",
         "dtype": "torch.bfloat16",
         "shapes": {**shapes, "state_interval": interval, "states": len(rows)},
         "outputs": {"y": _compared(y, y_twin, 1e-4, y64, 1e-4),
@@ -2129,6 +2132,7 @@ KERNEL_CHECKS = [
     ("ssd_prefill", "ssd_varlen", check_ssd_prefill, {}),
     ("ssd_prefill (chunk states)", "ssd_varlen", check_ssd_prefill, {"chunk_states": True}),
     ("ssd_prefill (fused scan)", "ssd_chunked", check_ssd_fused, {}),
+    ("ssd_prefill (two-pass scan)", "ssd_two_pass", check_ssd_fused, {"two_pass": True}),
     ("ssd_tail_states", "ssd_tails", check_ssd_tails, {}),
     ("rms_norm", "norms", check_rms_norm, {}),
     ("add_rms_norm", "norms", check_add_rms_norm, {}),

@@ -250,11 +250,13 @@ class KernelPolicy:
       56 ms at 1,024 tokens, where the two meet; hence 512.
     - ``packed_prefill`` (path): every other step runs all rows through one
       variable-length conv and the segmented chunked scan; ``"auto"`` (= ``"triton"``)
-      on CUDA with a float32 scan, through the fused Triton scan of
-      :mod:`hybridserve.kernels.ssd_chunked`; ``"reference"`` with its torch twin
-      anywhere; ``"fla"`` on CUDA through fla-core's scan (groups expanded to heads,
-      float32 copies of the inputs: the comparison point). Otherwise rows go one by one
-      (the oracle).
+      on CUDA with a float32 scan, through the two-pass Triton scan of
+      :mod:`hybridserve.kernels.ssd_two_pass` (a state pass, then every chunk's outputs
+      in parallel); ``"fused"`` through the one-launch scan of
+      :mod:`hybridserve.kernels.ssd_chunked` (one program walks all chunks of its row);
+      ``"reference"`` with their torch twin anywhere; ``"fla"`` on CUDA through
+      fla-core's scan (groups expanded to heads, float32 copies of the inputs: the
+      comparison point). Otherwise rows go one by one (the oracle).
     - ``norms``: the RMS norms.
     - ``moe``: the routed experts of mixture-of-experts layers (grouped kernels or the
       per-expert loop).
@@ -296,7 +298,7 @@ class KernelPolicy:
             if value not in KERNEL_MODES:
                 raise ValueError(f"kernel_policy.{name}={value!r}: choose from {KERNEL_MODES}")
         for name, modes in (("short_rows", PATH_MODES),
-                            ("packed_prefill", (*PATH_MODES, "fla"))):
+                            ("packed_prefill", (*PATH_MODES, "fused", "fla"))):
             value = getattr(self, name)
             if value not in modes:
                 raise ValueError(f"kernel_policy.{name}={value!r}: choose from {modes}")
