@@ -456,7 +456,7 @@ def load_model_shard(
     full_shapes = {name: tuple(t.shape) for name, t in full.state_dict().items()}
     del full
     slots, unexpected, _ = loader._slots(cls, config, files, full_shapes)
-    loader._check_coverage(slots, full_shapes, where, config.architecture)
+    loader.check_coverage(slots, full_shapes, where, config.architecture)
     if unexpected:
         raise loader.CheckpointError(
             f"{files[unexpected[0]]}: unexpected weight(s) {unexpected[:5]}, unknown to "
