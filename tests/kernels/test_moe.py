@@ -481,6 +481,16 @@ def test_gpu_real_shapes_match_the_loop_and_capture_in_a_graph(tokens, dtype):
         want = _loop64(x[:few], w1, w2, ids[:few], weights[:few], gated, act)
         err = ((got[:few].double() - want).norm() / want.norm()).item()
         assert err < (2e-2 if dtype == torch.bfloat16 else 1e-4), err  # fp32: ieee products
+        # The compiled sort equals its torch twin; the step's tiles and the first
+        # version's give the same outputs up to the rounding of h.
+        for block_m in (16, 64):
+            a, b = (f(ids, experts, block_m) for f in (moe.sort_by_expert,
+                                                       moe.sort_by_expert_reference))
+            assert torch.equal(a.rows, b.rows) and torch.equal(a.block_expert, b.block_expert)
+        old = moe.moe_experts(x, w1, w2, ids, weights, gated=gated, activation=act,
+                              tiles=moe.legacy_tiles(tokens * top_k, x))
+        diff = ((old.double() - got.double()).norm() / got.double().norm()).item()
+        assert diff < (2e-2 if dtype == torch.bfloat16 else 1e-5), diff
         graph = torch.cuda.CUDAGraph()
         out = moe.moe_experts(x, w1, w2, ids, weights, gated=gated, activation=act)
         with torch.cuda.graph(graph):

@@ -187,18 +187,23 @@ class MoEBlock(nn.Module):
         if p.shared_gate:
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """The block's output, plus ``add [T, H]`` when given (a dense MLP beside the
+        block, Granite's ``shared_mlp``): like the shared expert, the kernels add it in
+        their final float32 sum."""
         ids, weights = getattr(self, self._router)(x)
-        s = None
+        s = add
         if self._shared is not None:
             s = getattr(self, self._shared)(x)
             if self.p.shared_gate:
                 s = torch.sigmoid(self.shared_expert_gate(x)) * s
+            if add is not None:
+                s = s + add
         if self.latent:
             y = self.fc2_latent_proj(self.experts(self.fc1_latent_proj(x), ids, weights))
             return y if s is None else y + s
         if s is not None and self.experts.takes_add:
-            # The kernels add the shared expert inside their final sum (one launch less).
+            # The kernels add it inside their final sum (one launch less).
             return self.experts(x, ids, weights, s)
         y = self.experts(x, ids, weights)
         return y if s is None else y + s
