@@ -151,7 +151,7 @@ def sort_by_expert(
 
     One Triton launch (a counting sort, :func:`_sort_kernel`), where the torch twin
     :func:`sort_by_expert_reference` takes some twenty small launches: each program
-    counts every assignment's expert (``ceil(A / chunk)`` histograms of ``chunk`` ids),
+    counts every assignment's expert (``ceil(A / chunk)`` one-hot sums of ``chunk`` ids),
     scans the counts into each expert's first block, and places its own ``chunk``
     assignments (rank within the expert = the count in earlier chunks + the earlier ones
     of its own chunk) and the padding rows of its own ``chunk`` blocks. ``chunk`` (a
@@ -235,8 +235,8 @@ def _sort_kernel(
     """Program ``p``: rows of assignments ``[p * CHUNK, (p + 1) * CHUNK)`` and the expert
     and padding rows of blocks ``[p * CHUNK, (p + 1) * CHUNK)`` (:func:`sort_by_expert`).
 
-    Every program recounts all ``A`` ids (cheap next to a launch for decode sizes) so
-    that no program reads what another writes. Gathers from the per-expert vectors are
+    Every program recounts all ``A`` ids (``A * BINS`` compares: cheap next to a launch
+    for decode sizes) so that no program reads what another writes. Gathers from the per-expert vectors are
     one-hot sums over the ``BINS`` bins (no register gather needed)."""
     p = tl.program_id(0)
     bins = tl.arange(0, BINS)
@@ -246,7 +246,9 @@ def _sort_kernel(
     for a0 in range(0, A, CHUNK):
         offs = a0 + lane
         e = tl.load(ids + offs, mask=offs < A, other=0).to(tl.int32)
-        hist = tl.histogram(e, BINS)
+        # A one-hot sum, not tl.histogram: that one needs bins in multiples of the warp
+        # size on the GPU, and the sizes here are small.
+        hist = tl.sum((e[:, None] == bins[None, :]).to(tl.int32), axis=0)
         counts += hist
         before += tl.where(a0 < p * CHUNK, hist, 0)
     # The masked-off lanes of the last chunk were counted in bin 0; only programs past
