@@ -7,6 +7,9 @@ Two targets:
   itself as a draft model (every draft accepted: the verify path's ceiling). Random
   weights accept few MTP / small-draft drafts, so those rows measure the drafters' cost,
   not a real acceptance.
+- ``--target nemotron``: the same with a Nemotron-H target (``--layers`` in its codes:
+  ``M`` Mamba2, ``A`` attention, ``E`` mixture of experts, ``-`` MLP) and a random
+  Nemotron-H MTP head of the published ``["attention", "moe"]`` layout.
 - ``--target default``: the embedded default model with the shipped trained draft model
   (``"model": "default-draft"``), the n-gram drafter, and the default model as its own
   draft model, on prompts cut from the held-out (``val``) split of the default model's
@@ -27,6 +30,8 @@ generated tokens / target rows that emitted them (steps without drafts included)
         --k 3 --batch 1 16 64 --prompts 64 --out drafters_trained_h200.json
     python benchmarks/bench_drafters.py --device cuda --hidden 1024 --layers MMMAMMMA \
         --batch 1 16 64 --out drafters.json
+    python benchmarks/bench_drafters.py --target nemotron --device cuda --dtype bfloat16 \
+        --hidden 1024 --layers MEMAMEMA --batch 1 16 64 --out drafters_nemotron_h200.json
 """
 
 from __future__ import annotations
@@ -46,19 +51,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from provenance import git_commit, portable_path  # noqa: E402
 
 
-def _checkpoints(root: Path, hidden: int, layers: str) -> tuple[Path, Path]:
+def _checkpoints(root: Path, hidden: int, layers: str, arch: str = "qwen3_5") -> tuple[Path, Path]:
     from hybridserve.testing.tiny_models import make_tiny_checkpoint
     from hybridserve.testing.tiny_mtp import add_mtp_head
 
     heads = max(4, hidden // 64)
-    shape = dict(
+    common = dict(
         hidden_size=hidden, intermediate_size=hidden * 2, num_attention_heads=heads,
-        num_key_value_heads=max(2, heads // 4), head_dim=64, linear_num_key_heads=max(2, heads // 2),
-        linear_num_value_heads=heads, linear_key_head_dim=64, linear_value_head_dim=64,
-        vocab_size=4096,
+        num_key_value_heads=max(2, heads // 4), head_dim=64, vocab_size=4096,
     )
-    target = add_mtp_head(make_tiny_checkpoint("qwen3_5", root / "target", seed=1, layers=layers, **shape))
-    draft = make_tiny_checkpoint("qwen3_5", root / "draft", seed=2, layers="MA", **shape)
+    if arch == "nemotron_h":
+        # Mamba heads of 64, experts as wide as the hidden size (the MTP head's MoE too).
+        shape = dict(common, mamba_num_heads=2 * hidden // 64, mamba_head_dim=64, n_groups=2,
+                     ssm_state_size=64, chunk_size=64, n_routed_experts=8, num_experts_per_tok=2,
+                     moe_intermediate_size=hidden, moe_shared_expert_intermediate_size=hidden)
+    else:
+        shape = dict(common, linear_num_key_heads=max(2, heads // 2), linear_num_value_heads=heads,
+                     linear_key_head_dim=64, linear_value_head_dim=64)
+    target = add_mtp_head(make_tiny_checkpoint(arch, root / "target", seed=1, layers=layers, **shape))
+    draft = make_tiny_checkpoint(arch, root / "draft", seed=2, layers="MA", **shape)
     return target, draft
 
 
@@ -147,7 +158,7 @@ def run_row(target, spec, prompts, params, args, batch: int) -> tuple[dict, list
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", choices=("random", "default"), default="random")
+    ap.add_argument("--target", choices=("random", "nemotron", "default"), default="random")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--hidden", type=int, default=256, help="random target only")
@@ -169,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.prompt_len = 128 if args.target == "default" else 64
     if args.smoke:
         args.batch, args.prompts, args.max_tokens, args.prompt_len = [1, 2], 2, 8, 32
-        args.hidden, args.layers = min(args.hidden, 128), "MA"
+        args.hidden, args.layers = min(args.hidden, 128), "MAE" if args.target == "nemotron" else "MA"
 
     import torch
 
@@ -194,7 +205,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "draft_model=target": lambda k: {"method": "draft_model", "model": str(PATH),
                                                          "num_speculative_tokens": k}}
         else:
-            target, draft = _checkpoints(Path(tmp), args.hidden, args.layers)
+            arch = "nemotron_h" if args.target == "nemotron" else "qwen3_5"
+            target, draft = _checkpoints(Path(tmp), args.hidden, args.layers, arch)
             drafters = {"ngram": lambda k: {"method": "ngram", "num_speculative_tokens": k},
                         "mtp": lambda k: {"method": "mtp", "num_speculative_tokens": k},
                         "draft_model": lambda k: {"method": "draft_model", "model": str(draft),
@@ -207,7 +219,7 @@ def main(argv: list[str] | None = None) -> dict:
                 raise SystemExit(f"--methods: unknown {unknown}; known: {sorted(drafters)}")
             drafters = {name: make for name, make in drafters.items() if name in args.methods}
         for batch in args.batch:
-            if args.target == "random":
+            if args.target != "default":
                 prompts = random_prompts(rng, batch, args.prompt_len)
             rows = [("none", None, None)] + [(name, k, make(k)) for k in args.k
                                              for name, make in drafters.items()]

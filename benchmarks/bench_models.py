@@ -599,8 +599,15 @@ def print_shape(name: str, s: dict) -> None:
                  if "share_of_step_kernels" in ms else ""))
     t = s.get("ttft")
     if t:
+        sp = t.get("cached_split") or {}
         print(f"  TTFT {t['prompt_len']}: cold {t['cold_s']:.3f}s, {t['cached_len']} cached "
-              f"{t['cached_s']:.3f}s ({t['speedup']:.1f}x)")
+              f"{t['cached_s']:.3f}s ({t['speedup']:.1f}x; short-row graph in "
+              f"{sp.get('short_graph_steps', 0)} of {sp.get('cached_runs', 0)} runs)")
+        if sp:
+            print(f"    cached step: wall {1e3 * sp['wall_s']:.1f} ms = kernels "
+                  f"{1e3 * sp['kernel_s']:.1f} ms + host {1e3 * sp['host_s']:.1f} ms")
+        for err in sp.get("graph_capture_errors", [])[:3]:
+            print(f"    graph capture error: {err}")
     p = s.get("prefill")
     if p:
         print(f"  prefill {p['prompts_run']} x {p['prompt_len']}: {p['tokens_per_s']:.0f} tok/s, "

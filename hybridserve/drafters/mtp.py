@@ -1,5 +1,9 @@
 """Multi-token prediction (MTP): the target checkpoint's own ``mtp.*`` head as the drafter.
 
+Two published layouts are loaded: Qwen's (:class:`MtpHead`) and Nemotron-H's
+(:class:`NemotronHMtpHead`, below). Both compute the same thing in other names; the
+drafter (:class:`MtpDrafter`) runs either.
+
 Qwen3.5 / Qwen3.6 / Qwen3-Next checkpoints ship one MTP layer (``mtp_num_hidden_layers``,
 ``num_nextn_predict_layers`` in Qwen3-Next's config): ``mtp.pre_fc_norm_embedding``,
 ``mtp.pre_fc_norm_hidden``, ``mtp.fc`` (``2 * hidden -> hidden``, no bias),
@@ -16,7 +20,22 @@ target's. For a slot ``t`` the head reads the token at ``t + 1`` and a hidden st
 target has computed, and the head's own output ``y`` of the slot before for the
 drafting slots (the target has not computed those tokens yet).
 
-The head has no recurrent state: its only cache is the decoder layer's K/V, paged in
+Nemotron-H checkpoints (Nemotron 3 Super / Ultra: ``num_nextn_predict_layers: 1``) ship
+one MTP *step* made of a short stack of Nemotron-H decoder layers, one per entry of
+``mtp_layers_block_type`` (``["attention", "moe"]`` in the published configs and
+transformers' default; the legacy string ``mtp_hybrid_override_pattern``, e.g. ``"*E"``,
+says the same). ``mtp.layers.i`` is that stack's layer ``i`` with the target's module
+names (``norm``, ``mixer.*``: attention without RoPE, a routed mixture of experts, or an
+MLP); the first layer also holds the input fusion (``enorm``, ``hnorm``, ``eh_proj``:
+``2 * hidden -> hidden``, no bias) and the last the output norm (``final_layernorm``)::
+
+    x = eh_proj(concat(enorm(embed(token[t + 1])), hnorm(h_t)))
+    y = final_layernorm(layers(x))      # h += mixer(norm(h)) per layer
+
+Embedding and LM head are the target's. A Mamba layer in the MTP stack is refused: no
+published checkpoint has one and its state would need pages of its own.
+
+Neither head has recurrent state: its only cache is its attention layers' K/V, paged in
 blocks of the head's own pool and freed with the request (:meth:`MtpDrafter.forget`).
 Lifecycle of one request with ``L`` tokens at a proposal, ``c`` slots filled:
 
@@ -35,8 +54,9 @@ Lifecycle of one request with ``L`` tokens at a proposal, ``c`` slots filled:
 After a prefix-cache hit the target computes no hidden state for the cached positions;
 the head's slots then start at the first position it has a hidden state for (``base``),
 with positions counted from there: RoPE attention depends only on relative positions,
-so this is the head attending over a shorter window, not a different computation. The
-drafts may be worse than with the full window; the output is the target's regardless.
+so this is the head attending over a shorter window, not a different computation
+(Nemotron-H's attention has no positional encoding at all). The drafts may be worse
+than with the full window; the output is the target's regardless.
 """
 
 from __future__ import annotations
@@ -56,14 +76,22 @@ from hybridserve.drafters.base import DraftRequest, choose_drafts
 from hybridserve.drafters.draft_model import _keep_logq
 from hybridserve.models.base import CacheSpec
 from hybridserve.models.batch import ForwardBatch, ModelCaches
-from hybridserve.models.config import ATTENTION
-from hybridserve.models.hybrid import DecoderLayer, build_norm
+from hybridserve.models.config import ATTENTION, GDN, MAMBA, ModelConfig
+from hybridserve.models.hybrid import DecoderLayer, NemotronHForCausalLM, build_norm
 from hybridserve.models.step_plan import uniform_q
 
 if TYPE_CHECKING:
     from hybridserve.config import EngineConfig
 
-MTP_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3NextForCausalLM")
+MTP_ARCHITECTURES = (
+    "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3NextForCausalLM",
+    "NemotronHForCausalLM",
+)
+
+
+def _text_config(path: str | Path) -> dict:
+    raw = json.loads((Path(path) / "config.json").read_text())
+    return raw.get("text_config") or raw
 
 
 def mtp_num_layers(path: str | Path) -> int:
@@ -77,9 +105,56 @@ def mtp_num_layers(path: str | Path) -> int:
     return 0
 
 
+# transformers' NemotronHConfig: the MTP stack when the config names none.
+_NEMOTRON_MTP_DEFAULT = ("attention", "moe")
+_NEMOTRON_MTP_NAMES = {
+    "attention": "attention", "full_attention": "attention", "moe": "moe", "mlp": "mlp",
+    "mamba": "mamba", "linear_attention": "mamba",
+}
+_NEMOTRON_MTP_CODES = {"*": "attention", "E": "moe", "-": "mlp", "M": "mamba"}
+
+
+def nemotron_mtp_block_types(raw: dict) -> tuple[str, ...]:
+    """The layers of a Nemotron-H MTP step, as ``config.json`` (``raw``) declares them:
+    ``mtp_layers_block_type`` (a list), else the legacy ``mtp_hybrid_override_pattern``
+    (a string of ``* E - M``), else ``("attention", "moe")``; the legacy string wins
+    over a list equal to that default, as transformers reads them. ValueError names the
+    field for anything else."""
+    field = "mtp_layers_block_type"
+    listed = raw.get(field)
+    if listed is None:
+        types = _NEMOTRON_MTP_DEFAULT
+    else:
+        if not isinstance(listed, list) or not listed or any(
+            t not in _NEMOTRON_MTP_NAMES for t in listed
+        ):
+            raise ValueError(
+                f"config.json field {field!r}: expected a non-empty list of "
+                f"{sorted(_NEMOTRON_MTP_NAMES)}, got {listed!r}"
+            )
+        types = tuple(_NEMOTRON_MTP_NAMES[t] for t in listed)
+    pattern = raw.get("mtp_hybrid_override_pattern")
+    if pattern is not None and types == _NEMOTRON_MTP_DEFAULT:
+        if not isinstance(pattern, str) or not pattern or set(pattern) - set(_NEMOTRON_MTP_CODES):
+            raise ValueError(
+                "config.json field 'mtp_hybrid_override_pattern': expected a string of "
+                f"{sorted(_NEMOTRON_MTP_CODES)}, got {pattern!r}"
+            )
+        types = tuple(_NEMOTRON_MTP_CODES[c] for c in pattern)
+    return types
+
+
+def _plan(batch: ForwardBatch, policy) -> ForwardBatch:
+    """A head's step plan: its layers are stateless, so just the decode-path decision."""
+    if batch.planned:
+        return batch
+    q = uniform_q(batch.query_start) if policy.uniform_decode else 0
+    return replace(batch, planned=True, uniform_q=q)
+
+
 class MtpHead(nn.Module):
-    """The ``mtp.*`` modules (see the module docstring); ``state_dict()`` names are the
-    checkpoint's without the ``mtp.`` prefix."""
+    """The Qwen ``mtp.*`` modules (see the module docstring); ``state_dict()`` names are
+    the checkpoint's without the ``mtp.`` prefix."""
 
     def __init__(self, target: nn.Module) -> None:
         super().__init__()
@@ -116,22 +191,97 @@ class MtpHead(nn.Module):
             [self.pre_fc_norm_embedding(token_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1
         )
         h = self.fc(x)
-        if not batch.planned:
-            # The head's step plan: attention only, so just the decode-path decision.
-            q = uniform_q(batch.query_start) if self.policy.uniform_decode else 0
-            batch = replace(batch, planned=True, uniform_q=q)
-        h, pending = self.layers[0](h, None, batch, caches)
+        h, pending = self.layers[0](h, None, _plan(batch, self.policy), caches)
         return self.norm.add_norm(h, pending, self.layer_config.residual_multiplier)[1]
 
 
-def load_mtp_head(path: str | Path, target: nn.Module) -> MtpHead:
+def _refuse_recurrent(types: Sequence[str]) -> None:
+    bad = sorted({t for t in types if t in (MAMBA, GDN)})
+    if bad:
+        raise ValueError(
+            f"speculative_config.method='mtp': the MTP layers ({list(types)}) include {bad}; "
+            "only attention, moe and mlp MTP layers are supported (every published "
+            "Nemotron-H MTP head is ['attention', 'moe'])"
+        )
+
+
+class NemotronHMtpHead(nn.Module):
+    """The Nemotron-H ``mtp.*`` modules (see the module docstring): ``layers.i`` is
+    layer ``i`` of the MTP stack with the target's names; ``layers.0`` also holds
+    ``enorm``, ``hnorm`` and ``eh_proj``, the last layer ``final_layernorm``.
+    ``state_dict()`` names are the checkpoint's without the ``mtp.`` prefix (experts
+    stacked as in the target)."""
+
+    def __init__(self, target: nn.Module, layer_config: ModelConfig) -> None:
+        super().__init__()
+        _refuse_recurrent(layer_config.layer_types)
+        config = self.layer_config = layer_config
+        hidden = config.hidden_size
+        self.policy = policy = target.kernel_policy
+        names = NemotronHForCausalLM.names
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, names, policy) for i in range(config.num_layers)
+        )
+        first, last = self.layers[0], self.layers[-1]
+        first.enorm = build_norm(config, hidden, policy)
+        first.hnorm = build_norm(config, hidden, policy)
+        first.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        last.final_layernorm = build_norm(config, hidden, policy)
+        a = config.attention
+        self.cache_spec = CacheSpec(
+            attention_layers=config.attention_layers,
+            num_kv_heads=a.num_kv_heads if a else 0,
+            head_dim=a.head_dim if a else 0,
+            recurrent_layers=(),
+        )
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, target: nn.Module) -> NemotronHMtpHead:
+        """The head ``path/config.json`` declares: the target's config with the MTP
+        stack (:func:`nemotron_mtp_block_types`) as its layers."""
+        raw = dict(_text_config(path))
+        types = nemotron_mtp_block_types(raw)
+        _refuse_recurrent(types)  # before the config parser asks for their parameters
+        raw.pop("layer_types", None)
+        raw.pop("hybrid_override_pattern", None)
+        raw["layers_block_type"] = list(types)
+        return cls(target, ModelConfig.from_dict(raw, source=f"{path}/config.json (MTP layers)"))
+
+    def forward(
+        self,
+        token_embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        batch: ForwardBatch,
+        caches: ModelCaches,
+    ) -> torch.Tensor:
+        """As :meth:`MtpHead.forward`: -> ``y [T, hidden]`` after ``final_layernorm``."""
+        first = self.layers[0]
+        h = first.eh_proj(torch.cat([first.enorm(token_embeds), first.hnorm(hidden)], dim=-1))
+        batch = _plan(batch, self.policy)
+        pending = None
+        for layer in self.layers:
+            h, pending = layer(h, pending, batch, caches)
+        return self.layers[-1].final_layernorm.add_norm(h, pending)[1]
+
+
+def build_mtp_head(path: str | Path, target: nn.Module) -> nn.Module:
+    """The (unloaded) head of the checkpoint at ``path`` for its ``target``: the
+    architecture's layout, parameters on the current default device."""
+    if target.config.architecture == "NemotronHForCausalLM":
+        return NemotronHMtpHead.from_checkpoint(path, target)
+    return MtpHead(target)
+
+
+def load_mtp_head(path: str | Path, target: nn.Module) -> nn.Module:
     """Build the MTP head of the checkpoint at ``path`` for its loaded ``target`` model.
 
+    Weights are read as the target's are (:func:`hybridserve.models.loader.read_weights`):
+    every ``mtp.*`` weight of the head present once with its shape, per-expert tensors
+    (``mtp.layers.i.mixer.experts.N.up_proj.weight``) stacked, nothing unknown.
     Raises ValueError naming ``speculative_config.method`` when the architecture has no
     MTP support here or the checkpoint carries no (or an incomplete) ``mtp.*`` head."""
-    from safetensors import safe_open
-
-    from hybridserve.models.loader import checkpoint_files
+    from hybridserve.models.layers.moe import WeightSlot, checkpoint_slot
+    from hybridserve.models.loader import check_coverage, checkpoint_files, read_weights
 
     arch = target.config.architecture
     if arch not in MTP_ARCHITECTURES:
@@ -143,38 +293,35 @@ def load_mtp_head(path: str | Path, target: nn.Module) -> MtpHead:
     if layers == 0:
         raise ValueError(
             f"speculative_config.method='mtp': {path}/config.json declares no MTP layers "
-            "(mtp_num_hidden_layers)"
+            "(mtp_num_hidden_layers / num_nextn_predict_layers)"
         )
     if layers != 1:
         raise ValueError(
             f"speculative_config.method='mtp': {layers} MTP layers declared; only one is "
-            "supported (every published Qwen3.5 / Qwen3-Next checkpoint has one)"
+            "supported (every published Qwen3.5 / Qwen3-Next / Nemotron-H checkpoint has one)"
         )
     p = next(target.parameters())
     with torch.device("meta"):
-        head = MtpHead(target)
-    expected = {name: tuple(t.shape) for name, t in head.state_dict().items()}
+        head = build_mtp_head(path, target)
+    expected = {"mtp." + name: tuple(t.shape) for name, t in head.state_dict().items()}
     files = {n: f for n, f in checkpoint_files(Path(path)).items() if n.startswith("mtp.")}
-    missing = sorted(set(expected) - {n.removeprefix("mtp.") for n in files})
-    if missing:
-        raise ValueError(
-            f"speculative_config.method='mtp': the checkpoint at {path} lacks MTP weight(s) "
-            f"{['mtp.' + m for m in missing[:5]]}"
-        )
-    state = {}
+    slots, unexpected = {}, []
     for name, file in files.items():
-        key = name.removeprefix("mtp.")
-        if key not in expected:
-            raise ValueError(f"{file}: unexpected MTP weight {name!r}")
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            t = f.get_tensor(name)
-        if tuple(t.shape) != expected[key]:
-            raise ValueError(
-                f"{file}: MTP weight {name!r} has shape {list(t.shape)}, expected "
-                f"{list(expected[key])}"
-            )
-        state[key] = t.to(device=p.device, dtype=p.dtype)
-    head.load_state_dict(state, strict=True, assign=True)
+        slot = WeightSlot(name) if name in expected else checkpoint_slot(name, expected)
+        if slot is None or (slot.expert is not None and slot.expert >= expected[slot.param][0]):
+            unexpected.append(name)
+        else:
+            slots[name] = (file, slot)
+    if unexpected:
+        unexpected.sort()
+        raise ValueError(
+            f"{files[unexpected[0]]}: unexpected MTP weight(s) {unexpected[:5]} for the "
+            f"{arch} MTP head this config.json describes"
+        )
+    what = f"the MTP head of {arch} (speculative_config.method='mtp')"
+    check_coverage(slots, expected, Path(path), what)
+    state, _ = read_weights(slots, expected, p.device, p.dtype)
+    head.load_state_dict({k.removeprefix("mtp."): t for k, t in state.items()}, strict=True, assign=True)
     head.requires_grad_(False)
     return head.eval()
 

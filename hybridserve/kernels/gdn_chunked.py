@@ -188,6 +188,11 @@ def gdn_prefill(
     scan = chunk_scan_reference if scan is None else scan
     tail_rule = gdn_varlen_update_reference if tail_rule is None else tail_rule
     starts, outs = plan.query_start_host, plan.token_out_pages_host
+    if outs is None:
+        raise ValueError(
+            "gdn_prefill plans its chunk states from host pages: plan.token_out_pages_host "
+            "is None (a device-only plan takes the token-by-token rule)"
+        )
     compute = torch.promote_types(v.dtype, torch.float32)
     g, beta = gdn_gates(a, b, A_log, dt_bias, compute)
     hv, dk, dv = ssm_cache.shape[1:]

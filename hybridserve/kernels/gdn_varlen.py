@@ -43,7 +43,13 @@ __all__ = ["VarlenPlan", "gdn_varlen_update", "gdn_varlen_update_reference"]
 class VarlenPlan:
     """One step's index tensors on the model's device: ``query_start [R + 1]``,
     ``in_pages [R]`` (int32, -1 = zero state), ``token_out_pages [T]`` (int32, -1 = none),
-    ``token_row [T]`` (int64, for the conv)."""
+    ``token_row [T]`` (int64, for the conv).
+
+    ``query_start_host``: the row starts on the host (the layer picks its path by the
+    longest row). ``token_out_pages_host``: the output pages on the host, which only the
+    chunked prefill reads (it plans its chunk states from them); None for a step whose
+    pages exist only on the device (a CUDA-graph step, filled per replay), which therefore
+    never takes the chunked prefill."""
 
     num_rows: int
     query_start: torch.Tensor
@@ -52,7 +58,7 @@ class VarlenPlan:
     token_row: torch.Tensor
     # The same values on the host (the chunked prefill plans its chunk states from them).
     query_start_host: tuple[int, ...] = ()
-    token_out_pages_host: tuple[int, ...] = ()
+    token_out_pages_host: tuple[int, ...] | None = ()
 
 
 def _check_initial(initial_states, rows, ssm_cache) -> None:

@@ -195,11 +195,12 @@ def _slots(
     return slots, sorted(unexpected), skipped
 
 
-def _check_coverage(
+def check_coverage(
     slots: dict[str, tuple[Path, WeightSlot]], expected: dict[str, tuple[int, ...]], where: Path,
     architecture: str,
 ) -> None:
-    """Every parameter filled exactly once: whole, or each expert's rows once."""
+    """Every parameter of ``expected`` filled exactly once by ``slots``: whole, or each
+    expert's rows once; CheckpointError naming ``where`` otherwise."""
     whole: dict[str, list[str]] = {}
     parts: dict[str, dict[int, list[tuple[int, int]]]] = {}
     for disk_name, (_, slot) in slots.items():
@@ -239,6 +240,64 @@ def _check_coverage(
         raise CheckpointError(
             f"{where}: missing weight(s) {missing[:5]}{more} required by {architecture}"
         )
+
+
+def read_weights(
+    slots: dict[str, tuple[Path, WeightSlot]],
+    expected: dict[str, tuple[int, ...]],
+    device: torch.device | str,
+    dtype: torch.dtype,
+) -> tuple[dict[str, torch.Tensor], int]:
+    """Read every slotted tensor (``disk name -> (file, slot)``, checked by
+    :func:`check_coverage`) into a state dict of the ``expected`` shapes: whole tensors
+    as they are, per-expert ones copied into their stacked ``[E, ...]`` parameter. Each
+    shard is memory-mapped once; each tensor is checked for shape and finiteness as it
+    is read and converted to ``dtype`` (float32 for :data:`FLOAT32_WEIGHTS`). Returns
+    the state and the bytes read."""
+
+    def dtype_of(param: str) -> torch.dtype:
+        return torch.float32 if param.rsplit(".", 1)[-1] in FLOAT32_WEIGHTS else dtype
+
+    state: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[tuple[str, WeightSlot]]] = {}
+    for disk_name, (file, slot) in slots.items():
+        by_file.setdefault(file, []).append((disk_name, slot))
+    nbytes = 0
+    for file, names in by_file.items():
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for disk_name, slot in names:
+                    shape = tuple(f.get_slice(disk_name).get_shape())
+                    full = expected[slot.param]
+                    want = full if slot.expert is None else full[1:]
+                    if slot.rows is not None:
+                        want = (slot.rows[1] - slot.rows[0], *want[1:])
+                    if shape != want:
+                        raise CheckpointError(
+                            f"{file}: weight {disk_name!r} has shape {list(shape)}, expected "
+                            f"{list(want)} from config.json"
+                        )
+                    tensor = f.get_tensor(disk_name)
+                    nbytes += tensor.nbytes
+                    if slot.expert is None:
+                        state[slot.param] = _finite(
+                            file, disk_name, tensor, device, dtype_of(slot.param)
+                        )
+                        continue
+                    dest = state.get(slot.param)
+                    if dest is None:
+                        dest = torch.empty(full, dtype=dtype_of(slot.param), device=device)
+                        state[slot.param] = dest
+                    lo, hi = slot.rows or (0, full[1])
+                    dest[slot.expert, lo:hi].copy_(
+                        _finite(file, disk_name, tensor, device, dtype_of(slot.param))
+                    )
+                    del tensor
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{file}: unreadable or truncated safetensors file ({e})") from e
+    return state, nbytes
 
 
 def load_model(
@@ -295,7 +354,7 @@ def load_model(
         model = cls(config, policy)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     slots, unexpected, skipped = _slots(cls, config, files, expected)
-    _check_coverage(slots, expected, where, config.architecture)
+    check_coverage(slots, expected, where, config.architecture)
     for prefix in cls.ignored_weight_prefixes:
         count = sum(1 for n in skipped if n.startswith(prefix))
         if count:
@@ -308,55 +367,14 @@ def load_model(
             f"{config.architecture} with this config.json (wrong architecture or layer layout?)"
         )
 
-    def dtype_of(param: str) -> torch.dtype:
-        return torch.float32 if param.rsplit(".", 1)[-1] in FLOAT32_WEIGHTS else dtype
-
-    state: dict[str, torch.Tensor] = {}
-    by_file: dict[Path, list[tuple[str, WeightSlot]]] = {}
-    for disk_name, (file, slot) in slots.items():
-        by_file.setdefault(file, []).append((disk_name, slot))
-    nbytes = 0
-    for file, names in by_file.items():
-        try:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for disk_name, slot in names:
-                    shape = tuple(f.get_slice(disk_name).get_shape())
-                    full = expected[slot.param]
-                    want = full if slot.expert is None else full[1:]
-                    if slot.rows is not None:
-                        want = (slot.rows[1] - slot.rows[0], *want[1:])
-                    if shape != want:
-                        raise CheckpointError(
-                            f"{file}: weight {disk_name!r} has shape {list(shape)}, expected "
-                            f"{list(want)} from config.json"
-                        )
-                    tensor = f.get_tensor(disk_name)
-                    nbytes += tensor.nbytes
-                    if slot.expert is None:
-                        state[slot.param] = _finite(
-                            file, disk_name, tensor, device, dtype_of(slot.param)
-                        )
-                        continue
-                    dest = state.get(slot.param)
-                    if dest is None:
-                        dest = torch.empty(full, dtype=dtype_of(slot.param), device=device)
-                        state[slot.param] = dest
-                    lo, hi = slot.rows or (0, full[1])
-                    dest[slot.expert, lo:hi].copy_(
-                        _finite(file, disk_name, tensor, device, dtype_of(slot.param))
-                    )
-                    del tensor
-        except CheckpointError:
-            raise
-        except Exception as e:
-            raise CheckpointError(f"{file}: unreadable or truncated safetensors file ({e})") from e
+    state, nbytes = read_weights(slots, expected, device, dtype)
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)
     # Where the weights came from: drafters that read more of the checkpoint (an MTP head).
     model.checkpoint_path = path
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
-    stats = LoadStats(nbytes, len(by_file), time.perf_counter() - started)
+    stats = LoadStats(nbytes, len({f for f, _ in slots.values()}), time.perf_counter() - started)
     model.load_stats = stats
     log.info(
         "loaded %s: %.2f GB from %d file(s) in %.2f s (%.2f GB/s)",

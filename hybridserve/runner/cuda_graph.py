@@ -50,7 +50,13 @@ static buffer (:class:`_ShortStatic`) has the decode layout for ``q`` = the padd
 length, plus the offset of each row's last real token (the draw reads its logits). A
 row's padding tokens come after its real ones, repeat its last token and position,
 write their keys to the scratch block and no state; padding rows sit at position 0 of
-the scratch block, read the scratch page and write no state. The prefill attention's
+the scratch block, read the scratch page and write no state. Gated DeltaNet layers get
+their packed-rows plan (:class:`~hybridserve.kernels.gdn_varlen.VarlenPlan`) over the same
+buffer: device tensors, and on the host only the padded shape's row starts (no pages), so
+such a step qualifies only where that path runs token by token
+(:func:`~hybridserve.models.layers.gated_deltanet.short_rows_on_device`). Mixture-of-experts
+layers on the grouped kernels route and sort on the device (their per-expert loop reads
+the experts present back: a CPU path, never captured). The prefill attention's
 tile map depends only on the padded shape: the warm-up run before the capture computes
 and uploads it into the batch's ``attention_tiles``, and the capture reuses it (nothing
 is uploaded inside a capture). Exactness: per padded shape the kernels compute every
@@ -73,7 +79,10 @@ import numpy as np
 import torch
 
 from hybridserve.config import runs_triton
+from hybridserve.kernels.gdn_varlen import VarlenPlan
 from hybridserve.models.batch import ForwardBatch, ModelCaches
+from hybridserve.models.layers.gated_deltanet import short_rows_on_device
+from hybridserve.models.layers.moe import Experts
 from hybridserve.models.step_plan import (
     MAX_DECODE_TOKENS,
     StatePlan,
@@ -325,9 +334,15 @@ class DecodeGraphs:
         # short-row steps run eagerly.
         mode = policy.short_graphs if policy is not None else "auto"
         self.short_enabled = mode != "off"
-        # GDN layers plan short steps with host values (VarlenPlan): no short graphs.
+        # Gated DeltaNet layers run a short step from the plan's per-token tensors
+        # (VarlenPlan), which a graph step builds over its static buffer.
         spec = getattr(model, "cache_spec", None)
-        self.short_supported = not getattr(spec, "gdn_layers", ())
+        self.gdn = bool(getattr(spec, "gdn_layers", ()))
+        # Mixture-of-experts layers on the per-expert loop read the experts present back
+        # (a host sync no capture can record): such short steps are not captured. Which
+        # path they take, per KernelPolicy.moe (the same for every MoE layer).
+        self._experts = next((m for m in model.modules() if isinstance(m, Experts)), None)
+        self._moe_grouped: dict[str, bool] = {}
         self.counters = {"graph_steps": 0, "eager_steps": 0, "captures": 0,
                          "short_graph_steps": 0, "short_captures": 0}
         self.capture_errors: list[str] = []
@@ -614,13 +629,17 @@ class DecodeGraphs:
         argmax of their last token's logits, sampled rows draw there as decode graphs
         do), on a model
         whose eager plan takes the short-row path and (when capturing) the Triton prefill
-        attention (its twin reads host context lengths). Rows are padded to
+        attention (its twin reads host context lengths) and the grouped expert kernels
+        (the per-expert loop reads back the experts present), and whose Gated DeltaNet
+        layers (if any) run that path from device values
+        (:func:`~hybridserve.models.layers.gated_deltanet.short_rows_on_device`). Rows are
+        padded to
         :func:`short_tokens_bucket` of the longest row: the padding tokens come after the
         row's real tokens (so no real token sees them), repeat its last token and
         position, write their keys to the scratch block and no state.
         """
         rows = sched.rows
-        if not (self.enabled and self.short_enabled and self.short_supported and rows):
+        if not (self.enabled and self.short_enabled and rows):
             return None
         batch = batch_bucket(len(rows), SHORT_BATCH_BUCKETS)
         if batch is None or batch > self.max_batch:
@@ -631,7 +650,8 @@ class DecodeGraphs:
         compute = torch.promote_types(self.model_dtype, torch.float32)
         if self.caches.states and short_triton(policy, self.device, compute) is None:
             return None
-        if self.capture and not runs_triton(policy.prefill_attention, self.device):
+        if self.capture and not (runs_triton(policy.prefill_attention, self.device)
+                                 and self._moe_captures(policy)):
             return None
         bs = self.block_size
         blocks = 0
@@ -666,14 +686,27 @@ class DecodeGraphs:
             return None
         if len(set(out_pages)) != len(out_pages) or in_pages.intersection(out_pages):
             return None
+        tokens = short_tokens_bucket(longest)
+        if self.gdn and not short_rows_on_device(policy, self.device, compute, tokens):
+            return None
         # Rows that do not sample draw greedily (their choice is dropped).
         sampling = self._sampling_of([row.request.params for row in rows if row.samples])
         if sampling is None:
             return None
         # The tables are always the widest: the prefill attention walks a row's keys up to
         # its positions, not its table's width, so one graph serves every context length.
-        return ShortShape(len(rows), batch, short_tokens_bucket(longest), self.max_blocks,
-                          policy, sampling)
+        return ShortShape(len(rows), batch, tokens, self.max_blocks, policy, sampling)
+
+    def _moe_captures(self, policy) -> bool:
+        """Whether the model's MoE layers (if any) take the grouped kernels under
+        ``policy``: no host sync in their step."""
+        if self._experts is None:
+            return True
+        ok = self._moe_grouped.get(policy.moe)
+        if ok is None:
+            ok = self._moe_grouped[policy.moe] = self._experts.grouped(self.model_dtype,
+                                                                       policy.moe)
+        return ok
 
     def replay_short(self, sched: SchedulerOutput, model: torch.nn.Module) -> torch.Tensor | None:
         """Run the short-row step ``sched`` of ``model`` from a graph if it qualifies
@@ -761,13 +794,24 @@ class DecodeGraphs:
         states = None
         if self.caches.states:
             compute = torch.promote_types(self.model_dtype, torch.float32)
+            in_pages = m[:, 3 * q].to(torch.int32)
+            out_pages = m[:, 3 * q + 1 : 4 * q + 1].to(torch.int32).reshape(-1)
+            query_start, token_row = st.query_start[: b + 1], st.token_row[: b * q]
+            varlen = None
+            if self.gdn:
+                # Gated DeltaNet's per-token tensors: the same device tensors; on the host
+                # only the padded shape's row starts (constants of the graph), no pages.
+                varlen = VarlenPlan(
+                    num_rows=b, query_start=query_start, in_pages=in_pages,
+                    token_out_pages=out_pages, token_row=token_row,
+                    query_start_host=tuple(range(0, (b + 1) * q, q)),
+                    token_out_pages_host=None,
+                )
             states = StatePlan(
-                StepKind.SHORT, b,
-                in_pages=m[:, 3 * q].to(torch.int32),
-                token_out_pages=m[:, 3 * q + 1 : 4 * q + 1].to(torch.int32).reshape(-1),
-                query_start=st.query_start[: b + 1],
-                token_row=st.token_row[: b * q],
+                StepKind.SHORT, b, in_pages=in_pages, token_out_pages=out_pages,
+                query_start=query_start, token_row=token_row,
                 triton=bool(short_triton(shape.policy, self.device, compute)),
+                varlen=varlen,
             )
         batch = ForwardBatch(
             # Host row starts of the padded rows (static); the attention's tile map

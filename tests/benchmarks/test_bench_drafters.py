@@ -23,3 +23,18 @@ def test_trained_draft_benchmark_runs():
                                                     (r["generated_tokens"] - r["accepted_tokens"]), 3)
     assert report["draft_model"] == "hybridserve/default_model/draft"
     assert isinstance(report["corpus_matches_manifest"], bool)
+
+
+def test_nemotron_mtp_benchmark_runs():
+    """``--target nemotron --smoke``: a random Nemotron-H target with its MTP head drafts,
+    and every output equals no speculation."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_drafters.py"
+    spec = importlib.util.spec_from_file_location("bench_drafters", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    spec.loader.exec_module(bench)
+    report = bench.main(["--target", "nemotron", "--smoke", "--k", "2", "--methods", "mtp"])
+    rows = report["results"]
+    assert [(r["batch"], r["method"]) for r in rows] == [(1, "none"), (1, "mtp"), (2, "none"), (2, "mtp")]
+    assert all(r["matches_no_speculation"] for r in rows)
+    assert all(r["draft_tokens"] > 0 for r in rows[1::2])

@@ -15,7 +15,7 @@ from hybridserve.drafters.base import DraftRequest
 from hybridserve.models.batch import ForwardBatch
 from hybridserve.testing.reference import reference_state
 from hybridserve.testing.tiny_models import make_tiny_checkpoint
-from hybridserve.testing.tiny_mtp import add_mtp_head
+from hybridserve.testing.tiny_mtp import add_mtp_head, dense_hidden, dense_mtp_drafts
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -294,48 +294,6 @@ def test_draft_model_pool_pressure_evicts_the_least_recent(qwen_mtp, qwen_draft)
 # ---- the MTP head ---------------------------------------------------------------------
 
 
-def _dense_hidden(model, tokens: list[int]) -> torch.Tensor:
-    """The target's final hidden states of ``tokens`` in one cold forward."""
-    n = len(tokens)
-    bs = 16
-    nblocks = -(-n // bs)
-    caches = model.cache_spec.allocate(nblocks, bs, 2, torch.float32, torch.float32, "cpu")
-    batch = ForwardBatch(
-        query_start=[0, n], num_computed=[0], positions=torch.arange(n), context_lens=[n],
-        block_tables=torch.arange(nblocks, dtype=torch.int32)[None], slot_mapping=torch.arange(n),
-        state_in_page=[-1], state_out_row=[], state_out_offset=[], state_out_page=[],
-    )
-    return model.forward(torch.tensor(tokens), batch, caches)
-
-
-def _dense_mtp_drafts(drafter, tokens: list[int], hidden: torch.Tensor, k: int) -> list[int]:
-    """The head's k drafts after ``tokens`` from scratch: slots 0 .. L - 2 in one row,
-    then one slot per draft, each fed the slot before's output."""
-    head, target = drafter.head, drafter.target
-    length = len(tokens)
-    bs = 16
-    nblocks = -(-(length + k) // bs)
-    caches = head.cache_spec.allocate(nblocks, bs, 1, torch.float32, torch.float32, "cpu")
-    tables = torch.arange(nblocks, dtype=torch.int32)[None]
-
-    def run(first, toks, h):
-        q = len(toks)
-        batch = ForwardBatch(
-            query_start=[0, q], num_computed=[first], positions=torch.arange(first, first + q),
-            context_lens=[first + q], block_tables=tables, slot_mapping=torch.arange(first, first + q),
-            state_in_page=[-1], state_out_row=[], state_out_offset=[], state_out_page=[],
-        )
-        y = head(target.model.embed(torch.tensor(toks)), h, batch, caches)[-1:]
-        return y, int(torch.argmax(target.compute_logits(y), -1))
-
-    y, d = run(0, tokens[1:], hidden[: length - 1])
-    drafts = [d]
-    for i in range(1, k):
-        y, d = run(length - 2 + i, [drafts[-1]], y)
-        drafts.append(d)
-    return drafts
-
-
 def test_mtp_drafts_equal_a_from_scratch_computation(qwen_mtp):
     """Every proposal the engine's MTP drafter makes (incremental catch-up from the
     hidden states handed over after prefill and verify steps) equals the head run from
@@ -355,8 +313,8 @@ def test_mtp_drafts_equal_a_from_scratch_computation(qwen_mtp):
     assert len(seen) > 20
     with torch.inference_mode():
         for tokens, k, drafts in seen[::3]:
-            hidden = _dense_hidden(llm.model, tokens)
-            assert drafts == _dense_mtp_drafts(drafter, tokens, hidden, k)
+            hidden = dense_hidden(llm.model, tokens)
+            assert drafts == dense_mtp_drafts(drafter, tokens, hidden, k)
 
 
 def test_mtp_head_computation_order(qwen_mtp):
@@ -544,18 +502,18 @@ def test_mtp_catch_up_after_accepted_drafts_equals_from_scratch(qwen_mtp):
         for trial in range(3):
             key = f"t{trial}"
             tokens = _rand(rng, 9 + 5 * trial)
-            hidden = _dense_hidden(llm.model, tokens)
+            hidden = dense_hidden(llm.model, tokens)
             drafter.observe(key, 0, hidden[: len(tokens) - 1])  # the prompt's prefill
             computed = len(tokens) - 1
             for _ in range(6):
                 k = rng.randint(1, 4)
                 drafts = drafter.propose_batch([DraftRequest(key, tokens, k)])[0]
-                dense = _dense_hidden(llm.model, tokens)
-                assert drafts == _dense_mtp_drafts(drafter, tokens, dense, k)
+                dense = dense_hidden(llm.model, tokens)
+                assert drafts == dense_mtp_drafts(drafter, tokens, dense, k)
                 a = rng.randint(1, len(drafts) + 1)  # accepted drafts + 1
                 tokens = tokens + drafts[: a - 1] + [rng.randrange(3, 256)]
                 # The verify row computed positions computed .. computed + a - 1 on true tokens.
-                full = _dense_hidden(llm.model, tokens)
+                full = dense_hidden(llm.model, tokens)
                 drafter.observe(key, computed, full[computed : computed + a])
                 computed += a
             drafter.forget(key)

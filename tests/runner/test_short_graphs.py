@@ -23,10 +23,37 @@ from hybridserve.runner.cuda_graph import (
 )
 from hybridserve.runner.model_runner import ModelRunner
 from hybridserve.step import ScheduledRow, SchedulerOutput
+from hybridserve.testing.tiny_models import make_tiny_checkpoint
 
 # The short-row path with its torch twins: the path a cached prompt's tail takes on
 # CUDA (with the Triton kernels), which the CPU's "auto" does not take.
 SHORT = KernelPolicy(short_rows="reference")
+# Gated DeltaNet models: their packed-rows path with the twins too (CUDA's "auto" takes
+# it with the kernels).
+GDN_SHORT = KernelPolicy(short_rows="reference", gdn_rows="reference")
+# Mixture-of-experts models: the routed experts on the grouped kernels (the path CUDA
+# takes and captures; the interpreter here), the rest on the twins.
+MOE_SHORT = KernelPolicy(short_rows="reference", moe="triton")
+
+
+@pytest.fixture(scope="module")
+def tiny_nemotron_moe(tmp_path_factory):
+    """A Nemotron-H with mixture-of-experts layers (Mamba2, MoE, attention, MoE)."""
+    return make_tiny_checkpoint("nemotron_h", tmp_path_factory.mktemp("nemotron_moe"),
+                                seed=6, layers="MEAE")
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_5_moe(tmp_path_factory):
+    """A Qwen3.5-MoE (Gated DeltaNet, attention; every MLP a mixture of experts). One
+    Gated DeltaNet layer: its token-by-token kernel is the slowest under the interpreter."""
+    return make_tiny_checkpoint("qwen3_5_moe", tmp_path_factory.mktemp("qwen3_5_moe"), seed=8,
+                                layers="MA")
+
+
+# (fixture, policy) of the models every static-step test runs.
+MODELS = [("tiny_nemotron", SHORT), ("tiny_qwen3_5", GDN_SHORT),
+          ("tiny_nemotron_moe", MOE_SHORT)]
 
 
 def _seed() -> int:
@@ -107,11 +134,34 @@ def test_shape_and_fallbacks(tiny_nemotron):
     assert shape(row()) is None
 
 
-def test_gated_deltanet_models_take_no_short_graphs(tiny_qwen3_5):
-    graphs = _graphs(tiny_qwen3_5)
+def test_gated_deltanet_models_take_short_graphs(tiny_qwen3_5):
+    """A Gated DeltaNet model's short step qualifies where its layers run the packed-rows
+    path from device values (the kernels or their twins), and not where that path plans
+    from host values (the chunked prefill) or the per-row path runs."""
     row = _prefill_row(40, 30, 3, {70: 5}, (1, 2, 3, 4, 5), range(3, 103))
-    assert not graphs.short_supported
-    assert graphs.short_shape_of(SchedulerOutput([row], []), graphs.model) is None
+    sched = SchedulerOutput([row], [])
+    for gdn_rows, want in (("reference", True), ("triton", True), ("chunked", False),
+                           ("off", False), ("auto", False)):  # "auto": per row on the CPU
+        policy = KernelPolicy(short_rows="reference", gdn_rows=gdn_rows)
+        graphs = _graphs(tiny_qwen3_5, policy)
+        shape = graphs.short_shape_of(sched, graphs.model)
+        assert (shape == ShortShape(1, 1, 32, 8, policy)) is want, gdn_rows
+        if not want:
+            assert shape is None, gdn_rows
+
+
+def test_moe_short_steps_on_the_expert_loop_are_not_captured(tiny_nemotron_moe):
+    """Under capture, a MoE model's short step qualifies on the grouped expert kernels
+    (routing on the device) and not on the per-expert loop (it reads the experts present
+    back); without capture both qualify (the CPU runs the loop eagerly)."""
+    row = _prefill_row(40, 30, 3, {70: 5}, (1, 2, 3, 4, 5), range(3, 103))
+    sched = SchedulerOutput([row], [])
+    for moe, captured in (("triton", True), ("reference", False), ("auto", False)):
+        policy = KernelPolicy(short_rows="reference", prefill_attention="triton", moe=moe)
+        graphs = _graphs(tiny_nemotron_moe, policy)
+        assert graphs.short_shape_of(sched, graphs.model) is not None, moe
+        graphs.capture = True  # only the choice: nothing runs
+        assert (graphs.short_shape_of(sched, graphs.model) is not None) is captured, moe
 
 
 def test_fill_pads_tokens_and_rows(tiny_nemotron):
@@ -149,12 +199,15 @@ def test_fill_pads_tokens_and_rows(tiny_nemotron):
     assert st.context_lens == [60, 34, 1, 1]
 
 
-def test_static_step_matches_the_eager_step(tiny_nemotron):
+@pytest.mark.parametrize("fixture,policy", MODELS, ids=[m[0] for m in MODELS])
+def test_static_step_matches_the_eager_step(request, fixture, policy):
     """One short-row step over random caches (three rows with cached prefixes, one a cold
     start; a bucket of 4 with a padding row; rows padded from 37, 20 and 50 tokens to 64):
-    the static-buffer step gives the eager step's tokens and writes the same entries."""
+    the static-buffer step gives the eager step's tokens and writes the same entries.
+    Mamba2, Gated DeltaNet and mixture-of-experts models."""
     g = torch.Generator().manual_seed(_seed())
-    runner = LLM(tiny_nemotron, kernel_policy=SHORT, max_num_seqs=8).engine.runner
+    path = request.getfixturevalue(fixture)
+    runner = LLM(path, kernel_policy=policy, max_num_seqs=8).engine.runner
     caches = runner.caches
     scratch_block, scratch_page = caches.kv[next(iter(caches.kv))][0].shape[0] - 1, 103
     tensors = [(t, scratch_page) for t in [*caches.conv.values(), *caches.ssm.values()]]
@@ -205,16 +258,20 @@ def _cached_prompts(g, prefix_len, tails):
     return prefix, [prefix + torch.randint(3, 256, (t,), generator=g).tolist() for t in tails]
 
 
-@pytest.mark.parametrize("fixture", ["tiny_nemotron", "tiny_granite"])
-def test_cached_prefix_generation_same_tokens(request, fixture):
+@pytest.mark.parametrize("fixture,policy", [
+    ("tiny_nemotron", SHORT), ("tiny_granite", SHORT), ("tiny_qwen3_5", GDN_SHORT),
+    ("tiny_qwen3_5_moe", GDN_SHORT), ("tiny_nemotron_moe", SHORT),
+])
+def test_cached_prefix_generation_same_tokens(request, fixture, policy):
     """Prompts over a cached prefix (checkpoints every 16 tokens): the first token of each
     comes from a short-row graph step, then decode graphs; every token equals the eager
-    engine's."""
+    engine's. Mamba2, Gated DeltaNet and mixture-of-experts models (the experts on the
+    per-expert loop here: no capture on the CPU)."""
     path = request.getfixturevalue(fixture)
     g = torch.Generator().manual_seed(_seed())
     prefix, prompts = _cached_prompts(g, 96, (40, 23, 61))
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-    kw = dict(kernel_policy=SHORT, enable_prefix_caching=True, state_interval=16,
+    kw = dict(kernel_policy=policy, enable_prefix_caching=True, state_interval=16,
               max_num_seqs=4)
 
     def run(enforce_eager):
@@ -261,12 +318,16 @@ def test_sampled_first_tokens_are_the_eager_draws(tiny_nemotron):
 
 
 @pytest.mark.gpu
-def test_captured_short_steps_match_eager_on_cuda(tiny_nemotron):
+@pytest.mark.parametrize("fixture", ["tiny_nemotron", "tiny_qwen3_5", "tiny_qwen3_5_moe",
+                                     "tiny_nemotron_moe"])
+def test_captured_short_steps_match_eager_on_cuda(request, fixture):
     """On CUDA: the cached prompts' first tokens replay from captured short-row graphs
     (the Triton short-row path, short-row graphs asked for) and every token equals the
-    eager engine's."""
+    eager engine's: Mamba2, Gated DeltaNet (its packed-rows kernels) and
+    mixture-of-experts (the grouped kernels) models."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    path = request.getfixturevalue(fixture)
     g = torch.Generator().manual_seed(_seed())
     prefix, prompts = _cached_prompts(g, 160, (128, 100, 37))
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -274,9 +335,10 @@ def test_captured_short_steps_match_eager_on_cuda(tiny_nemotron):
               kernel_policy=KernelPolicy(short_graphs="on"))
 
     def run(enforce_eager):
-        llm = _rebuild(LLM(tiny_nemotron, **kw), enforce_eager)
+        llm = _rebuild(LLM(path, **kw), enforce_eager)
         llm.generate([prefix + [5, 6, 7]], params, use_tqdm=False)
         outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+        assert all(o.num_cached_tokens == 160 for o in outs)
         return [o.outputs[0].token_ids for o in outs], llm.engine.runner.graphs
 
     want, _ = run(True)
@@ -360,3 +422,84 @@ def test_short_graphs_policy_turns_short_graphs_on_and_off(tiny_nemotron):
         assert graphs.short_enabled is want, mode
     with pytest.raises(ValueError, match="short_graphs"):
         KernelPolicy(short_graphs="yes")
+
+
+# Tensor methods that read device values on the host (a CUDA graph cannot replay them).
+HOST_READS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__",
+              "__index__")
+
+
+def _host_reads(monkeypatch, fn, *args):
+    """Run ``fn(*args)``; return its result, every host read of a tensor value made from the
+    package's code during it, and the plans its Gated DeltaNet layers got."""
+    import sys
+    from pathlib import Path
+
+    import hybridserve
+    from hybridserve.models.layers import gated_deltanet
+
+    package = str(Path(hybridserve.__file__).parent)
+    reads, plans = [], []
+    with monkeypatch.context() as patch:
+        for name in HOST_READS:
+            real = getattr(torch.Tensor, name)
+
+            def spy(self, *a, _real=real, _name=name, **k):
+                frame = sys._getframe(1)
+                if frame.f_code.co_filename.startswith(package):
+                    reads.append(f"{_name} at {frame.f_code.co_filename}:{frame.f_lineno}")
+                return _real(self, *a, **k)
+
+            patch.setattr(torch.Tensor, name, spy)
+        real_rows = gated_deltanet.GatedDeltaNet._packed_rows
+        patch.setattr(gated_deltanet.GatedDeltaNet, "_packed_rows",
+                      lambda self, *a, **k: plans.append(a[3]) or real_rows(self, *a, **k))
+        out = fn(*args)
+    return out, reads, plans
+
+
+@pytest.mark.parametrize("fixture", ["tiny_qwen3_5_moe", "tiny_nemotron_moe"])
+def test_static_short_step_reads_nothing_back(request, fixture, monkeypatch):
+    """The static short-row step of Gated DeltaNet and mixture-of-experts models on the
+    Triton kernels (the interpreter here; what CUDA captures): no package code reads a
+    tensor's value on the host during the step, and its Gated DeltaNet plans hold device
+    tensors and no host pages. The same step on the twins (which read their index tensors
+    back, as the per-expert loop reads the experts present), over the same random caches,
+    gives the same tokens and shows the spy sees such reads."""
+    kernels = dict(short_rows="triton", gdn_rows="triton", moe="triton",
+                   prefill_attention="triton")
+    path = request.getfixturevalue(fixture)
+    seed = _seed()
+    g = torch.Generator().manual_seed(seed)
+    toks = torch.randint(3, 256, (45,), generator=g).tolist()
+    rows = [_prefill_row(20, 25, 3, {32: 5, 45: 6}, (1, 2, 3), toks),
+            _prefill_row(0, 18, -1, {18: 7}, (4, 5), toks)]
+    sched = SchedulerOutput(rows, [])
+    tokens = []
+    for twins in (False, True):
+        policy = KernelPolicy(**{**kernels, **(
+            dict(short_rows="reference", gdn_rows="reference", moe="reference",
+                 prefill_attention="auto") if twins else {})})
+        graphs = _graphs(path, policy)
+        g = torch.Generator().manual_seed(seed)
+        caches = graphs.caches
+        for t in [*caches.state_tensors(), *(x for kv in caches.kv.values() for x in kv)]:
+            t.copy_(torch.randn(t.shape, generator=g))
+        shape = graphs.short_shape_of(sched, graphs.model)
+        assert shape == ShortShape(2, 2, 32, 8, policy)
+        st = _ShortStatic(32, graphs.max_batch, graphs.max_blocks, 60, 90, 16,
+                          torch.device("cpu"))
+        graphs.fill_short(st, sched, shape)
+        got, reads, plans = _host_reads(monkeypatch, graphs._short_forward, st, shape,
+                                        graphs.model)
+        tokens.append(got[: shape.rows].tolist())
+        if twins:
+            assert reads, "the twins' host reads went unseen"
+            continue
+        assert reads == []
+        assert len(plans) == len(graphs.model.cache_spec.gdn_layers)
+        for plan in plans:
+            assert plan.token_out_pages_host is None
+            for field in ("query_start", "in_pages", "token_out_pages", "token_row"):
+                assert isinstance(getattr(plan, field), torch.Tensor)
+    assert tokens[0] == tokens[1]

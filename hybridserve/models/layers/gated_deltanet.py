@@ -96,6 +96,19 @@ def packed_rows_mode(
     return None
 
 
+def short_rows_on_device(
+    policy, device: torch.device, compute: torch.dtype, tokens: int
+) -> bool:
+    """Whether a ``SHORT`` step whose rows are at most ``tokens`` long runs this family's
+    packed-rows path from device values only (the step's :class:`~hybridserve.kernels.
+    gdn_varlen.VarlenPlan` without host pages), so a CUDA graph can replay it: the
+    token-by-token kernels or their twins do; the chunked prefill (``"chunked"``, and
+    ``"fla"`` past :data:`FLA_MIN_TOKENS`) plans from host pages, and the per-row path
+    (``"off"``, or ``"auto"`` off CUDA) reads the batch's host lists."""
+    mode = packed_rows_mode(policy.gdn_rows, device, compute)
+    return mode in ("kernel", "twin") or (mode == "fla" and tokens <= FLA_MIN_TOKENS)
+
+
 class GatedHeadRMSNorm(nn.Module):
     """GDN output norm: ``weight * rms_norm(x)`` per value head, then times ``silu(gate)``.
 
@@ -314,6 +327,7 @@ class GatedDeltaNet(RecurrentLayer):
             out_pages=plan.token_out_pages,
         )
         q, k, v = self.split_qkv(x, compute)
+        # The host row starts (a graph step's are its padded shape's): no device read.
         starts = plan.query_start_host
         longest = max(b - a for a, b in zip(starts, starts[1:]))
         gate_params = dict(A_log=self.A_log, dt_bias=self.dt_bias)

@@ -140,6 +140,16 @@ class Experts(nn.Module):
     def w1(self) -> torch.Tensor:
         return self.gate_up_proj if self.gated else self.up_proj
 
+    def grouped(self, dtype: torch.dtype, mode: str | None = None) -> bool:
+        """Whether activations of ``dtype`` take the grouped kernels in inference (routing
+        and sorting on the device, no host sync: what a CUDA graph can capture) rather
+        than the per-expert loop (which reads the experts present back), under
+        ``KernelPolicy.moe`` = ``mode`` (default this module's)."""
+        x = self.down_proj.new_empty((0, self.down_proj.shape[1]), dtype=dtype)
+        with torch.no_grad():
+            return moe_kernels.triton_enabled(mode or self.kernels, x, self.w1,
+                                              self.down_proj, self.activation)
+
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
         add: torch.Tensor | None = None,
