@@ -436,15 +436,30 @@ def test_layer_takes_the_kernels_only_where_enabled(monkeypatch, count_calls):
     with torch.no_grad():
         loop = block(x)  # CPU tensors: the loop by default
         assert (len(kernel_calls), len(loop_calls)) == (0, 1)
+        beside = torch.randn(5, 24)  # a dense MLP's output beside the block (Granite)
+        torch.testing.assert_close(block(x, add=beside), loop + beside, rtol=1e-6, atol=1e-6)
+        assert (len(kernel_calls), len(loop_calls)) == (0, 2)
         if INTERPRETED:
+            adds = []
+            real_combine = moe.combine
+
+            def combine(out, top_k, dtype, add=None):
+                adds.append(add is not None)
+                return real_combine(out, top_k, dtype, add)
+
+            monkeypatch.setattr(moe, "combine", combine)
             block.experts.kernels = "triton"  # what KernelPolicy(moe="triton") sets
             fused = block(x)
-            assert (len(kernel_calls), len(loop_calls)) == (1, 1)
+            assert (len(kernel_calls), len(loop_calls)) == (1, 2)
+            assert adds == [True]  # the shared expert joined the kernels' final sum
             torch.testing.assert_close(fused, loop, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(block(x, add=beside), loop + beside, rtol=1e-5,
+                                       atol=1e-5)
+            assert (len(kernel_calls), len(loop_calls)) == (2, 2)
             # float64 has no kernel path: the loop.
             block64 = block.double()
             block64(x.double())
-            assert (len(kernel_calls), len(loop_calls)) == (1, 2)
+            assert (len(kernel_calls), len(loop_calls)) == (2, 3)
     with pytest.raises(ValueError, match="moe mode"):
         moe.triton_enabled("sometimes", x, x, x, "silu")
 
