@@ -338,6 +338,7 @@ class ColumnParallelExperts(Experts):
     column-parallel MLP with its own row-parallel down projection."""
 
     group = None
+    takes_add = False  # a share of the sum: the block adds the shared expert after
 
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
