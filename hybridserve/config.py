@@ -273,6 +273,9 @@ class KernelPolicy:
       the recurrence in one launch (:func:`~hybridserve.kernels.mamba_decode.conv_ssm_update`:
       no round trip of the conv output through memory, one launch less per layer); False
       runs them as two (``conv_decode_update``, ``ssm_update``: the benchmarks' comparison).
+      The fused launch is taken for steps of at most
+      :data:`~hybridserve.models.layers.mamba2.FUSED_DECODE_MAX_ROWS` rows, where it is
+      faster on the H200; larger steps take the two launches either way.
     """
 
     uniform_decode: bool = True

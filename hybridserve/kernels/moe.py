@@ -141,6 +141,15 @@ def max_blocks(num_assignments: int, num_experts: int, block_m: int) -> int:
     return -(-num_assignments // block_m) + min(num_experts, num_assignments)
 
 
+# Every program of the counting sort reads all A ids, so its work grows as A^2 / chunk:
+# above this many assignments (prefill chunks; 410 tokens at top-10) the torch sort
+# (about twenty launches, same result) is used. On the H200 the block at 2,048 tokens
+# was 19% slower for Granite-4.0-H-Small (20,480 assignments) with the counting sort and
+# the new tiles than before, and 7-35% faster at 1-256 tokens (moe_compare.json); the
+# sort's quadratic work is the likely cause at 2,048 (not yet measured on its own).
+COUNTING_SORT_MAX = 4096
+
+
 def sort_by_expert(
     topk_ids: torch.Tensor, num_experts: int, block_m: int, *, chunk: int = 64
 ) -> ExpertBlocks:
@@ -149,8 +158,9 @@ def sort_by_expert(
     Within an expert, assignments keep their order (a stable sort). Ids must lie in
     ``[0, num_experts)`` (the router guarantees it; not checked, to avoid a host sync).
 
-    One Triton launch (a counting sort, :func:`_sort_kernel`), where the torch twin
-    :func:`sort_by_expert_reference` takes some twenty small launches: each program
+    One Triton launch (a counting sort, :func:`_sort_kernel`) up to
+    :data:`COUNTING_SORT_MAX` assignments, where the torch twin
+    :func:`sort_by_expert_reference` (used above that) takes some twenty small launches: each program
     counts every assignment's expert (``ceil(A / chunk)`` one-hot sums of ``chunk`` ids),
     scans the counts into each expert's first block, and places its own ``chunk``
     assignments (rank within the expert = the count in earlier chunks + the earlier ones
@@ -163,7 +173,7 @@ def sort_by_expert(
     device = topk_ids.device
     a = topk_ids.numel()
     nb = max_blocks(a, num_experts, block_m)
-    if device.type != "cuda" and not triton.knobs.runtime.interpret:
+    if (device.type != "cuda" and not triton.knobs.runtime.interpret) or a > COUNTING_SORT_MAX:
         return sort_by_expert_reference(topk_ids, num_experts, block_m)
     rows = torch.empty(nb * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(nb, dtype=torch.int32, device=device)

@@ -541,7 +541,7 @@ def test_mixer_fast_path_matches_per_row_path(tmp_path, monkeypatch, q, mixer_pa
 
 
 @pytest.mark.parametrize("q", [1, 3])
-def test_mixer_decode_step_fused_launch_matches_two_launches_and_twins(q):
+def test_mixer_decode_step_fused_launch_matches_two_launches_and_twins(q, monkeypatch):
     """The mixer's uniform step on the Triton kernels (interpreted): fused
     (``conv_ssm_update``, one Mamba launch) against the two launches and against the
     twins: the layer's output and every written window and state page."""
@@ -584,9 +584,19 @@ def test_mixer_decode_step_fused_launch_matches_two_launches_and_twins(q):
             out = mixer(h, step, states)
         assert all(r.clean for r in rec.reports)
         results[name] = (out, states, rec.launches)
-    assert [results[n][2] for n in ("fused", "two", "twins")] == [1, 2, 0]
+    # A step of more rows than FUSED_DECODE_MAX_ROWS takes the two launches, fused or not.
+    from hybridserve.models.layers import mamba2
+
+    monkeypatch.setattr(mamba2, "FUSED_DECODE_MAX_ROWS", rows - 1)
+    mixer = Mamba2Mixer(hidden, p, replace(policy, fused_decode=True))
+    mixer.load_state_dict(weights)
+    states = {"conv": conv0.clone(), "ssm": ssm0.clone()}
+    with racecheck.record_launches() as rec, torch.no_grad():
+        out = mixer(h, replace(batch, planned=True, states=replace(plan, triton=True)), states)
+    results["many rows"] = (out, states, rec.launches)
+    assert [results[n][2] for n in ("fused", "two", "twins", "many rows")] == [1, 2, 0, 2]
     want_out, want_states, _ = results["twins"]
-    for name in ("fused", "two"):
+    for name in ("fused", "two", "many rows"):
         out, states, _ = results[name]
         torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
         assert torch.equal(states["conv"].nan_to_num(7.0), want_states["conv"].nan_to_num(7.0))

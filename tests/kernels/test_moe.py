@@ -513,3 +513,21 @@ def test_gpu_real_shapes_match_the_loop_and_capture_in_a_graph(tokens, dtype):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, got)
+
+
+def test_large_assignment_counts_take_the_torch_sort(monkeypatch):
+    """Above ``COUNTING_SORT_MAX`` assignments (the counting sort's work grows as A^2) the
+    torch sort runs: the same blocks, and the Triton sort is not launched."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 8, (moe.COUNTING_SORT_MAX // 2 + 1, 2), generator=g)
+    want = moe.sort_by_expert_reference(ids, 8, 16)
+
+    class Refuse:
+        def __getitem__(self, grid):
+            raise AssertionError("the counting sort ran above COUNTING_SORT_MAX")
+
+    monkeypatch.setattr(moe, "_sort_kernel", Refuse())
+    got = moe.sort_by_expert(ids, 8, 16)
+    assert torch.equal(got.rows, want.rows) and torch.equal(got.block_expert, want.block_expert)
+    with pytest.raises(AssertionError, match="counting sort"):
+        moe.sort_by_expert(ids[:8], 8, 16)

@@ -17,7 +17,8 @@ The path of a step is decided once, by the step plan
   verify rows): one batched conv update and one batched recurrence
   (:mod:`hybridserve.kernels.mamba_decode`) that read the rows' pages and write the
   requested states to their output pages; on the Triton kernels both in one launch
-  (``conv_ssm_update``, unless ``KernelPolicy.fused_decode`` is off);
+  (``conv_ssm_update``, for steps of at most ``FUSED_DECODE_MAX_ROWS`` rows, unless
+  ``KernelPolicy.fused_decode`` is off);
 - ``SHORT`` (rows all short: the tail of a prompt after a cached prefix, decode rows beside
   a short chunk): the same recurrence over rows of any length, after one conv launch that
   also writes the requested windows; no host read;
@@ -46,6 +47,14 @@ from hybridserve.models.config import MambaParams
 from hybridserve.models.layers.norm import GatedRMSNorm
 from hybridserve.models.layers.recurrent import RecurrentLayer, StateTensor
 from hybridserve.models.step_plan import StatePlan, StepKind
+
+# Decode and verify steps of at most this many rows take the fused conv + recurrence
+# (one launch); larger ones the two launches. On the H200 (8B layer, decode_kernels.json)
+# the fused kernel took 64 / 49 us against 138 / 147 us for the two launches at 1 row
+# (q = 1 / 4), 149 against 204 us for 24 layers in one graph, but 184 / 580 against
+# 157 / 411 us at 64 rows and 697 / 2,326 against 599 / 1,619 us at 256 (every program
+# of a group recomputes the group's B and C); rows between 1 and 64 were not measured.
+FUSED_DECODE_MAX_ROWS = 8
 
 
 class Mamba2Mixer(RecurrentLayer):
@@ -209,7 +218,7 @@ class Mamba2Mixer(RecurrentLayer):
         limit = p.time_step_limit
         if plan.q == 1 and not p.clamp_dt_in_single_token_step:
             limit = None
-        if fast and self._fused_decode:
+        if fast and self._fused_decode and plan.num_rows <= FUSED_DECODE_MAX_ROWS:
             # One launch: the raw projection's xBC and dt (column slices, no copies) in,
             # the recurrence's output out; windows and states to their pages.
             y = mamba_decode.conv_ssm_update(
