@@ -200,7 +200,7 @@ class ModelRunner:
         graph replays it: they stay ahead of the forward.
         """
         self.run_transfers(sched)
-        if self.graphs is None:
+        if self.graphs is None or self._has_drafted_distributions(sched):
             return None
         tokens = None
         if after is not None:
@@ -507,6 +507,19 @@ class ModelRunner:
             sched, sampler.sample_step(logits, plan, packed, drafted), starts
         )
         return (*sampler.read_step(values, plan), decisions)
+
+    def _has_drafted_distributions(self, sched: SchedulerOutput) -> bool:
+        """Whether a sampled row of ``sched`` verifies drafts its drafter sampled from a
+        distribution of its own (``draft_logq``): the decode graphs' draw has no input
+        for ``log q`` (it would verify them as point masses), so such steps run eagerly
+        (:func:`~hybridserve.runner.sampler.speculative_choices`)."""
+        if not self.draft_logq:
+            return False
+        return any(
+            row.num_drafts and not row.request.params.greedy
+            and row.request.request_id in self.draft_logq
+            for row in sched.rows
+        )
 
     def _drafted_positions(self, sched: SchedulerOutput, sampling: list[int], device):
         """``(positions, logq, drafts)`` of the step's draft positions whose drafter
