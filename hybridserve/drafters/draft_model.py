@@ -62,7 +62,6 @@ from hybridserve.cache.state_cache import StateCache
 from hybridserve.default_model import DRAFT_PATH
 from hybridserve.drafters.base import DraftRequest, draft_choices, draw_tensors
 from hybridserve.models.batch import ForwardBatch
-from hybridserve.runner import sampler
 from hybridserve.runner.draft_graphs import DraftDraw, DraftGraphs, DraftRow
 
 if TYPE_CHECKING:
@@ -387,7 +386,7 @@ class DraftModelDrafter:
             for group in groups.values():
                 got = self.graphs.replay_rows(
                     [self._graph_row(rows[j]) for j in group],
-                    [self._draw(reqs[j], step) for j in group],
+                    [DraftDraw.of(reqs[j], step) for j in group],
                     None if tokens is None else tokens[group],
                 )
                 if got is None:
@@ -429,13 +428,6 @@ class DraftModelDrafter:
         outs = {q - 1: page_out}
         outs.update(dict(extras))
         return DraftRow(start, q, seq.blocks, page_in, outs, toks)
-
-    @staticmethod
-    def _draw(r: DraftRequest, step: int) -> DraftDraw:
-        if r.temperature <= 0:
-            return DraftDraw()
-        lo, hi = sampler.seed_words(r.sample_seed)
-        return DraftDraw(float(r.temperature), lo, hi, r.first_index + step)
 
     def _admit(self, seq: _Seq, toks: Sequence[int], first: int, point: int, page: int) -> None:
         """Register the full blocks the catch-up completed (true tokens only, never

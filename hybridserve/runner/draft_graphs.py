@@ -47,6 +47,7 @@ import torch
 
 from hybridserve.models.batch import ForwardBatch
 from hybridserve.models.step_plan import StatePlan, StepKind
+from hybridserve.runner import sampler
 from hybridserve.runner.cuda_graph import (
     GREEDY,
     DecodeGraphs,
@@ -86,6 +87,15 @@ class DraftDraw:
     seed_lo: int = 0
     seed_hi: int = 0
     index: int = 0
+
+    @classmethod
+    def of(cls, request, step: int) -> DraftDraw:
+        """The draw of draft ``step`` (0-based) of a
+        :class:`~hybridserve.drafters.base.DraftRequest`."""
+        if request.temperature <= 0:
+            return cls()
+        lo, hi = sampler.seed_words(request.sample_seed)
+        return cls(float(request.temperature), lo, hi, request.first_index + step)
 
 
 class _DraftStatic(_Static):

@@ -26,6 +26,7 @@ from hybridserve.runner.draft_graphs import (
 )
 from hybridserve.testing.reference import reference_state
 from hybridserve.testing.tiny_models import make_tiny_checkpoint
+from hybridserve.testing.tiny_mtp import add_mtp_head
 
 GREEDY_PARAMS = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
@@ -185,6 +186,71 @@ def test_sampled_drafts_reproduce_graphs_on_and_off(tiny_qwen3_5, qwen_draft):
     assert graphs.counters["graph_steps"] > 0
 
 
+# ---- MTP heads ----------------------------------------------------------------------
+
+MTP = {"method": "mtp", "num_speculative_tokens": 3}
+
+
+@pytest.fixture(scope="module")
+def mtp_targets(tmp_path_factory):
+    """A Qwen3.5 (GDN) target with a random MTP head, and a Nemotron-H target (Mamba2,
+    attention, MoE, MLP) with a random ``["attention", "moe"]`` head."""
+    qwen = make_tiny_checkpoint("qwen3_5", tmp_path_factory.mktemp("q35mtp"), seed=4)
+    nemotron = make_tiny_checkpoint("nemotron_h", tmp_path_factory.mktemp("nhmtp"), seed=5,
+                                    layers="M*EM-")
+    return {"qwen3_5": add_mtp_head(qwen), "nemotron": add_mtp_head(nemotron, seed=1)}
+
+
+@pytest.mark.parametrize("d", [1, 3])
+@pytest.mark.parametrize("caching", [False, True])
+@pytest.mark.parametrize("arch", ["qwen3_5", "nemotron"])
+def test_mtp_greedy_identical_graphs_on_and_off(arch, caching, d, mtp_targets):
+    """Greedy output with the MTP head's graph steps (its hidden states through the
+    static buffer) equals the eager head's and no speculation's, with the same drafts
+    (the same acceptance), the head's steps replayed; the prefix cache off and on (the
+    head's window then starts after the hit)."""
+    target = mtp_targets[arch]
+    want = [_tokens(LLM(target, enable_prefix_caching=False).generate(
+        _workload(s), GREEDY_PARAMS, use_tqdm=False)) for s in (0, 1)]
+    runs = {}
+    for eager in (True, False):
+        llm = _llm(target, eager, enable_prefix_caching=caching, state_interval=16,
+                   max_num_seqs=8, speculative_config=dict(MTP, num_speculative_tokens=d))
+        got = [_tokens(llm.generate(_workload(s), GREEDY_PARAMS, use_tqdm=False))
+               for s in (0, 1)]
+        assert got == want, eager
+        runs[eager] = (llm.stats(), llm.engine.drafter)
+    (spec_eager, eager), (spec_graph, graph) = runs[True], runs[False]
+    assert eager.graphs is None and spec_graph["spec_draft_tokens"] > 0
+    for key in ("spec_draft_tokens", "spec_accepted_tokens"):
+        assert spec_graph[key] == spec_eager[key], key
+    if caching:
+        assert spec_graph["prefix_hit_tokens"] == spec_eager["prefix_hit_tokens"] > 0
+    counters = graph.graphs.counters
+    assert not graph.graphs.capture_errors
+    # Only the first catch-up of a prompt (longer than a graph row) runs eagerly.
+    assert graph.counters["draft_forwards"] <= 2 * 4 + 2, graph.counters
+    assert counters["graph_steps"] >= eager.counters["draft_forwards"] - graph.counters[
+        "draft_forwards"]
+
+
+def test_mtp_sampled_drafts_reproduce_graphs_on_and_off(mtp_targets):
+    rng = random.Random(12)
+    prompts = [_rand(rng, 7), _rand(rng, 12), _rand(rng, 9)]
+    params = [SamplingParams(temperature=0.9, seed=3 + i, max_tokens=16, ignore_eos=True)
+              for i in range(2)] + [GREEDY_PARAMS]
+    runs = {}
+    for eager in (True, False):
+        llm = _llm(mtp_targets["qwen3_5"], eager, max_num_seqs=8, speculative_config=MTP)
+        runs[eager] = (_tokens(llm.generate(prompts, params, use_tqdm=False)), llm.stats(),
+                       llm.engine.drafter)
+    assert runs[True][0] == runs[False][0]
+    for key in ("spec_draft_tokens", "spec_accepted_tokens"):
+        assert runs[True][1][key] == runs[False][1][key], key
+    graphs = runs[False][2].graphs
+    assert any(k[-1] == SAMPLED for k in graphs._graphs), list(graphs._graphs)
+
+
 def _graphs(path) -> DraftGraphs:
     """Draft graphs of at most 8 rows, 8-block tables, over a drafter's caches
     (scratch block and page past its pools)."""
@@ -250,15 +316,20 @@ def test_fill_writes_rows_draws_then_padding(tiny_granite):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fixture", ["tiny_granite", "tiny_qwen3_5"])
-def test_captured_draft_steps_match_eager_on_cuda(request, fixture, qwen_draft):
-    """On CUDA: the drafter's steps replay captured graphs, greedy output equals the
-    eager engine's and no speculation's, and seeded sampled requests reproduce their
+@pytest.mark.parametrize("fixture", ["tiny_granite", "tiny_qwen3_5", "qwen3_5_mtp",
+                                     "nemotron_mtp"])
+def test_captured_draft_steps_match_eager_on_cuda(request, fixture, qwen_draft, mtp_targets):
+    """On CUDA: the drafter's steps (a draft model's, an MTP head's) replay captured
+    graphs, greedy output equals the eager engine's and no speculation's, and seeded sampled requests reproduce their
     tokens with the drafter's graphs as without."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    target = request.getfixturevalue(fixture)
-    draft = target if fixture == "tiny_granite" else qwen_draft
+    if fixture.endswith("_mtp"):
+        target = mtp_targets[fixture.removesuffix("_mtp")]
+        spec = MTP
+    else:
+        target = request.getfixturevalue(fixture)
+        spec = _spec(target if fixture == "tiny_granite" else qwen_draft, 3)
     rng = random.Random(13)
     prompts = [_rand(rng, 7), _rand(rng, 40), _rand(rng, 9), _rand(rng, 20)]
     sampled = [SamplingParams(temperature=0.8, seed=5 + i, max_tokens=16, ignore_eos=True)
@@ -267,7 +338,7 @@ def test_captured_draft_steps_match_eager_on_cuda(request, fixture, qwen_draft):
     plain = _tokens(LLM(target, **kw).generate(prompts, GREEDY_PARAMS, use_tqdm=False))
     runs = {}
     for eager in (True, False):
-        llm = _llm(target, eager, speculative_config=_spec(draft, 3), **kw)
+        llm = _llm(target, eager, speculative_config=spec, **kw)
         runs[eager] = (_tokens(llm.generate(prompts, GREEDY_PARAMS, use_tqdm=False)),
                        _tokens(llm.generate(prompts, sampled, use_tqdm=False)),
                        llm.engine.drafter)
