@@ -8,7 +8,11 @@ Measured in the same run (DESIGN.md section 9):
             must move and a device-to-device copy of the same bytes;
   prefill   the token-by-token ``gdn_varlen_update`` over 1 x 4,096 and 8 x 4,096 tokens
             with a state every 64 tokens (checkpoints), and, where fla-core's pieces are
-            importable, the chunked ``gdn_prefill`` on ``chunk_scan_fla`` (same outputs);
+            importable (CUDA), fla-core's chunked scan alone (``chunk_scan_fla``, q, k, v
+            in float32 and in bfloat16) and the chunked ``gdn_prefill`` on it, the
+            engine's ``gdn_rows="fla"`` path (same outputs and states as the token kernel;
+            per layer: the host plan of where the states come from is made once per step
+            and timed apart);
   check     each kernel against its torch twin on fresh random inputs (relative error).
 
 Shapes (Qwen3.6-27B's config.json): 16 key heads, 48 value heads, head dims 128, float32
@@ -21,6 +25,7 @@ Triton's interpreter when there is no GPU) and writes ``gdn_kernels_smoke.json``
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -50,6 +55,7 @@ from hybridserve.kernels.gdn_varlen import (  # noqa: E402
     gdn_varlen_update,
     gdn_varlen_update_reference,
 )
+from hybridserve.kernels.ssd_varlen import fla_version  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FULL = dict(hk=16, hv=48, dk=128, dv=128, batches=(1, 16, 64, 256), prefill=((1, 4096),
@@ -153,6 +159,44 @@ def varlen_plan(rows, length, interval, pages, device):
     )
 
 
+def bench_fla(x, gate, cache, plan, token_out, token_args, device) -> dict:
+    """fla-core's chunked scan over the same rows: the bare scan (``chunk_scan_fla``, q, k,
+    v in float32 and in bfloat16) and the engine's path (``gdn_prefill`` on it: the
+    requested states from chunk states and tails, into their pages), each against the
+    token kernel's outputs and states (relative error)."""
+    from hybridserve.kernels.gdn import gdn_gates
+
+    q, k, v, a, b = x
+    g, beta = gdn_gates(a, b, gate["A_log"], gate["dt_bias"], torch.float32)
+    starts = list(plan.query_start_host)
+    init = cache[plan.in_pages.long()]
+    written = plan.token_out_pages[plan.token_out_pages >= 0].long()
+    token_cache = cache.clone()
+    gdn_varlen_update(*x, token_cache, *token_args[1:], **gate)
+    want_states = token_cache[written]
+    # Where the step's states come from: planned on the host once per step (every layer
+    # of the step reuses it), so timed apart from the per-layer calls below.
+    gdn_chunked._LAST_LAYOUT.clear()
+    t0 = time.perf_counter()
+    gdn_chunked._prefill_layout(plan, 64, cache.device)
+    out = {"fla_layout_host_us_once_per_step": (time.perf_counter() - t0) * 1e6}
+    for name, dtype in (("f32", torch.float32), ("bf16", torch.bfloat16)):
+        scan = functools.partial(gdn_chunked.chunk_scan_fla, dtype=dtype)
+        out[f"fla_scan_{name}_us"] = time_us(
+            lambda scan=scan: scan(q, k, v, g, beta, starts, init, 64), device)
+
+        def prefill(scan=scan, c=cache):
+            return gdn_chunked.gdn_prefill(*x, c, plan, scan, gdn_varlen_update, 64, **gate)
+
+        out[f"fla_chunked_{name}_us"] = time_us(prefill, device)
+        fla_cache = cache.clone()
+        o = prefill(c=fla_cache)
+        out[f"fla_chunked_{name}_rel_err_vs_token_kernel"] = max(
+            rel_err(o, token_out), rel_err(fla_cache[written], want_states))
+        del fla_cache
+    return out
+
+
 def bench_prefill(s, device, g) -> list[dict]:
     out = []
     for rows, length in s["prefill"]:
@@ -170,11 +214,7 @@ def bench_prefill(s, device, g) -> list[dict]:
             want = gdn_varlen_update_reference(*x, cache.clone(), *args[1:], **gate)
             entry["token_kernel_rel_err_vs_twin"] = rel_err(got, want)
         if device == "cuda" and gdn_chunked.fla_chunk_scan_available():
-            def fla(x=x, plan=plan, cache=cache, gate=gate):
-                return gdn_chunked.gdn_prefill(*x, cache, plan, gdn_chunked.chunk_scan_fla,
-                                               gdn_varlen_update, 64, **gate)
-            entry["fla_chunked_us"] = time_us(fla, device)
-            entry["fla_chunked_rel_err_vs_token_kernel"] = rel_err(fla(), got)
+            entry.update(bench_fla(x, gate, cache, plan, got, args, device))
         out.append(entry)
         print(f"prefill {rows} x {length}: " + ", ".join(
             f"{k} {v:.4g}" for k, v in entry.items() if k not in ("rows", "length")))
@@ -192,7 +232,7 @@ def main() -> None:
     result = dict(
         device=torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)",
         torch=torch.__version__, triton=triton.__version__, commit=git_commit(),
-        fla_chunk_scan=gdn_chunked.fla_chunk_scan_available(),
+        fla_chunk_scan=gdn_chunked.fla_chunk_scan_available(), fla_core=fla_version(),
         config={k: v for k, v in shapes.items()},
         decode=bench_decode(shapes, device, g),
         prefill=bench_prefill(shapes, device, g),

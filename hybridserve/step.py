@@ -357,7 +357,9 @@ class RequestOutput:
     # predicts it), else {token id: Logprob} (the k most likely and the prompt's token).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # Per-request counters: spec_draft_tokens, spec_accepted_tokens,
-    # spec_mean_accepted_length (tokens per verify step), num_preemptions.
+    # spec_mean_accepted_length (tokens per verify step), num_preemptions,
+    # predicted_cached_tokens (the hit the caches held when the prompt arrived; compare
+    # num_cached_tokens, the hit admission took).
     metrics: dict[str, float] = field(default_factory=dict)
     # Why the request failed (its outputs finish with reason "error"), else None.
     error: str | None = None

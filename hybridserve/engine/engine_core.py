@@ -72,6 +72,8 @@ class _Group:
     final_only: bool = False
     # Set when committing a step for one of the children raised: the group failed.
     error: str | None = None
+    # The prefix hit the caches held for the prompt when it arrived (Scheduler.predict_hit).
+    predicted_cached_tokens: int = 0
 
 
 class EngineCore:
@@ -184,6 +186,9 @@ class EngineCore:
             "spec_accepted_tokens": 0,
             "spec_verify_rows": 0,
             "spec_drafter_seconds": 0.0,
+            # Prompt tokens the caches held for requests when they were added (per
+            # request, not per child; Scheduler.predict_hit): set against prefix_hit_tokens.
+            "prefix_predicted_hit_tokens": 0,
         }
         self.check_integrity_every_step = False
         # Gets one StepStats per step (hybridserve.engine.stats); None records nothing.
@@ -267,11 +272,19 @@ class EngineCore:
                     arrival_time=arrival_time,
                 )
             )
-        group = _Group(request_id, prompt, list(prompt_token_ids), children, final_only=final_only)
+        group = _Group(request_id, prompt, list(prompt_token_ids), children, final_only=final_only,
+                       predicted_cached_tokens=self.scheduler.predict_hit(children[0]))
         self.groups[request_id] = group
         for child in children:
             self.scheduler.add(child)
         self.counters["prompt_tokens"] += len(prompt_token_ids)
+        self.counters["prefix_predicted_hit_tokens"] += group.predicted_cached_tokens
+
+    def predicted_cached_tokens(self, request_id: str) -> int:
+        """The prefix hit the caches held for request ``request_id``'s prompt when it
+        was added (what its ``num_cached_tokens`` will be unless the caches change
+        before it is admitted); KeyError once it has finished."""
+        return self.groups[request_id].predicted_cached_tokens
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request and free its caches. Returns False if it is unknown."""
@@ -808,6 +821,7 @@ class EngineCore:
             "spec_accepted_tokens": accepted,
             "spec_mean_accepted_length": 1.0 + accepted / verify_steps if verify_steps else 0.0,
             "num_preemptions": sum(r.num_preemptions for r in group.children),
+            "predicted_cached_tokens": group.predicted_cached_tokens,
         }
         if finished:
             self.groups.pop(group.request_id, None)

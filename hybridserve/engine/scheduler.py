@@ -197,12 +197,14 @@ class Scheduler:
     # ---- admission ---------------------------------------------------------------
 
     def _probe(
-        self, tokens: list[int], hashes: list[int]
+        self, tokens: list[int], hashes: list[int], touch: bool = True
     ) -> tuple[int, list[int], int, int, int | None]:
         """What the caches hold for ``tokens`` (whose full-block hashes are ``hashes``):
         the longest usable device hit's length, its KV blocks and checkpoint page; the
         length of the longest cached KV prefix (checkpoint or not); and the key of a
-        longer hit whose checkpoint is on the host tier (None if there is none)."""
+        longer hit whose checkpoint is on the host tier (None if there is none).
+        ``touch``: mark the checkpoints on the path recently used (an admission does;
+        a prediction changes nothing)."""
         bs = self.block_size
         hit_blocks: list[int] = []
         best_len, best_page, host_key = 0, -1, None
@@ -213,11 +215,27 @@ class Scheduler:
             hit_blocks.append(block_id)
             if self.states.has(h):
                 best_len = (i + 1) * bs
-                best_page = self.states.lookup(h).page
+                best_page = (self.states.lookup(h) if touch else self.states.checkpoints[h]).page
                 host_key = None
             elif self.host.has(h):
                 host_key = h
         return best_len, hit_blocks[: best_len // bs], best_page, len(hit_blocks) * bs, host_key
+
+    def predict_hit(self, req: Request) -> int:
+        """The prompt tokens a waiting ``req`` would take from the caches if it were
+        admitted now: the deepest block boundary whose KV blocks are all cached and that
+        has a checkpoint, on the device or on the host tier (which admission restores).
+        Read only. Admission can find less (evicted meanwhile) or more (a request ahead
+        of it writes checkpoints, or it waits for a shared prefill); the block hashes it
+        computes are the ones admission would, and are kept on ``req`` for it."""
+        if not self.cache_config.enable_prefix_caching or req.params.prompt_logprobs is not None:
+            return 0
+        tokens = req.all_token_ids
+        hashes = self._hashes(req, (len(tokens) - 1) // self.block_size)
+        best, _, _, _, host_key = self._probe(tokens, hashes, touch=False)
+        if host_key is not None:
+            best = max(best, self.host.checkpoints[host_key].length)
+        return best
 
     def _lookup_prefix(self, req: Request) -> tuple[int, list[int], int, int | None, int]:
         """Longest usable device hit (length h, its KV blocks, checkpoint page), the

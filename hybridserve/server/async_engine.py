@@ -63,6 +63,8 @@ class RequestStream:
         self._loop = loop
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.finished = False
+        # The prefix hit the caches held for the prompt when it was added.
+        self.predicted_cached_tokens = 0
 
     def _post(self, item: RequestOutput | BaseException) -> None:
         """Called by the worker thread only."""
@@ -174,6 +176,7 @@ class AsyncEngine:
             engine.add_request(
                 request_id, prompt_token_ids, params, prompt=prompt, final_only=final_only
             )
+            stream.predicted_cached_tokens = engine.predicted_cached_tokens(request_id)
             self._streams[request_id] = stream
             return stream
 

@@ -75,6 +75,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "nemotron_v3, granite_thinking, granite",
     )
     p.add_argument(
+        "--enable-prompt-tokens-details",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="report usage.prompt_tokens_details.cached_tokens (the prompt tokens served "
+        "from the prefix cache) and the x-hybridserve-predicted-cached-tokens header "
+        "(default: on; vLLM's default is off)",
+    )
+    p.add_argument(
         "--enable-tokenizer-info-endpoint",
         action="store_true",
         help="serve GET /tokenizer_info (the tokenizer's configuration and the chat "
@@ -277,6 +285,7 @@ def serve_main(args: argparse.Namespace) -> int:
         allowed_methods=args.allowed_methods,
         allowed_headers=args.allowed_headers,
         allow_credentials=args.allow_credentials,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
     )
     if (args.allowed_methods or args.allowed_headers or args.allow_credentials) and args.allowed_origins is None:
         log.warning("--allowed-methods/--allowed-headers/--allow-credentials do nothing without --allowed-origins")

@@ -115,6 +115,10 @@ SNAPSHOT_METRICS: tuple[tuple[str, str, str, Callable[[_Snapshot], float | None]
      _key("prefix_query_tokens")),
     ("prefix_cache_hits", "counter", "Prompt tokens served from the prefix cache: KV blocks and a state checkpoint.",
      _key("prefix_hit_tokens")),
+    ("prefix_cache_predicted_hits", "counter",
+     "Prompt tokens the prefix cache held for requests when they arrived (the "
+     "x-hybridserve-predicted-cached-tokens header); prefix_cache_hits is what admission took.",
+     _key("prefix_predicted_hit_tokens")),
     ("prefix_cache_state_miss_tokens", "counter",
      "Prompt tokens whose KV blocks were cached beyond the deepest usable state checkpoint, so they were "
      "recomputed: what a missing checkpoint cost.", _key("prefix_state_miss_tokens")),

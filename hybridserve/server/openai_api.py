@@ -95,6 +95,7 @@ def create_app(
     allowed_methods: list[str] | None = None,
     allowed_headers: list[str] | None = None,
     allow_credentials: bool = False,
+    enable_prompt_tokens_details: bool = True,
 ) -> FastAPI:
     """An application serving ``llm`` (an :class:`~hybridserve.LLM`).
 
@@ -114,6 +115,12 @@ def create_app(
     for those origins (``["*"]`` for any), with ``allowed_methods`` /
     ``allowed_headers`` (default any) and ``allow_credentials``; None (the default)
     sends no CORS headers, so browsers keep other origins out.
+
+    ``enable_prompt_tokens_details`` (vLLM's ``--enable-prompt-tokens-details``, on
+    by default here: prefix caching is this engine's point) fills
+    ``usage.prompt_tokens_details.cached_tokens`` with the prompt tokens served from
+    the prefix cache and sends the ``x-hybridserve-predicted-cached-tokens`` header;
+    off, that field is null and the header absent.
     """
     if api_key is not None and not api_key.strip():
         raise ValueError("api_key is empty: give a non-empty key, or None for no check")
@@ -149,6 +156,7 @@ def create_app(
         enable_auto_tool_choice=enable_auto_tool_choice,
         reasoning_parser=reasoning_parser,
         default_sampling=dict(llm.generation_config.sampling),
+        enable_prompt_tokens_details=enable_prompt_tokens_details,
     )
     try:
         SamplingParams(**serving_cfg.default_sampling)

@@ -58,7 +58,7 @@ from hybridserve.server.protocol import (
 )
 from hybridserve.structured.params import StructuredOutputsParams
 from hybridserve.tokenizer import Tokenizer
-from hybridserve.tools.grammar import tool_call_grammar
+from hybridserve.tools.grammar import single_token_tags, tool_call_grammar
 from hybridserve.tools.parsers import get_tool_parser
 
 log = logging.getLogger("hybridserve.server")
@@ -76,6 +76,11 @@ bound caps."""
 TOKENIZER_THREADS = 2
 """Threads that tokenize and render chat templates, off the event loop."""
 
+PREDICTED_CACHED_HEADER = "x-hybridserve-predicted-cached-tokens"
+"""Response header: the prompt tokens the prefix cache held for the request's prompts
+when they arrived (summed), by the lookup admission makes; ``usage`` reports what
+admission actually took, which differs only if the caches changed in between."""
+
 
 @dataclass
 class ServingConfig:
@@ -90,6 +95,8 @@ class ServingConfig:
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None
     default_sampling: dict[str, Any] = field(default_factory=dict)
+    # usage.prompt_tokens_details.cached_tokens and the predicted-hit header.
+    enable_prompt_tokens_details: bool = True
 
     @property
     def max_prompt_chars(self) -> int:
@@ -114,6 +121,7 @@ class OpenAIServing:
         self._closing = False
         # Parser tag -> its id when it is one special token (else None).
         self._tag_ids: dict[str, int | None] = {}
+        self._envelope_ids: dict[str, dict[str, int]] = {}
 
     def end_in_flight(self, message: str = "the server is shutting down") -> None:
         """Fail every response in progress with a 503 (a JSON error, or an error event
@@ -263,6 +271,21 @@ class OpenAIServing:
                 ids.add(cache[tag])
         return frozenset(ids)
 
+    def _envelope_tag_ids(self, parser: str) -> dict[str, int]:
+        """The tool-call envelope tags of ``parser`` that the tokenizer has as single
+        tokens (the forcing grammar writes those tokens); computed once."""
+        if parser not in self._envelope_ids:
+            tok = self.config.tokenizer
+            found = {} if tok is None else single_token_tags(
+                parser,
+                lambda text: tok.encode(text, add_special_tokens=False),
+                lambda ids: tok.decode(ids, skip_special_tokens=False),
+            )
+            # A token past the model's logits can never be sampled: such a tag stays text.
+            width = self.engine.engine.vocab_size
+            self._envelope_ids[parser] = {t: i for t, i in found.items() if i < width}
+        return self._envelope_ids[parser]
+
     def _reasoning_end_tokens(
         self, parser: type[ReasoningParser], prompt: str, chat_template_kwargs: dict[str, Any] | None
     ) -> tuple[int, ...] | None:
@@ -370,7 +393,8 @@ class OpenAIServing:
         wanted = choice if isinstance(choice, str) else choice.model_dump()
         try:
             forced = tool_call_grammar(
-                cfg.tool_call_parser, tools, wanted, parallel_tool_calls=req.parallel_tool_calls
+                cfg.tool_call_parser, tools, wanted, parallel_tool_calls=req.parallel_tool_calls,
+                tag_ids=self._envelope_tag_ids(cfg.tool_call_parser),
             )
         except ValueError as e:
             raise APIError(400, str(e), param="tool_choice", code="invalid_value") from None
@@ -583,6 +607,9 @@ class OpenAIServing:
         )
         streams = await self._start(rid, prompts, params, final_only=not req.stream)
         headers = {"X-Request-Id": rid}
+        if self.config.enable_prompt_tokens_details:
+            predicted = sum(s.predicted_cached_tokens for s in streams)
+            headers[PREDICTED_CACHED_HEADER] = str(predicted)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
@@ -704,7 +731,7 @@ class OpenAIServing:
                         chunk = fmt.delta(i * params.n + j, comp, cursors[i][j], out)
                         if chunk is not None:
                             if continuous_usage:
-                                chunk["usage"] = usage(list(latest.values()))
+                                chunk["usage"] = fmt.usage(list(latest.values()))
                                 yield _sse_line(chunk)
                             else:
                                 yield _event(chunk, include_usage)
@@ -851,12 +878,14 @@ def _log_finished(rid: str, outs: list[RequestOutput]) -> None:
     reasons = ",".join(str(c.finish_reason) for o in outs for c in o.outputs)
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     cached = sum(o.num_cached_tokens for o in outs)
+    predicted = sum(int(o.metrics.get("predicted_cached_tokens", 0)) for o in outs)
     log.info(
-        "request %s: finished (%s) completion_tokens=%d cached_tokens=%d",
+        "request %s: finished (%s) completion_tokens=%d cached_tokens=%d predicted_cached_tokens=%d",
         rid,
         reasons,
         tokens,
         cached,
+        predicted,
     )
 
 
@@ -900,14 +929,19 @@ class _Cursor:
         return delta, start, self.num_tokens
 
 
-def usage(outs: list[RequestOutput]) -> dict[str, Any]:
+def usage(outs: list[RequestOutput], details: bool = True) -> dict[str, Any]:
+    """The ``usage`` of ``outs`` (the prompts of one response). ``details``:
+    ``prompt_tokens_details.cached_tokens`` is the prompt tokens the engine took from
+    the prefix cache (each prompt's admission hit, summed); else that field is null."""
     prompt = sum(len(o.prompt_token_ids) for o in outs)
     completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)},
+        "prompt_tokens_details": (
+            {"cached_tokens": sum(o.num_cached_tokens for o in outs)} if details else None
+        ),
     }
 
 
@@ -923,6 +957,9 @@ class _Format:
     n: int
     logprobs: int | None
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def usage(self, outs: list[RequestOutput]) -> dict[str, Any]:
+        return usage(outs, self.serving.config.enable_prompt_tokens_details)
 
     def token_text(self, token_id: int) -> str:
         tok = self.serving.config.tokenizer
@@ -1037,7 +1074,7 @@ class _CompletionFormat(_Format):
                 if self.prompt_logprobs:
                     choice["prompt_logprobs"] = self.prompt_logprobs_json(out)
                 choices.append(choice)
-        return {**self.header("text_completion"), "choices": choices, "usage": usage(outs)}
+        return {**self.header("text_completion"), "choices": choices, "usage": self.usage(outs)}
 
     def delta(
         self, index: int, comp: CompletionOutput, cursor: _Cursor, out: RequestOutput | None = None
@@ -1073,7 +1110,7 @@ class _CompletionFormat(_Format):
         return {**self.header("text_completion"), "choices": [choice]}
 
     def usage_chunk(self, outs: list[RequestOutput]) -> dict[str, Any]:
-        return {**self.header("text_completion"), "choices": [], "usage": usage(outs)}
+        return {**self.header("text_completion"), "choices": [], "usage": self.usage(outs)}
 
 
 def _joined(first: dict[str, list[Any]] | None, second: dict[str, list[Any]] | None) -> dict[str, list[Any]] | None:
@@ -1144,7 +1181,7 @@ class _ChatFormat(_Format):
                     "stop_reason": comp.stop_reason,
                 }
             )
-        body = {**self.header("chat.completion"), "choices": choices, "usage": usage(outs)}
+        body = {**self.header("chat.completion"), "choices": choices, "usage": self.usage(outs)}
         if out.prompt_logprobs is not None:
             body["prompt_logprobs"] = self.prompt_logprobs_json(out)
         return body
@@ -1194,4 +1231,4 @@ class _ChatFormat(_Format):
         return self._chunk(choice)
 
     def usage_chunk(self, outs: list[RequestOutput]) -> dict[str, Any]:
-        return {**self.header("chat.completion.chunk"), "choices": [], "usage": usage(outs)}
+        return {**self.header("chat.completion.chunk"), "choices": [], "usage": self.usage(outs)}

@@ -13,22 +13,57 @@ parameter is written in the schema's order, required ones always and optional on
 maybe; a string parameter's value is raw text without ``<`` or newlines (its
 ``enum``, ``minLength`` and ``maxLength`` hold; a ``pattern`` is not enforced in raw
 text), any other type is JSON matching its schema.
+
+The envelope tags (``<tool_call>``, ``</tool_call>``, ``<TOOLCALL>``, ...) are written
+as the tokenizer writes them: a tag the tokenizer has as one token (``tag_ids``, from
+:func:`single_token_tags`) is that token (the grammar names its id, ``<[id]>``), as a
+model trained on that tokenizer has only ever seen it; any other tag is text. Naming
+the id matters most for a special token: its text as a grammar literal is a sequence of
+byte tokens the model has never seen together, and llguidance's forced-token lookahead
+may offer the special token for that literal and then reject it when it is committed.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hybridserve.structured.params import StructuredOutputsParams
+from hybridserve.tools.parsers import get_tool_parser
 
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-_JSON_FORMATS = {"hermes": ("<tool_call>\n", "\n</tool_call>"), "granite4": ("<tool_call>\n", "\n</tool_call>")}
+_FORMATS = {"hermes": "json", "granite4": "json", "qwen3_coder": "xml", "nemotron_v3": "xml",
+            "nemotron_nano_v2": "json_list"}
+
+
+def envelope_tags(parser: str) -> tuple[str, str]:
+    """The open and close tags of ``parser``'s envelope (the parser's own)."""
+    cls = get_tool_parser(parser)
+    return cls.start, cls.end
 
 
 def _lit(text: str) -> str:
     return json.dumps(text)
+
+
+def _tag(text: str, tag_ids: Mapping[str, int]) -> str:
+    """The grammar item writing ``text``: its token when the tokenizer has it as one."""
+    token = tag_ids.get(text)
+    return f"<[{int(token)}]>" if token is not None else _lit(text)
+
+
+def single_token_tags(parser: str, encode: Any, decode: Any) -> dict[str, int]:
+    """The envelope tags of ``parser`` that the tokenizer writes as one token: tag ->
+    id. ``encode(text)`` gives ids without added BOS/EOS, ``decode(ids)`` the text with
+    special tokens shown. A tag qualifies when it encodes to one id whose text is the
+    tag (an added token, special or not)."""
+    out = {}
+    for tag in envelope_tags(parser):
+        ids = encode(tag)
+        if len(ids) == 1 and decode(ids) == tag:
+            out[tag] = ids[0]
+    return out
 
 
 def _functions(tools: Sequence[dict[str, Any]], tool_choice: str | dict[str, Any]) -> list[dict[str, Any]]:
@@ -103,25 +138,30 @@ def tool_call_grammar(
     tools: Sequence[dict[str, Any]],
     tool_choice: str | dict[str, Any],
     parallel_tool_calls: bool = True,
+    tag_ids: Mapping[str, int] | None = None,
 ) -> StructuredOutputsParams:
     """The constraint forcing ``tool_choice`` (``"required"`` or
     ``{"type": "function", "function": {"name": ...}}``) in ``parser``'s format.
-    ValueError names the bad field."""
+    ``tag_ids``: the envelope tags the tokenizer has as single tokens
+    (:func:`single_token_tags`); they are written as those tokens. ValueError names
+    the bad field."""
     fns = _functions(tools, tool_choice)
     more = parallel_tool_calls and tool_choice == "required"
-    if parser in _JSON_FORMATS:
-        open_tag, close_tag = _JSON_FORMATS[parser]
+    if parser not in _FORMATS:
+        raise ValueError(f"no tool-call grammar for parser {parser!r}")
+    open_tag, close_tag = (_tag(t, tag_ids or {}) for t in envelope_tags(parser))
+    nl = _lit("\n")
+    if _FORMATS[parser] == "json":
         rules, alt = _json_call_rules(fns)
-        call = f"call: {_lit(open_tag)} {alt} {_lit(close_tag)}"
-        start = 'start: call ("\\n" call)*' if more else "start: call"
-    elif parser in ("qwen3_coder", "nemotron_v3"):
+        call = f"call: {open_tag} {nl} {alt} {nl} {close_tag}"
+        start = f"start: call ({nl} call)*" if more else "start: call"
+    elif _FORMATS[parser] == "xml":
         rules, alt = _xml_call_rules(fns)
-        call = f"call: {_lit('<tool_call>' + chr(10))} {alt} {_lit('</tool_call>')}"
-        start = 'start: call ("\\n" call)*' if more else "start: call"
-    elif parser == "nemotron_nano_v2":
+        call = f"call: {open_tag} {nl} {alt} {close_tag}"
+        start = f"start: call ({nl} call)*" if more else "start: call"
+    else:  # one envelope around a JSON list of calls
         rules, alt = _json_call_rules(fns)
         call = f"call: {alt}"
-        start = 'start: "<TOOLCALL>[" call (", " call)* "]</TOOLCALL>"' if more else 'start: "<TOOLCALL>[" call "]</TOOLCALL>"'
-    else:
-        raise ValueError(f"no tool-call grammar for parser {parser!r}")
+        calls = f'call ({_lit(", ")} call)*' if more else "call"
+        start = f'start: {open_tag} {_lit("[")} {calls} {_lit("]")} {close_tag}'
     return StructuredOutputsParams(grammar="\n".join([start, call, *rules]) + "\n")

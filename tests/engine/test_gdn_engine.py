@@ -242,3 +242,61 @@ def test_packed_chunked_prefill_with_caching_and_speculation(tiny_qwen, uncached
     assert calls and max(calls) > 16 and llm.stats()["prefix_hit_tokens"] > 0
     seqs = [p + o for p, o in zip(prompts, got)] + prompts
     assert assert_checkpoints_exact(llm, seqs) > 0
+
+
+def _prefill_paths_agree(path, device, modes, scan_owner, scan_name, lp_bound, state_bound):
+    """Two long prompts (rows over ``FLA_MIN_TOKENS``) through the engine with
+    ``gdn_rows`` = each of ``modes``: every prompt position's log probability and every
+    checkpoint (on the 64-token grid, prefix caching on) agree (absolute ``lp_bound``,
+    relative ``state_bound``); the scan
+    ``scan_owner.scan_name`` ran for the second mode only, on rows that long."""
+    from hybridserve.config import KernelPolicy
+    from hybridserve.models.layers.gated_deltanet import FLA_MIN_TOKENS
+
+    rng = random.Random(31)
+    prompts = [_rand(rng, 700), _rand(rng, 600)]
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    calls = []
+    real = getattr(scan_owner, scan_name)
+
+    def spy(*args, **kwargs):
+        calls.append(max(b - a for a, b in zip(args[5], args[5][1:])))  # longest row
+        return real(*args, **kwargs)
+
+    runs = []
+    for i, mode in enumerate(modes):
+        llm = LLM(path, device=device, enable_prefix_caching=True, state_interval=64,
+                  max_num_seqs=4, kernel_policy=KernelPolicy(gdn_rows=mode))
+        with pytest.MonkeyPatch.context() as mp:
+            if i == 1:
+                mp.setattr(scan_owner, scan_name, spy)
+            outs = llm.generate(prompts, params)
+        logprobs = [[lp[t].logprob for lp, t in zip(o.prompt_logprobs[1:], p[1:])]
+                    for o, p in zip(outs, prompts)]
+        ckpts = {key: c.page for key, c in llm.engine.scheduler.states.checkpoints.items()}
+        runs.append((logprobs, ckpts, llm.engine.runner.caches))
+    assert calls and min(calls) > FLA_MIN_TOKENS
+    (want_lp, want_ck, want_caches), (got_lp, got_ck, got_caches) = runs
+    for w, g in zip(want_lp, got_lp):
+        assert len(w) == len(g) and max(abs(a - b) for a, b in zip(w, g)) < lp_bound
+    assert got_ck.keys() == want_ck.keys() and len(want_ck) >= 2 * 9
+    for layer, want_ssm in want_caches.ssm.items():
+        got_ssm = got_caches.ssm[layer]
+        for key, page in want_ck.items():
+            want, got = want_ssm[page].float(), got_ssm[got_ck[key]].float()
+            err = ((got - want).abs().max() / want.abs().max()).item()
+            assert err < state_bound, (layer, key, err)
+
+
+@pytest.mark.gpu
+def test_fla_prefill_on_cuda_matches_the_token_kernel(tiny_qwen):
+    """On CUDA, ``gdn_rows="fla"`` (fla-core's chunked scan for rows over 512 tokens, float32
+    q, k, v: TF32 dots) against the default token kernel: prompt log probabilities within
+    2e-2 (of about ln 256 = 5.5) and checkpoints within 5e-3 relative, the TF32 level (the
+    scan's first version, off by 0.20 on its outputs, fails the checkpoint bound)."""
+    from hybridserve.kernels import gdn_chunked
+
+    if not torch.cuda.is_available() or not gdn_chunked.fla_chunk_scan_available():
+        pytest.skip("needs CUDA and fla-core")
+    _prefill_paths_agree(tiny_qwen, "cuda", ("auto", "fla"), gdn_chunked, "chunk_scan_fla",
+                         2e-2, 5e-3)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -154,12 +155,37 @@ def test_patched_mixer_refuses_what_it_does_not_compute():
     torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=0)
 
 
+def _triton_version() -> tuple[int, ...]:
+    import triton
+
+    match = re.match(r"(\d+)\.(\d+)\.(\d+)", triton.__version__)
+    return tuple(int(x) for x in match.groups()) if match else (0,)
+
+
+def _fla_refuses_gated_backward() -> str | None:
+    """Why fla-core 0.6.0 will not run ``chunk_simple_gla``'s backward here, or None: on
+    Hopper (compute capability 9) with Triton >= 3.4.0 and < 3.7.1 its gated
+    ``chunk_bwd_dqkwg`` raises rather than give wrong gradients, unless tilelang is
+    installed (fla-core then takes tilelang's kernel). Checked before the call, as fla does."""
+    if torch.cuda.get_device_capability()[0] != 9 or importlib.util.find_spec("tilelang"):
+        return None
+    if (3, 4, 0) <= _triton_version() < (3, 7, 1):
+        import triton
+
+        return (f"Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results for "
+                f"gated chunk_bwd_dqkwg (see #640); fla-core refuses it (Triton "
+                f"{triton.__version__} here; Triton >= 3.7.1 or tilelang lifts it)")
+    return None
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") == "1", reason="compiles Triton kernels: TRITON_INTERPRET=0"
 )
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_fla_scan_matches_reference():
+    """The forward always; the gradients where fla-core runs its backward (the reason of
+    :func:`_fla_refuses_gated_backward` skips them, checked before the call)."""
     pytest.importorskip("fla.ops.simple_gla")
     gen = torch.Generator(device="cuda").manual_seed(0)
     batch, length, heads, d_state, head_dim = 2, 1000, 8, 64, 64
@@ -169,14 +195,17 @@ def test_gpu_fla_scan_matches_reference():
     leaves = [t.requires_grad_() for t in (q, k, v, g)]
     w = torch.randn(batch, length, heads, head_dim, generator=gen, device="cuda")
     y = fmt.fla_scan(*leaves)
-    grads = torch.autograd.grad((y * w).sum(), leaves)
     leaves64 = [t.detach().double().requires_grad_() for t in leaves]
     y64 = fmt.reference_scan(*leaves64)
-    grads64 = torch.autograd.grad((y64 * w.double()).sum(), leaves64)
 
     def rel(a, b):
         return ((a.double() - b).norm() / b.norm()).item()
 
     assert rel(y, y64) < 5e-3
+    reason = _fla_refuses_gated_backward()
+    if reason:
+        pytest.skip(reason)
+    grads = torch.autograd.grad((y * w).sum(), leaves)
+    grads64 = torch.autograd.grad((y64 * w.double()).sum(), leaves64)
     for a, b in zip(grads, grads64):
         assert rel(a, b) < 5e-3

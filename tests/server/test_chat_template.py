@@ -81,3 +81,43 @@ def test_output_cap() -> None:
     assert len(render_chat(t, MSGS, max_chars=4000)) == 4000
     with pytest.raises(ChatTemplateError, match="passes 3999 characters"):
         render_chat(t, MSGS, max_chars=3999)
+
+
+def test_tools_and_documents_are_always_defined() -> None:
+    # As transformers passes them: None when the request has none, so a template's
+    # "is not none" test and a loop over them behave as there.
+    t = compile_chat_template("{{ tools is defined }}/{{ tools is none }}/{{ documents is none }}")
+    assert render_chat(t, MSGS) == "True/True/True"
+    assert render_chat(t, MSGS, tools=[{"type": "function"}]) == "True/False/True"
+    loop = compile_chat_template("{% for t in tools %}{{ t }}{% endfor %}")
+    with pytest.raises(ChatTemplateError, match="TypeError"):
+        render_chat(loop, MSGS)
+
+
+def test_reasoning_is_under_every_name_templates_read() -> None:
+    t = compile_chat_template("{% for m in messages %}[{{ m.reasoning_content }}|{{ m.thinking }}]{% endfor %}")
+    msgs = [{"role": "assistant", "content": "4", "reasoning": "a"},
+            {"role": "assistant", "content": "4", "reasoning_content": "b"},
+            {"role": "assistant", "content": "4", "reasoning_content": "c", "thinking": "own"},
+            {"role": "assistant", "content": "4"}]
+    assert render_chat(t, msgs) == "[a|a][b|b][c|own][|]"
+    assert "thinking" not in msgs[1]  # the caller's messages are not changed
+
+
+def test_dict_and_namespace_globals() -> None:
+    t = compile_chat_template("{% set d = dict(a=1) %}{% set ns = namespace(n=0) %}{% set ns.n = d.a + 1 %}{{ ns.n }}")
+    assert render_chat(t, MSGS) == "2"
+    for source in ("{% set ns = namespace(_x=1) %}", "{% set ns = namespace() %}{% set ns._x = 1 %}"):
+        with pytest.raises(ChatTemplateError):
+            render_chat(compile_chat_template(source), MSGS)
+
+
+def test_continue_final_message_cuts_at_its_end() -> None:
+    t = compile_chat_template("{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</s>{% endfor %}")
+    msgs = [{"role": "user", "content": "Say: go on"}, {"role": "assistant", "content": "go on "}]
+    # The user's text holds the same words: the cut is where the last message ends.
+    assert render_chat(t, msgs, add_generation_prompt=False, continue_final_message=True) == (
+        "<user>Say: go on</s><assistant>go on")
+    dropped = compile_chat_template("{% for m in messages %}{{ m.role }}{% endfor %}")
+    with pytest.raises(ChatTemplateError, match="verbatim"):
+        render_chat(dropped, msgs, add_generation_prompt=False, continue_final_message=True)

@@ -150,3 +150,80 @@ def test_keep_special_token_ids_is_checked() -> None:
     assert SamplingParams(keep_special_token_ids=[3, 4]).keep_special_token_ids == frozenset({3, 4})
     with pytest.raises(ValueError, match="keep_special_token_ids"):
         SamplingParams(keep_special_token_ids=[-1])
+
+
+# Forced calls (tool_choice "required" or a named function): the grammar writes the
+# envelope tags as the tokenizer's special tokens, and the parser still finds the call.
+FORCED_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["n"], "additionalProperties": False}}}]
+CHOICES = ["required", {"type": "function", "function": {"name": "f"}}]
+
+
+def _forced(srv: Any, choice: Any, stream: bool, **body: Any) -> Any:
+    body = {"model": "tiny", "max_tokens": 80, "messages": MSGS, "tools": FORCED_TOOLS,
+            "tool_choice": choice, "parallel_tool_calls": False, "seed": 1,
+            "chat_template_kwargs": {"enable_thinking": False}, **body}
+    with httpx.Client(base_url=srv.base_url, timeout=120) as c:
+        if not stream:
+            r = c.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]
+        chunks = []
+        with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunks.extend(json.loads(line[6:])["choices"])
+        return chunks
+
+
+@pytest.mark.parametrize("choice", CHOICES, ids=["required", "named"])
+def test_forced_call_writes_the_tags_as_special_tokens(parsers: Any, choice: Any) -> None:
+    choice_out = _forced(parsers, choice, stream=False, logprobs=True)
+    # One logprobs entry per token: each tag is one entry, so one token (the special id).
+    tokens = [e["token"] for e in choice_out["logprobs"]["content"]]
+    assert tokens[0] == "<tool_call>" and tokens.count("</tool_call>") == 1, tokens
+    msg = choice_out["message"]
+    (call,) = msg["tool_calls"]
+    assert call["function"]["name"] == "f"
+    assert set(json.loads(call["function"]["arguments"])) == {"n"}
+    assert not msg["content"] and choice_out["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize("choice", CHOICES, ids=["required", "named"])
+def test_forced_call_with_special_tags_streamed(parsers: Any, choice: Any) -> None:
+    whole = _forced(parsers, choice, stream=False)["message"]["tool_calls"][0]["function"]
+    chunks = _forced(parsers, choice, stream=True)
+    calls = [c for ch in chunks for c in ch["delta"].get("tool_calls") or []]
+    assert [c["function"]["name"] for c in calls if c["function"].get("name")] == ["f"]
+    assert "".join(c["function"].get("arguments") or "" for c in calls) == whole["arguments"]
+    assert "".join(ch["delta"].get("content") or "" for ch in chunks) == ""
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+
+
+def test_forced_call_token_ids_offline(model: Any) -> None:
+    # The engine's side: the grammar names the special ids, the output holds them, and
+    # the text (keeping those ids) parses to the call.
+    from hybridserve.llm import LLM, SamplingParams
+    from hybridserve.tools.grammar import single_token_tags, tool_call_grammar
+    from hybridserve.tools.parsers import get_tool_parser
+
+    llm = LLM(model, max_num_seqs=4, max_model_len=256)
+    tok = llm.tokenizer
+    tag_ids = single_token_tags("hermes", lambda t: tok.encode(t, add_special_tokens=False),
+                                lambda ids: tok.decode(ids, skip_special_tokens=False))
+    assert tag_ids == {"<tool_call>": TAGS["<tool_call>"], "</tool_call>": TAGS["</tool_call>"]}
+    for choice in CHOICES:
+        so = tool_call_grammar("hermes", FORCED_TOOLS, choice, parallel_tool_calls=False, tag_ids=tag_ids)
+        params = [SamplingParams(max_tokens=120, temperature=t, seed=i, structured_outputs=so,
+                                 keep_special_token_ids=frozenset(tag_ids.values()))
+                  for i, t in enumerate((0.0, 1.0, 1.0))]
+        for out in llm.generate(["hi"] * len(params), params, use_tqdm=False):
+            c = out.outputs[0]
+            assert c.finish_reason == "stop", c
+            assert c.token_ids[0] == TAGS["<tool_call>"]
+            assert c.token_ids.count(TAGS["<tool_call>"]) == c.token_ids.count(TAGS["</tool_call>"]) == 1
+            got = get_tool_parser("hermes")(FORCED_TOOLS).extract(c.text)
+            assert got.content is None and len(got.tool_calls) == 1
+            assert all(call.name == "f" and set(json.loads(call.arguments)) == {"n"} for call in got.tool_calls)

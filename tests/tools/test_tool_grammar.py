@@ -123,3 +123,58 @@ def test_bad_tool_choice_names_the_field():
         tool_call_grammar("hermes", TOOLS, "auto")
     with pytest.raises(ValueError, match="parser"):
         tool_call_grammar("mystery", TOOLS, "required")
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_envelope_tags_are_tokens_only_where_the_tokenizer_has_them(llm, parser):
+    from hybridserve.tools.grammar import envelope_tags, single_token_tags
+
+    opening, closing = envelope_tags(parser)
+    tok = llm.tokenizer
+    # The tiny model's byte-level tokenizer has no tag token: the tags stay text.
+    assert single_token_tags(parser, lambda t: tok.encode(t, add_special_tokens=False),
+                             lambda ids: tok.decode(ids, skip_special_tokens=False)) == {}
+    plain = tool_call_grammar(parser, TOOLS, "required").grammar
+    assert "<[" not in plain and f'"{opening}"' in plain and f'"{closing}"' in plain
+    # Given ids, the grammar names them instead of the text.
+    named = tool_call_grammar(parser, TOOLS, "required", tag_ids={opening: 300, closing: 301}).grammar
+    assert "<[300]>" in named and "<[301]>" in named
+    assert f'"{opening}"' not in named and f'"{closing}"' not in named
+
+
+@pytest.mark.parametrize("special", [True, False], ids=["special", "added"])
+def test_single_token_tags_are_forced_as_their_ids(special):
+    """Qwen-style tokenizers add ``<tool_call>`` as a token that is not special, others as a
+    special one: either way the grammar forces the tag's one id, and a walk through the
+    masks commits exactly those ids around a call that parses."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    from hybridserve.structured.backend import GrammarBackend
+    from hybridserve.tools.grammar import single_token_tags
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(alphabet[2], special=True)])  # EOS
+    tok.add_tokens([AddedToken(t, special=special) for t in ("<tool_call>", "</tool_call>")])
+    tags = single_token_tags("hermes", lambda t: tok.encode(t, add_special_tokens=False).ids,
+                             lambda ids: tok.decode(ids, skip_special_tokens=False))
+    assert tags == {"<tool_call>": 256, "</tool_call>": 257}
+    backend = GrammarBackend(tok.to_str(), 258, [2])
+    so = tool_call_grammar("hermes", TOOLS, "required", parallel_tool_calls=False, tag_ids=tags)
+    rng = random.Random(0)
+    for _ in range(3):
+        m = backend.matcher(so)
+        assert m.allowed() == [256]
+        ids = []
+        while not m.terminated and len(ids) < 400:
+            allowed = m.allowed()
+            # Prefer ending strings and objects, so the walk finishes.
+            t = 2 if 2 in allowed else rng.choice(allowed)
+            m.accept(t)
+            ids.append(t)
+        if ids[-1] == 2:
+            ids.pop()  # EOS, where the grammar still offered it
+        assert ids[0] == 256 and ids[-1] == 257 and ids.count(256) == ids.count(257) == 1
+        _check_calls("hermes", tok.decode(ids, skip_special_tokens=False), set(SCHEMAS), parallel=False)
