@@ -156,11 +156,11 @@ class EngineCore:
         enable_drafter_graphs = getattr(self.drafter, "enable_graphs", None)
         if enable_drafter_graphs is not None and not enforce_eager:
             enable_drafter_graphs(max_blocks, config.scheduler.max_num_seqs)
-        # A drafter that reads the target's hidden states runs beside eager steps only.
+        # A drafter that reads the target's hidden states (MTP) gets them from eager and
+        # decode-graph steps alike (short-row steps then run eagerly).
         self._observe = getattr(self.drafter, "observe", None)
         if self._observe is not None:
             self.runner.keep_hidden = True
-            enforce_eager = True
         if not enforce_eager:
             self.runner.enable_decode_graphs(
                 max_blocks=max_blocks,

@@ -345,6 +345,12 @@ class DecodeGraphs:
         self._moe_grouped: dict[str, bool] = {}
         self.counters = {"graph_steps": 0, "eager_steps": 0, "captures": 0,
                          "short_graph_steps": 0, "short_captures": 0}
+        # Keep each replayed decode step's final hidden states (``last_hidden``,
+        # ``[B * q, hidden]``: row i's token t at i * q + t) for a drafter that reads
+        # them (MTP); short-row steps then run eagerly (the eager path keeps them).
+        self.keep_hidden = False
+        self.last_hidden: torch.Tensor | None = None
+        self._hidden: dict[tuple, torch.Tensor] = {}
         self.capture_errors: list[str] = []
         # The scratch page and block start as zeros: padding rows then compute on finite
         # values (their results are dropped either way).
@@ -452,6 +458,8 @@ class DecodeGraphs:
             graph.replay()
         else:
             out = self._forward(st, shape)
+        if self.keep_hidden:
+            self.last_hidden = self._hidden[key]
         self.counters["graph_steps"] += 1
         return out, shape.q
 
@@ -562,6 +570,10 @@ class DecodeGraphs:
             max_context=w * self.block_size,
         )
         hidden = self.model.forward(m[:, 0:q].reshape(-1), batch, self.caches)
+        if self.keep_hidden:
+            # The step's final hidden states (a captured step's stay in the graph's pool
+            # and hold each replay's values).
+            self._hidden[shape.key] = hidden
         logits = self.model.compute_logits(hidden)
         sm = shape.sampling
         if sm == GREEDY:
@@ -639,7 +651,7 @@ class DecodeGraphs:
         position, write their keys to the scratch block and no state.
         """
         rows = sched.rows
-        if not (self.enabled and self.short_enabled and rows):
+        if not (self.enabled and self.short_enabled and rows) or self.keep_hidden:
             return None
         batch = batch_bucket(len(rows), SHORT_BATCH_BUCKETS)
         if batch is None or batch > self.max_batch:

@@ -96,7 +96,8 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.boundary_interval = boundary_interval
         self.graphs: DecodeGraphs | None = None
-        # Keep the last eager step's final hidden states ``[T, hidden]`` in ``last_hidden``.
+        # Keep the last step's final hidden states ``[T, hidden]`` (packed as the step's
+        # tokens) in ``last_hidden``; set before enable_decode_graphs.
         self.keep_hidden = False
         # Per request id: the drafter's log-probabilities ``[drafts, vocab]`` of the
         # drafts it sampled (none for point-mass drafts), set by the engine each step.
@@ -131,6 +132,7 @@ class ModelRunner:
             self.model, self.caches, self.block_size, self.max_num_seqs, max_blocks,
             scratch_block, scratch_page, self.device, capture,
         )
+        self.graphs.keep_hidden = self.keep_hidden
         return self.graphs
 
     def build_batch(self, sched: SchedulerOutput) -> tuple[torch.Tensor, ForwardBatch]:
@@ -210,6 +212,12 @@ class ModelRunner:
         if replayed is None:
             return None
         out, q = replayed
+        if self.keep_hidden:
+            # The packed layout of the eager step (row i's tokens one after another).
+            index = [i * q + t for i, row in enumerate(sched.rows) for t in range(row.num_tokens)]
+            self.last_hidden = self.graphs.last_hidden.index_select(
+                0, upload(torch.tensor(index, dtype=torch.long), out.device)
+            )
         choices = out[: len(sched.rows) * q].clone()
         # Row i's choices sit at [i * q, i * q + num_tokens).
         starts = [i * q for i in range(len(sched.rows))]

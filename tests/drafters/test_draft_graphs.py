@@ -60,6 +60,20 @@ def _llm(path, enforce_eager: bool, **kw) -> LLM:
     return llm
 
 
+def _record_proposals(llm: LLM) -> list:
+    """Every proposal the engine's drafter makes from here on, in order."""
+    drafter = llm.engine.drafter
+    propose, seen = drafter.propose_batch, []
+
+    def spy(requests):
+        out = propose(requests)
+        seen.append([(r.key, list(r.token_ids), d) for r, d in zip(requests, out)])
+        return out
+
+    drafter.propose_batch = spy
+    return seen
+
+
 def _spec(draft, d: int) -> dict:
     return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": d}
 
@@ -98,12 +112,14 @@ def test_greedy_identical_graphs_on_and_off(arch, caching, d, references, tiny_g
     runs = {}
     for eager in (True, False):
         llm = _llm(target, eager, **kw)
+        proposals = _record_proposals(llm)
         # Workload 0, then 1, then 0 again: the drafter's prefix hits when caching.
         got = [_tokens(llm.generate(_workload(s), GREEDY_PARAMS, use_tqdm=False))
                for s in (0, 1, 0)]
         assert got == references[arch] + references[arch][:1], (eager, arch)
-        runs[eager] = (llm.stats(), llm.engine.drafter)
-    (spec_eager, eager), (spec_graph, graph) = runs[True], runs[False]
+        runs[eager] = (llm.stats(), llm.engine.drafter, proposals)
+    (spec_eager, eager, want_drafts), (spec_graph, graph, drafts) = runs[True], runs[False]
+    assert drafts == want_drafts  # proposal by proposal
     assert eager.graphs is None
     assert spec_graph["spec_draft_tokens"] > 0
     # The same drafts (the same logits, read from the same pages): the same acceptance.
@@ -216,12 +232,18 @@ def test_mtp_greedy_identical_graphs_on_and_off(arch, caching, d, mtp_targets):
     for eager in (True, False):
         llm = _llm(target, eager, enable_prefix_caching=caching, state_interval=16,
                    max_num_seqs=8, speculative_config=dict(MTP, num_speculative_tokens=d))
+        proposals = _record_proposals(llm)
         got = [_tokens(llm.generate(_workload(s), GREEDY_PARAMS, use_tqdm=False))
                for s in (0, 1)]
         assert got == want, eager
-        runs[eager] = (llm.stats(), llm.engine.drafter)
-    (spec_eager, eager), (spec_graph, graph) = runs[True], runs[False]
+        runs[eager] = (llm.stats(), llm.engine.drafter, proposals, llm.engine.runner.graphs)
+    (spec_eager, eager, want_drafts, _), (spec_graph, graph, drafts, target_graphs) = (
+        runs[True], runs[False])
     assert eager.graphs is None and spec_graph["spec_draft_tokens"] > 0
+    # The same drafts, proposal by proposal: the head read the same hidden states (the
+    # target's decode graphs hand theirs over too) and computed the same logits.
+    assert drafts == want_drafts
+    assert target_graphs.counters["graph_steps"] > 0, target_graphs.counters
     for key in ("spec_draft_tokens", "spec_accepted_tokens"):
         assert spec_graph[key] == spec_eager[key], key
     if caching:
