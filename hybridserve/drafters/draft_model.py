@@ -62,7 +62,7 @@ from hybridserve.cache.state_cache import StateCache
 from hybridserve.default_model import DRAFT_PATH
 from hybridserve.drafters.base import DraftRequest, draft_choices, draw_tensors
 from hybridserve.models.batch import ForwardBatch
-from hybridserve.runner.draft_graphs import DraftDraw, DraftGraphs, DraftRow
+from hybridserve.runner.draft_graphs import DraftDraw, DraftGraphs, DraftRow, row_index
 
 if TYPE_CHECKING:
     from hybridserve.config import EngineConfig
@@ -341,8 +341,9 @@ class DraftModelDrafter:
             for j in act:
                 _, seq, toks, pages = live[j]
                 rows.append((seq, None, len(toks) + step - 1, pages[step - 1], pages[step], []))
-            index = torch.tensor(act, dtype=torch.long, device=self.device)
-            drafts, logq = self._step(rows, [reqs[j] for j in act], step, cur[index])
+            index = row_index(act, self.device)
+            drafts, logq = self._step(rows, [reqs[j] for j in act], step,
+                                      cur.index_select(0, index))
             steps.append((act, drafts, logq))
             cur = cur.index_put((index,), drafts)
             step += 1
@@ -384,14 +385,17 @@ class DraftModelDrafter:
             for j, row in enumerate(rows):
                 groups.setdefault(1 if row[1] is None else len(row[1]), []).append(j)
             for group in groups.values():
+                whole = len(group) == n  # one group of every row, in order: no gathers
+                index = None if whole else row_index(group, self.device)
                 got = self.graphs.replay_rows(
                     [self._graph_row(rows[j]) for j in group],
                     [DraftDraw.of(reqs[j], step) for j in group],
-                    None if tokens is None else tokens[group],
+                    tokens if tokens is None or whole else tokens.index_select(0, index),
                 )
                 if got is None:
                     continue
-                index = torch.tensor(group, dtype=torch.long, device=self.device)
+                if whole:
+                    return got
                 drafts.index_copy_(0, index, got[0])
                 if got[1] is not None:
                     if logq is None:
@@ -407,7 +411,7 @@ class DraftModelDrafter:
             else:
                 rows = [rows[j] for j in pending]
             logits = self._forward(rows)
-            index = torch.tensor(pending, dtype=torch.long, device=self.device)
+            index = row_index(pending, self.device)
             if sampled:
                 args = draw_tensors([reqs[j] for j in pending], [step] * len(pending),
                                     self.device)

@@ -79,7 +79,7 @@ from hybridserve.models.batch import ForwardBatch, ModelCaches
 from hybridserve.models.config import ATTENTION, GDN, MAMBA, ModelConfig
 from hybridserve.models.hybrid import DecoderLayer, NemotronHForCausalLM, build_norm
 from hybridserve.models.step_plan import uniform_q
-from hybridserve.runner.draft_graphs import DraftDraw, DraftRow, MtpGraphs
+from hybridserve.runner.draft_graphs import DraftDraw, DraftRow, MtpGraphs, row_index
 
 if TYPE_CHECKING:
     from hybridserve.config import EngineConfig
@@ -482,10 +482,11 @@ class MtpDrafter:
             act = [j for j, (i, *_) in enumerate(live) if requests[i].k > step]
             if not act:
                 break
-            index = torch.tensor(act, dtype=torch.long, device=self.device)
+            index = row_index(act, self.device)
             rows = [(live[j][1], len(live[j][2]) - 2 + step, 1) for j in act]
             drafts, logq, y_act = self._step(rows, [reqs[j] for j in act], step, None,
-                                             cur[index], y[index])
+                                             cur.index_select(0, index),
+                                             y.index_select(0, index))
             steps.append((act, drafts, logq))
             cur = cur.index_put((index,), drafts)
             y = y.index_put((index,), y_act)
@@ -527,7 +528,7 @@ class MtpDrafter:
 
         def put(index_list, d, q, last):
             nonlocal logq, y
-            index = torch.tensor(index_list, dtype=torch.long, device=self.device)
+            index = row_index(index_list, self.device)
             drafts.index_copy_(0, index, d)
             if q is not None:
                 if logq is None:
@@ -537,9 +538,9 @@ class MtpDrafter:
                 y = torch.empty(n, last.shape[1], dtype=last.dtype, device=self.device)
             y.index_copy_(0, index, last)
 
-        def hidden_of(group):
+        def hidden_of(group, index):
             if isinstance(hidden, torch.Tensor):
-                return hidden[torch.tensor(group, dtype=torch.long, device=self.device)]
+                return hidden if index is None else hidden.index_select(0, index)
             return torch.cat([hidden[j] for j in group])
 
         if self.graphs is not None:
@@ -552,24 +553,29 @@ class MtpDrafter:
                     seq, first, count = rows[j]
                     drows.append(DraftRow(first - seq.base, count, seq.blocks, -1, {},
                                           None if tokens is None else tokens[j]))
+                whole = len(group) == n  # one group of every row, in order: no gathers
+                index = None if whole else row_index(group, self.device)
                 got = self.graphs.replay_rows(
                     drows, [DraftDraw.of(reqs[j], step) for j in group],
-                    None if device_tokens is None else device_tokens[group],
-                    hidden=hidden_of(group),
+                    device_tokens if device_tokens is None or whole
+                    else device_tokens.index_select(0, index),
+                    hidden=hidden_of(group, index),
                 )
                 if got is None:
                     continue
+                if whole:
+                    return got
                 put(group, *got)
                 done = set(group)
                 pending = [j for j in pending if j not in done]
         if pending:
             if tokens is not None:
-                ids = torch.tensor([t for j in pending for t in tokens[j]], dtype=torch.long,
-                                   device=self.device)
-            else:
-                ids = device_tokens[torch.tensor(pending, dtype=torch.long, device=self.device)]
+                ids = row_index([t for j in pending for t in tokens[j]], self.device)
+            index = row_index(pending, self.device)
+            if tokens is None:
+                ids = device_tokens.index_select(0, index)
             last = self._forward([rows[j] for j in pending], self.target.model.embed(ids),
-                                 hidden_of(pending))
+                                 hidden_of(pending, index))
             logits = self.target.compute_logits(last)
             if sampled:
                 args = draw_tensors([reqs[j] for j in pending], [step] * len(pending),

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hybridserve.kernels.transfer import upload
 from hybridserve.models.batch import ForwardBatch
 from hybridserve.models.step_plan import StatePlan, StepKind
 from hybridserve.runner import sampler
@@ -58,7 +59,7 @@ from hybridserve.runner.cuda_graph import (
     blocks_bucket,
 )
 
-__all__ = ["DraftDraw", "DraftGraphs", "DraftRow", "MtpGraphs"]
+__all__ = ["DraftDraw", "DraftGraphs", "DraftRow", "MtpGraphs", "row_index"]
 
 SAMPLED = Sampling(any_sampled=True)
 
@@ -99,13 +100,38 @@ class DraftDraw:
 
 
 class _DraftStatic(_Static):
-    """:class:`_Static`'s columns, then three for the draw: the temperature's float32
-    bits, the seed words (one column holding ``lo``, one ``hi``) and the token index."""
+    """:class:`_Static`'s columns, then four for the draw: the temperature's float32
+    bits, the seed words ``lo`` and ``hi``, the token index. :data:`TURNS` pinned host
+    twins instead of two: a proposal fills several steps of one ``q`` before the device
+    has run the first, and a fill waits only for the copy of the twin it reuses."""
+
+    TURNS = 8
 
     def __init__(self, q: int, *args, **kwargs) -> None:
         super().__init__(q, *args, **kwargs, extra=4)
         self.draw = self.meta.shape[1] - 4
         self.pad[self.draw : self.draw + 4] = 0
+        host = torch.zeros(self.TURNS, *self.meta.shape, dtype=torch.int64)
+        self.staging = host.pin_memory() if self.meta.is_cuda else host
+        self.copied = [None] * self.TURNS
+
+    def end_fill(self, batch: int, params: int) -> None:
+        """Copy the twin's first ``batch`` rows to the device behind the stream's queued
+        work, and pass the turn (the draw's parameters are columns: ``params`` is 0)."""
+        if params:
+            raise ValueError("a draft step's draw parameters travel in its columns")
+        t = self.turn
+        self.meta[:batch].copy_(self.staging[t, :batch], non_blocking=True)
+        if self.meta.is_cuda:
+            self.copied[t] = torch.cuda.Event()
+            self.copied[t].record()
+        self.turn = (t + 1) % self.TURNS
+
+
+def row_index(rows: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``rows`` as an int64 index tensor on ``device``, uploaded without making the host
+    wait (a pageable copy would drain the queue of graph steps launched before it)."""
+    return upload(torch.tensor(rows, dtype=torch.long), device)
 
 
 def _float32_bits(x: float) -> int:
