@@ -45,6 +45,12 @@ outside the current batch lose theirs and are caught up from token 0 when they n
 draft. Greedy requests get the draft model's argmax; sampled requests get samples of
 its distribution ``q`` (:func:`~hybridserve.drafters.base.choose_drafts`), which the
 target accepts with ``min(1, p / q)`` (:func:`hybridserve.runner.sampler.speculative_choices`).
+
+Where the target replays decode graphs, the drafter's uniform steps (the drafting
+steps, and catch-up rows of one length) replay graphs of their own over its caches
+(:meth:`DraftModelDrafter.enable_graphs`, :mod:`hybridserve.runner.draft_graphs`): the
+same pages written, each step fed the drafts the step before chose on the device, the
+drafts read back once per proposal.
 """
 
 from __future__ import annotations

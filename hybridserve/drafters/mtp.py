@@ -57,6 +57,11 @@ with positions counted from there: RoPE attention depends only on relative posit
 so this is the head attending over a shorter window, not a different computation
 (Nemotron-H's attention has no positional encoding at all). The drafts may be worse
 than with the full window; the output is the target's regardless.
+
+Where the target replays decode graphs, the head's uniform steps replay graphs of their
+own (:meth:`MtpDrafter.enable_graphs`, :class:`~hybridserve.runner.draft_graphs.MtpGraphs`):
+the hidden states come in through a static buffer, the head's outputs go on to the next
+step on the device, and the drafts are read back once per proposal.
 """
 
 from __future__ import annotations

@@ -65,6 +65,11 @@ on CUDA the matrix products of a padded step run on more rows than the eager ste
 and cuBLAS may pick another kernel for another row count (as for decode graphs' padding
 rows).
 
+Hidden states (``keep_hidden``, for a drafter that reads the target's: MTP): a replayed
+decode step also keeps its final hidden states ``[B * q, hidden]`` (row ``i``'s token
+``t`` at ``i * q + t``; a captured graph's stay in its pool) in ``last_hidden``, and
+short-row steps run eagerly (the eager step keeps its own).
+
 Without capture (``capture=False``, the default off CUDA) a "replay" runs the same
 static-buffer forward eagerly: the CPU tests check the buffer building, the padding
 and the fallbacks against the ordinary path that way.
