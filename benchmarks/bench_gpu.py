@@ -76,6 +76,7 @@ from hybridserve.kernels import (  # noqa: E402
     paged_attention_prefill,
     ssd_chunked,
     ssd_tails,
+    ssd_two_pass,
     ssd_varlen,
     state_postprocess,
 )
@@ -1235,6 +1236,70 @@ def check_ssm_decode(shape, step, dtype, device, seed, verify):
     return out
 
 
+def check_conv_ssm_decode(shape, step, dtype, device, seed, verify):
+    """``conv_ssm_update`` (the conv and the recurrence of a uniform step in one launch)
+    against its twin on a decode or verify step: outputs, the windows (exact) and the float32
+    states written to the output pages; xBC and dt are column views of one projection, as
+    the mixer passes them."""
+    g, h = _generators(seed, device)
+    q = step["verify_q"] if verify else 1
+    m = _mamba_shapes(shape)
+    rows, heads, head_dim, groups, d_state, channels, k = (
+        step["rows"], m["heads"], m["head_dim"], m["groups"], m["d_state"], m["conv_dim"],
+        m["d_conv"])
+    pages = rows * (q + 1) + 2
+    tokens = rows * q
+    dt0, dt_bias, A = _mamba_raw_dt_A(g, tokens, heads, device, dtype)
+    proj = _randn(g, tokens, channels + heads, device=device, dtype=dtype)
+    proj[:, channels:] = dt0
+    xbc, dt = proj[:, :channels], proj[:, channels:]
+    weight = _randn(g, channels, k, device=device, dtype=dtype, scale=0.5)
+    bias = _randn(g, channels, device=device, dtype=dtype, scale=0.1)
+    D = _randn(g, heads, device=device, shift=1.0, scale=0.3)
+    conv_cache = _randn(g, pages, channels, k - 1, device=device, dtype=dtype)
+    ssm_cache = _randn(g, pages, heads, head_dim, d_state, device=device)
+    in_pages, out_pages = _decode_pages(h, rows, q, pages, device)
+    written = out_pages[out_pages >= 0].long()
+    conv_cache[written] = float("nan")  # every page the kernel must write starts as NaN
+    ssm_cache[written] = float("nan")
+    others = _pages_except(pages, written)
+    untouched = (conv_cache[others].clone(), ssm_cache[others].clone())
+    twin_conv, twin_ssm = conv_cache.clone(), ssm_cache.clone()
+    want = mamba_decode.conv_ssm_update_reference(
+        xbc, dt, weight, bias, A, D, twin_conv, twin_ssm, in_pages, out_pages, "silu",
+        dt_bias=dt_bias)
+    conv64, ssm64 = conv_cache.double(), ssm_cache.double()
+    ref = mamba_decode.conv_ssm_update_reference(
+        *(t.double() for t in (xbc, dt, weight, bias, A, D)), conv64, ssm64, in_pages,
+        out_pages, "silu", dt_bias=dt_bias.double())
+    args = (xbc, dt, weight, bias, A, D, conv_cache, ssm_cache, in_pages, out_pages, "silu")
+    got = mamba_decode.conv_ssm_update(*args, dt_bias=dt_bias)
+    # The conv output is rounded to the activations' dtype before the recurrence (as the
+    # separate conv stores it): kernel and twin sum the taps in different orders, so a
+    # bf16 x, B or C can round one ulp apart (the conv check's 1e-2); against float64,
+    # bf16's rounding of x, B and C.
+    tol = _tol(dtype, 1e-4, 1e-2)
+    tol64 = _tol(dtype, 1e-4, 2e-2)
+    return {
+        "kernel": "conv_ssm_update", "twin": "conv_ssm_update_reference",
+        "shapes": {"rows": rows, "q": q, "heads": heads, "head_dim": head_dim,
+                   "groups": groups, "d_state": d_state, "conv_dim": channels, "d_conv": k,
+                   "pages": pages, "pages_written": int(written.numel()),
+                   "state_dtype": "torch.float32"},
+        "outputs": {"y": _compared(got, want, tol, ref, tol64),
+                    "windows": _compared(conv_cache[written], twin_conv[written], 0.0),
+                    "states": _compared(ssm_cache[written], twin_ssm[written], tol,
+                                        ssm64[written], tol64)},
+        "invariants": {
+            "pages_written": not bool(conv_cache[written].isnan().any()
+                                      or ssm_cache[written].isnan().any()),
+            "other_pages_unchanged": torch.equal(conv_cache[others], untouched[0])
+            and torch.equal(ssm_cache[others], untouched[1])},
+        "kernel_s": kernel_time(lambda: mamba_decode.conv_ssm_update(*args, dt_bias=dt_bias),
+                                device),
+    }
+
+
 def _kv_step(g, h, specs, shape, step, dtype, device):
     """A packed step over a fresh paged KV cache; ``specs`` lists ``(cached, new)`` tokens
     per row. Every key and value of a row's context is random, every other slot is NaN.
@@ -1623,10 +1688,13 @@ def check_ssd_prefill(shape, step, dtype, device, seed, chunk_states=False):
     }
 
 
-def check_ssd_fused(shape, step, dtype, device, seed):
-    """``ssd_prefill`` on the fused scan (``ssd_chunked.ssd_scan_fused``: bf16 x / B / C
-    and the raw dt as the mixer passes them) against the same on its torch twin, states
-    at every grid point and row end of a mixed step."""
+def check_ssd_fused(shape, step, dtype, device, seed, two_pass=False):
+    """``ssd_prefill`` on the fused scan (``ssd_chunked.ssd_scan_fused``, or with
+    ``two_pass`` the default ``ssd_two_pass.ssd_scan_two_pass``: bf16 x / B / C and the raw
+    dt as the mixer passes them) against the same on its torch twin, states at every grid
+    point and row end of a mixed step."""
+    scan = ssd_two_pass.ssd_scan_two_pass if two_pass else ssd_chunked.ssd_scan_fused
+    label = "two-pass scan" if two_pass else "fused scan"
     g, h = _generators(seed, device)
     specs, (x, _, A, B, C, D, init), shapes = _ssd_inputs(g, h, shape, step, device)
     dt, dt_bias, _ = _mamba_raw_dt_A(g, x.shape[0], x.shape[1], device, torch.bfloat16)
@@ -1644,8 +1712,7 @@ def check_ssd_fused(shape, step, dtype, device, seed):
     kw = dict(dt_bias=dt_bias, time_step_limit=(0.0, float("inf")))
 
     def kern():
-        return ssd_varlen.ssd_prefill(x, dt, A, B, C, D, init, segments,
-                                      ssd_chunked.ssd_scan_fused, **kw)
+        return ssd_varlen.ssd_prefill(x, dt, A, B, C, D, init, segments, scan, **kw)
 
     y, states = kern()
     y_twin, states_twin = ssd_varlen.ssd_prefill(
@@ -1656,7 +1723,7 @@ def check_ssd_fused(shape, step, dtype, device, seed):
         ssd_chunked.ssd_scan_fused_reference, dt_bias=dt_bias.double(),
         time_step_limit=kw["time_step_limit"])
     return {
-        "kernel": "ssd_prefill (fused scan)", "twin": "ssd_prefill (fused scan's twin)",
+        "kernel": f"ssd_prefill ({label})", "twin": "ssd_prefill (fused scans' twin)",
         "dtype": "torch.bfloat16",
         "shapes": {**shapes, "state_interval": interval, "states": len(rows)},
         "outputs": {"y": _compared(y, y_twin, 1e-4, y64, 1e-4),
@@ -2050,6 +2117,9 @@ KERNEL_CHECKS = [
     ("conv_decode_update (verify)", "mamba_decode", check_conv_decode, {"verify": True}),
     ("ssm_update (decode)", "mamba_decode", check_ssm_decode, {"verify": False}),
     ("ssm_update (verify)", "mamba_decode", check_ssm_decode, {"verify": True}),
+    # Verify rows only (the unrolled row length covers q = 1 too; the interpreter's smoke
+    # run is slow on this kernel): bench_decode_kernels.py times decode and verify.
+    ("conv_ssm_update (verify)", "mamba_decode", check_conv_ssm_decode, {"verify": True}),
     ("paged_attention_decode (decode)", "paged_attention", check_attention_decode,
      {"verify": False}),
     ("paged_attention_decode (verify)", "paged_attention", check_attention_decode,
@@ -2062,6 +2132,7 @@ KERNEL_CHECKS = [
     ("ssd_prefill", "ssd_varlen", check_ssd_prefill, {}),
     ("ssd_prefill (chunk states)", "ssd_varlen", check_ssd_prefill, {"chunk_states": True}),
     ("ssd_prefill (fused scan)", "ssd_chunked", check_ssd_fused, {}),
+    ("ssd_prefill (two-pass scan)", "ssd_two_pass", check_ssd_fused, {"two_pass": True}),
     ("ssd_tail_states", "ssd_tails", check_ssd_tails, {}),
     ("rms_norm", "norms", check_rms_norm, {}),
     ("add_rms_norm", "norms", check_add_rms_norm, {}),

@@ -5,12 +5,18 @@ Measured in one run (DESIGN.md section 9), kernel medians from CUDA events:
   ssd    the SSD part of a packed prefill step, requested states written to their pages,
          for 8 x 4,096 tokens with initial and final states, the same with a state every
          64 tokens (the checkpoint grid), and 1 x 8,192:
-           ``new``  :func:`~hybridserve.kernels.ssd_varlen.ssd_prefill` on the fused scan
-                    (:mod:`hybridserve.kernels.ssd_chunked`: grouped B/C, raw dt, states
-                    straight into their pages), its defaults, then a few tiles and product
-                    precisions (``split``: 16-bit halves, the default for bf16 inputs);
-           ``old``  the previous engine path: dt discretised in the activations' dtype,
-                    float32 copies, groups expanded, fla-core's scan (where importable);
+           ``new``    :func:`~hybridserve.kernels.ssd_varlen.ssd_prefill` on the two-pass
+                      scan (:mod:`hybridserve.kernels.ssd_two_pass`, the default: a state
+                      pass, then every chunk's outputs in parallel; grouped B/C, raw dt,
+                      states straight into their pages), its defaults, then a sweep of
+                      both passes' tiles and warps and the product precisions, and of
+                      output chunks of 128 tokens (``out_chunk=128``);
+           ``fused``  the same through the one-launch scan
+                      (:mod:`hybridserve.kernels.ssd_chunked`, ``packed_prefill="fused"``),
+                      its defaults and a few tiles and precisions (``split``: 16-bit
+                      halves, the default for bf16 inputs);
+           ``old``    the previous engine path: dt discretised in the activations' dtype,
+                      float32 copies, groups expanded, fla-core's scan (where importable);
          each checked against the float64 twin on the heads of the first two groups
          (relative error of outputs and states);
   conv   ``conv_varlen`` over 8 x 4,096 tokens of the 10,240-channel conv: no window
@@ -47,7 +53,7 @@ import triton  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from provenance import git_commit  # noqa: E402
 
-from hybridserve.kernels import ssd_chunked, ssd_varlen  # noqa: E402
+from hybridserve.kernels import ssd_chunked, ssd_two_pass, ssd_varlen  # noqa: E402
 from hybridserve.kernels.conv_varlen import (  # noqa: E402
     conv_varlen,
     conv_varlen_reference,
@@ -59,16 +65,34 @@ FULL = dict(heads=128, head_dim=64, groups=8, d_state=128, conv_dim=10240, d_con
             ssd=(("8x4096 initial+final", 8, 4096, False), ("8x4096 state every 64", 8, 4096,
                  True), ("1x8192 initial+final", 1, 8192, False)),
             conv_rows=(8, 4096), reps=20, check_groups=2,
-            ssd_variants=((64, 8, "split"), (32, 8, "split"), (32, 4, "split"),
-                          (16, 4, "split"), (64, 8, "tf32"), (32, 8, "tf32"),
-                          (32, 8, "bf16x3")),
+            # Two-pass scan: (output block_p, its warps, state pass block_p x block_n,
+            # its warps, precision); registers a thread (sm_90, spilled bytes) in comments.
+            two_pass_variants=(
+                (64, 4, 32, 128, 8, "split"),  # the default: output 255 (40), state 225
+                (64, 8, 32, 128, 8, "split"),  # output 255 (0)
+                (32, 4, 32, 128, 8, "split"),  # output 194 (0)
+                (32, 8, 32, 128, 8, "split"),  # output 187 (0)
+                (64, 4, 64, 64, 8, "split"),  # state 228 (0)
+                (64, 4, 16, 128, 4, "split"),  # state 196 (0)
+                (64, 4, 16, 64, 8, "split"),  # state 128 (0)
+                (64, 4, 32, 64, 4, "split"),  # state 254 (0)
+                (64, 4, 64, 128, 8, "split"),  # state 255 (232)
+                (64, 4, 32, 128, 8, "tf32"),
+            ),
+            # The two-pass scan's output pass over 128-token chunks (the state pass still
+            # stores every 64): (output block_p, its warps); the state pass at its default.
+            two_pass_128_variants=((32, 8), (64, 8), (32, 4)),  # output 255 (8), (104), (216)
+            # One-launch scan: (block_p, warps, precision).
+            ssd_variants=((64, 8, "split"), (32, 4, "split"), (64, 8, "tf32")),
             conv_tiles=((32, 128, None), (32, 128, 4), (64, 128, 8), (16, 256, 8),
                         (32, 256, 8), (64, 256, 8), (128, 128, 8)))
 SMOKE = dict(heads=4, head_dim=16, groups=2, d_state=16, conv_dim=48, d_conv=4,
              ssd=(("2x70 initial+final", 2, 70, False), ("1x130 state every 64", 1, 130,
                   True)),
              conv_rows=(2, 70), reps=1, check_groups=1,
-             ssd_variants=((16, 4, "ieee"),), conv_tiles=((32, 64, None),))
+             two_pass_variants=((16, 4, 16, 16, 4, "ieee"),), two_pass_128_variants=((16, 4),),
+             ssd_variants=((16, 4, "ieee"),),
+             conv_tiles=((32, 64, None),))
 
 
 def _time(fn, reps: int, device: str) -> float:
@@ -158,9 +182,9 @@ def _ssd_case(cfg, name, rows, length, every64, device, reps, use_fla):
     args = (lay.x, lay.dt, lay.A, lay.B, lay.C, lay.D, lay.init, segments)
     out = {"case": name, "tokens": lay.tokens, "states": k}
 
-    def new(**kw):
+    def run(fn, **kw):
         # As the mixer calls it: the states go straight to their pages.
-        scan = functools.partial(ssd_chunked.ssd_scan_fused, **kw)
+        scan = functools.partial(fn, **kw)
         y, _ = ssd_varlen.ssd_prefill(*args, scan, dt_bias=lay.dt_bias,
                                       time_step_limit=lay.limit, out_cache=pages,
                                       out_pages=out_pages)
@@ -176,19 +200,26 @@ def _ssd_case(cfg, name, rows, length, every64, device, reps, use_fla):
     def check(y, states):
         return {"rel_err_y": _rel(y[:, :hs], y64), "rel_err_states": _rel(states[:, :hs], s64)}
 
-    variants = []
-    for block_p, warps, precision in cfg["ssd_variants"]:
-        kw = dict(block_p=block_p, num_warps=warps, precision=precision)
+    def measure(fn, **kw):
         pages.zero_()
-        y = new(**kw)
-        variants.append({**kw, "median_ms": 1e3 * _time(lambda kw=kw: new(**kw), reps, device),
-                         **check(y, pages[out_pages])})
-    pages.zero_()
-    y = new()
-    states = pages[out_pages]
-    out["new"] = {"median_ms": 1e3 * _time(new, reps, device), **check(y, states),
-                  "variants": variants}
-    del y, states
+        y = run(fn, **kw)
+        got = check(y, pages[out_pages])
+        del y
+        return {"median_ms": 1e3 * _time(lambda: run(fn, **kw), reps, device), **got}
+
+    two_pass = ssd_two_pass.ssd_scan_two_pass
+    out["new"] = {"scan": two_pass.__name__, **measure(two_pass), "variants": [
+        {**kw, **measure(two_pass, **kw)} for kw in (
+            dict(block_p=bp, num_warps=w, state_block_p=sbp, state_block_n=sbn,
+                 state_warps=sw, precision=pr)
+            for bp, w, sbp, sbn, sw, pr in cfg["two_pass_variants"])] + [
+        {"out_chunk": 128, "block_p": bp, "num_warps": w,
+         **measure(two_pass, out_chunk=128, block_p=bp, num_warps=w)}
+        for bp, w in cfg["two_pass_128_variants"]]}
+    fused = ssd_chunked.ssd_scan_fused
+    out["fused"] = {"scan": fused.__name__, **measure(fused), "variants": [
+        {**kw, **measure(fused, **kw)} for kw in (
+            dict(block_p=bp, num_warps=w, precision=pr) for bp, w, pr in cfg["ssd_variants"])]}
     if use_fla:
         scan = ssd_varlen.ssd_scan_varlen_fla
         old_segments = ssd_varlen.plan_segments(
@@ -263,7 +294,8 @@ def main(argv: list[str] | None = None) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = SMOKE if a.smoke or device == "cpu" else FULL
     if a.quick:
-        cfg = {**cfg, "ssd_variants": (), "conv_tiles": cfg["conv_tiles"][:1]}
+        cfg = {**cfg, "two_pass_variants": (), "two_pass_128_variants": (), "ssd_variants": (),
+               "conv_tiles": cfg["conv_tiles"][:1]}
     use_fla = device == "cuda" and ssd_varlen.fla_available()
     started = time.time()
     smoke = a.smoke or device == "cpu"

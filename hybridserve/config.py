@@ -250,11 +250,13 @@ class KernelPolicy:
       56 ms at 1,024 tokens, where the two meet; hence 512.
     - ``packed_prefill`` (path): every other step runs all rows through one
       variable-length conv and the segmented chunked scan; ``"auto"`` (= ``"triton"``)
-      on CUDA with a float32 scan, through the fused Triton scan of
-      :mod:`hybridserve.kernels.ssd_chunked`; ``"reference"`` with its torch twin
-      anywhere; ``"fla"`` on CUDA through fla-core's scan (groups expanded to heads,
-      float32 copies of the inputs: the comparison point). Otherwise rows go one by one
-      (the oracle).
+      on CUDA with a float32 scan, through the two-pass Triton scan of
+      :mod:`hybridserve.kernels.ssd_two_pass` (a state pass, then every chunk's outputs
+      in parallel); ``"fused"`` through the one-launch scan of
+      :mod:`hybridserve.kernels.ssd_chunked` (one program walks all chunks of its row);
+      ``"reference"`` with their torch twin anywhere; ``"fla"`` on CUDA through
+      fla-core's scan (groups expanded to heads, float32 copies of the inputs: the
+      comparison point). Otherwise rows go one by one (the oracle).
     - ``norms``: the RMS norms.
     - ``moe``: the routed experts of mixture-of-experts layers (grouped kernels or the
       per-expert loop).
@@ -267,6 +269,10 @@ class KernelPolicy:
       ``"on"`` (``"auto"``, the default, is the same) or ``"off"``. On the H200 the
       captured steps gave the eager step's tokens (``test_captured_short_steps_match_eager_on_cuda``)
       and the cached first token of the 8B shape 20.7x faster than cold (``gpu_bench.json``).
+    - ``fused_decode`` (bool): uniform Mamba2 steps on the Triton kernels run the conv and
+      the recurrence in one launch (:func:`~hybridserve.kernels.mamba_decode.conv_ssm_update`:
+      no round trip of the conv output through memory, one launch less per layer); False
+      runs them as two (``conv_decode_update``, ``ssm_update``: the benchmarks' comparison).
     """
 
     uniform_decode: bool = True
@@ -280,6 +286,7 @@ class KernelPolicy:
     gdn_rows: str = "auto"
     gdn_chunk: int = 64
     short_graphs: str = "auto"
+    fused_decode: bool = True
 
     def __post_init__(self) -> None:
         if self.short_graphs not in ("auto", "on", "off"):
@@ -291,7 +298,7 @@ class KernelPolicy:
             if value not in KERNEL_MODES:
                 raise ValueError(f"kernel_policy.{name}={value!r}: choose from {KERNEL_MODES}")
         for name, modes in (("short_rows", PATH_MODES),
-                            ("packed_prefill", (*PATH_MODES, "fla"))):
+                            ("packed_prefill", (*PATH_MODES, "fused", "fla"))):
             value = getattr(self, name)
             if value not in modes:
                 raise ValueError(f"kernel_policy.{name}={value!r}: choose from {modes}")
@@ -302,6 +309,8 @@ class KernelPolicy:
             raise ValueError(f"kernel_policy.gdn_chunk must be a power of two, got {self.gdn_chunk}")
         if not isinstance(self.uniform_decode, bool):
             raise ValueError(f"kernel_policy.uniform_decode must be a bool, got {self.uniform_decode!r}")
+        if not isinstance(self.fused_decode, bool):
+            raise ValueError(f"kernel_policy.fused_decode must be a bool, got {self.fused_decode!r}")
         if not 1 <= self.max_short_tokens <= 1 << 20:
             raise ValueError(
                 f"kernel_policy.max_short_tokens must be in [1, 2**20], got {self.max_short_tokens}"

@@ -420,11 +420,28 @@ class EngineCore:
     def _advance(self, sched: SchedulerOutput, pending: PendingStep) -> list[RequestOutput]:
         """Launch the step after ``sched`` (in flight as ``pending``) if it can go ahead,
         then read back and commit ``sched``."""
+        if pending.deferred is not None:
+            # Its draw was not queued after the step before (that commit raised): now.
+            self._guarded(sched, lambda: self.runner.draw(pending))
         self._inflight = self._launch_ahead(sched, pending)
         results = self._guarded(sched, lambda: self.runner.collect(pending))
         outputs = self._process(sched, results)
+        self._draw_inflight()
         self._check_integrity()
         return outputs
+
+    def _draw_inflight(self) -> None:
+        """Queue the draw of the step in flight where it waits (a step with constrained
+        rows launched ahead: its masks need the tokens just committed). The device runs
+        that step's forward meanwhile, so the masks are filled while it computes."""
+        if self._inflight is None or self._inflight[1].deferred is None:
+            return
+        nxt, launched = self._inflight
+        try:
+            self._guarded(nxt, lambda: self.runner.draw(launched))
+        except BaseException:
+            self._inflight = None
+            raise
 
     def _launch_ahead(
         self, sched: SchedulerOutput, pending: PendingStep
@@ -432,7 +449,10 @@ class EngineCore:
         """Schedule and launch the plain decode step after ``sched`` before its tokens
         are on the host, or None: when requests wait (they are admitted by an ordinary
         step), when a row is not plain decode, or when the caches or the graphs cannot
-        take it. A request that ``sched`` surely finishes (its length cap) gets no row."""
+        take it. A request that ``sched`` surely finishes (its length cap) gets no row.
+        A step with constrained rows goes ahead as its forward only: the masks of its
+        draw follow the tokens still on the device, so the draw runs once ``sched`` is
+        committed (:meth:`_draw_inflight`)."""
         if self.scheduler.waiting or not sched.plain_decode:
             return None
         rows, sources = [], []

@@ -7,13 +7,18 @@ per-row loop of the reference mixer, every row of the step is processed by one l
 per op:
 
 - :func:`conv_decode_update`: causal depthwise conv of uniform rows' ``Q`` new inputs,
-  starting from the conv window on page ``in_pages[r]`` (short rows of any length take
+  starting from the conv window on page ``in_pages[r]`` (zeros for -1), reading the
+  window and taps once and shifting the window in registers (short rows of any length take
   :func:`~hybridserve.kernels.conv_varlen.conv_varlen`, which writes windows the same
   way);
 - :func:`ssm_update`: the recurrence ``S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t``,
   ``y_t = S_t . C_t + D x_t`` from the state on page ``in_pages[r]`` (zeros for -1), over
   uniform rows (``query_start`` None: the row length is unrolled, the form CUDA graphs
   capture) or rows of any length (``query_start``). One kernel, one twin, for both.
+- :func:`conv_ssm_update`: the two in one launch for uniform rows (the decode and verify
+  steps of Mamba2): each program convolves its own x channels and its group's B and C
+  channels in registers, so the conv output makes no round trip through memory and the
+  step costs one launch less.
 
 Numerics: ``ssm_update`` takes the projection's raw dt and discretises it itself,
 ``dt_t = clamp(softplus(dt_raw + dt_bias), *time_step_limit)``, in float32 (the twin in
@@ -22,11 +27,12 @@ the state. Discretising in the activations' dtype (bfloat16) instead costs a rel
 error against float64 of about 1e-3 after one step that grows with every step
 (tests/kernels/test_mamba_decode.py measures it).
 
-Both write the window / state *after* packed token ``t`` to page ``out_pages[t]`` when
+All write the window / state *after* packed token ``t`` to page ``out_pages[t]`` when
 that entry is ``>= 0`` and never write an input page (the caller guarantees the output
 pages are disjoint from every input page, DESIGN.md section 4), so no program of a launch
 reads what another writes (section 5): a program owns one (row, channel block) or (row,
-head, head-dim block) slice of its row's pages and touches nothing else.
+head, head-dim block) slice of its row's pages and touches nothing else (in the fused
+launch, the B and C windows of a group are written by the group's first program only).
 
 Layout (token-major, packed): uniform rows put row ``r``'s token ``t`` at ``r * Q + t``.
 Every op has a torch twin (``*_reference``) computing the same function, the CPU path and
@@ -48,6 +54,8 @@ __all__ = [
     "check_ssm_operands",
     "conv_decode_update",
     "conv_decode_update_reference",
+    "conv_ssm_update",
+    "conv_ssm_update_reference",
     "softplus",
     "ssm_update",
     "ssm_update_reference",
@@ -125,7 +133,13 @@ def conv_decode_update_reference(
     tokens, channels = xbc.shape
     rows, q = _check_pages(in_pages, out_pages, tokens)
     k = weight.shape[-1]
-    windows = conv_cache[in_pages.long()].to(xbc.dtype)  # [R, C, K-1]
+    pages = in_pages.long()
+    # A row without a page (-1) starts from a zero window.
+    windows = torch.where(
+        (pages >= 0)[:, None, None],
+        conv_cache[pages.clamp(min=0)].to(xbc.dtype),
+        torch.zeros((), dtype=xbc.dtype, device=xbc.device),
+    )  # [R, C, K-1]
     xp = torch.cat([windows, xbc.view(rows, q, channels).transpose(1, 2)], dim=2)  # [R, C, K-1+Q]
     compute = torch.promote_types(xbc.dtype, torch.float32)
     out = torch.nn.functional.conv1d(
@@ -247,6 +261,69 @@ def ssm_update_reference(
 
 
 @triton.jit
+def conv_taps(weight_ptr, bias_ptr, c, cmask, K: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The depthwise taps of channels ``c`` as four float32 vectors ``(w0, w1, w2, w3)``,
+    right-aligned (``w3`` is the tap of the newest input; taps a kernel of width ``K < 4``
+    lacks are zeros), and the bias (zeros without one). ``weight`` is ``[C, K]``."""
+    zero = tl.zeros_like(c).to(tl.float32)
+    w0 = zero
+    w1 = zero
+    w2 = zero
+    if K == 4:
+        w0 = tl.load(weight_ptr + c * K + (K - 4), mask=cmask, other=0.0).to(tl.float32)
+    if K >= 3:
+        w1 = tl.load(weight_ptr + c * K + (K - 3), mask=cmask, other=0.0).to(tl.float32)
+    w2 = tl.load(weight_ptr + c * K + (K - 2), mask=cmask, other=0.0).to(tl.float32)
+    w3 = tl.load(weight_ptr + c * K + (K - 1), mask=cmask, other=0.0).to(tl.float32)
+    b = zero
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + c, mask=cmask, other=0.0).to(tl.float32)
+    return w0, w1, w2, w3, b
+
+
+@triton.jit
+def load_conv_window(page_ptr, c, wmask, K: tl.constexpr):
+    """The window ``[C, K - 1]`` (oldest first) of channels ``c`` on the page at
+    ``page_ptr`` as three vectors ``(c0, c1, c2)`` in the page dtype, right-aligned like
+    :func:`conv_taps` (``c2`` the newest input; zeros where ``K < 4`` or ``wmask`` is off).
+    Read once per program: the window then shifts in registers."""
+    zero = tl.zeros_like(c).to(page_ptr.dtype.element_ty)
+    c0 = zero
+    c1 = zero
+    if K == 4:
+        c0 = tl.load(page_ptr + c * (K - 1) + (K - 4), mask=wmask, other=0.0)
+    if K >= 3:
+        c1 = tl.load(page_ptr + c * (K - 1) + (K - 3), mask=wmask, other=0.0)
+    c2 = tl.load(page_ptr + c * (K - 1) + (K - 2), mask=wmask, other=0.0)
+    return c0, c1, c2
+
+
+@triton.jit
+def store_conv_window(conv_ptr, page, page_stride, c, cmask, c0, c1, c2, K: tl.constexpr):
+    """Store the right-aligned window ``(c0, c1, c2)`` of channels ``c`` (mask ``cmask``)
+    to page ``page`` when that is ``>= 0``, cast to the page dtype."""
+    # Broadcast the page before comparing: a scalar comparison in a mask is rejected by
+    # the CPU interpreter.
+    wmask = cmask & ((c * 0 + page) >= 0)
+    dst = conv_ptr + page.to(tl.int64) * page_stride + c * (K - 1)
+    ty = conv_ptr.dtype.element_ty
+    if K == 4:
+        tl.store(dst + (K - 4), c0.to(ty), mask=wmask)
+    if K >= 3:
+        tl.store(dst + (K - 3), c1.to(ty), mask=wmask)
+    tl.store(dst + (K - 2), c2.to(ty), mask=wmask)
+
+
+@triton.jit
+def conv_tap_step(c0, c1, c2, xin, w0, w1, w2, w3, b, SILU: tl.constexpr):
+    """One output of the causal conv in float32: ``act(b + w . (c0, c1, c2, xin))``."""
+    acc = b + w0 * c0 + w1 * c1 + w2 * c2 + w3 * xin
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    return acc
+
+
+@triton.jit
 def _conv_decode_kernel(
     xbc_ptr,
     xbc_stride,
@@ -264,14 +341,65 @@ def _conv_decode_kernel(
     SILU: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    # One program per (row, channel block). The padded input of a channel is
+    # One program per (row, channel block), kernels of width 2 to 4: the taps and the
+    # window are read once, the row's Q inputs once each (a contiguous channel block of
+    # one token), the window shifts in registers, and the window after token t is written
+    # only where out_pages asks for it.
+    r = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = c < channels
+    in_page = tl.load(in_pages_ptr + r)
+    w0, w1, w2, w3, b = conv_taps(weight_ptr, bias_ptr, c, cmask, K, HAS_BIAS)
+    # A row without a page starts from a zero window (page 0 is never dereferenced for it).
+    c0, c1, c2 = load_conv_window(
+        conv_ptr + tl.maximum(in_page, 0).to(tl.int64) * page_stride, c,
+        cmask & ((c * 0 + in_page) >= 0), K,
+    )
+    # Windows hold inputs in the inputs' dtype (the twin's rounding of a wider page).
+    ty = xbc_ptr.dtype.element_ty
+    c0 = c0.to(ty).to(tl.float32)
+    c1 = c1.to(ty).to(tl.float32)
+    c2 = c2.to(ty).to(tl.float32)
+    for t in tl.static_range(Q):
+        tok = r * Q + t
+        xin = tl.load(xbc_ptr + tok * xbc_stride + c, mask=cmask, other=0.0).to(tl.float32)
+        acc = conv_tap_step(c0, c1, c2, xin, w0, w1, w2, w3, b, SILU)
+        tl.store(out_ptr + tok * channels + c, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+        c0, c1, c2 = c1, c2, xin
+        store_conv_window(conv_ptr, tl.load(out_pages_ptr + tok), page_stride, c, cmask,
+                          c0, c1, c2, K)
+
+
+@triton.jit
+def _conv_decode_reload_kernel(
+    xbc_ptr,
+    xbc_stride,
+    weight_ptr,
+    bias_ptr,
+    conv_ptr,
+    page_stride,
+    in_pages_ptr,
+    out_pages_ptr,
+    out_ptr,
+    channels,
+    Q: tl.constexpr,
+    K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    # The previous form (any kernel width): one program per (row, channel block), every
+    # output re-reading its K inputs and every window its K - 1 entries from memory. The
+    # padded input of a channel is
     # xp = window (K - 1 values, oldest first) followed by the row's Q inputs; output t
     # reads xp[t .. t + K - 1] and the window after token t is xp[t + 1 .. t + K - 1].
     r = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = c < channels
-    in_page = tl.load(in_pages_ptr + r).to(tl.int64)
-    win_ptr = conv_ptr + in_page * page_stride + c * (K - 1)
+    in_page = tl.load(in_pages_ptr + r)
+    # A row without a page starts from a zero window (page 0 is never dereferenced for it).
+    inmask = cmask & ((c * 0 + in_page) >= 0)
+    win_ptr = conv_ptr + tl.maximum(in_page, 0).to(tl.int64) * page_stride + c * (K - 1)
     tok0 = r * Q
     acc_bias = tl.zeros([BLOCK_C], dtype=tl.float32)
     if HAS_BIAS:
@@ -280,7 +408,7 @@ def _conv_decode_kernel(
         acc = acc_bias
         for k in tl.static_range(K):
             if t + k < K - 1:
-                v = tl.load(win_ptr + (t + k), mask=cmask, other=0.0)
+                v = tl.load(win_ptr + (t + k), mask=inmask, other=0.0)
             else:
                 v = tl.load(xbc_ptr + (tok0 + t + k - (K - 1)) * xbc_stride + c, mask=cmask, other=0.0)
             w = tl.load(weight_ptr + c * K + k, mask=cmask, other=0.0)
@@ -295,7 +423,7 @@ def _conv_decode_kernel(
         dst = conv_ptr + out_page.to(tl.int64) * page_stride + c * (K - 1)
         for i in tl.static_range(K - 1):
             if t + 1 + i < K - 1:
-                v = tl.load(win_ptr + (t + 1 + i), mask=wmask, other=0.0)
+                v = tl.load(win_ptr + (t + 1 + i), mask=wmask & inmask, other=0.0)
             else:
                 v = tl.load(
                     xbc_ptr + (tok0 + t + 1 + i - (K - 1)) * xbc_stride + c, mask=wmask, other=0.0
@@ -311,6 +439,10 @@ def conv_decode_update(
     in_pages: torch.Tensor,
     out_pages: torch.Tensor,
     activation: str | None = "silu",
+    *,
+    registers: bool = True,
+    block_c: int | None = None,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """Conv step of every row of a uniform step, from and to conv-window pages.
 
@@ -318,11 +450,18 @@ def conv_decode_update(
         xbc: ``[R * Q, C]`` new conv inputs (token-major; rows of ``Q`` tokens).
         weight: ``[C, K]`` depthwise kernel; bias: ``[C]`` or None.
         conv_cache: ``[pages, C, K - 1]`` windows (oldest input first), contiguous.
-        in_pages: ``[R]`` int32 page of each row's window before its first token.
+        in_pages: ``[R]`` int32 page of each row's window before its first token, -1
+            for zeros.
         out_pages: ``[R, Q]`` int32; the window after token ``t`` of row ``r`` goes to
             page ``out_pages[r, t]`` when it is ``>= 0``. Must not repeat a page or name
             an input page.
         activation: ``"silu"`` / ``"swish"`` or None, applied to the outputs.
+        registers: kernel widths 2 to 4 read the window and taps once and shift the
+            window in registers (the default); False, or any other width, takes the
+            previous form, which re-reads every output's K inputs and every window's
+            K - 1 entries (the benchmarks' baseline).
+        block_c, num_warps: channels a program (a power of two; default
+            ``min(256, next_power_of_2(C))``) and its warps: the benchmarks' tile sweep.
 
     Returns:
         ``out [R * Q, C]`` in ``xbc.dtype`` (accumulated in float32).
@@ -342,17 +481,21 @@ def conv_decode_update(
     out = torch.empty(tokens, channels, dtype=xbc.dtype, device=xbc.device)
     if rows == 0:
         return out
-    block_c = min(256, triton.next_power_of_2(channels))
+    if block_c is None:
+        block_c = min(256, triton.next_power_of_2(channels))
+    if block_c < 1 or block_c & (block_c - 1):
+        raise ValueError(f"block_c must be a power of two, got {block_c}")
     grid = (rows, triton.cdiv(channels, block_c))
-    _conv_decode_kernel[grid](
+    kernel = _conv_decode_kernel if registers and 2 <= k <= 4 else _conv_decode_reload_kernel
+    kernel[grid](
         xbc,
         xbc.stride(0),
         weight,
         bias if bias is not None else weight,
         conv_cache,
         conv_cache.stride(0),
-        in_pages.contiguous(),
-        out_pages.contiguous(),
+        in_pages.to(torch.int32).contiguous(),
+        out_pages.to(torch.int32).contiguous(),
         out,
         channels,
         Q=q,
@@ -360,6 +503,7 @@ def conv_decode_update(
         HAS_BIAS=bias is not None,
         SILU=activation is not None,
         BLOCK_C=block_c,
+        num_warps=num_warps,
     )
     return out
 
@@ -388,6 +532,54 @@ def store_state_page(state, tok, offs, smask, ssm_ptr, page_stride, out_pages_pt
         state.to(ssm_ptr.dtype.element_ty),
         mask=smask & ((offs * 0 + out_page) >= 0),
     )
+
+
+@triton.jit
+def ssm_token_update(
+    state,
+    x,
+    b,
+    c,
+    dt_raw,
+    tok,
+    h,
+    p,
+    pmask,
+    smask,
+    offs,
+    a,
+    d_skip,
+    dt_bias,
+    dt_min,
+    dt_max,
+    unclamped_ptr,
+    ssm_ptr,
+    page_stride,
+    out_pages_ptr,
+    y_ptr,
+    heads,
+    head_dim,
+    CLAMP: tl.constexpr,
+    HAS_UNCLAMPED: tl.constexpr,
+):
+    """One token of the recurrence from its operands in registers (float32 ``x [BLOCK_P]``,
+    ``b, c [BLOCK_N]``, the raw ``dt_raw``): discretises dt, updates ``state`` (returned),
+    stores ``y`` of packed token ``tok`` and, when ``out_pages[tok] >= 0``, the new state
+    to that page. Shared by :func:`ssm_token_step` and the fused conv + recurrence."""
+    # dt discretised in float32 from the projection's value (module docstring).
+    dt = softplus(dt_raw + dt_bias)
+    if CLAMP:
+        clamped = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+        if HAS_UNCLAMPED:
+            dt = tl.where(tl.load(unclamped_ptr + tok) != 0, dt, clamped)
+        else:
+            dt = clamped
+    decay = tl.exp(dt * a)
+    state = state * decay + (dt * b)[None, :] * x[:, None]
+    y = tl.sum(state * c[None, :], axis=1) + d_skip * x
+    tl.store(y_ptr + tok * heads * head_dim + h * head_dim + p, y, mask=pmask)
+    store_state_page(state, tok, offs, smask, ssm_ptr, page_stride, out_pages_ptr)
+    return state
 
 
 @triton.jit
@@ -427,26 +619,18 @@ def ssm_token_step(
     HAS_UNCLAMPED: tl.constexpr,
 ):
     """One token of the recurrence for a program's (head ``h``, head-dim rows ``p``) slice:
-    discretises the token's raw dt, updates ``state`` (returned), stores ``y`` of packed
-    token ``tok`` and, when ``out_pages[tok] >= 0``, the new state to that page. Inlined
-    into both loops of :func:`_ssm_kernel` (unrolled uniform rows, rows of any length)."""
+    loads the token's operands and applies :func:`ssm_token_update` (returns the state).
+    Inlined into both loops of :func:`_ssm_kernel` (unrolled uniform rows, rows of any
+    length)."""
     x = tl.load(x_ptr + tok * x_stride + h * head_dim + p, mask=pmask, other=0.0).to(tl.float32)
-    # dt discretised in float32 from the projection's value (module docstring).
-    dt = softplus(tl.load(dt_ptr + tok * dt_stride + h).to(tl.float32) + dt_bias)
-    if CLAMP:
-        clamped = tl.minimum(tl.maximum(dt, dt_min), dt_max)
-        if HAS_UNCLAMPED:
-            dt = tl.where(tl.load(unclamped_ptr + tok) != 0, dt, clamped)
-        else:
-            dt = clamped
     b = tl.load(B_ptr + tok * B_stride + g * d_state + n, mask=nmask, other=0.0).to(tl.float32)
     c = tl.load(C_ptr + tok * C_stride + g * d_state + n, mask=nmask, other=0.0).to(tl.float32)
-    decay = tl.exp(dt * a)
-    state = state * decay + (dt * b)[None, :] * x[:, None]
-    y = tl.sum(state * c[None, :], axis=1) + d_skip * x
-    tl.store(y_ptr + tok * heads * head_dim + h * head_dim + p, y, mask=pmask)
-    store_state_page(state, tok, offs, smask, ssm_ptr, page_stride, out_pages_ptr)
-    return state
+    dt_raw = tl.load(dt_ptr + tok * dt_stride + h).to(tl.float32)
+    return ssm_token_update(
+        state, x, b, c, dt_raw, tok, h, p, pmask, smask, offs, a, d_skip, dt_bias, dt_min,
+        dt_max, unclamped_ptr, ssm_ptr, page_stride, out_pages_ptr, y_ptr, heads, head_dim,
+        CLAMP, HAS_UNCLAMPED,
+    )
 
 
 @triton.jit
@@ -617,5 +801,296 @@ def ssm_update(
         HAS_UNCLAMPED=clamp and unclamped is not None,
         BLOCK_P=block_p,
         BLOCK_N=block_n,
+    )
+    return y
+
+
+@triton.jit
+def _conv_ssm_kernel(
+    xbc_ptr,
+    xbc_stride,
+    dt_ptr,
+    dt_stride,
+    weight_ptr,
+    bias_ptr,
+    conv_ptr,
+    conv_page_stride,
+    dt_bias_ptr,
+    dt_min,
+    dt_max,
+    A_ptr,
+    D_ptr,
+    ssm_ptr,
+    page_stride,
+    in_pages_ptr,
+    out_pages_ptr,
+    y_ptr,
+    heads,
+    head_dim,
+    d_state,
+    heads_per_group,
+    groups,
+    Q: tl.constexpr,
+    K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    HAS_D: tl.constexpr,
+    CLAMP: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # One program per (row, head, head-dim block), as _ssm_kernel, with the conv in front:
+    # the program convolves its own x channels (head h, rows p) and its group's B and C
+    # channels from the raw projection, in registers, so the conv output never goes
+    # through memory. Every program of a group recomputes the group's B and C (2 N
+    # channels, a few percent of its state arithmetic; the inputs are L2-resident); only
+    # the group's first program (first head of the group, first head-dim block) writes
+    # their windows, so every window element has exactly one writer.
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    pb = tl.program_id(2)
+    p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    n = tl.arange(0, BLOCK_N)
+    pmask = p < head_dim
+    nmask = n < d_state
+    smask = pmask[:, None] & nmask[None, :]
+    g = h // heads_per_group
+    inter = heads * head_dim
+    cx = h * head_dim + p
+    cb = inter + g * d_state + n
+    cc = inter + (groups + g) * d_state + n
+    owner = ((h % heads_per_group) == 0) & (pb == 0)
+    bcmask = nmask & ((n * 0 + owner.to(tl.int32)) != 0)
+    in_page = tl.load(in_pages_ptr + r)
+    conv_in = conv_ptr + tl.maximum(in_page, 0).to(tl.int64) * conv_page_stride
+    ty = xbc_ptr.dtype.element_ty
+    # Taps and windows (a row without a page starts from zeros).
+    xw0, xw1, xw2, xw3, xb = conv_taps(weight_ptr, bias_ptr, cx, pmask, K, HAS_BIAS)
+    bw0, bw1, bw2, bw3, bb = conv_taps(weight_ptr, bias_ptr, cb, nmask, K, HAS_BIAS)
+    cw0, cw1, cw2, cw3, cbias = conv_taps(weight_ptr, bias_ptr, cc, nmask, K, HAS_BIAS)
+    x0, x1, x2 = load_conv_window(conv_in, cx, pmask & ((p * 0 + in_page) >= 0), K)
+    b0, b1, b2 = load_conv_window(conv_in, cb, nmask & ((n * 0 + in_page) >= 0), K)
+    k0, k1, k2 = load_conv_window(conv_in, cc, nmask & ((n * 0 + in_page) >= 0), K)
+    x0 = x0.to(ty).to(tl.float32)
+    x1 = x1.to(ty).to(tl.float32)
+    x2 = x2.to(ty).to(tl.float32)
+    b0 = b0.to(ty).to(tl.float32)
+    b1 = b1.to(ty).to(tl.float32)
+    b2 = b2.to(ty).to(tl.float32)
+    k0 = k0.to(ty).to(tl.float32)
+    k1 = k1.to(ty).to(tl.float32)
+    k2 = k2.to(ty).to(tl.float32)
+    offs = h * head_dim * d_state + p[:, None] * d_state + n[None, :]
+    state = tl.load(
+        ssm_ptr + tl.maximum(in_page, 0).to(tl.int64) * page_stride + offs,
+        mask=smask & ((offs * 0 + in_page) >= 0),
+        other=0.0,
+    ).to(tl.float32)
+    a = tl.load(A_ptr + h).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    d_skip = 0.0
+    if HAS_D:
+        d_skip = tl.load(D_ptr + h).to(tl.float32)
+    for t in tl.static_range(Q):
+        tok = r * Q + t
+        row = xbc_ptr + tok * xbc_stride
+        xin = tl.load(row + cx, mask=pmask, other=0.0).to(tl.float32)
+        bin_ = tl.load(row + cb, mask=nmask, other=0.0).to(tl.float32)
+        cin = tl.load(row + cc, mask=nmask, other=0.0).to(tl.float32)
+        # The conv outputs are rounded to the inputs' dtype, as the separate conv stores them.
+        xt = conv_tap_step(x0, x1, x2, xin, xw0, xw1, xw2, xw3, xb, SILU).to(ty).to(tl.float32)
+        bt = conv_tap_step(b0, b1, b2, bin_, bw0, bw1, bw2, bw3, bb, SILU).to(ty).to(tl.float32)
+        ct = conv_tap_step(k0, k1, k2, cin, cw0, cw1, cw2, cw3, cbias, SILU).to(ty).to(tl.float32)
+        x0, x1, x2 = x1, x2, xin
+        b0, b1, b2 = b1, b2, bin_
+        k0, k1, k2 = k1, k2, cin
+        out_page = tl.load(out_pages_ptr + tok)
+        store_conv_window(conv_ptr, out_page, conv_page_stride, cx, pmask, x0, x1, x2, K)
+        store_conv_window(conv_ptr, out_page, conv_page_stride, cb, bcmask, b0, b1, b2, K)
+        store_conv_window(conv_ptr, out_page, conv_page_stride, cc, bcmask, k0, k1, k2, K)
+        state = ssm_token_update(
+            state, xt, bt, ct, tl.load(dt_ptr + tok * dt_stride + h).to(tl.float32), tok, h,
+            p, pmask, smask, offs, a, d_skip, dt_bias, dt_min, dt_max, dt_ptr, ssm_ptr,
+            page_stride, out_pages_ptr, y_ptr, heads, head_dim, CLAMP, False,
+        )
+
+
+def _check_fused(
+    xbc: torch.Tensor,
+    dt: torch.Tensor,
+    weight: torch.Tensor,
+    conv_cache: torch.Tensor,
+    ssm_cache: torch.Tensor,
+    in_pages: torch.Tensor,
+    out_pages: torch.Tensor,
+) -> tuple[int, int, int]:
+    """``(rows, q, groups)`` of :func:`conv_ssm_update`'s operands; raises ValueError on
+    shapes that do not fit together."""
+    tokens, channels = xbc.shape
+    rows, q = _check_pages(in_pages, out_pages, tokens)
+    k = weight.shape[-1]
+    if weight.shape != (channels, k) or conv_cache.shape[1:] != (channels, k - 1):
+        raise ValueError(
+            f"weight must be [C={channels}, K] and conv_cache [pages, C, K-1], got "
+            f"{tuple(weight.shape)}, {tuple(conv_cache.shape)}"
+        )
+    if ssm_cache.dim() != 4:
+        raise ValueError(f"ssm_cache must be [pages, H, P, N], got {tuple(ssm_cache.shape)}")
+    heads, head_dim, d_state = ssm_cache.shape[1:]
+    rest = channels - heads * head_dim
+    groups = rest // (2 * d_state) if rest > 0 else 0
+    if groups == 0 or rest != 2 * groups * d_state or heads % groups:
+        raise ValueError(
+            f"xbc's {channels} channels must be H * P + 2 * G * N (H={heads}, P={head_dim}, "
+            f"N={d_state}) with G dividing H"
+        )
+    if dt.shape != (tokens, heads):
+        raise ValueError(f"dt must be [T={tokens}, H={heads}], got {tuple(dt.shape)}")
+    return rows, q, groups
+
+
+def conv_ssm_update_reference(
+    xbc: torch.Tensor,
+    dt: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    A: torch.Tensor,
+    D: torch.Tensor | None,
+    conv_cache: torch.Tensor,
+    ssm_cache: torch.Tensor,
+    in_pages: torch.Tensor,
+    out_pages: torch.Tensor,
+    activation: str | None = "silu",
+    *,
+    dt_bias: torch.Tensor,
+    time_step_limit: tuple[float, float] | None = NO_CLAMP_LIMIT,
+) -> torch.Tensor:
+    """Torch twin of :func:`conv_ssm_update`: :func:`conv_decode_update_reference` then
+    :func:`ssm_update_reference` on its output's x, B and C (same arguments, same result)."""
+    tokens = xbc.shape[0]
+    _, _, groups = _check_fused(xbc, dt, weight, conv_cache, ssm_cache, in_pages, out_pages)
+    heads, head_dim, d_state = ssm_cache.shape[1:]
+    conv = conv_decode_update_reference(
+        xbc.contiguous(), weight, bias, conv_cache, in_pages, out_pages, activation
+    )
+    x, B, C = conv.split([heads * head_dim, groups * d_state, groups * d_state], dim=-1)
+    return ssm_update_reference(
+        x.reshape(tokens, heads, head_dim),
+        dt.contiguous(),
+        A,
+        B.reshape(tokens, groups, d_state),
+        C.reshape(tokens, groups, d_state),
+        D,
+        ssm_cache,
+        in_pages,
+        out_pages.reshape(tokens),
+        dt_bias=dt_bias,
+        time_step_limit=time_step_limit,
+    )
+
+
+def conv_ssm_update(
+    xbc: torch.Tensor,
+    dt: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    A: torch.Tensor,
+    D: torch.Tensor | None,
+    conv_cache: torch.Tensor,
+    ssm_cache: torch.Tensor,
+    in_pages: torch.Tensor,
+    out_pages: torch.Tensor,
+    activation: str | None = "silu",
+    *,
+    dt_bias: torch.Tensor,
+    time_step_limit: tuple[float, float] | None = NO_CLAMP_LIMIT,
+    block_p: int | None = None,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """:func:`conv_decode_update` and :func:`ssm_update` of a uniform step in one launch:
+    the conv output (x, B, C) stays in registers instead of a round trip through memory.
+
+    Args:
+        xbc: ``[R * Q, C]`` raw conv inputs, ``C = H * P + 2 * G * N`` channels in the
+            order x, B, C (rows at any stride, channels contiguous: a column slice of the
+            input projection).
+        dt: ``[R * Q, H]`` raw dt (head axis contiguous), discretised in the kernel as by
+            :func:`ssm_update`.
+        weight: ``[C, K]`` depthwise taps (``K`` from 2 to 4); bias ``[C]`` or None.
+        A: ``[H]``; D: ``[H]`` or None.
+        conv_cache: ``[pages, C, K - 1]`` windows; ssm_cache: ``[pages, H, P, N]`` states;
+            both contiguous.
+        in_pages: ``[R]`` int32 page of each row's window and state, -1 for zeros.
+        out_pages: ``[R, Q]`` int32; the window and the state after token ``t`` of row
+            ``r`` go to page ``out_pages[r, t]`` when it is ``>= 0``. Must not repeat a
+            page or name an input page.
+        activation: the conv's (``"silu"`` / ``"swish"`` or None).
+        dt_bias, time_step_limit: as for :func:`ssm_update`.
+        block_p, num_warps: head-dim rows a program (a power of two; default about 2K
+            state elements a program, as :func:`ssm_update`'s) and its warps: the
+            benchmarks' tile sweep.
+
+    Returns:
+        ``y [R * Q, H, P]`` float32 (the D skip included, before the gated norm). The conv
+        output is rounded to ``xbc.dtype`` before the recurrence reads it, as the two
+        separate launches store it.
+    """
+    tokens, channels = xbc.shape
+    rows, q, groups = _check_fused(xbc, dt, weight, conv_cache, ssm_cache, in_pages, out_pages)
+    heads, head_dim, d_state = ssm_cache.shape[1:]
+    k = weight.shape[-1]
+    if not 2 <= k <= 4:
+        raise ValueError(f"conv_ssm_update takes conv kernels of width 2 to 4, got {k}")
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"unsupported conv activation {activation!r}")
+    if xbc.stride(1) != 1 or dt.stride(1) != 1:
+        raise ValueError("xbc's channel axis and dt's head axis must be contiguous")
+    if not (conv_cache.is_contiguous() and ssm_cache.is_contiguous() and weight.is_contiguous()):
+        raise ValueError("conv_cache, ssm_cache and weight must be contiguous")
+    y = torch.empty(tokens, heads, head_dim, dtype=torch.float32, device=xbc.device)
+    if rows == 0:
+        return y
+    block_n = triton.next_power_of_2(d_state)
+    if block_p is None:
+        # The state slice of ssm_update's uniform rows (about 2K elements a program).
+        block_p = max(1, min(triton.next_power_of_2(head_dim), 2048 // block_n))
+    if block_p < 1 or block_p & (block_p - 1):
+        raise ValueError(f"block_p must be a power of two, got {block_p}")
+    grid = (rows, heads, triton.cdiv(head_dim, block_p))
+    clamp = time_step_limit is not None
+    dt_min, dt_max = time_step_limit if clamp else NO_CLAMP_LIMIT
+    _conv_ssm_kernel[grid](
+        xbc,
+        xbc.stride(0),
+        dt,
+        dt.stride(0),
+        weight,
+        bias if bias is not None else weight,
+        conv_cache,
+        conv_cache.stride(0),
+        dt_bias.contiguous(),
+        float(dt_min),
+        float(dt_max),
+        A.contiguous(),
+        D.contiguous() if D is not None else A,
+        ssm_cache,
+        ssm_cache.stride(0),
+        in_pages.to(torch.int32).contiguous(),
+        out_pages.to(torch.int32).contiguous(),
+        y,
+        heads,
+        head_dim,
+        d_state,
+        heads // groups,
+        groups,
+        Q=q,
+        K=k,
+        HAS_BIAS=bias is not None,
+        SILU=activation is not None,
+        HAS_D=D is not None,
+        CLAMP=clamp,
+        BLOCK_P=block_p,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
     )
     return y

@@ -36,7 +36,7 @@ in as two 16-bit halves ``hi + lo``: two 16-bit tensor-core products carry it to
 2^-16, better than one tf32 product (2^-11) at the same cost, with half the registers;
 ``C B^T`` multiplies inputs only and is exact. Otherwise (float32 inputs, or asked for)
 both operands go in as float32 at ``precision``: ``"tf32"`` (what ``"auto"`` takes),
-``"tf32x3"``, ``"bf16x3"`` or ``"ieee"``.
+``"tf32x3"`` or ``"ieee"``.
 
 - :func:`ssd_scan_fused`: the Triton kernel.
 - :func:`ssd_scan_fused_reference`: its torch twin (same arguments, same results): the
@@ -59,7 +59,9 @@ __all__ = ["CHUNK", "chunk_starts", "ssd_scan_fused", "ssd_scan_fused_reference"
 
 # Tokens per chunk: the engine's checkpoint grid (and ssd_varlen.SCAN_CHUNK).
 CHUNK = 64
-_PRECISIONS = ("auto", "split", "tf32", "tf32x3", "bf16x3", "ieee")
+# Triton 3.9's "bf16x3" dot precision is not offered: on the H200 it gave results off by
+# a factor of ~100 (relative error 2e2 against the float64 twin).
+PRECISIONS = ("auto", "split", "tf32", "tf32x3", "ieee")
 
 
 def chunk_starts(bounds: Sequence[int]) -> list[int]:
@@ -401,8 +403,8 @@ def ssd_scan_fused(
         cu_seqlens_cpu: host copy of ``cu_seqlens`` (spares a device read) and
             first_chunk: ``[S + 1]`` device copy of :func:`chunk_starts` (computed when None).
         precision: of the products (module docstring): ``"auto"``, ``"split"``
-            (16-bit inputs), or float32 operands at ``"tf32"``, ``"tf32x3"``,
-            ``"bf16x3"`` or ``"ieee"``.
+            (16-bit inputs), or float32 operands at ``"tf32"``, ``"tf32x3"`` or
+            ``"ieee"``.
         block_p, num_warps: tile of a program (head_dim block) and its warps.
 
     Returns:
@@ -410,8 +412,8 @@ def ssd_scan_fused(
     """
     _check(x, dt, A, B, C, D, dt_bias, cu_seqlens, initial_states, chunk_slot, final_slot,
            states, unclamped, start_slot, starts)
-    if precision not in _PRECISIONS:
-        raise ValueError(f"precision={precision!r}: choose from {_PRECISIONS}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: choose from {PRECISIONS}")
     sixteen = (torch.bfloat16, torch.float16)
     inputs16 = x.dtype in sixteen and B.dtype == x.dtype and C.dtype == x.dtype
     if precision == "split" and not inputs16:
@@ -436,17 +438,12 @@ def ssd_scan_fused(
         host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()
         first_chunk = torch.tensor(chunk_starts(host.tolist()), dtype=torch.int64,
                                    device=x.device)
-    if block_p is None:
-        # Fewer, wider programs when the grid is large anyway (no C B^T recomputation);
-        # narrower ones for few sequences, which are sequential over their chunks.
-        block_p = 64 if seqs * heads >= 512 else 32
-    block_p = max(16, min(block_p, triton.next_power_of_2(head_dim)))
+    # 64 x 8 warps whatever the grid: on the H200 (prefill_kernels.json, head_dim 64,
+    # state 128) narrower tiles or 4 warps were slower for one row too (1 x 8,192: 3.23 ms
+    # at 32 x 4, 1.98 ms at 64 x 8), since every program then recomputes C B^T.
+    block_p = max(16, min(block_p or 64, triton.next_power_of_2(head_dim)))
     block_n = max(16, triton.next_power_of_2(d_state))
-    if num_warps is None:
-        # A program takes 255 registers a thread (sm_90 build): at 8 warps one fits an SM
-        # and spills least; at 4 two fit, so a small grid (a long row or two) runs in
-        # one wave.
-        num_warps = 8 if seqs * heads >= 512 else 4
+    num_warps = num_warps or 8
     if unclamped is not None and unclamped.dtype == torch.bool:
         unclamped = unclamped.view(torch.int8)  # the same bytes, a type Triton loads plainly
     limit = time_step_limit if time_step_limit is not None else (0.0, float("inf"))

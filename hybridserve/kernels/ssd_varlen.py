@@ -47,14 +47,16 @@ segment's chunk grid from them, without a cut. Prefix-cache checkpoints sit on a
 positions and rows mostly start on it (a fresh prompt at 0, a cached prefix at a grid
 point), so a prefill that writes a checkpoint every 64 tokens takes one scan.
 
-**The fused scan.** :mod:`~hybridserve.kernels.ssd_chunked` is our own chunked scan in
+**The fused scans.** :mod:`~hybridserve.kernels.ssd_chunked` is our own chunked scan in
 one launch (the GPU path since fla-core's needed the groups expanded to heads and float32
 copies of the inputs): it reads grouped B/C and the raw dt, discretises dt in float32
 inside, adds the D skip, and stores the requested row ends and chunk states itself, into
 the rows of a buffer or straight into their pages (``out_cache``); :func:`is_fused` tells
-it from the plain primitive above. It needs a plan with its chunk (:data:`SCAN_CHUNK`),
-whose :class:`Segments` then also say where each state goes. The two-scan design below
-stays for plain primitives without chunk states.
+it from the plain primitive above. :mod:`~hybridserve.kernels.ssd_two_pass` (the default)
+does the same in two launches, a sequential state pass and then the outputs of every
+chunk in parallel, with the same contract and the same twin. A fused scan needs a plan
+with its chunk (:data:`SCAN_CHUNK`), whose :class:`Segments` then also say where each
+state goes. The two-scan design below stays for plain primitives without chunk states.
 
 The two-scan design uses a library scan as a black box: any varlen scan with initial and
 final states plugs in, and the whole orchestration runs (and is tested) on the CPU with
@@ -76,7 +78,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hybridserve.kernels import ssd_chunked
+from hybridserve.kernels import ssd_chunked, ssd_two_pass
 from hybridserve.kernels.ssd import discretize_dt, heads_from_groups, ssd_chunked_reference
 from hybridserve.kernels.ssd_tails import ssd_tail_states, ssd_tail_states_reference
 from hybridserve.kernels.transfer import upload_lists
@@ -286,9 +288,11 @@ def chunk_states_supported(scan: ScanFn) -> bool:
 
 
 def is_fused(scan: ScanFn) -> bool:
-    """Whether ``scan`` is a fused scan of :mod:`~hybridserve.kernels.ssd_chunked` (raw dt,
-    the D skip, states into slots) rather than the plain scan primitive."""
-    return getattr(scan, "func", scan) in (ssd_chunked.ssd_scan_fused,
+    """Whether ``scan`` is a fused scan of :mod:`~hybridserve.kernels.ssd_chunked` or
+    :mod:`~hybridserve.kernels.ssd_two_pass` (raw dt, the D skip, states into slots)
+    rather than the plain scan primitive."""
+    return getattr(scan, "func", scan) in (ssd_two_pass.ssd_scan_two_pass,
+                                           ssd_chunked.ssd_scan_fused,
                                            ssd_chunked.ssd_scan_fused_reference)
 
 

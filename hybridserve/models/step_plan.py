@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridserve.config import KernelPolicy
-from hybridserve.kernels import ssd_chunked, ssd_varlen
+from hybridserve.kernels import ssd_chunked, ssd_two_pass, ssd_varlen
 from hybridserve.kernels.conv_varlen import token_rows
 from hybridserve.kernels.gdn_varlen import VarlenPlan
 from hybridserve.kernels.transfer import upload_lists as upload
@@ -110,6 +110,8 @@ def packed_scan(policy: KernelPolicy, device: torch.device, compute: torch.dtype
     if device.type != "cuda" or compute != torch.float32:
         return None
     if mode in ("auto", "triton"):
+        return ssd_two_pass.ssd_scan_two_pass
+    if mode == "fused":
         return ssd_chunked.ssd_scan_fused
     if mode == "fla" and ssd_varlen.fla_available():
         return ssd_varlen.ssd_scan_varlen_fla

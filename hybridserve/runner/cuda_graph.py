@@ -13,8 +13,20 @@ most the largest batch bucket of rows. Greedy rows take the argmax; sampled rows
 (temperature, top-k, top-p, min-p, seeds) draw inside the graph with the batched
 sampler's counter-based stream, so a replayed step draws exactly the tokens an eager
 step would. Anything else (prefill, steps mixing prefill and decode, penalties,
-logprobs, too many rows, a context longer than the block tables' width) returns None
-and the runner runs the step eagerly.
+biases, logprobs, too many rows, a context longer than the block tables' width) returns
+None and the runner runs the step eagerly.
+
+Masked steps (rows with a grammar, ``allowed_token_ids`` or ``min_tokens``): the key's
+:class:`Sampling` says the step masks (never which rows do), and the step is two
+graphs, the forward and the logits, then the masks and the draw. Every position's mask
+(int32 bitmask words) goes into a static mask buffer, all ones for rows that mask
+nothing and for padding; the draw sets the excluded tokens to ``-inf`` first, which is
+what the eager sampler does to its masked positions, so the tokens are the eager
+step's. The host replays the forward, then fills the masks (the matchers' work, which
+on CUDA runs while the device computes the forward), then replays the draw
+(:meth:`DecodeGraphs.draw`). A masked step scheduled ahead (async scheduling) returns
+after its forward with a :class:`DeferredDraw`: its masks follow tokens still on the
+device, and its draw runs once the step before is committed.
 
 Shapes: a graph is keyed by ``(B, q, W)`` and, for steps that sample, the draw's needs
 (:class:`Sampling`: top-k rounded up to a power of two, whether top-p / min-p apply):
@@ -77,6 +89,7 @@ and the fallbacks against the ordinary path that way.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -97,10 +110,12 @@ from hybridserve.models.step_plan import (
 )
 from hybridserve.runner import sampler
 from hybridserve.step import SchedulerOutput, kv_slot
+from hybridserve.structured.backend import bitmask_words
 
 __all__ = [
     "BATCH_BUCKETS",
     "GREEDY",
+    "DeferredDraw",
     "SHORT_BATCH_BUCKETS",
     "DecodeGraphs",
     "Sampling",
@@ -149,12 +164,17 @@ def blocks_bucket(blocks: int, max_blocks: int) -> int:
 class Sampling:
     """What a step's draw must do (part of the graph key): whether any row samples,
     the top-k width the step's largest top-k rounds up to (a power of two; 0: none),
-    whether any row truncates by top-p or min-p. Greedy steps are ``Sampling()``."""
+    whether any row truncates by top-p or min-p, whether any row masks tokens (a
+    grammar, ``allowed_token_ids``, ``min_tokens``: the step then reads every position's
+    mask from the static mask buffer, all ones for the rows that mask nothing, so the
+    key says whether a step is masked, never which rows are). Greedy steps are
+    ``Sampling()``."""
 
     any_sampled: bool = False
     top_k: int = 0
     any_top_p: bool = False
     any_min_p: bool = False
+    masked: bool = False
 
 
 GREEDY = Sampling()
@@ -198,6 +218,19 @@ class ShortShape:
         return ("short", self.batch, self.tokens, self.width, self.policy, self.sampling)
 
 
+@dataclass
+class DeferredDraw:
+    """A masked step whose forward is queued and whose draw is not
+    (:meth:`DecodeGraphs.draw` runs it): its static buffer, key, graphs, the forward's
+    logits where nothing is captured, and whether its masks are filled already."""
+
+    st: _Static
+    shape: StepShape
+    entry: tuple
+    logits: torch.Tensor | None
+    filled: bool = False
+
+
 class _Static:
     """The static input buffer of one ``q`` (and its pinned host twin).
 
@@ -227,6 +260,14 @@ class _Static:
         self.params = torch.zeros(max_batch * q * ncol, dtype=torch.float64, device=device)
         params_host = torch.zeros(2, max_batch * q * ncol, dtype=torch.float64)
         self.params_staging = params_host.pin_memory() if pin else params_host
+        # Per position, its token mask (int32 bitmask words), for masked steps only:
+        # allocated on the first (ensure_masks), with two pinned twins of its own.
+        self.masks: torch.Tensor | None = None
+        self.mask_staging: torch.Tensor | None = None
+        self.mask_turn = 0
+        self.mask_copied: list[torch.cuda.Event | None] = [None, None]
+        # Masked steps' logits ([max_batch * q, vocab]), between their two graphs.
+        self.logits: torch.Tensor | None = None
         # A padding row: token 0 at positions 0 .. q - 1 of the scratch block, reading the
         # scratch page and writing no state.
         pad = np.full(cols, -1, dtype=np.int64)
@@ -245,6 +286,34 @@ class _Static:
     @property
     def params_host(self) -> np.ndarray:
         return self.params_staging[self.turn].numpy().reshape(self.meta.shape[0], self.q, -1)
+
+    def ensure_masks(self, words: int) -> None:
+        """Allocate the mask buffer for masks of ``words`` int32 words (once)."""
+        if self.masks is not None and self.masks.shape[1] == words:
+            return
+        rows = self.meta.shape[0] * self.q
+        self.masks = torch.full((rows, words), -1, dtype=torch.int32, device=self.meta.device)
+        host = torch.full((2, rows, words), -1, dtype=torch.int32)
+        self.mask_staging = host.pin_memory() if self.meta.is_cuda else host
+        self.mask_copied = [None, None]
+
+    def begin_masks(self) -> np.ndarray:
+        """The mask twin the next mask fill writes (``[max_batch * q, words]``), once the
+        copy that last read it has run."""
+        t = self.mask_turn
+        if self.mask_copied[t] is not None:
+            self.mask_copied[t].synchronize()
+        return self.mask_staging[t].numpy()
+
+    def end_masks(self, positions: int) -> None:
+        """Copy the mask twin's first ``positions`` rows to the device behind the
+        stream's queued work, and pass the turn."""
+        t = self.mask_turn
+        self.masks[:positions].copy_(self.mask_staging[t, :positions], non_blocking=True)
+        if self.masks.is_cuda:
+            self.mask_copied[t] = torch.cuda.Event()
+            self.mask_copied[t].record()
+        self.mask_turn = 1 - t
 
     def begin_fill(self) -> None:
         """Wait until the copy that last read this turn's twin has run."""
@@ -349,13 +418,17 @@ class DecodeGraphs:
         self._experts = next((m for m in model.modules() if isinstance(m, Experts)), None)
         self._moe_grouped: dict[str, bool] = {}
         self.counters = {"graph_steps": 0, "eager_steps": 0, "captures": 0,
-                         "short_graph_steps": 0, "short_captures": 0}
+                         "short_graph_steps": 0, "short_captures": 0, "masked_graph_steps": 0,
+                         "deferred_draws": 0}
         # Keep each replayed decode step's final hidden states (``last_hidden``,
         # ``[B * q, hidden]``: row i's token t at i * q + t) for a drafter that reads
         # them (MTP); short-row steps then run eagerly (the eager path keeps them).
         self.keep_hidden = False
         self.last_hidden: torch.Tensor | None = None
         self._hidden: dict[tuple, torch.Tensor] = {}
+        # Host seconds spent filling masked steps' token masks (the grammar matchers'
+        # work; on CUDA it overlaps the forward queued before it).
+        self.mask_seconds = 0.0
         self.capture_errors: list[str] = []
         # The scratch page and block start as zeros: padding rows then compute on finite
         # values (their results are dropped either way).
@@ -385,6 +458,8 @@ class DecodeGraphs:
         blocks = 0
         in_pages = set()
         out_pages = set()
+        masked = False
+        words = bitmask_words(self.model.config.vocab_size)
         for row in rows:
             n = row.num_computed
             rq = row.num_tokens
@@ -400,6 +475,16 @@ class DecodeGraphs:
             outs = [row.state_outputs.get(n + 1 + t, -1) for t in range(rq)]
             if min(outs) < 0:
                 return None
+            req = row.request
+            if sampler.needs_mask(req.params, req.grammar):
+                grammar = req.grammar
+                if grammar is not None and getattr(grammar, "words", words) != words:
+                    return None  # the eager step names the mismatch
+                masked = True
+            elif row.ahead and getattr(req, "pending_grammar", None) is not None:
+                # The token still on the device may start its grammar: masked, the mask
+                # filled when the draw runs (after that token is committed).
+                masked = True
             in_pages.add(row.state_in_page)
             out_pages.update(outs)
             need = -(-(n + rq) // bs)
@@ -408,15 +493,20 @@ class DecodeGraphs:
             blocks = max(blocks, need)
         if blocks > self.max_blocks or in_pages & out_pages:
             return None
-        sampling = self._sampling_of([row.request.params for row in rows])
+        sampling = self._sampling_of([row.request.params for row in rows], masked)
         if sampling is None:
             return None
         return StepShape(len(rows), batch, q, blocks_bucket(blocks, self.max_blocks), sampling)
 
-    def _sampling_of(self, params: list) -> Sampling | None:
-        """What the draw of rows of ``params`` must do (:class:`Sampling`), or None when
-        they sample and sampled graphs are off."""
-        if all(sampler.samples_by_argmax(p) for p in params):
+    def _sampling_of(self, params: list, masked: bool = False) -> Sampling | None:
+        """What the draw of rows of ``params`` must do (:class:`Sampling`; ``masked``:
+        some row masks tokens), or None when they sample or mask and sampled graphs are
+        off. A greedy row is plain argmax when nothing masks or penalises it; rows whose
+        params are not plain (a grammar waiting for its start tag) but that mask
+        nothing draw as such."""
+        if not masked and all(
+            sampler.samples_by_argmax(p) or (p.greedy and sampler.graph_samplable(p)) for p in params
+        ):
             return GREEDY
         if not self.sampled_enabled:
             return None
@@ -427,17 +517,23 @@ class DecodeGraphs:
             top_k=min(1 << (k - 1).bit_length(), vocab) if k else 0,
             any_top_p=any(sampler.active_top_p(p) < 1.0 for p in params),
             any_min_p=any(sampler.active_min_p(p) > 0.0 for p in params),
+            masked=masked,
         )
 
     # ---- one step ------------------------------------------------------------------
 
     def replay(
         self, sched: SchedulerOutput, tokens: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, int] | None:
+    ) -> tuple[torch.Tensor | DeferredDraw, int] | None:
         """Run ``sched`` from a graph if it qualifies, reading nothing back: the device
         output (row ``i``'s choices at ``[i * q, i * q + num_tokens)``) and ``q``, or
         None (then nothing ran). ``tokens`` (device, one per row): the input tokens of a
-        step of one-token rows scheduled ahead, which the host does not have yet."""
+        step of one-token rows scheduled ahead, which the host does not have yet.
+
+        A masked step scheduled ahead (``tokens`` given) runs its forward only and
+        returns a :class:`DeferredDraw` in place of the output: its masks follow the
+        tokens still on the device, so :meth:`draw` fills them and replays the draw
+        once the step before is committed."""
         shape = self.shape_of(sched)
         if tokens is not None and (shape is None or shape.q != 1):
             return None
@@ -452,6 +548,18 @@ class DecodeGraphs:
         self.fill(st, sched, shape)
         if tokens is not None:
             st.meta[: shape.rows, 0] = tokens
+        if shape.sampling.masked:
+            deferred = self._masked_forward(st, sched, shape, fill_first=tokens is None)
+            if deferred is None:
+                return None
+            if self.keep_hidden:
+                self.last_hidden = self._hidden[shape.key]
+            self.counters["graph_steps"] += 1
+            self.counters["masked_graph_steps"] += 1
+            if tokens is not None:
+                self.counters["deferred_draws"] += 1
+                return deferred, shape.q
+            return self.draw(deferred, sched), shape.q
         key = shape.key
         entry = self._graphs.get(key)
         if entry is None:
@@ -467,6 +575,94 @@ class DecodeGraphs:
             self.last_hidden = self._hidden[key]
         self.counters["graph_steps"] += 1
         return out, shape.q
+
+    def _masked_forward(
+        self, st: _Static, sched: SchedulerOutput, shape: StepShape, fill_first: bool
+    ) -> DeferredDraw | None:
+        """The first half of a masked step: the forward and the logits, as a graph of
+        their own (captured with the draw's on a key's first step). ``fill_first``: fill
+        the masks now where the key is captured, before its warm-up (the step's draw
+        follows at once). None when a capture failed (nothing ran)."""
+        entry = self._graphs.get(shape.key)
+        filled = False
+        if entry is None:
+            if fill_first:
+                self.fill_masks(st, sched, shape)
+                filled = True
+            entry = self._capture_masked(st, shape)
+            if entry is None:
+                return None
+        (forward, logits), _ = entry
+        if forward is not None:
+            forward.replay()
+        else:
+            logits = self._static_logits(st, shape)
+        return DeferredDraw(st, shape, entry, logits, filled)
+
+    def _static_logits(self, st: _Static, shape: StepShape) -> torch.Tensor:
+        """The forward of a masked step, its logits copied into the buffer's static
+        logits (what its draw graph reads): one buffer per ``q``, not a captured output
+        per key, which at a large vocabulary would hold ``[B * q, vocab]`` per key. The
+        buffer is allocated on the first call, the warm-up before a capture."""
+        logits = self._forward_logits(st, shape)
+        n = shape.batch * shape.q
+        if st.logits is None or st.logits.dtype != logits.dtype or st.logits.shape[1] != logits.shape[1]:
+            st.logits = torch.empty(st.meta.shape[0] * st.q, logits.shape[1], dtype=logits.dtype,
+                                    device=logits.device)
+        st.logits[:n].copy_(logits)
+        return st.logits[:n]
+
+    def draw(self, deferred: DeferredDraw, sched: SchedulerOutput) -> torch.Tensor:
+        """The second half of a masked step (its forward queued by :meth:`replay`): fill
+        the masks on the host (the grammar matchers' work; on CUDA it overlaps the
+        queued forward) and upload them, then replay the draw. ``sched``: the step's
+        schedule; its rows' committed grammar states are the step's (a step scheduled
+        ahead draws after the step before it is committed). Returns the device output
+        (as :meth:`replay`'s)."""
+        st, shape = deferred.st, deferred.shape
+        if not deferred.filled:
+            self.fill_masks(st, sched, shape)
+        _, (draw, out) = deferred.entry
+        if draw is not None:
+            draw.replay()
+            return out
+        return self._draw(st, shape, deferred.logits)
+
+    def fill_masks(self, st: _Static, sched: SchedulerOutput, shape: StepShape) -> None:
+        """Write every position's token mask of a masked step into the static mask
+        buffer (the pinned twin, then one copy): the masked rows' from their matchers and
+        params (:func:`~hybridserve.runner.sampler.fill_masks`, row ``i``'s positions at
+        ``i * q``), all ones for everything else (rows that mask nothing, a row's
+        padding positions, padding rows)."""
+        t0 = time.perf_counter()
+        q = shape.q
+        vocab = self.model.config.vocab_size
+        st.ensure_masks(bitmask_words(vocab))
+        h = st.begin_masks()
+        h[: shape.batch * q] = -1
+        rows, starts = [], []
+        for i, row in enumerate(sched.rows):
+            req = row.request
+            if not sampler.needs_mask(req.params, req.grammar):
+                continue
+            if getattr(getattr(req, "status", None), "finished", False):
+                continue  # finished since the step was launched: its row is dropped
+            rows.append(sampler.SampleRow(
+                params=req.params,
+                sample_seed=req.sample_seed,
+                # Also for a row scheduled ahead: its draw runs once the token before
+                # it is committed (draw()).
+                first_index=len(req.output_token_ids),
+                prompt_ids=req.prompt_token_ids,
+                output_ids=req.output_token_ids,
+                drafts=req.draft_token_ids[: row.num_drafts],
+                grammar=req.grammar,
+                eos_token_ids=() if req.params.ignore_eos else req.eos_token_ids,
+            ))
+            starts.append(i * q)
+        sampler.fill_masks(rows, h, vocab, starts)
+        st.end_masks(shape.batch * q)
+        self.mask_seconds += time.perf_counter() - t0
 
     def fill(self, st: _Static, sched: SchedulerOutput, shape: StepShape) -> None:
         """Write the step's rows (then padding rows up to the bucket) into the static
@@ -524,7 +720,7 @@ class DecodeGraphs:
                 line[tab + k : tab + width] = -1
         h[shape.rows : shape.batch] = st.pad
         params = 0
-        if shape.sampling != GREEDY:
+        if shape.sampling.any_sampled:
             # Every position's draw parameters; rows shorter than q and padding rows
             # draw greedily (their choices are dropped).
             ph = st.params_host
@@ -543,6 +739,10 @@ class DecodeGraphs:
 
     def _forward(self, st: _Static, shape: StepShape) -> torch.Tensor:
         """The step over the static buffer: ``[B * q]`` chosen ids (what is captured)."""
+        return self._draw(st, shape, self._forward_logits(st, shape))
+
+    def _forward_logits(self, st: _Static, shape: StepShape) -> torch.Tensor:
+        """The forward over the static buffer: ``[B * q, vocab]`` logits."""
         b, q, w = shape.batch, shape.q, shape.width
         m = st.meta[:b]
         # The step plan of a DECODE step over the static buffer, built directly: no host
@@ -579,8 +779,19 @@ class DecodeGraphs:
             # The step's final hidden states (a captured step's stay in the graph's pool
             # and hold each replay's values).
             self._hidden[shape.key] = hidden
-        logits = self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden)
+
+    def _draw(self, st: _Static, shape: StepShape, logits: torch.Tensor) -> torch.Tensor:
+        """The draw of a static step from its ``logits``: ``[B * q]`` chosen ids. A
+        masked step first sets every position's excluded tokens to ``-inf`` (the mask
+        buffer; what the eager sampler does to its masked positions before anything
+        else), then draws as the batched sampler does."""
+        b, q = shape.batch, shape.q
         sm = shape.sampling
+        if sm.masked:
+            logits = sampler.apply_dense_bitmasks(logits.float(), st.masks[: b * q])
+            if not sm.any_sampled:
+                return sampler.argmax_ids(logits)
         if sm == GREEDY:
             return sampler.argmax_ids(logits)
         plan = sampler.DrawPlan(
@@ -614,6 +825,26 @@ class DecodeGraphs:
             out = forward()
         entry = (graph, out)
         self._graphs[key] = entry
+        return entry
+
+    def _capture_masked(self, st: _Static, shape: StepShape):
+        """Capture a masked step's two graphs (:meth:`_masked_forward`, :meth:`draw`) and return
+        ``((forward graph, logits), (draw graph, choices))``, the graphs None without
+        capture; None when a capture failed (masked and sampled steps then run
+        eagerly, greedy unmasked ones keep their graphs)."""
+        key = shape.key
+        try:
+            forward = self._record(key + ("forward",), lambda: self._static_logits(st, shape))
+            logits = forward[1]
+            draw = self._record(key + ("draw",), lambda: self._draw(st, shape, logits))
+        except Exception as e:
+            self.capture_errors.append(f"{key}: {type(e).__name__}: {e}")
+            self.sampled_enabled = False
+            return None
+        entry = (forward, draw)
+        self._graphs[key] = entry
+        if forward[0] is not None:
+            self.counters["captures"] += 2
         return entry
 
     def _capture(self, st: _Static, shape: StepShape):
@@ -685,6 +916,7 @@ class DecodeGraphs:
                 or rq > policy.max_short_tokens
                 or row.request.params.prompt_logprobs is not None
                 or (row.samples and not sampler.graph_samplable(row.request.params))
+                or (row.samples and sampler.needs_mask(row.request.params, row.request.grammar))
             ):
                 return None
             for p in row.state_outputs:

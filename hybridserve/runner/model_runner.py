@@ -13,14 +13,16 @@ draw, the verify rows' accepted counts on the device, then the state postprocess
 elsewhere) from per-row inputs, and one read-back of the choices and the decisions.
 
 With decode graphs enabled (:meth:`ModelRunner.enable_decode_graphs`, the engine's
-default on CUDA), a greedy decode or verify step replays a captured CUDA graph
+default on CUDA), a decode or verify step (greedy, sampled or constrained) replays a captured CUDA graph
 (:mod:`hybridserve.runner.cuda_graph`), and so does a short-row step (a prompt's tail
 after a cached prefix: few prefill rows of at most the policy's ``max_short_tokens``
 tokens, without penalties or logprobs; :meth:`~hybridserve.runner.cuda_graph.DecodeGraphs.replay_short`); every
 other step runs eagerly as below. A
 replayed step can also be split in two (:meth:`ModelRunner.launch`, then
 :meth:`ModelRunner.collect`): the engine's async scheduling launches the next step in
-between, its input tokens taken from this one's choices on the device.
+between, its input tokens taken from this one's choices on the device; a constrained
+step launched so replays its forward only, and its draw (:meth:`ModelRunner.draw`)
+follows once the step before is committed (its masks need those tokens).
 
 Sampling (:mod:`hybridserve.runner.sampler`) stays on the logits' device: a step whose
 sampling rows are all plain greedy reads back one argmax id per position; any other
@@ -45,7 +47,7 @@ from hybridserve.kernels.state_postprocess import (
 from hybridserve.kernels.transfer import upload, upload_lists
 from hybridserve.models.batch import ForwardBatch, ModelCaches
 from hybridserve.runner import sampler
-from hybridserve.runner.cuda_graph import DecodeGraphs
+from hybridserve.runner.cuda_graph import DecodeGraphs, DeferredDraw
 from hybridserve.step import (
     Logprob,
     PostprocessDecision,
@@ -65,15 +67,20 @@ class PendingStep:
     replay of the same graph cannot overwrite them), row ``i``'s at ``i * q``;
     ``values``: what the step reads back (the choices, then the postprocess decisions),
     copying into ``host`` (pinned) behind ``done`` on CUDA.
+
+    ``deferred``: a masked step scheduled ahead whose forward is queued and whose draw
+    waits for the step before to be committed (:meth:`ModelRunner.draw`); until then
+    ``choices`` and ``values`` are None.
     """
 
     sched: SchedulerOutput
     q: int
-    choices: torch.Tensor
-    values: torch.Tensor
+    choices: torch.Tensor | None
+    values: torch.Tensor | None
     num_choices: int
     host: torch.Tensor | None = None
     done: torch.cuda.Event | None = None
+    deferred: DeferredDraw | None = None
 
 
 class ModelRunner:
@@ -206,6 +213,8 @@ class ModelRunner:
             return None
         tokens = None
         if after is not None:
+            if after.deferred is not None:
+                raise RuntimeError("a step was launched after one whose draw is not queued yet")
             src = torch.tensor([j * after.q for j in sources], dtype=torch.int64)
             tokens = after.choices.index_select(0, upload(src, after.choices.device))
         replayed = self.graphs.replay(sched, tokens)
@@ -216,23 +225,47 @@ class ModelRunner:
             # The packed layout of the eager step (row i's tokens one after another).
             index = [i * q + t for i, row in enumerate(sched.rows) for t in range(row.num_tokens)]
             self.last_hidden = self.graphs.last_hidden.index_select(
-                0, upload(torch.tensor(index, dtype=torch.long), out.device)
+                0, upload(torch.tensor(index, dtype=torch.long), self.graphs.last_hidden.device)
             )
+        pending = PendingStep(sched, q, None, None, 0)
+        if isinstance(out, DeferredDraw):
+            pending.deferred = out
+            return pending
+        self._read_back_launched(pending, out)
+        return pending
+
+    @torch.inference_mode()
+    def draw(self, pending: PendingStep) -> None:
+        """Run the draw of a launched step whose draw was deferred (a masked step
+        scheduled ahead, ``pending.deferred``), once the step before it is committed:
+        its masks are filled from the rows' committed grammar states, then the draw,
+        the state postprocess and the read-back are queued (:meth:`collect` waits)."""
+        if pending.deferred is None:
+            return
+        out = self.graphs.draw(pending.deferred, pending.sched)
+        pending.deferred = None
+        self._read_back_launched(pending, out)
+
+    def _read_back_launched(self, pending: PendingStep, out: torch.Tensor) -> None:
+        """Queue a replayed step's choices (copied out of the graph's output), its state
+        postprocess and the read-back of both into ``pending``."""
+        sched, q = pending.sched, pending.q
         choices = out[: len(sched.rows) * q].clone()
         # Row i's choices sit at [i * q, i * q + num_tokens).
         starts = [i * q for i in range(len(sched.rows))]
         tail = self._postprocess(sched, choices, starts)
         values = choices if tail is None else torch.cat([choices, tail])
-        pending = PendingStep(sched, q, choices, values, choices.numel())
+        pending.choices, pending.values, pending.num_choices = choices, values, choices.numel()
         if values.is_cuda:
             pending.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
             pending.host.copy_(values, non_blocking=True)
             pending.done = torch.cuda.Event()
             pending.done.record()
-        return pending
 
     def collect(self, pending: PendingStep) -> StepResult:
         """Wait for a launched step's read-back: its rows' results and decisions."""
+        if pending.deferred is not None:
+            raise RuntimeError("a step whose draw was deferred was collected before draw()")
         if pending.done is not None:
             pending.done.synchronize()
             host = pending.host.tolist()

@@ -47,7 +47,11 @@ step still makes one upload. :func:`process_step` sets the disallowed tokens' lo
 ``-inf`` before anything else; rows without a grammar are not touched, and a step
 without constrained rows does no mask work at all. Drafts reach the sampler already
 cut to the prefix the grammar accepts (the engine checks them), so every position's
-mask is defined, and the token emitted at any position is one its mask allows.
+mask is defined, and the token emitted at any position is one its mask allows. A
+replayed decode graph (:mod:`hybridserve.runner.cuda_graph`) takes the same masks from
+a static buffer of every position's mask instead (:func:`fill_masks`, all ones where
+nothing is masked) and applies them to every row (:func:`apply_dense_bitmasks`): the
+same values at the masked positions, the others unchanged.
 
 Logprobs are the model's raw distribution (log-softmax of the logits before
 penalties, temperature and truncation), as vLLM reports them by default.
@@ -316,11 +320,23 @@ def active_min_p(params: SamplingParams) -> float:
 
 def graph_samplable(params: SamplingParams) -> bool:
     """Whether a row of ``params`` can be drawn inside a replayed decode graph: no
-    penalties or biases, no logprobs (their inputs and outputs vary in size from step to
-    step) and no grammar (its masks are filled on the host from the step before's
-    tokens).
-    """
-    return params.logprobs is None and params.plain_logits
+    penalties or biases and no logprobs (their inputs and outputs vary in size from step
+    to step). Token masks (a grammar's, ``allowed_token_ids``, ``min_tokens``) have a
+    fixed size and go into the graph's static mask buffer (:func:`fill_masks`)."""
+    return (
+        params.logprobs is None
+        and params.repetition_penalty == 1.0
+        and not params.presence_penalty
+        and not params.frequency_penalty
+        and params.logit_bias is None
+    )
+
+
+def needs_mask(params: SamplingParams, grammar: object | None) -> bool:
+    """Whether a row's draw masks tokens: it has a grammar (``grammar``: the sequence's
+    matcher, None while a grammar waits for its start tag) or ``allowed_token_ids`` /
+    ``min_tokens``."""
+    return grammar is not None or params.token_masked
 
 
 def position_params(
@@ -401,7 +417,6 @@ def plan_draw(rows: Sequence[SampleRow], vocab_size: int) -> DrawPlan:
     max_top_k = 0
     any_sampled = any_top_p = any_min_p = False
     masked_pos: list[int] = []
-    constrained: list[tuple[GrammarMatcher, Sequence[int]]] = []
     masked_rows: list[SampleRow] = []
     words = bitmask_words(vocab_size)
     for row in rows:
@@ -412,8 +427,6 @@ def plan_draw(rows: Sequence[SampleRow], vocab_size: int) -> DrawPlan:
         if row.grammar is not None or row.params.token_masked:
             masked_pos += range(len(params_rows), len(params_rows) + len(row.drafts) + 1)
             masked_rows.append(row)
-            if row.grammar is not None:
-                constrained.append((row.grammar, row.drafts))
         p = row.params
         lo, hi = seed_words(row.sample_seed)
         greedy = p.greedy
@@ -457,10 +470,7 @@ def plan_draw(rows: Sequence[SampleRow], vocab_size: int) -> DrawPlan:
         buf[: len(flat)] = flat
         tail = buf[len(flat):].view(np.int32)
         masks = tail[: len(masked_pos) * words].reshape(len(masked_pos), words)
-        if len(constrained) == len(masked_rows):
-            fill_step_bitmasks(constrained, masks)
-        else:
-            _fill_masks(masked_rows, constrained, masks, vocab_size)
+        fill_masks(masked_rows, masks, vocab_size)
         packed = torch.from_numpy(buf)
     else:
         packed = torch.tensor(flat, dtype=torch.float64)
@@ -488,28 +498,36 @@ def _token_bits(ids: Sequence[int], words: int) -> np.ndarray:
     return np.packbits(bits, bitorder="little").view(np.int32)
 
 
-def _fill_masks(
-    rows: Sequence[SampleRow],
-    constrained: list[tuple[GrammarMatcher, Sequence[int]]],
-    out: np.ndarray,
-    vocab_size: int,
+def fill_masks(
+    rows: Sequence[SampleRow], out: np.ndarray, vocab_size: int, starts: Sequence[int] | None = None
 ) -> None:
-    """Masks of a step whose masked rows are not all grammar rows: the grammar rows'
-    from their matchers, then every row's ``allowed_token_ids`` and, before its
-    ``min_tokens``, EOS and ``stop_token_ids`` taken out (positions in row order)."""
+    """The token masks of masked rows (:func:`needs_mask`): row ``k``'s
+    ``len(drafts) + 1`` positions are rows ``starts[k] ...`` of ``out`` (int32
+    ``[positions, words]``, C-contiguous; consecutive from 0 without ``starts``). A
+    grammar row's masks come from its matcher, the others start with every token
+    allowed; then every row's ``allowed_token_ids`` applies and, before its
+    ``min_tokens``, EOS and ``stop_token_ids`` are taken out. Rows of ``out`` that no
+    row names are left as they are."""
     words = out.shape[1]
-    grammar_masks = np.empty((sum(len(d) + 1 for _, d in constrained), words), dtype=np.int32)
-    if constrained:
-        fill_step_bitmasks(constrained, grammar_masks)
-    at = g = 0
-    for row in rows:
-        n = len(row.drafts) + 1
+    if starts is None:
+        starts, at = [], 0
+        for row in rows:
+            starts.append(at)
+            at += len(row.drafts) + 1
+    grammar_rows, grammar_starts = [], []
+    for row, at in zip(rows, starts):
         if row.grammar is not None:
-            out[at : at + n] = grammar_masks[g : g + n]
-            g += n
+            grammar_rows.append((row.grammar, row.drafts))
+            grammar_starts.append(at)
         else:
-            out[at : at + n] = -1
+            out[at : at + len(row.drafts) + 1] = -1
+    if grammar_rows:
+        fill_step_bitmasks(grammar_rows, out, grammar_starts)
+    for row, at in zip(rows, starts):
         p = row.params
+        if not p.token_masked:
+            continue
+        n = len(row.drafts) + 1
         if p.allowed_token_ids is not None:
             out[at : at + n] &= _token_bits([t for t in p.allowed_token_ids if t < vocab_size], words)
         if p.min_tokens:
@@ -519,7 +537,6 @@ def _fill_masks(
                 for j in range(n):
                     if row.first_index + j < p.min_tokens:
                         out[at + j] &= ban
-        at += n
 
 
 def _columns(plan: DrawPlan, packed: torch.Tensor) -> torch.Tensor:
@@ -580,6 +597,13 @@ def process_step(logits: torch.Tensor, plan: DrawPlan, packed: torch.Tensor) -> 
     return logp
 
 
+def token_allowed(bits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[m, vocab]`` bool: bit ``t % 32`` of word ``t // 32`` of each row of ``bits``
+    (int32 ``[m, words]``)."""
+    tok = torch.arange(vocab, device=bits.device)
+    return ((bits[:, tok // 32] >> (tok % 32)) & 1).bool()
+
+
 def apply_bitmasks(x: torch.Tensor, plan: DrawPlan, packed: torch.Tensor) -> torch.Tensor:
     """``x`` with the tokens each constrained position's bitmask excludes set to
     ``-inf`` (out of place; other rows unchanged)."""
@@ -588,9 +612,15 @@ def apply_bitmasks(x: torch.Tensor, plan: DrawPlan, packed: torch.Tensor) -> tor
     pos = packed[start : start + m].long()
     slots = -(-m * w // 2)
     bits = packed[start + m : start + m + slots].view(torch.int32)[: m * w].view(m, w)
-    tok = torch.arange(x.shape[-1], device=x.device)
-    allowed = ((bits[:, tok // 32] >> (tok % 32)) & 1).bool()
-    return x.index_put((pos,), x[pos].masked_fill(~allowed, float("-inf")))
+    return x.index_put((pos,), x[pos].masked_fill(~token_allowed(bits, x.shape[-1]), float("-inf")))
+
+
+def apply_dense_bitmasks(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """``x [N, vocab]`` with the tokens row ``i`` of ``bits`` (int32 ``[N, words]``)
+    excludes set to ``-inf``: every row masked, a row of all ones leaves its row as it
+    is (a decode graph's draw, whose mask buffer has every position's mask). Gives the
+    values :func:`apply_bitmasks` gives at the positions it masks."""
+    return x.masked_fill(~token_allowed(bits, x.shape[-1]), float("-inf"))
 
 
 def sample_step(

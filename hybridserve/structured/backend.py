@@ -160,19 +160,30 @@ class GrammarMatcher:
         return np.nonzero(bits)[0].tolist()
 
 
-def fill_step_bitmasks(rows: Sequence[tuple[Any, Sequence[int]]], out: np.ndarray) -> None:
+def fill_step_bitmasks(
+    rows: Sequence[tuple[Any, Sequence[int]]], out: np.ndarray, starts: Sequence[int] | None = None
+) -> None:
     """Fill the bitmasks of a step's constrained rows: ``rows`` are ``(matcher,
     drafts)`` pairs whose ``len(drafts) + 1`` positions are consecutive rows of ``out``
-    (int32 ``[positions, words]``, C-contiguous), in order. Same result as each
-    matcher's :meth:`GrammarMatcher.fill_bitmasks`; rows of matchers with a thread pool
-    go to it in (at most) two calls, the others fill their own rows in turn."""
+    (int32 ``[positions, words]``, C-contiguous), in order, or, with ``starts``, rows
+    ``starts[k] ...`` of ``out`` for pair ``k`` (a decode graph's static buffer, whose
+    rows sit at fixed strides; the rows of ``out`` no pair names are left as they are).
+    Same result as each matcher's :meth:`GrammarMatcher.fill_bitmasks`; rows of
+    matchers with a thread pool go to it in (at most) two calls, the others fill their
+    own rows in turn."""
     if out.dtype != np.int32 or not out.flags.c_contiguous:
         raise ValueError("out must be a C-contiguous int32 array")
+    if starts is not None and len(starts) != len(rows):
+        raise ValueError(f"starts has {len(starts)} entries for {len(rows)} rows")
     plain: dict[int, tuple[Any, list]] = {}
     drafted: dict[int, tuple[Any, list]] = {}
     at = 0
-    for grammar, drafts in rows:
+    for k, (grammar, drafts) in enumerate(rows):
         n = len(drafts) + 1
+        if starts is not None:
+            at = starts[k]
+            if not 0 <= at <= out.shape[0] - n:
+                raise ValueError(f"row {k}'s {n} positions from {at} are outside out's {out.shape[0]} rows")
         if isinstance(grammar, GrammarMatcher) and grammar.executor is not None and grammar.words == out.shape[1]:
             group = drafted if drafts else plain
             _, entries = group.setdefault(id(grammar.executor), (grammar.executor, []))
@@ -180,13 +191,13 @@ def fill_step_bitmasks(rows: Sequence[tuple[Any, Sequence[int]]], out: np.ndarra
         else:
             grammar.fill_bitmasks(drafts, out[at : at + n])
         at += n
-    if at != out.shape[0]:
+    if starts is None and at != out.shape[0]:
         raise ValueError(f"out has {out.shape[0]} rows for {at} positions")
     row_bytes = out.shape[1] * 4
     for executor, entries in plain.values():
-        executor.unsafe_compute_mask_ptr(entries, out.ctypes.data, row_bytes, at)
+        executor.unsafe_compute_mask_ptr(entries, out.ctypes.data, row_bytes, out.shape[0])
     for executor, entries in drafted.values():
-        executor.unsafe_compute_mask_ptr_with_draft_token(entries, out.ctypes.data, row_bytes, at)
+        executor.unsafe_compute_mask_ptr_with_draft_token(entries, out.ctypes.data, row_bytes, out.shape[0])
 
 
 def _mark_eos_special(tokenizer_json: str, eos_token_ids: Sequence[int]) -> str:

@@ -1,7 +1,8 @@
 """Batched Mamba2 decode over state pages: Triton kernels vs torch twins vs the per-row
 reference (float64), output pages poisoned first, the race checker, the numerics of the
-raw dt's discretisation (float32, in the kernel) over 256 steps, and the mixer's fast path
-against its per-row path on the same step."""
+raw dt's discretisation (float32, in the kernel) over 256 steps, the fused conv +
+recurrence (``conv_ssm_update``) against the two ops it replaces, and the mixer's fast
+path against its per-row path on the same step."""
 
 import os
 
@@ -16,6 +17,8 @@ from hybridserve.kernels.conv1d import causal_conv1d_reference
 from hybridserve.kernels.mamba_decode import (
     conv_decode_update,
     conv_decode_update_reference,
+    conv_ssm_update,
+    conv_ssm_update_reference,
     ssm_update,
     ssm_update_reference,
 )
@@ -172,20 +175,60 @@ def test_ssm_kernel_bf16_state_pages_and_no_d():
     )
 
 
-@pytest.mark.parametrize("rows,q,channels,k,act", [(3, 1, 40, 4, "silu"), (2, 3, 9, 4, None),
-                                                   (2, 2, 300, 3, "silu")])
-def test_conv_kernel_matches_twin_race_free(rows, q, channels, k, act):
+@pytest.mark.parametrize(
+    "rows,q,channels,k,act,registers",
+    [(3, 1, 40, 4, "silu", True), (2, 3, 9, 4, None, True), (2, 2, 300, 3, "silu", True),
+     (3, 4, 33, 2, "silu", True), (2, 3, 20, 5, "silu", True), (3, 4, 300, 4, "silu", False),
+     (2, 2, 9, 3, None, False)],
+)
+def test_conv_kernel_matches_twin_race_free(rows, q, channels, k, act, registers):
+    """Both kernel forms (widths 2 to 4 in registers; width 5 and ``registers=False``
+    the reload form) against the twin; one row starts without a page (zero window)."""
     g = torch.Generator().manual_seed(_seed())
     xbc, weight, bias, cache, in_pages, out_pages = _conv_inputs(
         g, rows, q, channels, k, 3 * rows * q, torch.float32
     )
+    in_pages[1] = -1
     want_cache = cache.clone()
     want = conv_decode_update_reference(xbc, weight, bias, want_cache, in_pages, out_pages, act)
     with racecheck.record_launches() as rec:
-        got = conv_decode_update(xbc, weight, bias, cache, in_pages, out_pages, act)
+        got = conv_decode_update(xbc, weight, bias, cache, in_pages, out_pages, act,
+                                 registers=registers)
     assert len(rec.reports) == 1 and rec.reports[0].clean, str(rec.reports[0])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # Windows are copies of inputs: bit-identical.
+    assert torch.equal(cache.nan_to_num(7.0), want_cache.nan_to_num(7.0))
+
+
+def test_conv_twin_starts_a_row_without_a_page_from_zeros():
+    """In-page -1: the window is zeros (the conv over the row alone, zero-padded), whatever
+    the last page holds (a plain gather would read it)."""
+    g = torch.Generator().manual_seed(_seed())
+    rows, q, channels, k = 2, 3, 6, 4
+    xbc, weight, bias, cache, in_pages, out_pages = _conv_inputs(
+        g, rows, q, channels, k, 12, torch.float64
+    )
+    in_pages[0] = -1
+    out = conv_decode_update_reference(xbc, weight, bias, cache, in_pages, out_pages, "silu")
+    o_ref, _ = causal_conv1d_reference(xbc[:q], weight, bias, None, "silu")
+    torch.testing.assert_close(out[:q], o_ref, rtol=1e-12, atol=1e-12)
+
+
+def test_conv_kernel_half_inputs_float32_pages():
+    """16-bit inputs over float32 window pages: the register form rounds the carried
+    window to the inputs' dtype as the twin does (windows bit-identical), outputs to the
+    inputs' rounding. float16, not bfloat16: the interpreter casts float32 to bfloat16 by
+    truncation, the GPU and torch round to nearest."""
+    g = torch.Generator().manual_seed(_seed())
+    xbc, weight, bias, cache, in_pages, out_pages = _conv_inputs(
+        g, 3, 4, 48, 4, 40, torch.float32
+    )
+    xbc, weight, bias = xbc.half(), weight.half(), bias.half()
+    want_cache = cache.clone()
+    want = conv_decode_update_reference(xbc, weight, bias, want_cache, in_pages, out_pages)
+    got = conv_decode_update(xbc, weight, bias, cache, in_pages, out_pages)
+    # Both round a float32 sum to float16; summation orders differ: an ulp or two.
+    torch.testing.assert_close(got.float(), want.float(), rtol=4e-3, atol=4e-3)
     assert torch.equal(cache.nan_to_num(7.0), want_cache.nan_to_num(7.0))
 
 
@@ -246,10 +289,152 @@ def test_decode_state_drift_at_bf16_rounding_stays_below_1e5(kernel):
     assert numerics.rel_err(old[steps], want[steps]) > 1e-4
 
 
-@pytest.mark.parametrize("act", ["silu", None])
-def test_conv_kernel_independent_of_program_order(act):
-    """Several rows and channel blocks (a 2-D grid): outputs and every window page are
-    bit-identical whatever order the programs run in."""
+def _fused_inputs(g, rows, q, heads, head_dim, groups, d_state, k, num_pages, dtype,
+                  bias=True, holes=True):
+    """Operands of :func:`conv_ssm_update` (the last item the keyword ones), xbc and dt
+    as column slices of one wider projection (the mixer's layout), every output page of
+    both caches poisoned; row 1 starts without a page (zeros)."""
+    t = rows * q
+    channels = heads * head_dim + 2 * groups * d_state
+    proj = torch.randn(t, 5 + channels + heads, generator=g, dtype=dtype)
+    xbc = proj[:, 5 : 5 + channels]
+    dt = proj[:, 5 + channels :] * 1.5 - 0.5
+    proj[:, 5 + channels :] = dt
+    dt = proj[:, 5 + channels :]
+    weight = torch.randn(channels, k, generator=g, dtype=dtype) * 0.5
+    conv_bias = torch.randn(channels, generator=g, dtype=dtype) if bias else None
+    A = -(torch.rand(heads, generator=g, dtype=dtype) * 4 + 0.5)
+    D = torch.randn(heads, generator=g, dtype=dtype)
+    conv_cache = torch.randn(num_pages, channels, k - 1, generator=g, dtype=dtype)
+    ssm_cache = torch.randn(num_pages, heads, head_dim, d_state, generator=g, dtype=dtype)
+    in_pages, out_pages = _pages(g, rows, q, num_pages, holes)
+    if rows > 1:
+        in_pages[1] = -1
+    written = out_pages[out_pages >= 0].long()
+    conv_cache[written] = float("nan")
+    ssm_cache[written] = float("nan")
+    kw = _dt_kwargs(g, heads, dtype, clamp=True)
+    return xbc, dt, weight, conv_bias, A, D, conv_cache, ssm_cache, in_pages, out_pages, kw
+
+
+@pytest.mark.parametrize("q,k", [(1, 4), (3, 4), (2, 3), (4, 2)])
+def test_conv_ssm_twin_matches_per_row_conv_and_recurrence_float64(q, k):
+    """The fused twin against the per-row conv and the token-by-token recurrence in
+    float64: outputs, every window and state written, nothing else touched."""
+    g = torch.Generator().manual_seed(_seed())
+    rows, heads, head_dim, groups, d_state = 4, 6, 4, 3, 5
+    (xbc, dt, weight, bias, A, D, conv_cache, ssm_cache, in_pages, out_pages,
+     kw) = _fused_inputs(g, rows, q, heads, head_dim, groups, d_state, k, 40, torch.float64)
+    conv_before, ssm_before = conv_cache.clone(), ssm_cache.clone()
+    y = conv_ssm_update_reference(xbc, dt, weight, bias, A, D, conv_cache, ssm_cache, in_pages,
+                                  out_pages, "silu", **kw)
+    inter, gs = heads * head_dim, groups * d_state
+    dt_disc = discretize_dt(dt, kw["dt_bias"], kw["time_step_limit"])
+    for r in range(rows):
+        s = slice(r * q, (r + 1) * q)
+        page = int(in_pages[r])
+        offsets = [t for t in range(q) if out_pages[r, t] >= 0]
+        conv, windows = causal_conv1d_reference(
+            xbc[s], weight, bias, conv_before[page] if page >= 0 else None, "silu", offsets
+        )
+        x, B, C = conv.split([inter, gs, gs], dim=-1)
+        y_ref, states = ssd_recurrent_reference(
+            x.reshape(q, heads, head_dim), dt_disc[s], A, B.reshape(q, groups, d_state),
+            C.reshape(q, groups, d_state), D, ssm_before[page] if page >= 0 else None,
+        )
+        torch.testing.assert_close(y[s], y_ref, rtol=1e-12, atol=1e-12)
+        for t, w in zip(offsets, windows):
+            out = int(out_pages[r, t])
+            assert torch.equal(conv_cache[out], w)
+            torch.testing.assert_close(ssm_cache[out], states[t], rtol=1e-12, atol=1e-12)
+    written = set(out_pages[out_pages >= 0].tolist())
+    untouched = [p for p in range(conv_cache.shape[0]) if p not in written]
+    assert torch.equal(conv_cache[untouched], conv_before[untouched])
+    assert torch.equal(ssm_cache[untouched], ssm_before[untouched])
+
+
+@pytest.mark.parametrize(
+    "rows,q,heads,head_dim,groups,d_state,k,bias",
+    [(3, 1, 4, 8, 2, 16, 4, True), (2, 4, 4, 12, 1, 8, 4, True), (2, 2, 6, 5, 3, 12, 3, False),
+     (3, 3, 8, 4, 2, 8, 2, True)],
+)
+def test_conv_ssm_kernel_matches_twin_race_free(rows, q, heads, head_dim, groups, d_state, k,
+                                                bias):
+    """The fused kernel against its twin on fresh random inputs (strided xbc and dt,
+    poisoned output pages, a row without a page, several heads per group: the shared B
+    and C windows have one writer), under the race checker."""
+    g = torch.Generator().manual_seed(_seed())
+    (xbc, dt, weight, conv_bias, A, D, conv_cache, ssm_cache, in_pages, out_pages,
+     kw) = _fused_inputs(g, rows, q, heads, head_dim, groups, d_state, k, 3 * rows * q,
+                         torch.float32, bias)
+    want_conv, want_ssm = conv_cache.clone(), ssm_cache.clone()
+    want = conv_ssm_update_reference(xbc, dt, weight, conv_bias, A, D, want_conv, want_ssm,
+                                     in_pages, out_pages, "silu", **kw)
+    with racecheck.record_launches() as rec:
+        got = conv_ssm_update(xbc, dt, weight, conv_bias, A, D, conv_cache, ssm_cache,
+                              in_pages, out_pages, "silu", **kw)
+    assert len(rec.reports) == 1 and rec.reports[0].clean, str(rec.reports[0])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # Windows are copies of inputs: bit-identical; states as the twin's.
+    assert torch.equal(conv_cache.nan_to_num(7.0), want_conv.nan_to_num(7.0))
+    torch.testing.assert_close(ssm_cache, want_ssm, rtol=1e-5, atol=1e-5, equal_nan=True)
+    written = out_pages[out_pages >= 0].long()
+    assert not conv_cache[written].isnan().any() and not ssm_cache[written].isnan().any()
+
+
+def test_conv_ssm_kernel_bf16_activations_equal_the_two_launches():
+    """bf16 activations and taps, float32 states: the fused kernel rounds the conv output
+    to bf16 before the recurrence, as the separate conv launch stores it, so it agrees
+    with ``conv_decode_update`` then ``ssm_update`` to float32 rounding (not bf16's)."""
+    g = torch.Generator().manual_seed(_seed())
+    (xbc, dt, weight, bias, A, D, conv_cache, ssm_cache, in_pages, out_pages,
+     kw) = _fused_inputs(g, 2, 3, 4, 8, 2, 16, 4, 20, torch.float32)
+    xbc, dt, weight, bias = (t.bfloat16() for t in (xbc, dt, weight, bias))
+    conv_cache = conv_cache.bfloat16()
+    two_conv, two_ssm = conv_cache.clone(), ssm_cache.clone()
+    conv = conv_decode_update(xbc, weight, bias, two_conv, in_pages, out_pages)
+    x, B, C = conv.split([32, 32, 32], dim=-1)
+    want = ssm_update(x.reshape(-1, 4, 8), dt, A, B.reshape(-1, 2, 16), C.reshape(-1, 2, 16),
+                      D, two_ssm, in_pages, out_pages, **kw)
+    got = conv_ssm_update(xbc, dt, weight, bias, A, D, conv_cache, ssm_cache, in_pages,
+                          out_pages, **kw)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(conv_cache.nan_to_num(7.0), two_conv.nan_to_num(7.0))
+    torch.testing.assert_close(ssm_cache, two_ssm, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def test_conv_ssm_kernel_independent_of_program_order():
+    """A 3-D grid (rows, heads, head-dim blocks: head_dim 32 over d_state 128 gives two
+    blocks a head): outputs and every page bit-identical in any program order."""
+    g = torch.Generator().manual_seed(_seed())
+    (xbc, dt, weight, bias, A, D, conv_cache, ssm_cache, in_pages, out_pages,
+     kw) = _fused_inputs(g, 2, 2, 4, 32, 2, 128, 4, 12, torch.float32)
+    report = racecheck.run_launcher_in_orders(
+        lambda xbc, dt, conv_cache, ssm_cache: conv_ssm_update(
+            xbc, dt, weight, bias, A, D, conv_cache, ssm_cache, in_pages, out_pages, **kw
+        ),
+        lambda: (xbc, dt, conv_cache.nan_to_num(7.0), ssm_cache.nan_to_num(7.0)),
+        seed=5,
+    )
+    assert report.consistent, str(report)
+
+
+def test_conv_ssm_rejects_channels_that_do_not_split():
+    g = torch.Generator().manual_seed(_seed())
+    (xbc, dt, weight, bias, A, D, conv_cache, ssm_cache, in_pages, out_pages,
+     kw) = _fused_inputs(g, 2, 1, 4, 8, 2, 8, 4, 12, torch.float32)
+    with pytest.raises(ValueError, match="H \\* P \\+ 2 \\* G \\* N"):
+        conv_ssm_update(xbc[:, 1:], dt, weight[1:], bias[1:], A, D, conv_cache[:, 1:],
+                        ssm_cache, in_pages, out_pages, **kw)
+    with pytest.raises(ValueError, match="width 2 to 4"):
+        conv_ssm_update(xbc, dt, torch.randn(xbc.shape[1], 5), bias, A, D,
+                        torch.randn(12, xbc.shape[1], 4), ssm_cache, in_pages, out_pages, **kw)
+
+
+@pytest.mark.parametrize("act,registers", [("silu", True), (None, True), ("silu", False)])
+def test_conv_kernel_independent_of_program_order(act, registers):
+    """Several rows and channel blocks (a 2-D grid), both kernel forms: outputs and every
+    window page are bit-identical whatever order the programs run in."""
     g = torch.Generator().manual_seed(_seed())
     rows, q = 4, 3
     xbc, weight, bias, cache, in_pages, out_pages = _conv_inputs(
@@ -257,7 +442,7 @@ def test_conv_kernel_independent_of_program_order(act):
     )
     report = racecheck.run_launcher_in_orders(
         lambda xbc, weight, bias, cache, in_pages, out_pages: conv_decode_update(
-            xbc, weight, bias, cache, in_pages, out_pages, act
+            xbc, weight, bias, cache, in_pages, out_pages, act, registers=registers
         ),
         lambda: (xbc, weight, bias, cache.nan_to_num(7.0), in_pages, out_pages),
         seed=5,
@@ -353,3 +538,64 @@ def test_mixer_fast_path_matches_per_row_path(tmp_path, monkeypatch, q, mixer_pa
     for key in fs:
         assert torch.equal(fs[key][0], ss[key][0]), key
         torch.testing.assert_close(fs[key][1], ss[key][1], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("q", [1, 3])
+def test_mixer_decode_step_fused_launch_matches_two_launches_and_twins(q):
+    """The mixer's uniform step on the Triton kernels (interpreted): fused
+    (``conv_ssm_update``, one Mamba launch) against the two launches and against the
+    twins: the layer's output and every written window and state page."""
+    from dataclasses import replace
+
+    from hybridserve.models.config import MambaParams
+    from hybridserve.models.layers.mamba2 import Mamba2Mixer
+
+    g = torch.Generator().manual_seed(_seed())
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=g)))
+    p = MambaParams(n_heads=4, head_dim=8, n_groups=2, d_state=8, d_conv=4, expand=2,
+                    chunk_size=8, conv_bias=True, proj_bias=False, activation="silu",
+                    norm_eps=1e-5, time_step_limit=(0.0, float("inf")), time_step_min=0.001,
+                    time_step_max=0.1)
+    rows, pages, hidden = 3, 16, 16
+    outs = [[(t, rows + r * q + t) for t in range(q) if t == q - 1 or (r + t) % 2]
+            for r in range(rows)]
+    batch = _batch([q] * rows, list(range(rows)), outs)
+    policy = KernelPolicy(short_rows="off", packed_prefill="off")
+    plan = plan_states(batch, policy, torch.device("cpu"), torch.float32)
+    assert plan.kind is StepKind.DECODE and not plan.triton
+    h = torch.randn(rows * q, hidden, generator=g)
+    conv0 = torch.randn(pages, p.conv_dim, p.d_conv - 1, generator=g)
+    ssm0 = torch.randn(pages, p.n_heads, p.head_dim, p.d_state, generator=g)
+    written = [page for o in outs for _, page in o]
+    conv0[written] = float("nan")
+    ssm0[written] = float("nan")
+    weights = Mamba2Mixer(hidden, p).state_dict()
+    with torch.no_grad():
+        for value in weights.values():
+            value.copy_(torch.randn(value.shape, generator=g) * 0.5)
+    results = {}
+    for name, fused, triton_ in (("fused", True, True), ("two", False, True),
+                                 ("twins", True, False)):
+        mixer = Mamba2Mixer(hidden, p, replace(policy, fused_decode=fused))
+        mixer.load_state_dict(weights)
+        step = replace(batch, planned=True, states=replace(plan, triton=triton_))
+        states = {"conv": conv0.clone(), "ssm": ssm0.clone()}
+        with racecheck.record_launches() as rec, torch.no_grad():
+            out = mixer(h, step, states)
+        assert all(r.clean for r in rec.reports)
+        results[name] = (out, states, rec.launches)
+    assert [results[n][2] for n in ("fused", "two", "twins")] == [1, 2, 0]
+    want_out, want_states, _ = results["twins"]
+    for name in ("fused", "two"):
+        out, states, _ = results[name]
+        torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+        assert torch.equal(states["conv"].nan_to_num(7.0), want_states["conv"].nan_to_num(7.0))
+        torch.testing.assert_close(states["ssm"], want_states["ssm"], rtol=1e-5, atol=1e-5,
+                                   equal_nan=True)
+        assert not states["ssm"][written].isnan().any()
+
+
+def test_policy_fused_decode_takes_a_bool():
+    with pytest.raises(ValueError, match="kernel_policy.fused_decode must be a bool"):
+        KernelPolicy(fused_decode="off")
+    assert KernelPolicy().fused_decode and not KernelPolicy(fused_decode=False).fused_decode

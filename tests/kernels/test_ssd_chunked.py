@@ -1,12 +1,15 @@
-"""The fused chunked SSD scan: its torch twin against a token-by-token float64 recurrence,
-the Triton kernel against the twin (strided grouped inputs, raw dt, bf16 inputs cast in
-registers) under the race checker and in several program orders, and
-:func:`~hybridserve.kernels.ssd_varlen.ssd_prefill` through both against the per-row
-chunked reference (chunk states, tails, repeated requests, empty rows).
+"""The fused chunked SSD scans: their torch twin against a token-by-token float64
+recurrence, both Triton scans (the one-launch ``ssd_scan_fused`` and the two-pass
+``ssd_scan_two_pass``, which share the twin) against the twin (strided grouped inputs, raw
+dt, bf16 inputs cast in registers, states of any dtype) under the race checker and in
+several program orders, and :func:`~hybridserve.kernels.ssd_varlen.ssd_prefill` through
+them against the per-row chunked reference (chunk states, tails, repeated requests, empty
+rows).
 
 GPU tests (``-m gpu``) compile the kernel: run them with ``TRITON_INTERPRET=0``.
 """
 
+import functools
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -22,6 +25,7 @@ from hybridserve.kernels.ssd_chunked import (
     ssd_scan_fused,
     ssd_scan_fused_reference,
 )
+from hybridserve.kernels.ssd_two_pass import ssd_scan_two_pass, ssd_scan_two_pass_reference
 from hybridserve.kernels.ssd_varlen import discretize_dt_varlen, plan_segments, ssd_prefill
 
 INTERPRETED = os.environ["TRITON_INTERPRET"] == "1"
@@ -30,6 +34,10 @@ if INTERPRETED:
     from hybridserve.testing import racecheck
 
 LIMIT = (0.05, 0.9)
+# The Triton scans (one twin for all) and the launches each makes; "two_pass_128": the
+# output pass over chunks of 128 tokens (the state pass still stores every 64).
+SCANS = {"fused": (ssd_scan_fused, 1), "two_pass": (ssd_scan_two_pass, 2),
+         "two_pass_128": (functools.partial(ssd_scan_two_pass, out_chunk=2 * CHUNK), 2)}
 
 
 def _seed() -> int:
@@ -155,18 +163,28 @@ def _run_both(case, g, dtype=torch.float32):
     return args, kwargs, block_p, states, want, want_states, before
 
 
+def _tiles(name: str, block_p: int | None) -> dict:
+    """Tile arguments of scan ``name``: the two-pass scan's state pass takes a tile of
+    its own (16 x 16 here: several head_dim and state blocks even for tiny shapes)."""
+    state = {"state_block_p": 16, "state_block_n": 16}
+    return {"block_p": block_p, **(state if name.startswith("two_pass") else {})}
+
+
 @interpreted
+@pytest.mark.parametrize("name", SCANS)
 @pytest.mark.parametrize("case,dtype", [*((c, torch.float32) for c in range(len(KERNEL_CASES))),
                                         (0, torch.bfloat16)])
-def test_kernel_matches_twin_race_free(case, dtype):
+def test_kernel_matches_twin_race_free(case, dtype, name):
     """Against the twin in float64 on the same values; bf16 inputs take the split
     products."""
+    scan, launches = SCANS[name]
     g = torch.Generator().manual_seed(_seed())
     args, kwargs, block_p, states, want, want_states, before = _run_both(KERNEL_CASES[case], g,
                                                                          dtype)
     with racecheck.record_launches() as rec:
-        y, dt_out = ssd_scan_fused(*args, states, **kwargs, block_p=block_p)
-    assert len(rec.reports) == 1 and rec.reports[0].clean, str(rec.reports[0])
+        y, dt_out = scan(*args, states, **kwargs, **_tiles(name, block_p))
+    assert len(rec.reports) == launches, [str(r) for r in rec.reports]
+    assert all(r.clean for r in rec.reports), [str(r) for r in rec.reports]
     torch.testing.assert_close(dt_out.double(), want[1], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(y.double(), want[0], rtol=1e-4, atol=_atol(want[0]))
     # Exactly the slotted rows are written, and to the twin's values.
@@ -183,13 +201,14 @@ def test_kernel_matches_twin_race_free(case, dtype):
 
 
 @interpreted
-def test_kernel_casts_bf16_inputs_in_registers():
+@pytest.mark.parametrize("name", SCANS)
+def test_kernel_casts_bf16_inputs_in_registers(name):
     """bf16 projections (x, B, C and the raw dt): the kernel computes in float32 from the
     bf16 values, so it matches the twin run in float64 on the same values."""
     g = torch.Generator().manual_seed(_seed())
     case = ([70, 3], 4, 16, 2, 16, True, True, LIMIT, True, 16)
     args, kwargs, block_p, states, want, want_states, _ = _run_both(case, g, torch.bfloat16)
-    y, dt_out = ssd_scan_fused(*args, states, **kwargs, block_p=block_p)
+    y, dt_out = SCANS[name][0](*args, states, **kwargs, **_tiles(name, block_p))
     assert y.dtype == torch.float32 and dt_out.dtype == torch.float32
     torch.testing.assert_close(dt_out.double(), want[1], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(y.double(), want[0], rtol=1e-4, atol=_atol(want[0]))
@@ -198,18 +217,20 @@ def test_kernel_casts_bf16_inputs_in_registers():
 
 
 @interpreted
-def test_kernel_independent_of_program_order():
+@pytest.mark.parametrize("name", SCANS)
+def test_kernel_independent_of_program_order(name):
     g = torch.Generator().manual_seed(_seed())
     case = ([66, 1, 9], 4, 20, 2, 5, True, True, LIMIT, True, 16)
     args, kwargs, _, states, _, _, _ = _run_both(case, g, torch.bfloat16)  # split products
     names = ("x", "dt", "A", "B", "C", "D", "dt_bias", "cu_seqlens", "initial_states",
              "chunk_slot", "final_slot")
+    scan = SCANS[name][0]
 
     def launch(x, dt, A, B, C, D, dt_bias, cu_seqlens, initial_states, chunk_slot,
                final_slot, states, starts):
-        return ssd_scan_fused(x, dt, A, B, C, D, dt_bias, cu_seqlens, initial_states,
-                              chunk_slot, final_slot, states, **{**kwargs, "starts": starts},
-                              block_p=16)
+        return scan(x, dt, A, B, C, D, dt_bias, cu_seqlens, initial_states,
+                    chunk_slot, final_slot, states, **{**kwargs, "starts": starts},
+                    **_tiles(name, 16))
 
     report = racecheck.run_launcher_in_orders(
         launch, lambda: {**dict(zip(names, args)), "states": states.clone(),
@@ -218,13 +239,68 @@ def test_kernel_independent_of_program_order():
     assert report.consistent, str(report)
 
 
+@interpreted
+@pytest.mark.parametrize("out_chunk", [CHUNK, 2 * CHUNK])
+@pytest.mark.parametrize("states_dtype", [torch.bfloat16, torch.float64])
+def test_two_pass_states_of_any_dtype(states_dtype, out_chunk):
+    """States that are not float32 (bf16 pages, say): the output pass cannot read the
+    chunk states back from their slots, so every chunk's goes through the scratch; the
+    outputs stay those of float32 and the states are the twin's, rounded to the dtype."""
+    g = torch.Generator().manual_seed(_seed())
+    case = ([70, 1, 130], 4, 6, 2, 5, True, True, LIMIT, True, 16)
+    args, kwargs, block_p, _, want, want_states, _ = _run_both(case, g, torch.bfloat16)
+    states = torch.full(want_states.shape, float("nan"), dtype=states_dtype)
+    with racecheck.record_launches() as rec:
+        y, _ = ssd_scan_two_pass(*args, states, **kwargs, out_chunk=out_chunk,
+                                 **_tiles("two_pass", block_p))
+    assert len(rec.reports) == 2 and all(r.clean for r in rec.reports)
+    torch.testing.assert_close(y.double(), want[0], rtol=1e-4, atol=_atol(want[0]))
+    assert torch.equal(states.isnan(), want_states.isnan())
+    rounded = want_states.to(states_dtype).double().nan_to_num(7.0)
+    tol = 1e-2 if states_dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(states.double().nan_to_num(7.0), rounded, rtol=tol,
+                               atol=tol * max(1.0, float(want_states.nan_to_num(0).abs().max())))
+
+
+@interpreted
+@pytest.mark.parametrize("out_chunk", [CHUNK, 2 * CHUNK])
+@pytest.mark.parametrize("every", [True, False])
+def test_two_pass_reads_chunk_states_from_their_slots_or_the_scratch(every, out_chunk):
+    """Every chunk state asked for (the output pass reads each from its slot) or none
+    (each from the scratch): the same outputs as the twin either way, with output chunks
+    of 64 or 128 tokens (rows of 5, 63, 64 and 129 tokens: odd chunk counts too)."""
+    g = torch.Generator().manual_seed(_seed())
+    case = ([64, 5, 129, 63], 4, 8, 2, 40, True, True, LIMIT, False, 16)
+    lens = case[0]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    x, dt, A, B, C, D, bias, init, _ = _step(g, lens, *case[1:5], dtype=torch.bfloat16)
+    chunks = chunk_starts(cu.tolist())[-1]
+    chunk_slot = (torch.randperm(chunks, generator=g) if every
+                  else torch.full((chunks,), -1, dtype=torch.int64))
+    final_slot = torch.arange(chunks, chunks + len(lens))
+    args = (x, dt, A, B, C, D, bias, cu, init, chunk_slot, final_slot)
+    want_states = torch.full((chunks + len(lens), *init.shape[1:]), float("nan"),
+                             dtype=torch.float64)
+    want = ssd_scan_fused_reference(*(a.double() if a.is_floating_point() else a for a in args),
+                                    want_states, time_step_limit=LIMIT)
+    states = torch.full(want_states.shape, float("nan"))
+    y, dt_out = ssd_scan_two_pass(*args, states, time_step_limit=LIMIT, out_chunk=out_chunk,
+                                  **_tiles("two_pass", 16))
+    torch.testing.assert_close(dt_out.double(), want[1], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(y.double(), want[0], rtol=1e-4, atol=_atol(want[0]))
+    assert torch.equal(states.isnan(), want_states.isnan())
+    torch.testing.assert_close(states.double().nan_to_num(7.0), want_states.nan_to_num(7.0),
+                               rtol=1e-4, atol=_atol(want_states))
+
+
 def test_rejects_bad_inputs():
     g = torch.Generator().manual_seed(_seed())
     x, dt, A, B, C, D, bias, init, _ = _step(g, [5, 3])
     cu = torch.tensor([0, 5, 8])
     slots = (torch.tensor([0, 1]), torch.tensor([2, 3]))
     states = torch.empty(4, *init.shape[1:])
-    for fn in (ssd_scan_fused, ssd_scan_fused_reference):
+    assert ssd_scan_two_pass_reference is ssd_scan_fused_reference
+    for fn in (ssd_scan_fused, ssd_scan_two_pass, ssd_scan_fused_reference):
         with pytest.raises(ValueError, match="dt must be"):
             fn(x, dt[:, :2], A, B, C, D, bias, cu, init, *slots, states)
         with pytest.raises(ValueError, match="initial_states must be"):
@@ -232,8 +308,15 @@ def test_rejects_bad_inputs():
         with pytest.raises(ValueError, match="G dividing"):
             fn(x, dt, A, B[:, :1].expand(-1, 3, -1), C[:, :1].expand(-1, 3, -1), D, bias,
                cu, init, *slots, states)
-    with pytest.raises(ValueError, match="precision"):
-        ssd_scan_fused(x, dt, A, B, C, D, bias, cu, init, *slots, states, precision="bf16")
+    for fn in (ssd_scan_fused, ssd_scan_two_pass):
+        for bad in ("bf16", "bf16x3"):  # bf16x3 was wrong on the H200: not offered
+            with pytest.raises(ValueError, match="precision"):
+                fn(x, dt, A, B, C, D, bias, cu, init, *slots, states, precision=bad)
+    with pytest.raises(ValueError, match="out_chunk"):
+        ssd_scan_two_pass(x, dt, A, B, C, D, bias, cu, init, *slots, states, out_chunk=96)
+    with pytest.raises(ValueError, match="one entry per chunk"):
+        ssd_scan_two_pass(x, dt, A, B, C, D, bias, cu, init, torch.tensor([0, 1, -1]),
+                          slots[1], states)
 
 
 # --------------------------------------------------------------------------------------
@@ -278,7 +361,7 @@ def _assert_per_row(y, states, inputs, qs, rows, offs, tol):
             torch.testing.assert_close(states[j].double(), st[n], rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=interpreted)])
+@pytest.mark.parametrize("kernel", [None, *(pytest.param(n, marks=interpreted) for n in SCANS)])
 def test_ssd_prefill_through_the_fused_scan_matches_per_row(kernel):
     g = torch.Generator().manual_seed(_seed())
     dtype = torch.float32 if kernel else torch.float64
@@ -286,14 +369,14 @@ def test_ssd_prefill_through_the_fused_scan_matches_per_row(kernel):
     x, dt, A, B, C, D, bias, init, unclamped = inputs
     segments = plan_segments(qs, rows, offs, chunk=CHUNK)
     assert segments.tail_request.numel() and segments.dup_request.numel()
-    scan = ssd_scan_fused if kernel else ssd_scan_fused_reference
+    scan = SCANS[kernel][0] if kernel else ssd_scan_fused_reference
     y, states = ssd_prefill(x, dt, A, B, C, D, init, segments, scan, dt_bias=bias,
                             time_step_limit=LIMIT, unclamped=unclamped)
     assert states.shape == (len(rows), *init.shape[1:])
     _assert_per_row(y, states, inputs, qs, rows, offs, 1e-4 if kernel else 1e-10)
 
 
-@pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=interpreted)])
+@pytest.mark.parametrize("kernel", [None, *(pytest.param(n, marks=interpreted) for n in SCANS)])
 def test_ssd_prefill_stores_states_straight_into_pages(kernel):
     """With ``out_cache`` every requested state lands on its page (row ends and chunk
     states from the scan, tails and repeats after it), the others stay untouched."""
@@ -302,7 +385,7 @@ def test_ssd_prefill_stores_states_straight_into_pages(kernel):
     lens, qs, rows, offs, inputs = _prefill_case(g, dtype)
     x, dt, A, B, C, D, bias, init, unclamped = inputs
     segments = plan_segments(qs, rows, offs, chunk=CHUNK)
-    scan = ssd_scan_fused if kernel else ssd_scan_fused_reference
+    scan = SCANS[kernel][0] if kernel else ssd_scan_fused_reference
     kw = dict(dt_bias=bias, time_step_limit=LIMIT, unclamped=unclamped)
     y_ref, want = ssd_prefill(x, dt, A, B, C, D, init, segments, scan, **kw)
     cache = torch.full((len(rows) + 7, *init.shape[1:]), float("nan"), dtype=dtype)
@@ -336,8 +419,9 @@ def test_ssd_prefill_fused_needs_the_raw_dt_and_the_chunk_plan():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.skipif(INTERPRETED, reason="compiles the kernel: run with TRITON_INTERPRET=0")
+@pytest.mark.parametrize("name", SCANS)
 @pytest.mark.parametrize("precision", ["auto", "tf32", "ieee"])
-def test_gpu_kernel_matches_float64_twin(precision, record_property):
+def test_gpu_kernel_matches_float64_twin(precision, name, record_property):
     """bf16 inputs: ``auto`` takes the split 16-bit products (expected near 1e-5),
     ``tf32`` / ``ieee`` float32 operands."""
     g = torch.Generator().manual_seed(_seed())
@@ -346,14 +430,48 @@ def test_gpu_kernel_matches_float64_twin(precision, record_property):
     args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
     kwargs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     states = states.cuda()
-    y, _ = ssd_scan_fused(*args, states, **kwargs, precision=precision)
+    y, _ = SCANS[name][0](*args, states, **kwargs, precision=precision)
     ry = ((y.double().cpu() - want[0]).norm() / want[0].norm()).item()
     ok = ~want_states.isnan()
     rs = ((states.double().cpu()[ok] - want_states[ok]).norm() / want_states[ok].norm()).item()
-    record_property(f"ssd_fused_{precision}_rel_err_y", ry)
-    record_property(f"ssd_fused_{precision}_rel_err_state", rs)
-    print(f"fused scan ({precision}): relative error y {ry:.3e}, states {rs:.3e}")
+    record_property(f"ssd_{name}_{precision}_rel_err_y", ry)
+    record_property(f"ssd_{name}_{precision}_rel_err_state", rs)
+    print(f"{name} scan ({precision}): relative error y {ry:.3e}, states {rs:.3e}")
     assert ry < 2e-3 and rs < 2e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(INTERPRETED, reason="compiles the kernel: run with TRITON_INTERPRET=0")
+def test_gpu_two_pass_prefill_replays_from_a_cuda_graph():
+    """The two-pass scan makes no host read inside ``ssd_prefill`` (scratch sized from
+    host shapes, the chunk -> row map on the device): the step captures in a CUDA graph,
+    and a replay on new inputs of the same plan gives the eager results."""
+    g = torch.Generator().manual_seed(_seed())
+    lens, qs, rows, offs, inputs = _prefill_case(g, torch.float32)
+    x, dt, A, B, C, D, bias, init, unclamped = (t.cuda() for t in inputs)
+    segments = plan_segments(qs, rows, offs, device="cuda", chunk=CHUNK)
+    cache = torch.zeros(len(rows) + 3, *init.shape[1:], device="cuda")
+    pages = torch.arange(3, len(rows) + 3, device="cuda")
+    kw = dict(dt_bias=bias, time_step_limit=LIMIT, unclamped=unclamped, out_cache=cache,
+              out_pages=pages)
+
+    def step():
+        return ssd_prefill(x, dt, A, B, C, D, init, segments, ssd_scan_two_pass, **kw)[0]
+
+    step()  # compiles
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_graph = step()
+    for t in (x, dt, B, C, init):
+        t.copy_(torch.randn(t.shape, generator=g).to(t.device, t.dtype))
+    graph.replay()
+    got_y, got_states = y_graph.clone(), cache[pages].clone()
+    cache.zero_()
+    want_y = step()
+    torch.testing.assert_close(got_y, want_y, rtol=0, atol=0)
+    torch.testing.assert_close(got_states, cache[pages], rtol=0, atol=0)
 
 
 def test_ssd_prefill_into_pages_without_requests():

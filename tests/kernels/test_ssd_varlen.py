@@ -18,10 +18,11 @@ import pytest
 import torch
 
 from hybridserve.config import KernelPolicy
-from hybridserve.kernels import ssd_varlen
+from hybridserve.kernels import ssd_chunked, ssd_two_pass, ssd_varlen
 from hybridserve.kernels.ssd import discretize_dt, ssd_chunked_reference
 from hybridserve.kernels.ssd_varlen import (
     discretize_dt_varlen,
+    is_fused,
     plan_segments,
     ssd_prefill,
     ssd_scan_varlen_reference,
@@ -384,6 +385,27 @@ def test_mixer_takes_the_packed_path_when_selected(tmp_path, count_calls):
     assert packed_scan(KernelPolicy(), torch.device("cpu"), torch.float32) is None
 
 
+def test_packed_scan_modes():
+    """``auto`` / ``triton`` take the two-pass scan on CUDA, ``fused`` the one-launch
+    scan, ``reference`` their twin anywhere; other devices and dtypes take none."""
+    cuda = torch.device("cuda")
+    for mode in ("auto", "triton"):
+        assert packed_scan(KernelPolicy(packed_prefill=mode), cuda, torch.float32) is (
+            ssd_two_pass.ssd_scan_two_pass)
+    assert packed_scan(KernelPolicy(packed_prefill="fused"), cuda, torch.float32) is (
+        ssd_chunked.ssd_scan_fused)
+    assert packed_scan(KernelPolicy(packed_prefill="reference"), torch.device("cpu"),
+                       torch.float64) is ssd_chunked.ssd_scan_fused_reference
+    for mode in ("auto", "fused"):
+        assert packed_scan(KernelPolicy(packed_prefill=mode), cuda, torch.float64) is None
+        assert packed_scan(KernelPolicy(packed_prefill=mode), torch.device("cpu"),
+                           torch.float32) is None
+    assert all(is_fused(packed_scan(KernelPolicy(packed_prefill=m), cuda, torch.float32))
+               for m in ("auto", "fused"))
+    with pytest.raises(ValueError, match="packed_prefill"):
+        KernelPolicy(packed_prefill="two_pass")
+
+
 # --------------------------------------------------------------------------------------
 # GPU: fla-core's scan against the twin (float64 oracle), and the mixer on the GPU
 # --------------------------------------------------------------------------------------
@@ -602,16 +624,19 @@ def test_mixer_hand_built_step_with_an_empty_row(tmp_path, mixer_paths):
 
 
 @gpu_test
+@pytest.mark.parametrize("mode", ["auto", "fused"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_mixer_packed_path_matches_per_row_path(tmp_path, monkeypatch, dtype,
+def test_gpu_mixer_packed_path_matches_per_row_path(tmp_path, monkeypatch, dtype, mode,
                                                     record_property, mixer_paths):
-    # "auto": the fused Triton scan of ssd_chunked (fla-core is not needed).
+    # "auto": the two-pass Triton scan of ssd_two_pass; "fused": the one-launch scan of
+    # ssd_chunked (fla-core is not needed for either).
     (ph, pc), (rh, rc), start, batch, spec = _packed_vs_per_row(
-        tmp_path, mixer_paths, "auto", "cuda", dtype
+        tmp_path, mixer_paths, mode, "cuda", dtype
     )
     rel = _rel(ph, rh)
-    record_property("mixer_packed_rel_err_hidden", rel)
-    print(f"mixer packed vs per-row on the GPU, {dtype}: hidden relative error {rel:.3e}")
+    record_property(f"mixer_packed_{mode}_rel_err_hidden", rel)
+    print(f"mixer packed ({mode}) vs per-row on the GPU, {dtype}: hidden relative error "
+          f"{rel:.3e}")
     # Measured on an H200 (two runs, packed side on fla-core's scan): hidden 1.1e-3 /
     # 1.2e-3 in float32 and 7.0e-3 / 1.0e-2 in bf16; written SSM states up to 1.1e-3 and
     # 9.8e-3. Before the short-row path was switched off here both sides took it and
@@ -631,6 +656,6 @@ def test_gpu_mixer_packed_path_matches_per_row_path(tmp_path, monkeypatch, dtype
             assert torch.equal(pc.conv[layer][others].cpu(), start.conv[layer][others])
         assert torch.equal(pc.ssm[layer][others].cpu(), start.ssm[layer][others])
         rs = _rel(pc.ssm[layer][written], rc.ssm[layer][written])
-        record_property(f"mixer_packed_rel_err_states_layer{layer}", rs)
+        record_property(f"mixer_packed_{mode}_rel_err_states_layer{layer}", rs)
         print(f"  layer {layer}: written SSM states relative error {rs:.3e}")
         assert rs < bound

@@ -165,3 +165,15 @@ def test_step_fill_equals_each_matchers_own_walk(threads):
         assert np.array_equal(batched[at : at + len(drafts) + 1], own)
         at += len(drafts) + 1
     assert any(d for _, d in rows) and any(not d for _, d in rows)
+    # At fixed strides (a decode graph's buffer: row k from k * 5, 4 positions at most):
+    # the same masks there, every other row untouched.
+    strided = np.full((len(rows) * 5, words), 7, dtype=np.int32)
+    fill_step_bitmasks(rows, strided, [5 * k for k in range(len(rows))])
+    at = 0
+    for k, (_, drafts) in enumerate(rows):
+        n = len(drafts) + 1
+        assert np.array_equal(strided[5 * k : 5 * k + n], batched[at : at + n])
+        assert (strided[5 * k + n : 5 * k + 5] == 7).all()
+        at += n
+    with pytest.raises(ValueError, match="outside"):
+        fill_step_bitmasks(rows[:1], strided[:2], [2])

@@ -182,7 +182,7 @@ def test_bad_grammar_is_refused_and_nothing_is_queued(tiny_granite):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_embedded_model_structured_outputs(device):
     """The embedded model's tokenizer (BPE, EOS a special token); on CUDA this is the
-    path with decode graphs, which steps with constrained rows leave."""
+    path with decode graphs, which steps with constrained rows replay too."""
     schema = {
         "type": "object",
         "properties": {"name": {"type": "string", "maxLength": 12}, "size": {"type": "integer", "maximum": 10**6}},

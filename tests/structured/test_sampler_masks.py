@@ -44,6 +44,27 @@ def _random_masks(rng: np.random.Generator, count: int, vocab: int) -> tuple[np.
     return packed.reshape(count, words * 4).view(np.int32).copy(), allowed
 
 
+def test_dense_masks_equal_the_masked_positions():
+    """The decode graphs' draw masks every position from a dense buffer (all ones for
+    rows that mask nothing): the same values as the eager sampler's masked positions,
+    the other rows bit for bit unchanged."""
+    rng = np.random.default_rng(3)
+    vocab = 77
+    masks, allowed = _random_masks(rng, 5, vocab)
+    row = sampler.SampleRow(SamplingParams(temperature=0.0, structured_outputs=CONSTRAINED), 0, 0, [], [],
+                            [1, 2, 3, 4], grammar=FixedMasks(masks, vocab))
+    free = sampler.SampleRow(SamplingParams(temperature=0.0), 0, 0, [], [], [5])
+    plan = sampler.plan_draw([free, row], vocab)
+    x = torch.randn(7, vocab)
+    want = sampler.apply_bitmasks(x, plan, plan.packed)
+    dense = np.full((7, bitmask_words(vocab)), -1, dtype=np.int32)
+    sampler.fill_masks([row], dense, vocab, starts=[2])
+    got = sampler.apply_dense_bitmasks(x, torch.from_numpy(dense))
+    assert torch.equal(got, want)
+    assert torch.equal(got[:2], x[:2])
+    assert torch.equal(torch.isfinite(got[2:]), torch.from_numpy(allowed))
+
+
 @pytest.mark.parametrize("vocab", [31, 32, 70, 97])
 def test_masks_survive_the_float64_buffer(vocab):
     rng = np.random.default_rng(vocab)
@@ -125,10 +146,17 @@ def test_a_grammar_for_another_vocabulary_is_refused():
         sampler.plan_draw([sampler.SampleRow(p, 0, 0, [], [], [], FixedMasks(masks, 64))], 200)
 
 
-def test_constrained_params_leave_the_greedy_and_graph_paths():
+def test_constrained_params_leave_the_greedy_path_and_take_the_masked_graphs():
     p = SamplingParams(temperature=0.0, structured_outputs=CONSTRAINED)
     assert not sampler.samples_by_argmax(p)
-    assert not sampler.graph_samplable(p)
+    # Masks have a fixed size: decode graphs draw such rows through their mask buffer;
+    # penalties, biases and logprobs still leave the graphs.
+    assert sampler.graph_samplable(p) and sampler.needs_mask(p, object())
+    assert not sampler.needs_mask(p, None)  # a grammar waiting for its start tag
+    assert sampler.needs_mask(SamplingParams(temperature=0.0, min_tokens=3), None)
+    for kw in ({"logprobs": 1}, {"repetition_penalty": 1.2}, {"presence_penalty": 0.5},
+               {"frequency_penalty": 0.5}, {"logit_bias": {3: 1.0}}):
+        assert not sampler.graph_samplable(SamplingParams(temperature=0.0, structured_outputs=CONSTRAINED, **kw))
     plain = SamplingParams(temperature=0.0)
     plan = sampler.plan_draw([sampler.SampleRow(plain, 0, 0, [], [], [])], 50)
     assert plan.num_masked == 0 and plan.packed.numel() == len(sampler.PARAM_COLUMNS)

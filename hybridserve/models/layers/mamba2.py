@@ -16,7 +16,8 @@ The path of a step is decided once, by the step plan
 - ``DECODE`` (every row the same few tokens from a stored state: plain decode, uniform
   verify rows): one batched conv update and one batched recurrence
   (:mod:`hybridserve.kernels.mamba_decode`) that read the rows' pages and write the
-  requested states to their output pages;
+  requested states to their output pages; on the Triton kernels both in one launch
+  (``conv_ssm_update``, unless ``KernelPolicy.fused_decode`` is off);
 - ``SHORT`` (rows all short: the tail of a prompt after a cached prefix, decode rows beside
   a short chunk): the same recurrence over rows of any length, after one conv launch that
   also writes the requested windows; no host read;
@@ -75,6 +76,9 @@ class Mamba2Mixer(RecurrentLayer):
         self.A_log = nn.Parameter(torch.zeros(p.n_heads))
         self.D = nn.Parameter(torch.ones(p.n_heads))
         self.norm = GatedRMSNorm(p.intermediate_size, p.n_groups, p.norm_eps, policy.norms)
+        # Uniform steps on the Triton kernels: conv and recurrence in one launch (the fused
+        # kernel takes conv widths 2 to 4, every Mamba2 checkpoint's).
+        self._fused_decode = policy.fused_decode and 2 <= p.d_conv <= 4
         self.out_proj = nn.Linear(p.intermediate_size, hidden_size, bias=p.proj_bias)
 
     def state_tensors(self) -> tuple[StateTensor, ...]:
@@ -200,6 +204,30 @@ class Mamba2Mixer(RecurrentLayer):
         weight = self.conv1d.weight[:, 0, :]
         # Triton on CUDA (float32 recurrence); the torch twin elsewhere, and for float64.
         fast = plan.triton
+        # The reference's single-token step skips the dt clamp (see MambaParams); rows of
+        # several tokens take the chunked scan there, which clamps.
+        limit = p.time_step_limit
+        if plan.q == 1 and not p.clamp_dt_in_single_token_step:
+            limit = None
+        if fast and self._fused_decode:
+            # One launch: the raw projection's xBC and dt (column slices, no copies) in,
+            # the recurrence's output out; windows and states to their pages.
+            y = mamba_decode.conv_ssm_update(
+                xbc,
+                dt,
+                weight.contiguous(),
+                self.conv1d.bias,
+                A,
+                self.D,
+                conv_cache,
+                ssm_cache,
+                plan.in_pages,
+                plan.decode_out_pages,
+                p.activation,
+                dt_bias=self.dt_bias,
+                time_step_limit=limit,
+            )
+            return y.reshape(t, p.intermediate_size)
         conv = mamba_decode.conv_decode_update if fast else mamba_decode.conv_decode_update_reference
         ssm = mamba_decode.ssm_update if fast else mamba_decode.ssm_update_reference
         xbc = conv(
@@ -214,11 +242,6 @@ class Mamba2Mixer(RecurrentLayer):
             p.activation,
         )
         x, B, C = self._split_heads(xbc)
-        # The reference's single-token step skips the dt clamp (see MambaParams); rows of
-        # several tokens take the chunked scan there, which clamps.
-        limit = p.time_step_limit
-        if plan.q == 1 and not p.clamp_dt_in_single_token_step:
-            limit = None
         # The projection's raw dt: the recurrence discretises it in float32 itself.
         y = ssm(
             x,

@@ -1,0 +1,435 @@
+"""The chunked SSD scan of a packed prefill step in two passes: a state pass, then the
+outputs of every chunk in parallel.
+
+Same contract as :func:`~hybridserve.kernels.ssd_chunked.ssd_scan_fused` (arguments,
+results, the states it stores and where; its module docstring has the layout and the
+float32 arithmetic), so :func:`~hybridserve.kernels.ssd_varlen.ssd_prefill` takes either.
+The twin is the fused scan's (:func:`ssd_scan_two_pass_reference` is that function).
+
+**Why two passes.** The fused scan runs one program per (head, head_dim block, sequence)
+that walks its sequence's chunks in order and does each chunk's whole work (the
+``C B^T`` scores, the outputs, the state update) on one dependent chain: few programs
+(``sequences x heads``), each long and register-bound. Here the only sequential part is
+the state, and the output work is spread over every chunk:
+
+1. **State pass** (:func:`_ssd_state_pass_kernel`), one program per (head, block of the
+   state: head_dim x state, sequence): per chunk of :data:`CHUNK` tokens, ``S <- exp(c_last) S +
+   (x * exp(c_last - c_s) dt_s)^T B`` (``c`` the running sum of ``a = dt * A`` inside the
+   chunk). The product does not depend on ``S``, so the chain between chunks is one
+   scaled add. It discretises dt (writes ``dt_out``), stores the state *before* every
+   chunk to a float32 scratch ``[chunks, H, P, N]`` (what pass 2 reads), and the
+   requested chunk states, start states and final states to their slots, as the fused
+   scan does. A chunk state that goes to a slot of float32 ``states`` (the state pages)
+   skips the scratch: pass 2 reads it from its slot.
+2. **Output pass** (:func:`_ssd_output_kernel`), one program per (head, head_dim block,
+   output chunk), all independent: ``y = ((C B^T) * exp(c_l - c_s) * dt_s, causal) x +
+   exp(c_l) C S_in^T + D x`` with ``S_in`` the chunk's incoming state from the scratch and
+   ``dt`` from ``dt_out``. An output chunk is one chunk, or two (``out_chunk=128``: the
+   state pass then stores the scratch rows of every other chunk only, and the output
+   pass reads half as many states for a 128 x 128 ``C B^T``).
+
+Chunks never cross a sequence boundary (sequence ``s``'s chunk ``j`` starts at token
+``cu_seqlens[s] + CHUNK j``; flat numbering of
+:func:`~hybridserve.kernels.ssd_chunked.chunk_starts`), so the state before chunk ``j``
+is the state after the sequence's token ``CHUNK j - 1``: the checkpoint grid.
+
+Compared with a split into a parallel local-state kernel and a separate state-passing
+kernel, the state pass reads ``x`` and ``B`` of a chunk (24 KiB per head at bf16,
+head_dim 64, state 128) instead of writing a local float32 state (32 KiB) and reading it
+back: two trips of the state scratch through memory instead of four.
+
+The scratch's size comes from host-known shapes only (``chunk_slot`` has one entry per
+chunk) and the chunk -> sequence map is computed on the device, so a call makes no host
+read of device values (``cu_seqlens_cpu`` or ``first_chunk`` spare the one of the fused
+scan's wrapper) and can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from hybridserve.kernels.ssd_chunked import (
+    CHUNK,
+    PRECISIONS,
+    _check,
+    _dot16,
+    _dot_split,
+    _dot_split_left,
+    _softplus,
+    chunk_starts,
+    ssd_scan_fused_reference,
+)
+
+__all__ = ["ssd_scan_two_pass", "ssd_scan_two_pass_reference"]
+
+# The two passes write and read the same states as the fused scan: one twin for both.
+ssd_scan_two_pass_reference = ssd_scan_fused_reference
+
+
+@triton.jit
+def _ssd_state_pass_kernel(
+    x_ptr,
+    x_tok_stride,
+    x_head_stride,
+    dt_ptr,
+    dt_tok_stride,
+    dt_bias_ptr,
+    A_ptr,
+    B_ptr,
+    B_tok_stride,
+    B_group_stride,
+    unclamped_ptr,
+    cu_ptr,
+    first_chunk_ptr,
+    init_ptr,
+    chunk_slot_ptr,
+    final_slot_ptr,
+    states_ptr,
+    start_slot_ptr,
+    starts_ptr,
+    chunk_states_ptr,
+    dt_out_ptr,
+    heads,
+    head_dim,
+    d_state,
+    heads_per_group,
+    dt_min,
+    dt_max,
+    CHUNK: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_INIT: tl.constexpr,
+    CLAMP: tl.constexpr,
+    HAS_UNCLAMPED: tl.constexpr,
+    HAS_STARTS: tl.constexpr,
+    READ_SLOTS: tl.constexpr,
+    OUT_EVERY: tl.constexpr,
+    PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT16: tl.constexpr,
+):
+    # Axis 0: (head, state block: head_dim block x state block), so the programs that run
+    # together read one group's B through L2; axis 1: the sequence. The update is
+    # separable in both axes of the state, so a program may hold any block of it.
+    blocks_p = tl.cdiv(head_dim, BLOCK_P)
+    blocks_n = tl.cdiv(d_state, BLOCK_N)
+    h = tl.program_id(0) // (blocks_p * blocks_n)
+    pb = tl.program_id(0) % (blocks_p * blocks_n) // blocks_n
+    nb = tl.program_id(0) % blocks_n
+    s = tl.program_id(1)
+    g = h // heads_per_group
+    bos = tl.load(cu_ptr + s).to(tl.int64)
+    eos = tl.load(cu_ptr + s + 1).to(tl.int64)
+    first = tl.load(first_chunk_ptr + s).to(tl.int64)
+    p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    q = tl.arange(0, CHUNK)
+    pmask = p < head_dim
+    nmask = n < d_state
+    # The state block held transposed, ST [BLOCK_N, BLOCK_P] (= S^T): its update
+    # B^T (x w) then has BLOCK_N rows (64 for Hopper's warp-group MMA). int32 offsets
+    # inside a state off scalar int64 bases, as in the fused scan.
+    smask = nmask[:, None] & pmask[None, :]
+    state_size = head_dim * d_state
+    head_base = h.to(tl.int64) * state_size
+    a_rate = tl.load(A_ptr + h).to(tl.float32)
+    bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    block = p[None, :] * d_state + n[:, None]
+    if HAS_INIT:
+        ST = tl.load(init_ptr + (s.to(tl.int64) * heads * state_size + head_base) + block,
+                     mask=smask, other=0.0)
+        ST = ST.to(tl.float32)
+    else:
+        ST = tl.zeros([BLOCK_N, BLOCK_P], dtype=tl.float32)
+    for j in range(0, tl.cdiv(eos - bos, CHUNK)):
+        c = first + j
+        # The incoming state of chunk c: to its slot when asked for, and for the output
+        # pass to the scratch, unless it reads the slot (float32 states: the same values).
+        slot = tl.load(chunk_slot_ptr + c).to(tl.int64)
+        if slot >= 0:
+            tl.store(states_ptr + (slot * heads * state_size + head_base) + block,
+                     ST.to(states_ptr.dtype.element_ty), mask=smask)
+        # (The output pass reads the states before every OUT_EVERY-th chunk only.)
+        if j % OUT_EVERY == 0:
+            if READ_SLOTS:
+                if slot < 0:
+                    tl.store(chunk_states_ptr + (c * heads * state_size + head_base) + block,
+                             ST, mask=smask)
+            else:
+                tl.store(chunk_states_ptr + (c * heads * state_size + head_base) + block, ST,
+                         mask=smask)
+        if HAS_STARTS:
+            start_slot = tl.load(start_slot_ptr + c).to(tl.int64)
+            if start_slot >= 0:
+                tl.store(starts_ptr + (start_slot * heads * state_size + head_base) + block,
+                         ST, mask=smask)
+        # Token offsets inside the chunk in int32 off scalar int64 bases: int64 address
+        # tensors kept across the loop would take the registers the products need.
+        start = bos + j * CHUNK
+        tm = q < eos - start
+        # dt in float32, discretised here; 0 past the sequence (no decay, no input).
+        d = tl.load(dt_ptr + start * dt_tok_stride + h + q * dt_tok_stride, mask=tm, other=0.0)
+        d = _softplus(d.to(tl.float32) + bias)
+        if CLAMP:
+            dc = tl.minimum(tl.maximum(d, dt_min), dt_max)
+            if HAS_UNCLAMPED:
+                free = tl.load(unclamped_ptr + start + q, mask=tm, other=0) != 0
+                dc = tl.where(free, d, dc)
+            d = dc
+        d = tl.where(tm, d, 0.0)
+        if pb == 0 and nb == 0:
+            tl.store(dt_out_ptr + start * heads + h + q * heads, d, mask=tm)
+        a = d * a_rate
+        cum = tl.cumsum(a, 0)
+        total = tl.sum(a, 0)
+        xv = tl.load(x_ptr + start * x_tok_stride + h * x_head_stride
+                     + (q[:, None] * x_tok_stride + p[None, :]),
+                     mask=tm[:, None] & pmask[None, :], other=0.0)
+        bv = tl.load(B_ptr + start * B_tok_stride + g * B_group_stride
+                     + (q[:, None] * B_tok_stride + n[None, :]),
+                     mask=tm[:, None] & nmask[None, :], other=0.0)
+        w = tl.exp(total - cum) * d
+        ST = ST * tl.exp(total) + _dot_split(tl.trans(bv), xv.to(tl.float32) * w[:, None],
+                                             SPLIT, PRECISION, DOT16)
+    fslot = tl.load(final_slot_ptr + s).to(tl.int64)
+    if fslot >= 0:
+        tl.store(states_ptr + (fslot * heads * state_size + head_base) + block,
+                 ST.to(states_ptr.dtype.element_ty), mask=smask)
+
+
+@triton.jit
+def _ssd_output_kernel(
+    x_ptr,
+    x_tok_stride,
+    x_head_stride,
+    A_ptr,
+    D_ptr,
+    B_ptr,
+    B_tok_stride,
+    B_group_stride,
+    C_ptr,
+    C_tok_stride,
+    C_group_stride,
+    cu_ptr,
+    first_chunk_ptr,
+    chunk_seq_ptr,
+    chunk_slot_ptr,
+    states_ptr,
+    chunk_states_ptr,
+    dt_out_ptr,
+    y_ptr,
+    heads,
+    head_dim,
+    d_state,
+    heads_per_group,
+    CHUNK: tl.constexpr,
+    OUT_EVERY: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_D: tl.constexpr,
+    READ_SLOTS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT16: tl.constexpr,
+):
+    # Axis 0: (head, head_dim block), heads fastest; axis 1: the flat chunk.
+    blocks_p = tl.cdiv(head_dim, BLOCK_P)
+    h = tl.program_id(0) // blocks_p
+    pb = tl.program_id(0) % blocks_p
+    c = tl.program_id(1).to(tl.int64)
+    g = h // heads_per_group
+    s = tl.load(chunk_seq_ptr + c)
+    bos = tl.load(cu_ptr + s).to(tl.int64)
+    eos = tl.load(cu_ptr + s + 1).to(tl.int64)
+    j = c - tl.load(first_chunk_ptr + s).to(tl.int64)
+    if j % OUT_EVERY != 0:
+        return  # inside the output chunk of the program of chunk c - j % OUT_EVERY
+    p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    n = tl.arange(0, BLOCK_N)
+    # The output chunk: OUT_EVERY chunks from chunk c on (its row's tokens only).
+    q = tl.arange(0, CHUNK * OUT_EVERY)
+    pmask = p < head_dim
+    nmask = n < d_state
+    state_size = head_dim * d_state
+    head_base = h.to(tl.int64) * state_size
+    a_rate = tl.load(A_ptr + h).to(tl.float32)
+    # In-chunk offsets in int32 off scalar int64 bases (registers, as in the state pass).
+    start = bos + j * CHUNK
+    tm = q < eos - start
+    # The discretised dt of the state pass; 0 past the sequence.
+    d = tl.load(dt_out_ptr + start * heads + h + q * heads, mask=tm, other=0.0)
+    cum = tl.cumsum(d * a_rate, 0)
+    # The incoming state: where the state pass put it (its slot, or the scratch).
+    block = p[None, :] * d_state + n[:, None]
+    smask = nmask[:, None] & pmask[None, :]
+    if READ_SLOTS:
+        slot = tl.load(chunk_slot_ptr + c).to(tl.int64)
+        if slot >= 0:
+            ST = tl.load(states_ptr + (slot * heads * state_size + head_base) + block,
+                         mask=smask, other=0.0)
+        else:
+            ST = tl.load(chunk_states_ptr + (c * heads * state_size + head_base) + block,
+                         mask=smask, other=0.0)
+    else:
+        ST = tl.load(chunk_states_ptr + (c * heads * state_size + head_base) + block,
+                     mask=smask, other=0.0)
+    xv = tl.load(x_ptr + start * x_tok_stride + h * x_head_stride
+                 + (q[:, None] * x_tok_stride + p[None, :]),
+                 mask=tm[:, None] & pmask[None, :], other=0.0)
+    bv = tl.load(B_ptr + start * B_tok_stride + g * B_group_stride
+                 + (q[:, None] * B_tok_stride + n[None, :]),
+                 mask=tm[:, None] & nmask[None, :], other=0.0)
+    cv = tl.load(C_ptr + start * C_tok_stride + g * C_group_stride
+                 + (q[:, None] * C_tok_stride + n[None, :]),
+                 mask=tm[:, None] & nmask[None, :], other=0.0)
+    # Inside the chunk: y_l += sum_{s <= l} (C_l . B_s) exp(cum_l - cum_s) dt_s x_s.
+    if SPLIT:
+        cb = _dot16(cv, tl.trans(bv), None, DOT16)  # exact products of the inputs
+    else:
+        cb = tl.dot(cv.to(tl.float32), tl.trans(bv.to(tl.float32)), input_precision=PRECISION)
+    causal = q[:, None] >= q[None, :]
+    seg = tl.where(causal, cum[:, None] - cum[None, :], 0.0)
+    mix = tl.where(causal, cb * tl.exp(seg) * d[None, :], 0.0)
+    y = _dot_split_left(mix, xv, SPLIT, PRECISION, DOT16)
+    # From the incoming state, decayed to token l.
+    y += tl.exp(cum)[:, None] * _dot_split(cv, ST, SPLIT, PRECISION, DOT16)
+    if HAS_D:
+        y += tl.load(D_ptr + h).to(tl.float32) * xv.to(tl.float32)
+    tl.store(y_ptr + (start * heads + h) * head_dim + (q[:, None] * (heads * head_dim) + p[None, :]),
+             y, mask=tm[:, None] & pmask[None, :])
+
+
+def ssd_scan_two_pass(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    dt_bias: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    initial_states: torch.Tensor | None,
+    chunk_slot: torch.Tensor,
+    final_slot: torch.Tensor,
+    states: torch.Tensor,
+    *,
+    time_step_limit: tuple[float, float] | None = (0.0, float("inf")),
+    unclamped: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    first_chunk: torch.Tensor | None = None,
+    start_slot: torch.Tensor | None = None,
+    starts: torch.Tensor | None = None,
+    precision: str = "auto",
+    block_p: int | None = None,
+    num_warps: int | None = None,
+    out_chunk: int = CHUNK,
+    state_block_p: int | None = None,
+    state_block_n: int | None = None,
+    state_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scan in two launches (module docstring); arguments and results as
+    :func:`~hybridserve.kernels.ssd_chunked.ssd_scan_fused`, whose docstring has them.
+
+    ``chunk_slot`` must have exactly one entry per chunk of the flat numbering
+    (:func:`~hybridserve.kernels.ssd_chunked.chunk_starts`' last entry): its length sizes
+    the float32 scratch of chunk states. ``block_p`` / ``num_warps``: the output pass's
+    tile (head_dim block) and warps, ``out_chunk`` its chunk (:data:`CHUNK` or twice that:
+    half the incoming states to store and read, a larger ``C B^T``); ``state_block_p`` x ``state_block_n`` (head_dim x
+    state) / ``state_warps``: the state pass's.
+    """
+    _check(x, dt, A, B, C, D, dt_bias, cu_seqlens, initial_states, chunk_slot, final_slot,
+           states, unclamped, start_slot, starts)
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: choose from {PRECISIONS}")
+    sixteen = (torch.bfloat16, torch.float16)
+    inputs16 = x.dtype in sixteen and B.dtype == x.dtype and C.dtype == x.dtype
+    if precision == "split" and not inputs16:
+        raise ValueError("precision='split' needs x, B and C in one 16-bit dtype")
+    split = precision == "split" or (precision == "auto" and inputs16)
+    if precision == "auto":
+        precision = "tf32"
+    if x.stride(2) != 1 or B.stride(2) != 1 or C.stride(2) != 1 or dt.stride(1) != 1:
+        raise ValueError("x, dt, B and C must be contiguous along their last axis")
+    if starts is not None and starts.dtype != torch.float32:
+        raise ValueError(f"starts must be float32, got {starts.dtype}")
+    if any(t is not None and not t.is_contiguous() for t in (states, initial_states, starts)):
+        raise ValueError("states, initial_states and starts must be contiguous")
+    tokens, heads, head_dim = x.shape
+    groups, d_state = B.shape[1], B.shape[2]
+    seqs = cu_seqlens.shape[0] - 1
+    chunks = chunk_slot.shape[0]
+    y = torch.empty(tokens, heads, head_dim, dtype=torch.float32, device=x.device)
+    dt_out = torch.empty(tokens, heads, dtype=torch.float32, device=x.device)
+    if seqs == 0 or tokens == 0:
+        return y, dt_out
+    if out_chunk not in (CHUNK, 2 * CHUNK):
+        raise ValueError(f"out_chunk must be {CHUNK} or {2 * CHUNK}, got {out_chunk}")
+    if chunks > 65535:  # the output pass's grid axis 1
+        raise ValueError(f"at most 65,535 chunks of {CHUNK} tokens a call, got {chunks}")
+    if first_chunk is None:
+        host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()
+        firsts = chunk_starts(host.tolist())
+        if firsts[-1] != chunks:
+            raise ValueError(f"chunk_slot must have one entry per chunk ({firsts[-1]}), "
+                             f"got {chunks}")
+        first_chunk = torch.tensor(firsts, dtype=torch.int64, device=x.device)
+    # The sequence of every flat chunk: first_chunk[s] <= c < first_chunk[s + 1].
+    chunk_seq = torch.searchsorted(
+        first_chunk[1:], torch.arange(chunks, dtype=first_chunk.dtype, device=x.device),
+        right=True)
+    chunk_states = torch.empty(chunks, heads, head_dim, d_state, dtype=torch.float32,
+                               device=x.device)
+    width = max(16, triton.next_power_of_2(head_dim))
+    block_n = max(16, triton.next_power_of_2(d_state))
+    # Defaults from sm_90 builds (Triton 3.9, head_dim 64, state 128, bf16 inputs), not
+    # yet timed: the state pass at 32 x 128 and 8 warps takes 225 registers a thread and
+    # spills nothing (64 x 128 spills at 4 and 8 warps); the output pass at 64 and 4
+    # warps takes 255 and spills 40 bytes (32 wide: 194 and none, but C B^T twice).
+    # bench_prefill_kernels.py sweeps the alternatives.
+    state_block_p = max(16, min(state_block_p or 32, width))
+    state_block_n = max(16, min(state_block_n or 128, block_n))
+    state_warps = state_warps or 8
+    block_p = max(16, min(block_p or 64, width))
+    num_warps = num_warps or 4
+    if unclamped is not None and unclamped.dtype == torch.bool:
+        unclamped = unclamped.view(torch.int8)  # the same bytes, a type Triton loads plainly
+    limit = time_step_limit if time_step_limit is not None else (0.0, float("inf"))
+    # A float32 state stored to its slot is the chunk's incoming state exactly: the output
+    # pass reads it there, and the scratch row stays unwritten (a checkpoint every chunk
+    # then costs no state traffic beyond the pages').
+    read_slots = states.dtype == torch.float32
+    dot16 = os.environ.get("TRITON_INTERPRET", "0") != "1"
+    products = dict(PRECISION="tf32" if split else precision, SPLIT=split, DOT16=dot16)
+    state_blocks = triton.cdiv(head_dim, state_block_p) * triton.cdiv(d_state, state_block_n)
+    _ssd_state_pass_kernel[(heads * state_blocks, seqs)](
+        x, x.stride(0), x.stride(1), dt, dt.stride(0), dt_bias, A,
+        B, B.stride(0), B.stride(1),
+        unclamped if unclamped is not None else final_slot,
+        cu_seqlens, first_chunk,
+        initial_states if initial_states is not None else states,
+        chunk_slot, final_slot, states,
+        start_slot if start_slot is not None else chunk_slot,
+        starts if starts is not None else states, chunk_states, dt_out,
+        heads, head_dim, d_state, heads // groups, float(limit[0]), float(limit[1]),
+        CHUNK=CHUNK, BLOCK_P=state_block_p, BLOCK_N=state_block_n,
+        HAS_INIT=initial_states is not None, CLAMP=time_step_limit is not None,
+        HAS_UNCLAMPED=unclamped is not None, HAS_STARTS=starts is not None,
+        READ_SLOTS=read_slots, OUT_EVERY=out_chunk // CHUNK, num_warps=state_warps,
+        **products,
+    )
+    if chunks:
+        _ssd_output_kernel[(heads * triton.cdiv(head_dim, block_p), chunks)](
+            x, x.stride(0), x.stride(1), A, D if D is not None else A,
+            B, B.stride(0), B.stride(1), C, C.stride(0), C.stride(1),
+            cu_seqlens, first_chunk, chunk_seq, chunk_slot, states, chunk_states, dt_out, y,
+            heads, head_dim, d_state, heads // groups,
+            CHUNK=CHUNK, OUT_EVERY=out_chunk // CHUNK, BLOCK_P=block_p, BLOCK_N=block_n,
+            HAS_D=D is not None,
+            READ_SLOTS=read_slots,
+            num_warps=num_warps, **products,
+        )
+    return y, dt_out
