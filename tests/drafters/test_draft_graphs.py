@@ -273,6 +273,24 @@ def test_mtp_sampled_drafts_reproduce_graphs_on_and_off(mtp_targets):
     assert any(k[-1] == SAMPLED for k in graphs._graphs), list(graphs._graphs)
 
 
+def test_steps_that_do_not_replay_run_eagerly(tiny_granite, references, mtp_targets):
+    """Graphs turned off after a failed capture (every step then runs eagerly, the
+    drafting steps' tokens read back from the device): the same output, nothing
+    replayed; for a draft model and an MTP head."""
+    want_mtp = _tokens(LLM(mtp_targets["qwen3_5"], enable_prefix_caching=False).generate(
+        _workload(0), GREEDY_PARAMS, use_tqdm=False))
+    for target, spec, want in (
+        (tiny_granite, _spec(tiny_granite, 3), references["granite"][0]),
+        (mtp_targets["qwen3_5"], MTP, want_mtp),
+    ):
+        llm = _llm(target, False, max_num_seqs=8, speculative_config=spec)
+        graphs = llm.engine.drafter.graphs
+        graphs.enabled = False
+        assert _tokens(llm.generate(_workload(0), GREEDY_PARAMS, use_tqdm=False)) == want
+        assert graphs.counters["graph_steps"] == 0
+        assert llm.stats()["spec_draft_tokens"] > 0
+
+
 def _graphs(path) -> DraftGraphs:
     """Draft graphs of at most 8 rows, 8-block tables, over a drafter's caches
     (scratch block and page past its pools)."""
