@@ -16,6 +16,11 @@ Shapes (random weights, bf16 on CUDA), one MoE layer each:
                  sync per step): the shape of the Hugging Face reference
   block          the whole MoEBlock forward (router + routed + shared), eager
   block_graph    the same replayed from a CUDA graph (the decode path); None if capture fails
+  compare        per ``--compare`` variant (default ``old new``): the routed experts alone
+                 and the whole block from a CUDA graph with that variant's routed path,
+                 so one run shows the first version (torch sort, one tile threshold,
+                 torch sum) against the current one; explicit tiles
+                 ``block_m,n,k,warps,stages[,n_down]`` try other tiles in the same run
   copy           device-to-device copy bandwidth; the routed experts' time is compared with
                  the bytes of the experts the step touches (plus activations) at that rate
   matmul         one bf16 matrix product's FLOP rate; compared with the routed FLOPs
@@ -164,21 +169,49 @@ def build_block(shape: Shape, device: str, dtype: torch.dtype, seed: int):
     return block, dense
 
 
+def old_routed(x, w1, w2, ids, weights, add, *, gated, activation):
+    """The routed experts as the first version ran them: the torch sort, one threshold on
+    the assignment count for the tiles, a torch sum and cast, the shared output added in
+    the activation dtype afterwards (what ``--compare old`` times)."""
+    t, top_k = ids.shape
+    tiles = moe.legacy_tiles(t * top_k, x)
+    blocks = moe.sort_by_expert_reference(ids, w1.shape[0], tiles.block_m)
+    h = moe.grouped_up(x, w1, blocks, top_k, gated=gated, activation=activation, tiles=tiles)
+    out = moe.grouped_down(h, w2, blocks, weights, tiles=tiles)
+    y = out.view(t, top_k, out.shape[1]).sum(dim=1).to(x.dtype)
+    return y if add is None else y + add
+
+
+def variant_routed(variant: str, kw: dict):
+    """``(x, w1, w2, ids, weights, add) -> y`` of one ``--compare`` entry: ``old``,
+    ``new`` (the default tiles of :func:`moe.default_tiles`) or explicit tiles
+    ``block_m,n,k,warps,stages[,n_down]``."""
+    if variant == "old":
+        return lambda *a: old_routed(*a, **kw)
+    tiles = None if variant == "new" else moe.Tiles.parse(variant)
+    return lambda x, w1, w2, ids, wt, add: moe.moe_experts(
+        x, w1, w2, ids, wt, tiles=tiles, add=add, **kw)
+
+
 def layer_case(shape: Shape, block, dense, tokens: int, variants: int, device: str,
-               dtype: torch.dtype, copy_bps: float, flops_ps: float) -> dict:
+               dtype: torch.dtype, copy_bps: float, flops_ps: float,
+               compare: list[str]) -> dict:
     p = shape.params
     g = torch.Generator(device=device).manual_seed(tokens)
     xs = [torch.randn(tokens, shape.hidden, device=device, generator=g).to(dtype)
           for _ in range(variants)]
     router = getattr(block, "router", None) or block.gate
+    shared = getattr(block, block._shared) if block._shared is not None else None
     with torch.no_grad():
         routes = [router(x) for x in xs]
         x_exp = [block.fc1_latent_proj(x) if block.latent else x for x in xs]
     w1, w2 = block.experts.w1, block.experts.down_proj
     kw = dict(gated=p.gated, activation=p.activation)
 
-    def grouped(i):
-        return lambda: moe.moe_experts(x_exp[i], w1, w2, *routes[i], **kw)
+    new_routed = variant_routed("new", kw)
+
+    def grouped(i, routed=new_routed):
+        return lambda: routed(x_exp[i], w1, w2, *routes[i], None)
 
     def loop(i):
         return lambda: moe.moe_experts_loop(
@@ -187,9 +220,22 @@ def layer_case(shape: Shape, block, dense, tokens: int, variants: int, device: s
 
     def whole(i):
         def run():
-            y = block(xs[i])
-            return y + dense(xs[i]) if dense is not None else y
+            return block(xs[i], add=dense(xs[i]) if dense is not None else None)
         return run
+
+    def whole_variant(routed):
+        """The block's forward with the routed experts of one variant (no latent
+        projection in the benchmarked shapes; the shared output goes in as ``add``)."""
+        def make(i):
+            def run():
+                x = xs[i]
+                ids, wt = router(x)
+                add = shared(x) if shared is not None else None
+                if dense is not None:
+                    add = dense(x) if add is None else add + dense(x)
+                return routed(x, w1, w2, ids, wt, add)
+            return run
+        return make
 
     out: dict = {"tokens": tokens}
     with torch.no_grad():
@@ -200,6 +246,21 @@ def layer_case(shape: Shape, block, dense, tokens: int, variants: int, device: s
         out["loop_s"] = timed(rotating([loop(i) for i in range(variants)]), device)
         out["block_s"] = timed(rotating([whole(i) for i in range(variants)]), device)
         out["block_graph_s"], out["graph_error"] = graph_time(whole, xs, variants, device)
+        rows = {}
+        ref = whole(0)().float()
+        for name in compare:
+            routed = variant_routed(name, kw)
+            make = whole_variant(routed)
+            got = make(0)().float()
+            rows[name] = {
+                "block_vs_module_rel_err": float((got - ref).norm()
+                                                 / ref.norm().clamp_min(1e-30)),
+                "grouped_s": timed(rotating([grouped(i, routed) for i in range(variants)]),
+                                   device),
+            }
+            rows[name]["block_graph_s"], rows[name]["graph_error"] = graph_time(
+                make, xs, variants, device)
+        out["compare"] = rows
     touched = [int(r[0].unique().numel()) for r in routes]
     expert_bytes = w1[0].nbytes + w2[0].nbytes
     moved = statistics.mean(touched) * expert_bytes + 2 * xs[0].nbytes
@@ -208,6 +269,8 @@ def layer_case(shape: Shape, block, dense, tokens: int, variants: int, device: s
         experts_touched_mean=statistics.mean(touched),
         bytes_touched=moved,
         routed_flops=flops,
+        tiles=asdict(moe.default_tiles(tokens, p.top_k, w1.shape[0], w2.shape[2], w2.shape[1],
+                                       xs[0], gated=p.gated)),
         grouped_fraction_of_copy_bandwidth=moved / out["grouped_s"] / copy_bps,
         grouped_fraction_of_matmul_rate=flops / out["grouped_s"] / flops_ps,
         loop_over_grouped=out["loop_s"] / out["grouped_s"],
@@ -297,10 +360,18 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--tokens", nargs="+", type=int, default=None)
     ap.add_argument("--variants", type=int, default=None)
+    ap.add_argument("--compare", nargs="+", default=["old", "new"],
+                    help="routed-expert variants timed side by side (routed alone and the "
+                         "whole block from a CUDA graph): 'old' (the first version: torch "
+                         "sort, one tile threshold, torch sum), 'new' (the default path), "
+                         "or explicit tiles 'block_m,n,k,warps,stages[,n_down]'")
     ap.add_argument("--load", action="store_true", help="also time load_model")
     ap.add_argument("--load-layers", type=int, default=2)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    for v in args.compare:
+        if v not in ("old", "new"):
+            moe.Tiles.parse(v)  # a clear error before anything runs
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if not args.smoke and device == "cpu":
         print("bench_moe needs a GPU (use --smoke on the CPU)", file=sys.stderr)
@@ -316,7 +387,7 @@ def main(argv=None) -> int:
                 "torch": torch.__version__, "triton": triton.__version__,
                 "commit": git_commit(), "interpreter": bool(triton.knobs.runtime.interpret)},
         "config": {"smoke": args.smoke, "dtype": str(dtype), "tokens": tokens,
-                   "variants": variants},
+                   "variants": variants, "compare": args.compare},
         "copy_bandwidth": copy, "matmul": mm, "shapes": {}, "errors": {},
     }
     for name in args.shapes:
@@ -326,7 +397,8 @@ def main(argv=None) -> int:
         for t in tokens:
             try:
                 cases.append(layer_case(shape, block, dense, t, variants, device, dtype,
-                                        copy["bytes_per_s"], mm["flops_per_s"]))
+                                        copy["bytes_per_s"], mm["flops_per_s"],
+                                        args.compare))
             except Exception as e:  # record it, measure the rest
                 result["errors"][f"{name}/{t}"] = f"{type(e).__name__}: {e}"
             sync(device)
@@ -356,6 +428,15 @@ def main(argv=None) -> int:
                   f"{100 * c['grouped_fraction_of_copy_bandwidth']:7.1f}"
                   f"{100 * c['grouped_fraction_of_matmul_rate']:6.1f}"
                   f"{c['grouped_vs_loop_rel_err']:9.1e}")
+    print(f"\n{'shape':<22}{'tokens':>7}  {'variant':<20}{'routed us':>11}{'graph us':>10}"
+          f"{'err':>9}")
+    for name, s in result["shapes"].items():
+        for c in s["cases"]:
+            for v, r in c["compare"].items():
+                graph = (f"{r['block_graph_s'] * 1e6:10.1f}" if r["block_graph_s"]
+                         else f"{'-':>10}")
+                print(f"{name:<22}{c['tokens']:>7}  {v:<20}{r['grouped_s'] * 1e6:11.1f}{graph}"
+                      f"{r['block_vs_module_rel_err']:9.1e}")
     if "load" in result:
         ld = result["load"]
         print(f"load: {ld['bytes'] / 1e9:.2f} GB in {ld['load_s']:.2f} s ({ld['gb_per_s']:.2f} "

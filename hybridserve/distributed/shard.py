@@ -338,6 +338,7 @@ class ColumnParallelExperts(Experts):
     column-parallel MLP with its own row-parallel down projection."""
 
     group = None
+    takes_add = False  # a share of the sum: the block adds the shared expert after
 
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
@@ -456,7 +457,7 @@ def load_model_shard(
     full_shapes = {name: tuple(t.shape) for name, t in full.state_dict().items()}
     del full
     slots, unexpected, _ = loader._slots(cls, config, files, full_shapes)
-    loader._check_coverage(slots, full_shapes, where, config.architecture)
+    loader.check_coverage(slots, full_shapes, where, config.architecture)
     if unexpected:
         raise loader.CheckpointError(
             f"{files[unexpected[0]]}: unexpected weight(s) {unexpected[:5]}, unknown to "

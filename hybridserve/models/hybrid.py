@@ -135,9 +135,8 @@ class DecoderLayer(nn.Module):
         if self.has_mlp or self.has_moe:
             h, x = getattr(self, self._names.post_norm).add_norm(h, x, self.residual_multiplier)
             y = getattr(self, self._names.mlp)(x) if self.has_mlp else None
-            if self.has_moe:
-                moe = getattr(self, self._names.moe)(x)
-                y = moe if y is None else moe + y
+            if self.has_moe:  # the dense MLP's output joins the experts' final sum
+                y = getattr(self, self._names.moe)(x, add=y)
             x = y
         return h, x
 

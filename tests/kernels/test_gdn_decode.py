@@ -198,7 +198,9 @@ def test_decode_state_drift_at_bf16_rounding_stays_below_1e5(kernel, steps):
     assert first <= 1e-5 and last <= 1e-5
     gd, _ = gdn_gates(a, b, kw["A_log"], kw["dt_bias"])
     old = states(gd, b.sigmoid(), torch.float64)  # beta rounded to bfloat16, all else exact
-    assert rel(old[1], want[1]) > 1e-4
+    # The control misses the bound the kernel meets (by 3.6x to 100x over seeds and
+    # lengths: the 64-step kernel case drifts less than the 256-step twin case).
+    assert rel(old[1], want[1]) > 1e-5
 
 
 def test_bad_operands_are_refused():

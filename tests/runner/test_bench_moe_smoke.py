@@ -26,6 +26,10 @@ def test_bench_moe_smoke(tmp_path):
         (case,) = shape["cases"]
         assert case["tokens"] == 3 and case["grouped_vs_loop_rel_err"] < 1e-5
         assert case["grouped_s"] > 0 and case["loop_s"] > 0 and case["bytes_touched"] > 0
+        # the first version and the current path timed side by side, the same outputs
+        assert set(case["compare"]) == {"old", "new"}
+        for row in case["compare"].values():
+            assert row["grouped_s"] > 0 and row["block_vs_module_rel_err"] < 1e-5
     load = result["load"]
     assert load["shards"] == 2 and load["bytes"] > 0 and load["gb_per_s"] > 0
     assert load["stacked_up_proj_shape"] == [8, 32, 64]

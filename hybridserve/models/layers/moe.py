@@ -111,7 +111,15 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """The routed experts, stacked: ``gate_up_proj`` or ``up_proj``, and ``down_proj``."""
+    """The routed experts, stacked: ``gate_up_proj`` or ``up_proj``, and ``down_proj``.
+
+    ``forward(x, ids, weights, add)`` returns the routed sum plus ``add`` (the shared
+    expert's output): the kernels add it in float32 before their one rounding, the loop
+    after its own. Subclasses whose output is not the final sum (one rank's share, summed
+    over the ranks afterwards) set :attr:`takes_add` False and the block adds it itself.
+    """
+
+    takes_add = True
 
     def __init__(self, input_size: int, p: MoEParams) -> None:
         super().__init__()
@@ -143,19 +151,22 @@ class Experts(nn.Module):
                                               self.down_proj, self.activation)
 
     def forward(
-        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+        add: torch.Tensor | None = None,
     ) -> torch.Tensor:
         w1, w2 = self.w1, self.down_proj
         if moe_kernels.triton_enabled(self.kernels, x, w1, w2, self.activation):
             return moe_kernels.moe_experts(
                 x.contiguous(), w1, w2, topk_ids, topk_weights,
                 gated=self.gated, activation=self.activation,
+                add=None if add is None else add.contiguous(),
             )
         acc = torch.float32 if self.accumulate_fp32 else x.dtype
-        return moe_kernels.moe_experts_loop(
+        y = moe_kernels.moe_experts_loop(
             x, w1, w2, topk_ids, topk_weights, gated=self.gated, act=self.act,
             accumulate_dtype=torch.promote_types(acc, x.dtype),
         )
+        return y if add is None else y + add
 
 
 class MoEBlock(nn.Module):
@@ -186,18 +197,26 @@ class MoEBlock(nn.Module):
         if p.shared_gate:
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """The block's output, plus ``add [T, H]`` when given (a dense MLP beside the
+        block, Granite's ``shared_mlp``): like the shared expert, the kernels add it in
+        their final float32 sum."""
         ids, weights = getattr(self, self._router)(x)
-        h = self.fc1_latent_proj(x) if self.latent else x
-        y = self.experts(h, ids, weights)
-        if self.latent:
-            y = self.fc2_latent_proj(y)
+        s = add
         if self._shared is not None:
             s = getattr(self, self._shared)(x)
             if self.p.shared_gate:
                 s = torch.sigmoid(self.shared_expert_gate(x)) * s
-            y = y + s
-        return y
+            if add is not None:
+                s = s + add
+        if self.latent:
+            y = self.fc2_latent_proj(self.experts(self.fc1_latent_proj(x), ids, weights))
+            return y if s is None else y + s
+        if s is not None and self.experts.takes_add:
+            # The kernels add it inside their final sum (one launch less).
+            return self.experts(x, ids, weights, s)
+        y = self.experts(x, ids, weights)
+        return y if s is None else y + s
 
 
 # --------------------------------------------------------------------------------------
