@@ -129,6 +129,15 @@ def run_row(target, spec, prompts, params, args, batch: int) -> tuple[dict, list
     # (drafter, batch) land here, not in the timed run.
     llm.generate(prompts, params, use_tqdm=False)
     before = dict(llm.stats())
+    # The drafter's own steps: replayed from its graphs (CUDA) or run eagerly.
+    drafter = llm.engine.drafter
+    graphs = getattr(drafter, "graphs", None)
+
+    def drafter_steps() -> tuple[int, int]:
+        eager = getattr(drafter, "counters", {}).get("draft_forwards", 0)
+        return (graphs.counters["graph_steps"] if graphs is not None else 0), eager
+
+    steps_before = drafter_steps()
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     if args.device.startswith("cuda"):
@@ -151,7 +160,11 @@ def run_row(target, spec, prompts, params, args, batch: int) -> tuple[dict, list
         # Each target row emits its accepted drafts and one token of its own.
         tokens_per_target_step=round(generated / (generated - acc), 3),
         drafter_share=round(delta("spec_drafter_seconds") / seconds, 3),
+        drafter_graph_steps=drafter_steps()[0] - steps_before[0],
+        drafter_eager_steps=drafter_steps()[1] - steps_before[1],
     )
+    if graphs is not None and graphs.capture_errors:
+        row["drafter_capture_errors"] = graphs.capture_errors[:3]
     del llm
     return row, tokens
 

@@ -47,34 +47,61 @@ class DraftRequest:
     first_index: int = 0
 
 
+def draft_choices(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    seed_lo: torch.Tensor,
+    seed_hi: torch.Tensor,
+    index: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """On the device, per row of ``logits [N, vocab]``: the argmax where
+    ``temperatures [N]`` (float32) is 0, else a sample of ``q = softmax(logits / T)``
+    from the row's counter-based stream (seed words, generated-token ``index``: int64
+    ``[N]``, :func:`hybridserve.runner.sampler.draft_draw`). Returns ``(tokens [N]
+    int64, log q [N, vocab] float64)`` (``log q`` of greedy rows is that of ``T = 1``,
+    unused). Every op works row by row, so a row's result does not depend on the rows
+    beside it; the eager drafters and their graph steps both call this."""
+    from hybridserve.runner import sampler
+
+    greedy = torch.argmax(logits, dim=-1)
+    hot = temperatures > 0
+    t = torch.where(hot, temperatures, torch.ones_like(temperatures))
+    logq = torch.log_softmax(logits.double() / t[:, None], dim=-1)
+    drawn = sampler.draft_draw(logq, seed_lo, seed_hi, index)
+    return torch.where(hot, drawn, greedy), logq
+
+
+def draw_tensors(
+    requests: Sequence[DraftRequest], steps: Sequence[int], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The :func:`draft_choices` inputs of ``requests`` at draft ``steps`` (0-based):
+    temperatures (float32, 0 for greedy requests), seed words and token indices."""
+    from hybridserve.runner import sampler
+
+    words = [sampler.seed_words(r.sample_seed) for r in requests]
+    return (
+        torch.tensor([r.temperature for r in requests], dtype=torch.float32, device=device),
+        torch.tensor([w[0] for w in words], dtype=torch.int64, device=device),
+        torch.tensor([w[1] for w in words], dtype=torch.int64, device=device),
+        torch.tensor([r.first_index + s for r, s in zip(requests, steps)], dtype=torch.int64,
+                     device=device),
+    )
+
+
 def choose_drafts(
     logits: torch.Tensor, requests: Sequence[DraftRequest], step: int
 ) -> tuple[list[int], list[torch.Tensor | None]]:
     """Draft ``step`` (0-based) of each request from the drafter's ``logits [N, vocab]``:
     the argmax for greedy requests; for sampled ones a sample of
     ``q = softmax(logits / temperature)`` from the request's counter-based stream
-    (:func:`hybridserve.runner.sampler.draft_draw`), returned with ``log q`` so the
-    target can accept it with ``min(1, p / q)``."""
-    from hybridserve.runner import sampler
-
-    tokens = torch.argmax(logits, dim=-1)
-    logqs: list[torch.Tensor | None] = [None] * len(requests)
-    sampled = [i for i, r in enumerate(requests) if r.temperature > 0]
-    if sampled:
-        temps = torch.tensor([requests[i].temperature for i in sampled], device=logits.device)
-        logq = torch.log_softmax(logits[sampled].double() / temps[:, None], dim=-1)
-        words = [sampler.seed_words(requests[i].sample_seed) for i in sampled]
-        lo = torch.tensor([w[0] for w in words], dtype=torch.int64, device=logits.device)
-        hi = torch.tensor([w[1] for w in words], dtype=torch.int64, device=logits.device)
-        index = torch.tensor(
-            [requests[i].first_index + step for i in sampled], dtype=torch.int64, device=logits.device
-        )
-        tokens = tokens.index_put(
-            (torch.tensor(sampled, device=logits.device),), sampler.draft_draw(logq, lo, hi, index)
-        )
-        for j, i in enumerate(sampled):
-            logqs[i] = logq[j]
-    return tokens.tolist(), logqs
+    (:func:`draft_choices`), returned with ``log q`` so the target can accept it with
+    ``min(1, p / q)``."""
+    if not any(r.temperature > 0 for r in requests):
+        return torch.argmax(logits, dim=-1).tolist(), [None] * len(requests)
+    args = draw_tensors(requests, [step] * len(requests), logits.device)
+    tokens, logq = draft_choices(logits, *args)
+    return tokens.tolist(), [logq[i] if r.temperature > 0 else None
+                             for i, r in enumerate(requests)]
 
 
 class Drafter(Protocol):

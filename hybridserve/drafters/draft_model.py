@@ -45,6 +45,12 @@ outside the current batch lose theirs and are caught up from token 0 when they n
 draft. Greedy requests get the draft model's argmax; sampled requests get samples of
 its distribution ``q`` (:func:`~hybridserve.drafters.base.choose_drafts`), which the
 target accepts with ``min(1, p / q)`` (:func:`hybridserve.runner.sampler.speculative_choices`).
+
+Where the target replays decode graphs, the drafter's uniform steps (the drafting
+steps, and catch-up rows of one length) replay graphs of their own over its caches
+(:meth:`DraftModelDrafter.enable_graphs`, :mod:`hybridserve.runner.draft_graphs`): the
+same pages written, each step fed the drafts the step before chose on the device, the
+drafts read back once per proposal.
 """
 
 from __future__ import annotations
@@ -60,8 +66,9 @@ import torch
 from hybridserve.cache.block_pool import BlockPool, chain_hash
 from hybridserve.cache.state_cache import StateCache
 from hybridserve.default_model import DRAFT_PATH
-from hybridserve.drafters.base import DraftRequest, choose_drafts
+from hybridserve.drafters.base import DraftRequest, draft_choices, draw_tensors
 from hybridserve.models.batch import ForwardBatch
+from hybridserve.runner.draft_graphs import DraftDraw, DraftGraphs, DraftRow, row_index
 
 if TYPE_CHECKING:
     from hybridserve.config import EngineConfig
@@ -116,9 +123,13 @@ class DraftModelDrafter:
         self.model = model
         self.block_size = kv_block_size
         self.device = torch.device(device)
+        # One KV block and one state page past the pools' ranges: the scratch block and
+        # page that padding rows of the drafter's graph steps write (enable_graphs).
         self.caches = model.cache_spec.allocate(
-            num_kv_blocks, kv_block_size, num_state_pages, dtype, ssm_dtype, device
+            num_kv_blocks + 1, kv_block_size, num_state_pages + 1, dtype, ssm_dtype, device
         )
+        self.num_kv_blocks = num_kv_blocks
+        self.graphs: DraftGraphs | None = None
         self.enable_caching = enable_caching
         self.blocks = BlockPool(num_kv_blocks, kv_block_size, enable_caching=enable_caching)
         # Checkpoints (the drafter's prefix cache) may hold a quarter of the pages.
@@ -131,6 +142,19 @@ class DraftModelDrafter:
         self.draft_logq: dict[Hashable, torch.Tensor] = {}
         self.counters = {"catch_up_tokens": 0, "draft_forwards": 0, "evictions": 0,
                          "prefix_hit_tokens": 0}
+
+    def enable_graphs(self, max_blocks: int, max_rows: int,
+                      capture: bool | None = None) -> DraftGraphs:
+        """Replay the drafter's uniform steps from CUDA graphs over its own caches
+        (:mod:`hybridserve.runner.draft_graphs`): ``max_blocks`` the widest block table
+        (a sequence of ``max_model_len`` tokens), ``max_rows`` the most rows a step has
+        (the engine's ``max_num_seqs``); ``capture`` None captures on CUDA only, False
+        runs the same static-buffer steps eagerly (the CPU tests' mode)."""
+        self.graphs = DraftGraphs(
+            self.model, self.caches, self.block_size, max_rows, max_blocks,
+            self.num_kv_blocks, self.num_state_pages, self.device, capture,
+        )
+        return self.graphs
 
     @classmethod
     def from_config(cls, config: EngineConfig, target: torch.nn.Module) -> DraftModelDrafter:
@@ -294,47 +318,126 @@ class DraftModelDrafter:
             live.append((i, seq, toks, pages, point))
         if not live:
             return out
-        # Step 1: the catch-up rows, all in one forward.
+        # Step 1: the catch-up rows (one forward, or one graph step per row length).
         rows = []
         for _, seq, toks, pages, point in live:
             extras = [(point - 1 - seq.computed, pages[-1])] if 0 < point < len(toks) else []
             rows.append((seq, toks[seq.computed :], seq.computed, seq.page, pages[0], extras))
-        logits = self._forward(rows)
+        reqs = [requests[i] for i, *_ in live]
+        first, first_logq = self._step(rows, reqs, 0)
         for (_, seq, toks, pages, point), row in zip(live, rows):
             self.counters["catch_up_tokens"] += len(row[1])
-            first = seq.computed
+            start = seq.computed
             self._release_pages([seq.page])
             seq.page, seq.computed = pages[0], len(toks)
             if point:
-                self._admit(seq, toks, first, point, row[5][0][1] if row[5] else seq.page)
+                self._admit(seq, toks, start, point, row[5][0][1] if row[5] else seq.page)
         live = [(i, seq, toks, pages[: requests[i].k]) for i, seq, toks, pages, _ in live]
-        logq: dict[int, list] = {i: [] for i, *_ in live}
-        drafts, qs = choose_drafts(logits, [requests[i] for i, *_ in live], 0)
-        for (i, _, _, _), d, q in zip(live, drafts, qs):
-            out[i].append(d)
-            logq[i].append(q)
-        # Step 2: k - 1 single-token rows per request, one forward per draft position.
+        # Step 2: k - 1 single-token rows per request, one step per draft position, each
+        # fed the drafts the step before chose on the device; read back once at the end.
+        n = len(live)
+        steps = [(list(range(n)), first, first_logq)]  # (rows of live, drafts, log q)
+        cur = first
         step = 1
         while True:
-            active = [(i, seq, toks, pages) for i, seq, toks, pages in live if len(out[i]) < requests[i].k]
-            if not active:
+            act = [j for j, (i, *_) in enumerate(live) if requests[i].k > step]
+            if not act:
                 break
             rows = []
-            for i, seq, toks, pages in active:
-                prev = seq.fed[-1][1] if seq.fed else seq.page
-                rows.append((seq, [out[i][-1]], len(toks) + step - 1, prev, pages[step]))
-            logits = self._forward(rows)
-            drafts, qs = choose_drafts(logits, [requests[i] for i, *_ in active], step)
-            for (i, seq, _, pages), d, q in zip(active, drafts, qs):
-                seq.fed.append((out[i][-1], pages[step]))
-                out[i].append(d)
-                logq[i].append(q)
+            for j in act:
+                _, seq, toks, pages = live[j]
+                rows.append((seq, None, len(toks) + step - 1, pages[step - 1], pages[step], []))
+            index = row_index(act, self.device)
+            drafts, logq = self._step(rows, [reqs[j] for j in act], step,
+                                      cur.index_select(0, index))
+            steps.append((act, drafts, logq))
+            cur = cur.index_put((index,), drafts)
             step += 1
-        # Pages reserved for drafts a request did not need (k counted every one).
-        for _, seq, _, pages in live:
-            self._release_pages(pages[1 + len(seq.fed) :])
-        _keep_logq(self.draft_logq, requests, logq)
+        values = torch.cat([d for _, d, _ in steps]).tolist()
+        logqs: dict[int, list] = {i: [] for i, *_ in live}
+        at = 0
+        for act, _, logq in steps:
+            for r, j in enumerate(act):
+                i = live[j][0]
+                out[i].append(values[at + r])
+                if requests[i].temperature > 0:
+                    logqs[i].append(logq[r])
+            at += len(act)
+        for i, seq, _, pages in live:
+            # Draft s was fed at step s, whose state went to pages[s].
+            seq.fed = [(out[i][s - 1], pages[s]) for s in range(1, len(out[i]))]
+            # Pages reserved for drafts a request did not need (k counted every one).
+            self._release_pages(pages[len(out[i]) :])
+        _keep_logq(self.draft_logq, requests, logqs)
         return out
+
+    def _step(
+        self, rows: list[tuple], reqs: Sequence[DraftRequest], step: int,
+        tokens: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft ``step`` of every row (:meth:`_forward`'s rows; a row's tokens None:
+        one token each, from the device tensor ``tokens``): rows of one length replay a
+        graph step when graphs are on and the rows qualify, the rest run one eager
+        forward. Returns the drafts ``[rows]`` and, when some request samples, ``log q
+        [rows, vocab]`` (:func:`~hybridserve.drafters.base.draft_choices`), on the
+        device: nothing is read back."""
+        n = len(rows)
+        sampled = any(r.temperature > 0 for r in reqs)
+        drafts = torch.empty(n, dtype=torch.long, device=self.device)
+        logq = None
+        pending = list(range(n))
+        if self.graphs is not None:
+            groups: dict[int, list[int]] = {}
+            for j, row in enumerate(rows):
+                groups.setdefault(1 if row[1] is None else len(row[1]), []).append(j)
+            for group in groups.values():
+                whole = len(group) == n  # one group of every row, in order: no gathers
+                index = None if whole else row_index(group, self.device)
+                got = self.graphs.replay_rows(
+                    [self._graph_row(rows[j]) for j in group],
+                    [DraftDraw.of(reqs[j], step) for j in group],
+                    tokens if tokens is None or whole else tokens.index_select(0, index),
+                )
+                if got is None:
+                    continue
+                if whole:
+                    return got
+                drafts.index_copy_(0, index, got[0])
+                if got[1] is not None:
+                    if logq is None:
+                        logq = torch.empty(n, got[1].shape[1], dtype=torch.float64,
+                                           device=self.device)
+                    logq.index_copy_(0, index, got[1])
+                done = set(group)
+                pending = [j for j in pending if j not in done]
+        if pending:
+            if tokens is not None:
+                fed = tokens[pending].tolist()  # the eager forward builds on the host
+                rows = [(rows[j][0], [t], *rows[j][2:]) for j, t in zip(pending, fed)]
+            else:
+                rows = [rows[j] for j in pending]
+            logits = self._forward(rows)
+            index = row_index(pending, self.device)
+            if sampled:
+                args = draw_tensors([reqs[j] for j in pending], [step] * len(pending),
+                                    self.device)
+                chosen, q = draft_choices(logits, *args)
+                if logq is None:
+                    logq = torch.empty(n, q.shape[1], dtype=torch.float64, device=self.device)
+                logq.index_copy_(0, index, q)
+            else:
+                chosen = torch.argmax(logits, dim=-1)
+            drafts.index_copy_(0, index, chosen)
+        if sampled and logq is None:
+            raise AssertionError("a sampled draft step produced no log q")
+        return drafts, logq
+
+    def _graph_row(self, row: tuple) -> DraftRow:
+        seq, toks, start, page_in, page_out, extras = row
+        q = 1 if toks is None else len(toks)
+        outs = {q - 1: page_out}
+        outs.update(dict(extras))
+        return DraftRow(start, q, seq.blocks, page_in, outs, toks)
 
     def _admit(self, seq: _Seq, toks: Sequence[int], first: int, point: int, page: int) -> None:
         """Register the full blocks the catch-up completed (true tokens only, never

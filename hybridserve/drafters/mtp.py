@@ -57,6 +57,11 @@ with positions counted from there: RoPE attention depends only on relative posit
 so this is the head attending over a shorter window, not a different computation
 (Nemotron-H's attention has no positional encoding at all). The drafts may be worse
 than with the full window; the output is the target's regardless.
+
+Where the target replays decode graphs, the head's uniform steps replay graphs of their
+own (:meth:`MtpDrafter.enable_graphs`, :class:`~hybridserve.runner.draft_graphs.MtpGraphs`):
+the hidden states come in through a static buffer, the head's outputs go on to the next
+step on the device, and the drafts are read back once per proposal.
 """
 
 from __future__ import annotations
@@ -72,13 +77,14 @@ import torch
 from torch import nn
 
 from hybridserve.cache.block_pool import BlockPool
-from hybridserve.drafters.base import DraftRequest, choose_drafts
+from hybridserve.drafters.base import DraftRequest, draft_choices, draw_tensors
 from hybridserve.drafters.draft_model import _keep_logq
 from hybridserve.models.base import CacheSpec
 from hybridserve.models.batch import ForwardBatch, ModelCaches
 from hybridserve.models.config import ATTENTION, GDN, MAMBA, ModelConfig
 from hybridserve.models.hybrid import DecoderLayer, NemotronHForCausalLM, build_norm
 from hybridserve.models.step_plan import uniform_q
+from hybridserve.runner.draft_graphs import DraftDraw, DraftRow, MtpGraphs, row_index
 
 if TYPE_CHECKING:
     from hybridserve.config import EngineConfig
@@ -357,9 +363,13 @@ class MtpDrafter:
         self.head = head
         self.block_size = kv_block_size
         self.device = torch.device(device)
+        # One KV block past the pool's range: the scratch block padding rows of the
+        # head's graph steps write (enable_graphs).
         self.caches = head.cache_spec.allocate(
-            num_kv_blocks, kv_block_size, 1, dtype, dtype, device
+            num_kv_blocks + 1, kv_block_size, 1, dtype, dtype, device
         )
+        self.num_kv_blocks = num_kv_blocks
+        self.graphs: MtpGraphs | None = None
         self.blocks = BlockPool(num_kv_blocks, kv_block_size, enable_caching=False)
         self._seqs: dict[Hashable, _Seq] = {}
         self._hidden: dict[Hashable, tuple[int, torch.Tensor]] = {}
@@ -367,6 +377,19 @@ class MtpDrafter:
         # Per key: log q of each draft of the latest proposal (sampled requests only).
         self.draft_logq: dict[Hashable, torch.Tensor] = {}
         self.counters = {"catch_up_tokens": 0, "draft_forwards": 0, "evictions": 0}
+
+    def enable_graphs(self, max_blocks: int, max_rows: int,
+                      capture: bool | None = None) -> MtpGraphs:
+        """Replay the head's uniform steps from CUDA graphs over its own K/V
+        (:class:`~hybridserve.runner.draft_graphs.MtpGraphs`: the hidden states come in
+        through a static buffer); arguments as
+        :meth:`DraftModelDrafter.enable_graphs
+        <hybridserve.drafters.draft_model.DraftModelDrafter.enable_graphs>`."""
+        self.graphs = MtpGraphs(
+            self.head, self.target, self.caches, self.block_size, max_rows, max_blocks,
+            self.num_kv_blocks, 0, self.device, capture,
+        )
+        return self.graphs
 
     @classmethod
     def from_config(cls, config: EngineConfig, target: nn.Module) -> MtpDrafter:
@@ -437,17 +460,16 @@ class MtpDrafter:
             live.append((i, seq, toks, lo))
         if not live:
             return out
-        embed = self.target.model.embed
+        reqs = [requests[i] for i, *_ in live]
         rows, tokens, hiddens = [], [], []
         for i, seq, toks, lo in live:
             length = len(toks)
             hstart, hidden = self._hidden[requests[i].key]
             rows.append((seq, lo, length - 1 - lo))
-            tokens += toks[lo + 1 : length]
+            tokens.append(toks[lo + 1 : length])
             hiddens.append(hidden[lo - hstart : length - 1 - hstart])
             self.counters["catch_up_tokens"] += length - 1 - lo
-        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        y = self._forward(rows, embed(ids), torch.cat(hiddens))
+        first, first_logq, y = self._step(rows, reqs, 0, tokens, None, hiddens)
         for (i, seq, toks, _), _ in zip(live, rows):
             seq.filled = len(toks) - 1
             # Keep the hidden state of the last filled slot: a proposal no step consumed
@@ -455,27 +477,119 @@ class MtpDrafter:
             hstart, hidden = self._hidden[requests[i].key]
             drop = max(0, seq.filled - 1 - hstart)
             self._hidden[requests[i].key] = (hstart + drop, hidden[drop:].clone())
-        logq: dict[int, list] = {i: [] for i, *_ in live}
-        drafts, qs = choose_drafts(self.target.compute_logits(y), [requests[i] for i, *_ in live], 0)
-        for (i, *_), d, q in zip(live, drafts, qs):
-            out[i].append(d)
-            logq[i].append(q)
+        # Drafting: each step feeds the drafts the step before chose, with its outputs y,
+        # on the device; read back once at the end.
+        n = len(live)
+        steps = [(list(range(n)), first, first_logq)]
+        cur = first
         step = 1
         while True:
-            sel = [j for j, (i, *_) in enumerate(live) if len(out[i]) < requests[i].k]
-            if not sel:
+            act = [j for j, (i, *_) in enumerate(live) if requests[i].k > step]
+            if not act:
                 break
-            live, y = [live[j] for j in sel], y[sel]
-            rows = [(seq, len(toks) - 2 + step, 1) for _, seq, toks, _ in live]
-            ids = torch.tensor([out[i][-1] for i, *_ in live], dtype=torch.long, device=self.device)
-            y = self._forward(rows, embed(ids), y)
-            drafts, qs = choose_drafts(self.target.compute_logits(y), [requests[i] for i, *_ in live], step)
-            for (i, *_), d, q in zip(live, drafts, qs):
-                out[i].append(d)
-                logq[i].append(q)
+            index = row_index(act, self.device)
+            rows = [(live[j][1], len(live[j][2]) - 2 + step, 1) for j in act]
+            drafts, logq, y_act = self._step(rows, [reqs[j] for j in act], step, None,
+                                             cur.index_select(0, index),
+                                             y.index_select(0, index))
+            steps.append((act, drafts, logq))
+            cur = cur.index_put((index,), drafts)
+            y = y.index_put((index,), y_act)
             step += 1
-        _keep_logq(self.draft_logq, requests, logq)
+        values = torch.cat([d for _, d, _ in steps]).tolist()
+        logqs: dict[int, list] = {i: [] for i, *_ in live}
+        at = 0
+        for act, _, logq in steps:
+            for r, j in enumerate(act):
+                i = live[j][0]
+                out[i].append(values[at + r])
+                if requests[i].temperature > 0:
+                    logqs[i].append(logq[r])
+            at += len(act)
+        _keep_logq(self.draft_logq, requests, logqs)
         return out
+
+    def _step(
+        self,
+        rows: list[tuple[_Seq, int, int]],
+        reqs: Sequence[DraftRequest],
+        step: int,
+        tokens: list[list[int]] | None,
+        device_tokens: torch.Tensor | None,
+        hidden: list[torch.Tensor] | torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Draft ``step`` of every ``(seq, first slot, slots)`` row from its tokens (host
+        lists ``tokens``, or one a row in ``device_tokens``) and hidden states (one tensor
+        a row, or ``[rows, hidden]`` of one-slot rows): rows of one length replay a graph
+        step when graphs are on and they qualify, the rest run one eager forward.
+        Returns the drafts ``[rows]``, ``log q [rows, vocab]`` when some request samples
+        (else None) and the head's outputs at the rows' last slots ``[rows, hidden]``, on
+        the device: nothing is read back."""
+        n = len(rows)
+        sampled = any(r.temperature > 0 for r in reqs)
+        drafts = torch.empty(n, dtype=torch.long, device=self.device)
+        logq = y = None
+        pending = list(range(n))
+
+        def put(index_list, d, q, last):
+            nonlocal logq, y
+            index = row_index(index_list, self.device)
+            drafts.index_copy_(0, index, d)
+            if q is not None:
+                if logq is None:
+                    logq = torch.empty(n, q.shape[1], dtype=torch.float64, device=self.device)
+                logq.index_copy_(0, index, q)
+            if y is None:
+                y = torch.empty(n, last.shape[1], dtype=last.dtype, device=self.device)
+            y.index_copy_(0, index, last)
+
+        def hidden_of(group, index):
+            if isinstance(hidden, torch.Tensor):
+                return hidden if index is None else hidden.index_select(0, index)
+            return torch.cat([hidden[j] for j in group])
+
+        if self.graphs is not None:
+            groups: dict[int, list[int]] = {}
+            for j, (_, _, count) in enumerate(rows):
+                groups.setdefault(count, []).append(j)
+            for group in groups.values():
+                drows = []
+                for j in group:
+                    seq, first, count = rows[j]
+                    drows.append(DraftRow(first - seq.base, count, seq.blocks, -1, {},
+                                          None if tokens is None else tokens[j]))
+                whole = len(group) == n  # one group of every row, in order: no gathers
+                index = None if whole else row_index(group, self.device)
+                got = self.graphs.replay_rows(
+                    drows, [DraftDraw.of(reqs[j], step) for j in group],
+                    device_tokens if device_tokens is None or whole
+                    else device_tokens.index_select(0, index),
+                    hidden=hidden_of(group, index),
+                )
+                if got is None:
+                    continue
+                if whole:
+                    return got
+                put(group, *got)
+                done = set(group)
+                pending = [j for j in pending if j not in done]
+        if pending:
+            if tokens is not None:
+                ids = row_index([t for j in pending for t in tokens[j]], self.device)
+            index = row_index(pending, self.device)
+            if tokens is None:
+                ids = device_tokens.index_select(0, index)
+            last = self._forward([rows[j] for j in pending], self.target.model.embed(ids),
+                                 hidden_of(pending, index))
+            logits = self.target.compute_logits(last)
+            if sampled:
+                args = draw_tensors([reqs[j] for j in pending], [step] * len(pending),
+                                    self.device)
+                chosen, q = draft_choices(logits, *args)
+            else:
+                chosen, q = torch.argmax(logits, dim=-1), None
+            put(pending, chosen, q, last)
+        return drafts, logq, y
 
     def forget_slots(self, key: Hashable) -> None:
         """Drop the head's K/V of ``key`` (its hidden states stay)."""

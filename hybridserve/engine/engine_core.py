@@ -150,14 +150,20 @@ class EngineCore:
             # The host tier mirrors every state tensor of every recurrent layer.
             self.runner.host_pool = HostStatePool(caches.states, host_pages)
         self.drafter = build_drafter(config, model)
-        # A drafter that reads the target's hidden states runs beside eager steps only.
+        max_blocks = -(-config.scheduler.max_model_len // cc.kv_block_size)
+        # A drafter with caches of its own replays its uniform steps from graphs of its
+        # own (hybridserve.runner.draft_graphs) wherever the target may.
+        enable_drafter_graphs = getattr(self.drafter, "enable_graphs", None)
+        if enable_drafter_graphs is not None and not enforce_eager:
+            enable_drafter_graphs(max_blocks, config.scheduler.max_num_seqs)
+        # A drafter that reads the target's hidden states (MTP) gets them from eager and
+        # decode-graph steps alike (short-row steps then run eagerly).
         self._observe = getattr(self.drafter, "observe", None)
         if self._observe is not None:
             self.runner.keep_hidden = True
-            enforce_eager = True
         if not enforce_eager:
             self.runner.enable_decode_graphs(
-                max_blocks=-(-config.scheduler.max_model_len // cc.kv_block_size),
+                max_blocks=max_blocks,
                 scratch_block=cc.num_kv_blocks,
                 scratch_page=cc.num_state_pages,
             )

@@ -77,6 +77,11 @@ on CUDA the matrix products of a padded step run on more rows than the eager ste
 and cuBLAS may pick another kernel for another row count (as for decode graphs' padding
 rows).
 
+Hidden states (``keep_hidden``, for a drafter that reads the target's: MTP): a replayed
+decode step also keeps its final hidden states ``[B * q, hidden]`` (row ``i``'s token
+``t`` at ``i * q + t``; a captured graph's stay in its pool) in ``last_hidden``, and
+short-row steps run eagerly (the eager step keeps its own).
+
 Without capture (``capture=False``, the default off CUDA) a "replay" runs the same
 static-buffer forward eagerly: the CPU tests check the buffer building, the padding
 and the fallbacks against the ordinary path that way.
@@ -415,6 +420,12 @@ class DecodeGraphs:
         self.counters = {"graph_steps": 0, "eager_steps": 0, "captures": 0,
                          "short_graph_steps": 0, "short_captures": 0, "masked_graph_steps": 0,
                          "deferred_draws": 0}
+        # Keep each replayed decode step's final hidden states (``last_hidden``,
+        # ``[B * q, hidden]``: row i's token t at i * q + t) for a drafter that reads
+        # them (MTP); short-row steps then run eagerly (the eager path keeps them).
+        self.keep_hidden = False
+        self.last_hidden: torch.Tensor | None = None
+        self._hidden: dict[tuple, torch.Tensor] = {}
         # Host seconds spent filling masked steps' token masks (the grammar matchers'
         # work; on CUDA it overlaps the forward queued before it).
         self.mask_seconds = 0.0
@@ -541,6 +552,8 @@ class DecodeGraphs:
             deferred = self._masked_forward(st, sched, shape, fill_first=tokens is None)
             if deferred is None:
                 return None
+            if self.keep_hidden:
+                self.last_hidden = self._hidden[shape.key]
             self.counters["graph_steps"] += 1
             self.counters["masked_graph_steps"] += 1
             if tokens is not None:
@@ -558,6 +571,8 @@ class DecodeGraphs:
             graph.replay()
         else:
             out = self._forward(st, shape)
+        if self.keep_hidden:
+            self.last_hidden = self._hidden[key]
         self.counters["graph_steps"] += 1
         return out, shape.q
 
@@ -760,6 +775,10 @@ class DecodeGraphs:
             max_context=w * self.block_size,
         )
         hidden = self.model.forward(m[:, 0:q].reshape(-1), batch, self.caches)
+        if self.keep_hidden:
+            # The step's final hidden states (a captured step's stay in the graph's pool
+            # and hold each replay's values).
+            self._hidden[shape.key] = hidden
         return self.model.compute_logits(hidden)
 
     def _draw(self, st: _Static, shape: StepShape, logits: torch.Tensor) -> torch.Tensor:
@@ -868,7 +887,7 @@ class DecodeGraphs:
         position, write their keys to the scratch block and no state.
         """
         rows = sched.rows
-        if not (self.enabled and self.short_enabled and rows):
+        if not (self.enabled and self.short_enabled and rows) or self.keep_hidden:
             return None
         batch = batch_bucket(len(rows), SHORT_BATCH_BUCKETS)
         if batch is None or batch > self.max_batch:

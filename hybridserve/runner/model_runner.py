@@ -103,7 +103,8 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.boundary_interval = boundary_interval
         self.graphs: DecodeGraphs | None = None
-        # Keep the last eager step's final hidden states ``[T, hidden]`` in ``last_hidden``.
+        # Keep the last step's final hidden states ``[T, hidden]`` (packed as the step's
+        # tokens) in ``last_hidden``; set before enable_decode_graphs.
         self.keep_hidden = False
         # Per request id: the drafter's log-probabilities ``[drafts, vocab]`` of the
         # drafts it sampled (none for point-mass drafts), set by the engine each step.
@@ -138,6 +139,7 @@ class ModelRunner:
             self.model, self.caches, self.block_size, self.max_num_seqs, max_blocks,
             scratch_block, scratch_page, self.device, capture,
         )
+        self.graphs.keep_hidden = self.keep_hidden
         return self.graphs
 
     def build_batch(self, sched: SchedulerOutput) -> tuple[torch.Tensor, ForwardBatch]:
@@ -207,7 +209,7 @@ class ModelRunner:
         graph replays it: they stay ahead of the forward.
         """
         self.run_transfers(sched)
-        if self.graphs is None:
+        if self.graphs is None or self._has_drafted_distributions(sched):
             return None
         tokens = None
         if after is not None:
@@ -219,6 +221,12 @@ class ModelRunner:
         if replayed is None:
             return None
         out, q = replayed
+        if self.keep_hidden:
+            # The packed layout of the eager step (row i's tokens one after another).
+            index = [i * q + t for i, row in enumerate(sched.rows) for t in range(row.num_tokens)]
+            self.last_hidden = self.graphs.last_hidden.index_select(
+                0, upload(torch.tensor(index, dtype=torch.long), self.graphs.last_hidden.device)
+            )
         pending = PendingStep(sched, q, None, None, 0)
         if isinstance(out, DeferredDraw):
             pending.deferred = out
@@ -540,6 +548,19 @@ class ModelRunner:
             sched, sampler.sample_step(logits, plan, packed, drafted), starts
         )
         return (*sampler.read_step(values, plan), decisions)
+
+    def _has_drafted_distributions(self, sched: SchedulerOutput) -> bool:
+        """Whether a sampled row of ``sched`` verifies drafts its drafter sampled from a
+        distribution of its own (``draft_logq``): the decode graphs' draw has no input
+        for ``log q`` (it would verify them as point masses), so such steps run eagerly
+        (:func:`~hybridserve.runner.sampler.speculative_choices`)."""
+        if not self.draft_logq:
+            return False
+        return any(
+            row.num_drafts and not row.request.params.greedy
+            and row.request.request_id in self.draft_logq
+            for row in sched.rows
+        )
 
     def _drafted_positions(self, sched: SchedulerOutput, sampling: list[int], device):
         """``(positions, logq, drafts)`` of the step's draft positions whose drafter

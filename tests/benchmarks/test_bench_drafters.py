@@ -19,6 +19,8 @@ def test_trained_draft_benchmark_runs():
     assert all(r["matches_no_speculation"] for r in rows)
     for r in rows[1::2]:
         assert r["draft_tokens"] > 0 and r["verify_steps"] > 0
+        # The CPU runs eagerly: no drafter graphs.
+        assert r["drafter_eager_steps"] > 0 and r["drafter_graph_steps"] == 0
         assert r["tokens_per_target_step"] == round(r["generated_tokens"] /
                                                     (r["generated_tokens"] - r["accepted_tokens"]), 3)
     assert report["draft_model"] == "hybridserve/default_model/draft"
