@@ -269,6 +269,13 @@ class KernelPolicy:
       ``"on"`` (``"auto"``, the default, is the same) or ``"off"``. On the H200 the
       captured steps gave the eager step's tokens (``test_captured_short_steps_match_eager_on_cuda``)
       and the cached first token of the 8B shape 20.7x faster than cold (``gpu_bench.json``).
+    - ``drafter_graphs``: a draft model's or MTP head's own steps replayed from graphs
+      (:mod:`hybridserve.runner.draft_graphs`), and an MTP target's decode steps on its
+      decode graphs (their hidden states handed to the head): ``"on"``, ``"off"``, or
+      ``"auto"``: on where steps are not captured (the static-buffer steps the CPU tests
+      drive), off under real CUDA capture (the drafter's steps and an MTP target's steps
+      then run eagerly, as before) until ``tests/drafters/test_draft_graphs.py``'s `gpu`
+      test has run on a GPU.
     - ``fused_decode`` (bool): uniform Mamba2 steps on the Triton kernels run the conv and
       the recurrence in one launch (:func:`~hybridserve.kernels.mamba_decode.conv_ssm_update`:
       no round trip of the conv output through memory, one launch less per layer); False
@@ -290,12 +297,14 @@ class KernelPolicy:
     gdn_chunk: int = 64
     short_graphs: str = "auto"
     fused_decode: bool = True
+    drafter_graphs: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.short_graphs not in ("auto", "on", "off"):
-            raise ValueError(
-                f"kernel_policy.short_graphs={self.short_graphs!r}: choose from ('auto', 'on', 'off')"
-            )
+        for name in ("short_graphs", "drafter_graphs"):
+            if getattr(self, name) not in ("auto", "on", "off"):
+                raise ValueError(
+                    f"kernel_policy.{name}={getattr(self, name)!r}: choose from ('auto', 'on', 'off')"
+                )
         for name in ("decode_attention", "prefill_attention", "norms", "moe"):
             value = getattr(self, name)
             if value not in KERNEL_MODES:

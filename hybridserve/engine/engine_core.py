@@ -152,15 +152,22 @@ class EngineCore:
         self.drafter = build_drafter(config, model)
         max_blocks = -(-config.scheduler.max_model_len // cc.kv_block_size)
         # A drafter with caches of its own replays its uniform steps from graphs of its
-        # own (hybridserve.runner.draft_graphs) wherever the target may.
+        # own (hybridserve.runner.draft_graphs) wherever the target may, as the policy's
+        # drafter_graphs allows (KernelPolicy: "auto" is off under real CUDA capture).
+        captured = torch.device(config.device).type == "cuda"
+        drafter_graphs = policy.drafter_graphs == "on" or (
+            policy.drafter_graphs == "auto" and not captured)
         enable_drafter_graphs = getattr(self.drafter, "enable_graphs", None)
-        if enable_drafter_graphs is not None and not enforce_eager:
+        if enable_drafter_graphs is not None and not enforce_eager and drafter_graphs:
             enable_drafter_graphs(max_blocks, config.scheduler.max_num_seqs)
         # A drafter that reads the target's hidden states (MTP) gets them from eager and
-        # decode-graph steps alike (short-row steps then run eagerly).
+        # decode-graph steps alike (short-row steps then run eagerly); without drafter
+        # graphs the target's steps run eagerly beside it.
         self._observe = getattr(self.drafter, "observe", None)
         if self._observe is not None:
             self.runner.keep_hidden = True
+            if not drafter_graphs:
+                enforce_eager = True
         if not enforce_eager:
             self.runner.enable_decode_graphs(
                 max_blocks=max_blocks,

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from hybridserve import LLM, SamplingParams
+from hybridserve.config import KernelPolicy
 from hybridserve.engine.engine_core import EngineCore
 from hybridserve.runner.cuda_graph import GREEDY
 from hybridserve.runner.draft_graphs import (
@@ -374,7 +375,9 @@ def test_captured_draft_steps_match_eager_on_cuda(request, fixture, qwen_draft, 
     prompts = [_rand(rng, 7), _rand(rng, 40), _rand(rng, 9), _rand(rng, 20)]
     sampled = [SamplingParams(temperature=0.8, seed=5 + i, max_tokens=16, ignore_eos=True)
                for i in range(4)]
-    kw = dict(device="cuda", state_interval=16, max_num_seqs=8, enable_prefix_caching=True)
+    # "auto" keeps drafter graphs off under real capture until this test has passed.
+    kw = dict(device="cuda", state_interval=16, max_num_seqs=8, enable_prefix_caching=True,
+              kernel_policy=KernelPolicy(drafter_graphs="on"))
     plain = _tokens(LLM(target, **kw).generate(prompts, GREEDY_PARAMS, use_tqdm=False))
     runs = {}
     for eager in (True, False):
@@ -388,3 +391,25 @@ def test_captured_draft_steps_match_eager_on_cuda(request, fixture, qwen_draft, 
     assert not graphs.capture_errors, graphs.capture_errors
     assert graphs.counters["captures"] >= 2, graphs.counters
     assert graphs.counters["graph_steps"] > 0, graphs.counters
+
+
+@pytest.mark.parametrize("fixture", ["tiny_granite", "qwen3_5_mtp"])
+def test_drafter_graphs_off_runs_the_drafter_eagerly(request, fixture, mtp_targets):
+    """``KernelPolicy.drafter_graphs="off"`` (what "auto" is under real CUDA capture):
+    the drafter builds no graphs, an MTP target's steps run eagerly beside it, and the
+    output is the output without speculation."""
+    if fixture.endswith("_mtp"):
+        target, spec = mtp_targets[fixture.removesuffix("_mtp")], MTP
+    else:
+        target = request.getfixturevalue(fixture)
+        spec = _spec(target, 3)
+    rng = random.Random(3)
+    prompts = [_rand(rng, 9), _rand(rng, 21)]
+    plain = _tokens(LLM(target).generate(prompts, GREEDY_PARAMS, use_tqdm=False))
+    llm = _llm(target, False, speculative_config=spec,
+               kernel_policy=KernelPolicy(drafter_graphs="off"))
+    assert llm.engine.drafter.graphs is None
+    assert (llm.engine.runner.graphs is None) == fixture.endswith("_mtp")
+    assert _tokens(llm.generate(prompts, GREEDY_PARAMS, use_tqdm=False)) == plain
+    with pytest.raises(ValueError, match="drafter_graphs"):
+        KernelPolicy(drafter_graphs="yes")
