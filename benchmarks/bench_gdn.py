@@ -1,6 +1,6 @@
 """Benchmark: one Gated DeltaNet layer's state kernels at Qwen3.6-27B shapes.
 
-Measured in the same run (DESIGN.md section 9):
+Measured in the same run (benchmarks/results/INDEX.md says how):
 
   decode    ``gdn_decode_update`` (paged: read one state page per row, write the state
             after each of ``q`` tokens to its own page) at batch 1 / 16 / 64 / 256,

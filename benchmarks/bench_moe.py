@@ -9,7 +9,8 @@ Shapes (random weights, bf16 on CUDA), one MoE layer each:
                     (gated silu), top-10, plus the layer's dense shared_mlp of width 1536
 
 (the published config.json values; ``--shapes`` picks a subset). For 1 / 16 / 64 / 256 /
-2048 tokens (``--tokens``), all measured in the same run (DESIGN.md section 9):
+2048 tokens (``--tokens``), all measured in the same run (benchmarks/results/INDEX.md
+says how):
 
   grouped        the routed experts, ``moe_experts`` (sort by expert + two launches)
   loop           the same routing through ``moe_experts_loop`` (one expert at a time, a host

@@ -1,6 +1,6 @@
 """Benchmark: one Mamba2 layer's prefill kernels at the Nemotron-H-8B shape, old against new.
 
-Measured in one run (DESIGN.md section 9), kernel medians from CUDA events:
+Measured in one run (benchmarks/results/INDEX.md says how), kernel medians from CUDA events:
 
   ssd    the SSD part of a packed prefill step, requested states written to their pages,
          for 8 x 4,096 tokens with initial and final states, the same with a state every

@@ -1,6 +1,6 @@
 """Benchmark: the state postprocess after a speculative decode step.
 
-Variants, all measured in the same run (DESIGN.md section 9):
+Variants, all measured in the same run (benchmarks/results/INDEX.md says how):
 
   (a) ownership   hybridserve's fused postprocess: page-id updates only, no state bytes
   (b) copy        state_copy of every crossed state to a checkpoint page, in all layers:
@@ -50,10 +50,11 @@ RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_OUT = RESULTS / "state_postprocess.json"
 SMOKE_OUT = RESULTS / "state_postprocess_smoke.json"
 
-# Measured elsewhere, quoted for comparison only (DESIGN.md section 9): vLLM 0.33.0's own
-# postprocess kernel on an H200, same state shapes, 24 layers, 3 draft tokens.
+# Measured elsewhere, quoted for comparison only and labelled so (benchmarks/results/INDEX.md):
+# vLLM 0.33.0's own postprocess kernel on an H200, same state shapes, 24 layers, 3 draft
+# tokens.
 EXTERNAL_REFERENCE = {
-    "source": "vLLM 0.33.0 postprocess kernel on an H200 (DESIGN.md section 9); "
+    "source": "vLLM 0.33.0 postprocess kernel on an H200, measured elsewhere; "
     "not measured by this script",
     "measured_here": False,
     "one_crossing_us": 73.0,

@@ -308,7 +308,7 @@ class RowResult:
 
 @dataclass(frozen=True)
 class PostprocessDecision:
-    """The state postprocess's decision for one decode row (DESIGN.md section 4):
+    """The state postprocess's decision for one decode row (docs/state-lifecycle.md):
     ``num_accepted`` tokens survived, the row's state is now ``state_page``, the
     checkpoints ``(prefix length, page)`` were kept and ``released`` pages are free."""
 

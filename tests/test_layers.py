@@ -1,4 +1,4 @@
-"""Guard: the package's layer rules, read from its imports (DESIGN.md, docs/architecture.md).
+"""Guard: the package's layer rules, read from its imports (docs/architecture.md).
 
 Lower layers never import higher ones: ``kernels`` (tensors in, tensors out) imports
 nothing from ``models``, ``runner`` or ``engine``; ``models`` nothing from ``runner`` or

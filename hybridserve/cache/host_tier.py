@@ -5,7 +5,7 @@ checkpoint budget is small; a checkpoint it evicts is not dropped but copied, by
 byte, into a host page (pinned memory on CUDA; a second pool of CPU tensors on a machine
 without one, so the same code runs in the CPU suite). A later prefix hit on a host
 checkpoint copies it back into a *fresh* device page, never into a page another step
-reads (DESIGN.md section 4), and the checkpoint is a device checkpoint again.
+reads (docs/state-lifecycle.md), and the checkpoint is a device checkpoint again.
 
 Two halves, one per layer of the engine
 ----------------------------------------

@@ -8,7 +8,7 @@ Ownership and invariants
 - ``ref_count[page]`` counts the holders of a page: a request whose current state it
   is, a request's kept block-boundary state, a step that is writing it, and the
   checkpoint index. A page with no holder is on the free list. Pages are never
-  written after their step has written them (DESIGN.md section 4), so sharing a page
+  written after their step has written them (docs/state-lifecycle.md), so sharing a page
   between a request and the index is safe and costs no copy.
 - A *checkpoint* is a page owned by the index under the chained block hash of the
   prefix it summarizes (the hash of the last full KV block of that prefix). It

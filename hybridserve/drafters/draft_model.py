@@ -5,7 +5,7 @@ target's. It runs through the same paged forward as the target
 (:mod:`hybridserve.models.batch`) on caches of its own: KV blocks from a private
 :class:`~hybridserve.cache.block_pool.BlockPool` and state pages from a private free
 list. Nothing is shared with the target's pools, so the target's page ownership
-(DESIGN.md section 4) is untouched by drafting.
+(docs/state-lifecycle.md) is untouched by drafting.
 
 State lifecycle of one request (``L`` tokens in the sequence at a proposal, ``c`` of
 them already in the drafter's caches, state page ``P`` holding the drafter's state

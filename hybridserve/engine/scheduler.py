@@ -9,9 +9,9 @@ One step
    with a seed samples the same tokens again).
 2. Waiting requests are admitted in arrival order while budget, seats and caches
    allow. Admission looks up the longest cached prefix h <= len - 1 that has both its
-   KV blocks and a state checkpoint (DESIGN.md section 3) and starts there. A request
-   whose prompt shares a longer prefix with one still being prefilled waits for the
-   checkpoint that request is asked to leave at their junction.
+   KV blocks and a state checkpoint (docs/state-lifecycle.md, "Checkpoints") and
+   starts there. A request whose prompt shares a longer prefix with one still being
+   prefilled waits for the checkpoint that request is asked to leave at their junction.
    A hit whose checkpoint sits on the host tier (:mod:`hybridserve.cache.host_tier`)
    takes a fresh page, queues the copy into it, makes it a device checkpoint again and
    waits one step (the copy overlaps that step's forward); the next step admits the

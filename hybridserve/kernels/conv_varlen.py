@@ -14,7 +14,8 @@ output page: the last ``K - 1`` conv inputs up to and including that token, olde
 the oldest ones from the row's initial window (cast to the input dtype, as the per-row
 reference concatenates them) when the row has fewer tokens; copies, bit for bit the
 windows the per-row reference returns. Output pages never repeat and are never input
-pages (DESIGN.md section 4), so the launch that reads the initial windows may write them.
+pages (the page rule of docs/state-lifecycle.md), so the launch that reads the initial
+windows may write them.
 
 - :func:`conv_varlen`: three Triton launches. The conv of every token at least ``K - 1``
   tokens into its row (one program per (token block, channel block) tile; its taps are
@@ -24,8 +25,9 @@ pages (DESIGN.md section 4), so the launch that reads the initial windows may wr
   with no output page stops after reading its pages). Each program writes only its own
   entries of the output (a separate buffer, never the input) or of its tokens' output
   pages, and reads only inputs (``xbc``, ``weight``, ``bias``, the initial windows and
-  the index tensors), so no program reads what another writes (DESIGN.md section 5). A
-  token block may span several rows: every token looks its row up in ``token_row``.
+  the index tensors), so no program reads what another writes (the race rule,
+  docs/racecheck.md). A token block may span several rows: every token looks its row
+  up in ``token_row``.
 - :func:`conv_varlen_reference`: its torch twin (the CPU path and the test oracle), the
   per-row reference loop.
 

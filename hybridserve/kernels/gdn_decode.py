@@ -12,8 +12,8 @@ written in one launch.
 
 Why our own kernel: fla-core's ``fused_recurrent_gated_delta_rule`` takes one contiguous
 block of states and returns only the last one, so paged use needs a gather before and a
-scatter after (2.8-3.9x the kernel's own time on an H200, DESIGN.md section 7), and a
-verify step needs every position's state.
+scatter after (2.8-3.9x the kernel's own time on an H200; docs/design-notes.md, "Kernel
+choices"), and a verify step needs every position's state.
 
 One program per (row, value head, block of value columns): the delta rule updates every
 value column of a head's ``[Dk, Dv]`` state independently (the prediction ``k^T S`` and

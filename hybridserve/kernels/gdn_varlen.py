@@ -20,7 +20,7 @@ It also runs the chunked prefill's tails, from dense initial states (chunk state
 The per-token update, gates included (the raw ``a, b`` in, float32 inside), is
 :func:`~hybridserve.kernels.gdn_decode.gdn_token_step`, the decode kernel's.
 
-Race rule (DESIGN.md section 5): a program touches only its own slice of its row's input
+Race rule (docs/racecheck.md): a program touches only its own slice of its row's input
 page and output pages; output pages never repeat and are never input pages (the plan
 checks, the step plan), so no program reads or writes what another writes.
 """

@@ -29,10 +29,11 @@ error against float64 of about 1e-3 after one step that grows with every step
 
 All write the window / state *after* packed token ``t`` to page ``out_pages[t]`` when
 that entry is ``>= 0`` and never write an input page (the caller guarantees the output
-pages are disjoint from every input page, DESIGN.md section 4), so no program of a launch
-reads what another writes (section 5): a program owns one (row, channel block) or (row,
-head, head-dim block) slice of its row's pages and touches nothing else (in the fused
-launch, the B and C windows of a group are written by the group's first program only).
+pages are disjoint from every input page: docs/state-lifecycle.md), so no program of a
+launch reads what another writes (the race rule, docs/racecheck.md): a program owns one
+(row, channel block) or (row, head, head-dim block) slice of its row's pages and touches
+nothing else (in the fused launch, the B and C windows of a group are written by the
+group's first program only).
 
 Layout (token-major, packed): uniform rows put row ``r``'s token ``t`` at ``r * Q + t``.
 Every op has a torch twin (``*_reference``) computing the same function, the CPU path and

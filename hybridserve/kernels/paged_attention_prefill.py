@@ -30,7 +30,7 @@ that every line sees entirely (below the tile's first position) run without the 
 mask; the rest are masked by position, and keys past the tile's last position (other
 tokens' keys, unwritten slots, other rows' blocks) are never loaded. A program reads
 only inputs and writes only its own query lines of the output (the race rule,
-DESIGN.md section 5).
+docs/racecheck.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """State postprocess after a decode step (plain or speculative), and the state copy.
 
-Semantics (DESIGN.md section 4, fixed). For batch row ``r`` of a step:
+Semantics (fixed; docs/state-lifecycle.md). For batch row ``r`` of a step:
 
 - ``s = idx_mapping[r]`` is the request's persistent slot (rows map to slots
   non-contiguously), ``n = num_computed[s]`` the tokens computed before the step;
@@ -22,7 +22,7 @@ cache manager accounts for the shared ownership). :func:`state_postprocess` ther
 moves no state bytes at all. :func:`state_copy` is the data-moving kernel a copying
 design needs (and the measured baseline for this one).
 
-Outputs and the race rule (DESIGN.md section 5): the decision inputs are read-only for
+Outputs and the race rule (docs/racecheck.md): the decision inputs are read-only for
 the launch and every output goes to a buffer no program of the launch reads. Per-slot
 results (``new_state_page``, ``new_num_computed``) are written at ``idx_mapping[r]`` into
 separate buffers that start as copies of ``state_page`` / ``num_computed``; the caller
@@ -87,7 +87,7 @@ def state_postprocess_reference(
     release_prev: torch.Tensor,
     boundary_interval: int,
 ) -> PostprocessResult:
-    """Torch twin of :func:`state_postprocess`, written straight from DESIGN.md section 4.
+    """Torch twin of :func:`state_postprocess`, written straight from the semantics above.
 
     Same inputs and outputs as the kernel (see the module docstring); runs on the
     host and validates every precondition the kernel assumes, raising ``ValueError``

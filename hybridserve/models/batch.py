@@ -23,7 +23,7 @@ page id for the same logical state. Row i reads its initial state from page
 and, for every k with ``state_out_row[k] == i``, writes the state *after* the
 row's token at offset ``state_out_offset[k]`` (0-based within the row, so offset
 q_i - 1 is the state after the row's last token) to page ``state_out_page[k]``.
-A forward never writes a page it reads in the same step (DESIGN.md section 4),
+A forward never writes a page it reads in the same step (docs/state-lifecycle.md),
 so the order in which rows or layers are processed cannot matter.
 
 Gated DeltaNet layers (Qwen3.5 / Qwen3-Next) keep the same contract in the same page ids,
@@ -106,8 +106,9 @@ class ForwardBatch:
         return out
 
     def writes_only_unread_pages(self) -> bool:
-        """No state output page repeats or is any row's input page (DESIGN.md section 4):
-        what lets a launch read input pages while it writes output pages."""
+        """No state output page repeats or is any row's input page (the page rule,
+        docs/state-lifecycle.md): what lets a launch read input pages while it writes
+        output pages."""
         pages = self.state_out_page
         return len(set(pages)) == len(pages) and not set(pages) & set(self.state_in_page)
 

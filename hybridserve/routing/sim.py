@@ -9,7 +9,7 @@ engine exactly, because they depend on the token trace and the cache policies, n
 on the weights; times are a model, stated by its constants.
 
 Decode rows carry one token and no drafts; their state postprocess decision is the
-one DESIGN.md section 4 fixes for a = q = 1: the row's one output page becomes the
+one docs/state-lifecycle.md gives for a = q = 1: the row's one output page becomes the
 request's state, it is also the checkpoint when the new length is on the verify
 interval, and the previous state page is released.
 

@@ -1,4 +1,4 @@
-"""Cross-program global-memory race detector for Triton kernels (DESIGN.md sections 5, 6).
+"""Cross-program global-memory race detector for Triton kernels (docs/racecheck.md).
 
 The race rule: within one kernel launch, no memory location is written by one program
 and read or written by another program, except through atomics designed for it.

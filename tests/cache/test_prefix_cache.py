@@ -1,4 +1,4 @@
-"""Prefix caching of attention KV and recurrent state (DESIGN.md sections 3 and 4)."""
+"""Prefix caching of attention KV and recurrent state (docs/state-lifecycle.md)."""
 
 from __future__ import annotations
 

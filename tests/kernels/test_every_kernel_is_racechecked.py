@@ -1,6 +1,6 @@
 """Guard: every Triton kernel of the package runs under the race checker, recording its
-accesses, and in more than one program order, somewhere in the suite (DESIGN.md
-section 6).
+accesses, and in more than one program order, somewhere in the suite
+(docs/racecheck.md).
 
 Two checks:
 

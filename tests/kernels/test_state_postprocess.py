@@ -1,5 +1,6 @@
-"""State postprocess (ownership transfer) and state copy: kernel vs twin, DESIGN.md's
-worked example, the seed's scenario as a regression test, and the race checker."""
+"""State postprocess (ownership transfer) and state copy: kernel vs twin, the worked
+example of docs/state-lifecycle.md, the seed's scenario as a regression test, and the
+race checker."""
 
 import os
 
@@ -83,7 +84,8 @@ def _assert_same(got: PostprocessResult, want: PostprocessResult) -> None:
 
 
 def _check_semantics(step: dict, res: PostprocessResult) -> None:
-    """Independent restatement of DESIGN.md section 4 for every row."""
+    """Independent restatement of the postprocess semantics (docs/state-lifecycle.md),
+    for every row."""
     interval = step["boundary_interval"]
     for r, s in enumerate(step["idx_mapping"].tolist()):
         n = int(step["num_computed"][s])
@@ -248,7 +250,8 @@ def _seed_scenario(g: torch.Generator, num_rows: int = 64, interval: int = 16, d
 
 
 def _expected_states(step: dict, r: int) -> tuple[int, list[tuple[int, int]]]:
-    """(page of S_{a-1}, [(grid point, page of its S_j)]) straight from DESIGN.md."""
+    """(page of S_{a-1}, [(grid point, page of its S_j)]), straight from
+    docs/state-lifecycle.md."""
     s = int(step["idx_mapping"][r])
     n, a = int(step["num_computed"][s]), int(step["num_accepted"][r])
     pages = step["out_pages"][r].tolist()

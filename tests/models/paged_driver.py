@@ -3,7 +3,7 @@
 It owns KV blocks (handed out in order, never shared) and state pages (a free list), and
 turns "run these tokens for these sequences" into one packed :class:`ForwardBatch`.
 Every step writes each row's new state to a fresh page and frees the page it read, the
-ping-pong the engine does (DESIGN.md section 4).
+ping-pong the engine does (docs/state-lifecycle.md).
 """
 
 from __future__ import annotations

@@ -278,7 +278,7 @@ class Mamba2Mixer(RecurrentLayer):
     ) -> torch.Tensor:
         """The short-row path of a step: ``[T, intermediate]`` scan output (compute dtype).
         Both launches read the rows' input pages and write only output pages, which no row
-        reads (DESIGN.md section 4), so they need no gather beforehand."""
+        reads (docs/state-lifecycle.md), so they need no gather beforehand."""
         p = self.p
         t = xbc.shape[0]
         fast = plan.triton

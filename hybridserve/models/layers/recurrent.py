@@ -73,7 +73,7 @@ class RecurrentLayer(nn.Module):
 
     - prefill, with states at requested offsets (grid checkpoints, junctions, row ends);
     - decode and verify, writing each position's state to its own page (the postprocess
-      later keeps the accepted one: no copy, DESIGN.md section 4).
+      later keeps the accepted one: no copy, docs/state-lifecycle.md).
 
     ``batch.states.kind`` says how the step runs, decided once for every recurrent layer
     (``DECODE``: uniform rows, the row length unrolled, what CUDA graphs capture;
@@ -83,7 +83,7 @@ class RecurrentLayer(nn.Module):
     kind computes it by its row-by-row path: every kind has the same result.
 
     **Rules.** Never write a page the step reads (no output page is an input page, and
-    none repeats: the plan guarantees it, DESIGN.md section 4), so layers and rows run in
+    none repeats: the plan guarantees it, docs/state-lifecycle.md), so layers and rows run in
     any order; write nothing but the requested pages; keep no state between steps; no
     host read inside ``DECODE`` (CUDA graphs replay it). Kernels take tensors: the layer
     turns the plan into kernel arguments, the kernels import nothing from ``models``.
