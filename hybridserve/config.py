@@ -280,9 +280,13 @@ class KernelPolicy:
       the recurrence in one launch (:func:`~hybridserve.kernels.mamba_decode.conv_ssm_update`:
       no round trip of the conv output through memory, one launch less per layer); False
       runs them as two (``conv_decode_update``, ``ssm_update``: the benchmarks' comparison).
-      The fused launch is taken for steps of at most
-      :data:`~hybridserve.models.layers.mamba2.FUSED_DECODE_MAX_ROWS` rows, where it is
-      faster on the H200; larger steps take the two launches either way.
+      ``fused_decode_max_rows`` (8): the fused launch is taken for steps of at most this
+      many rows; larger ones take the two launches either way. On the H200 (8B layer,
+      ``decode_kernels.json``) the fused kernel took 64 / 49 us against 138 / 147 us for
+      the two launches at 1 row (q = 1 / 4) and 149 against 204 us for 24 layers in one
+      graph, but 184 / 580 against 157 / 411 us at 64 rows and 697 / 2,326 against
+      599 / 1,619 us at 256 (every program of a group recomputes the group's B and C);
+      rows between 1 and 64 were not measured.
     """
 
     uniform_decode: bool = True
@@ -297,6 +301,7 @@ class KernelPolicy:
     gdn_chunk: int = 64
     short_graphs: str = "auto"
     fused_decode: bool = True
+    fused_decode_max_rows: int = 8
     drafter_graphs: str = "auto"
 
     def __post_init__(self) -> None:
@@ -321,6 +326,11 @@ class KernelPolicy:
             raise ValueError(f"kernel_policy.gdn_chunk must be a power of two, got {self.gdn_chunk}")
         if not isinstance(self.uniform_decode, bool):
             raise ValueError(f"kernel_policy.uniform_decode must be a bool, got {self.uniform_decode!r}")
+        if (not isinstance(self.fused_decode_max_rows, int)
+                or isinstance(self.fused_decode_max_rows, bool)
+                or self.fused_decode_max_rows < 0):
+            raise ValueError("kernel_policy.fused_decode_max_rows must be an int >= 0, got "
+                             f"{self.fused_decode_max_rows!r}")
         if not isinstance(self.fused_decode, bool):
             raise ValueError(f"kernel_policy.fused_decode must be a bool, got {self.fused_decode!r}")
         if not 1 <= self.max_short_tokens <= 1 << 20:

@@ -541,7 +541,7 @@ def test_mixer_fast_path_matches_per_row_path(tmp_path, monkeypatch, q, mixer_pa
 
 
 @pytest.mark.parametrize("q", [1, 3])
-def test_mixer_decode_step_fused_launch_matches_two_launches_and_twins(q, monkeypatch):
+def test_mixer_decode_step_fused_launch_matches_two_launches_and_twins(q):
     """The mixer's uniform step on the Triton kernels (interpreted): fused
     (``conv_ssm_update``, one Mamba launch) against the two launches and against the
     twins: the layer's output and every written window and state page."""
@@ -584,11 +584,9 @@ def test_mixer_decode_step_fused_launch_matches_two_launches_and_twins(q, monkey
             out = mixer(h, step, states)
         assert all(r.clean for r in rec.reports)
         results[name] = (out, states, rec.launches)
-    # A step of more rows than FUSED_DECODE_MAX_ROWS takes the two launches, fused or not.
-    from hybridserve.models.layers import mamba2
-
-    monkeypatch.setattr(mamba2, "FUSED_DECODE_MAX_ROWS", rows - 1)
-    mixer = Mamba2Mixer(hidden, p, replace(policy, fused_decode=True))
+    # A step of more rows than fused_decode_max_rows takes the two launches, fused or not.
+    mixer = Mamba2Mixer(hidden, p, replace(policy, fused_decode=True,
+                                           fused_decode_max_rows=rows - 1))
     mixer.load_state_dict(weights)
     states = {"conv": conv0.clone(), "ssm": ssm0.clone()}
     with racecheck.record_launches() as rec, torch.no_grad():
@@ -608,4 +606,6 @@ def test_mixer_decode_step_fused_launch_matches_two_launches_and_twins(q, monkey
 def test_policy_fused_decode_takes_a_bool():
     with pytest.raises(ValueError, match="kernel_policy.fused_decode must be a bool"):
         KernelPolicy(fused_decode="off")
+    with pytest.raises(ValueError, match="fused_decode_max_rows"):
+        KernelPolicy(fused_decode_max_rows=-1)
     assert KernelPolicy().fused_decode and not KernelPolicy(fused_decode=False).fused_decode

@@ -17,7 +17,7 @@ The path of a step is decided once, by the step plan
   verify rows): one batched conv update and one batched recurrence
   (:mod:`hybridserve.kernels.mamba_decode`) that read the rows' pages and write the
   requested states to their output pages; on the Triton kernels both in one launch
-  (``conv_ssm_update``, for steps of at most ``FUSED_DECODE_MAX_ROWS`` rows, unless
+  (``conv_ssm_update``, for steps of at most ``KernelPolicy.fused_decode_max_rows`` rows, unless
   ``KernelPolicy.fused_decode`` is off);
 - ``SHORT`` (rows all short: the tail of a prompt after a cached prefix, decode rows beside
   a short chunk): the same recurrence over rows of any length, after one conv launch that
@@ -47,14 +47,6 @@ from hybridserve.models.config import MambaParams
 from hybridserve.models.layers.norm import GatedRMSNorm
 from hybridserve.models.layers.recurrent import RecurrentLayer, StateTensor
 from hybridserve.models.step_plan import StatePlan, StepKind
-
-# Decode and verify steps of at most this many rows take the fused conv + recurrence
-# (one launch); larger ones the two launches. On the H200 (8B layer, decode_kernels.json)
-# the fused kernel took 64 / 49 us against 138 / 147 us for the two launches at 1 row
-# (q = 1 / 4), 149 against 204 us for 24 layers in one graph, but 184 / 580 against
-# 157 / 411 us at 64 rows and 697 / 2,326 against 599 / 1,619 us at 256 (every program
-# of a group recomputes the group's B and C); rows between 1 and 64 were not measured.
-FUSED_DECODE_MAX_ROWS = 8
 
 
 class Mamba2Mixer(RecurrentLayer):
@@ -88,6 +80,7 @@ class Mamba2Mixer(RecurrentLayer):
         # Uniform steps on the Triton kernels: conv and recurrence in one launch (the fused
         # kernel takes conv widths 2 to 4, every Mamba2 checkpoint's).
         self._fused_decode = policy.fused_decode and 2 <= p.d_conv <= 4
+        self._fused_decode_max_rows = policy.fused_decode_max_rows
         self.out_proj = nn.Linear(p.intermediate_size, hidden_size, bias=p.proj_bias)
 
     def state_tensors(self) -> tuple[StateTensor, ...]:
@@ -218,7 +211,7 @@ class Mamba2Mixer(RecurrentLayer):
         limit = p.time_step_limit
         if plan.q == 1 and not p.clamp_dt_in_single_token_step:
             limit = None
-        if fast and self._fused_decode and plan.num_rows <= FUSED_DECODE_MAX_ROWS:
+        if fast and self._fused_decode and plan.num_rows <= self._fused_decode_max_rows:
             # One launch: the raw projection's xBC and dt (column slices, no copies) in,
             # the recurrence's output out; windows and states to their pages.
             y = mamba_decode.conv_ssm_update(
