@@ -104,6 +104,45 @@ def _check(x, dt, A, B, C, D, dt_bias, cu_seqlens, initial_states, chunk_slot, f
         raise ValueError(f"start_slot must be shaped as chunk_slot and starts [rows, {state}]")
 
 
+def _prepare(x, dt, A, B, C, D, dt_bias, cu_seqlens, initial_states, chunk_slot, final_slot,
+             states, unclamped, start_slot, starts, precision):
+    """The argument checks of the Triton scans (fused and two-pass), then their outputs.
+
+    Returns ``(split, precision, y, dt_out)``: whether the products take the 16-bit split
+    form, the float32 precision of the others (``"auto"`` resolved), and the uninitialised
+    float32 results ``y [T, H, P]`` and ``dt_out [T, H]``."""
+    _check(x, dt, A, B, C, D, dt_bias, cu_seqlens, initial_states, chunk_slot, final_slot,
+           states, unclamped, start_slot, starts)
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: choose from {PRECISIONS}")
+    sixteen = (torch.bfloat16, torch.float16)
+    inputs16 = x.dtype in sixteen and B.dtype == x.dtype and C.dtype == x.dtype
+    if precision == "split" and not inputs16:
+        raise ValueError("precision='split' needs x, B and C in one 16-bit dtype")
+    split = precision == "split" or (precision == "auto" and inputs16)
+    if precision == "auto":
+        precision = "tf32"
+    if x.stride(2) != 1 or B.stride(2) != 1 or C.stride(2) != 1 or dt.stride(1) != 1:
+        raise ValueError("x, dt, B and C must be contiguous along their last axis")
+    if starts is not None and starts.dtype != torch.float32:
+        raise ValueError(f"starts must be float32, got {starts.dtype}")
+    if any(t is not None and not t.is_contiguous() for t in (states, initial_states, starts)):
+        raise ValueError("states, initial_states and starts must be contiguous")
+    tokens, heads, head_dim = x.shape
+    y = torch.empty(tokens, heads, head_dim, dtype=torch.float32, device=x.device)
+    dt_out = torch.empty(tokens, heads, dtype=torch.float32, device=x.device)
+    return split, precision, y, dt_out
+
+
+def _dt_limits(unclamped, time_step_limit):
+    """``(unclamped, dt_min, dt_max)`` as the Triton scans take them: a bool mask viewed as
+    int8, and the clamp's bounds as floats (unused when ``time_step_limit`` is None)."""
+    if unclamped is not None and unclamped.dtype == torch.bool:
+        unclamped = unclamped.view(torch.int8)  # the same bytes, a type Triton loads plainly
+    limit = time_step_limit if time_step_limit is not None else (0.0, float("inf"))
+    return unclamped, float(limit[0]), float(limit[1])
+
+
 def ssd_scan_fused_reference(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -213,6 +252,76 @@ def _dot_split_left(a, b, SPLIT: tl.constexpr, PRECISION: tl.constexpr, DOT16: t
 
 
 @triton.jit
+def _discretize_dt(raw, bias, free_ptrs, tm, dt_min, dt_max, CLAMP: tl.constexpr,
+                   HAS_UNCLAMPED: tl.constexpr):
+    """The discretised dt of one chunk in float32 from its raw values ``raw`` (bias,
+    softplus, clamp; tokens whose ``free_ptrs`` entry is nonzero skip the clamp); 0 past
+    the sequence (``tm`` False), which makes padded tokens neither decay nor add to the
+    state."""
+    d = _softplus(raw.to(tl.float32) + bias)
+    if CLAMP:
+        dc = tl.minimum(tl.maximum(d, dt_min), dt_max)
+        if HAS_UNCLAMPED:
+            free = tl.load(free_ptrs, mask=tm, other=0) != 0
+            dc = tl.where(free, d, dc)
+        d = dc
+    return tl.where(tm, d, 0.0)
+
+
+@triton.jit
+def _initial_state(init_ptr, s, heads, state_size, head_base, block, smask,
+                   HAS_INIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Sequence ``s``'s initial state block, transposed (``[BLOCK_N, BLOCK_P]`` float32),
+    or zeros without ``HAS_INIT``."""
+    if HAS_INIT:
+        ST = tl.load(init_ptr + (s.to(tl.int64) * heads * state_size + head_base) + block,
+                     mask=smask, other=0.0)
+        return ST.to(tl.float32)
+    else:
+        return tl.zeros([BLOCK_N, BLOCK_P], dtype=tl.float32)
+
+
+@triton.jit
+def _store_state(ptr, row, heads, state_size, head_base, block, ST, smask):
+    """Store the transposed state block ``ST`` to row ``row`` of ``ptr`` (cast to its
+    dtype); int32 offsets inside the state off a scalar int64 base."""
+    tl.store(ptr + (row * heads * state_size + head_base) + block, ST.to(ptr.dtype.element_ty),
+             mask=smask)
+
+
+@triton.jit
+def _chunk_outputs(cv, bv, xv, cum, d, ST, q, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+                   DOT16: tl.constexpr):
+    """The outputs of one chunk without the D skip, ``[Q, BLOCK_P]`` float32: the part
+    from inside the chunk plus the incoming state's (``ST``, transposed) decayed to each
+    token. Inputs ``cv``, ``bv``, ``xv`` stay in their dtype (C B^T multiplies them as
+    they are: exact products for bf16, float32 accumulation)."""
+    # Inside the chunk: y_l += sum_{s <= l} (C_l . B_s) exp(cum_l - cum_s) dt_s x_s.
+    if SPLIT:
+        cb = _dot16(cv, tl.trans(bv), None, DOT16)  # [Q, Q], exact products
+    else:
+        cb = tl.dot(cv.to(tl.float32), tl.trans(bv.to(tl.float32)), input_precision=PRECISION)
+    causal = q[:, None] >= q[None, :]
+    seg = tl.where(causal, cum[:, None] - cum[None, :], 0.0)
+    mix = tl.where(causal, cb * tl.exp(seg) * d[None, :], 0.0)
+    # [Q, BLOCK_P]; x is the exact operand, the float32 weights are split.
+    y = _dot_split_left(mix, xv, SPLIT, PRECISION, DOT16)
+    # From the state before the chunk, decayed to token l.
+    y += tl.exp(cum)[:, None] * _dot_split(cv, ST, SPLIT, PRECISION, DOT16)
+    return y
+
+
+@triton.jit
+def _state_step(ST, bv, xf, cum, total, d, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+                DOT16: tl.constexpr):
+    """The transposed state after a chunk: ``exp(total) ST + B^T (x exp(total - cum) dt)``
+    (``xf`` the chunk's x in float32)."""
+    w = tl.exp(total - cum) * d
+    return ST * tl.exp(total) + _dot_split(tl.trans(bv), xf * w[:, None], SPLIT, PRECISION,
+                                           DOT16)
+
+
+@triton.jit
 def _ssd_scan_kernel(
     x_ptr,
     x_tok_stride,
@@ -286,76 +395,45 @@ def _ssd_scan_kernel(
     if HAS_D:
         skip = tl.load(D_ptr + h).to(tl.float32)
     block = p[None, :] * d_state + n[:, None]
-    if HAS_INIT:
-        ST = tl.load(init_ptr + (s.to(tl.int64) * heads * state_size + head_base) + block,
-                     mask=smask, other=0.0)
-        ST = ST.to(tl.float32)
-    else:
-        ST = tl.zeros([BLOCK_N, BLOCK_P], dtype=tl.float32)
+    ST = _initial_state(init_ptr, s, heads, state_size, head_base, block, smask,
+                        HAS_INIT, BLOCK_N, BLOCK_P)
     for j in range(0, tl.cdiv(eos - bos, CHUNK)):
         slot = tl.load(chunk_slot_ptr + first + j).to(tl.int64)
         if slot >= 0:
-            tl.store(states_ptr + (slot * heads * state_size + head_base) + block,
-                     ST.to(states_ptr.dtype.element_ty),
-                     mask=(n < d_state)[:, None] & (p < head_dim)[None, :])
+            _store_state(states_ptr, slot, heads, state_size, head_base, block, ST, smask)
         if HAS_STARTS:
             start_slot = tl.load(start_slot_ptr + first + j).to(tl.int64)
             if start_slot >= 0:
-                tl.store(starts_ptr + (start_slot * heads * state_size + head_base) + block,
-                         ST, mask=(n < d_state)[:, None] & (p < head_dim)[None, :])
+                _store_state(starts_ptr, start_slot, heads, state_size, head_base, block, ST,
+                             smask)
         tok = bos + j * CHUNK + q
         tm = tok < eos
-        # dt in float32, discretised here (bias, softplus, clamp); 0 past the sequence,
-        # which makes padded tokens neither decay nor add to the state.
-        d = _softplus(tl.load(dt_ptr + tok * dt_tok_stride + h, mask=tm, other=0.0).to(tl.float32)
-                      + bias)
-        if CLAMP:
-            dc = tl.minimum(tl.maximum(d, dt_min), dt_max)
-            if HAS_UNCLAMPED:
-                free = tl.load(unclamped_ptr + tok, mask=tm, other=0) != 0
-                dc = tl.where(free, d, dc)
-            d = dc
-        d = tl.where(tm, d, 0.0)
+        # dt in float32, discretised here (bias, softplus, clamp).
+        d = _discretize_dt(tl.load(dt_ptr + tok * dt_tok_stride + h, mask=tm, other=0.0), bias,
+                           unclamped_ptr + tok, tm, dt_min, dt_max, CLAMP, HAS_UNCLAMPED)
         if pb == 0:
             tl.store(dt_out_ptr + tok * heads + h, d, mask=tm)
         a = d * a_rate
         cum = tl.cumsum(a, 0)  # [Q]: decay from the chunk start through token l
         total = tl.sum(a, 0)
-        # Inputs stay in their dtype in registers (half the registers for bf16); C B^T
-        # multiplies them as they are (exact products for bf16, float32 accumulation).
+        # Inputs stay in their dtype in registers (half the registers for bf16).
         xv = tl.load(x_ptr + tok[:, None] * x_tok_stride + h * x_head_stride + p[None, :],
                      mask=tm[:, None] & pmask[None, :], other=0.0)
         bv = tl.load(B_ptr + tok[:, None] * B_tok_stride + g * B_group_stride + n[None, :],
                      mask=tm[:, None] & nmask[None, :], other=0.0)
         cv = tl.load(C_ptr + tok[:, None] * C_tok_stride + g * C_group_stride + n[None, :],
                      mask=tm[:, None] & nmask[None, :], other=0.0)
-        # Inside the chunk: y_l += sum_{s <= l} (C_l . B_s) exp(cum_l - cum_s) dt_s x_s.
-        if SPLIT:
-            cb = _dot16(cv, tl.trans(bv), None, DOT16)  # [Q, Q], exact products
-        else:
-            cb = tl.dot(cv.to(tl.float32), tl.trans(bv.to(tl.float32)),
-                        input_precision=PRECISION)
-        causal = q[:, None] >= q[None, :]
-        seg = tl.where(causal, cum[:, None] - cum[None, :], 0.0)
-        mix = tl.where(causal, cb * tl.exp(seg) * d[None, :], 0.0)
+        y = _chunk_outputs(cv, bv, xv, cum, d, ST, q, SPLIT, PRECISION, DOT16)
         xf = xv.to(tl.float32)
-        # [Q, BLOCK_P]; x is the exact operand, the float32 weights are split.
-        y = _dot_split_left(mix, xv, SPLIT, PRECISION, DOT16)
-        # From the state before the chunk, decayed to token l.
-        y += tl.exp(cum)[:, None] * _dot_split(cv, ST, SPLIT, PRECISION, DOT16)
         if HAS_D:
             y += skip * xf
         tl.store(y_ptr + (tok[:, None] * heads + h) * head_dim + p[None, :], y,
                  mask=tm[:, None] & pmask[None, :])
         # The state after the chunk.
-        w = tl.exp(total - cum) * d
-        ST = ST * tl.exp(total) + _dot_split(tl.trans(bv), xf * w[:, None], SPLIT, PRECISION,
-                                                    DOT16)
+        ST = _state_step(ST, bv, xf, cum, total, d, SPLIT, PRECISION, DOT16)
     fslot = tl.load(final_slot_ptr + s).to(tl.int64)
     if fslot >= 0:
-        tl.store(states_ptr + (fslot * heads * state_size + head_base) + block,
-                 ST.to(states_ptr.dtype.element_ty),
-                 mask=smask)
+        _store_state(states_ptr, fslot, heads, state_size, head_base, block, ST, smask)
 
 
 def ssd_scan_fused(
@@ -410,28 +488,12 @@ def ssd_scan_fused(
     Returns:
         ``(y [T, H, P]`` float32 with the D skip, ``dt_out [T, H]`` float32).
     """
-    _check(x, dt, A, B, C, D, dt_bias, cu_seqlens, initial_states, chunk_slot, final_slot,
-           states, unclamped, start_slot, starts)
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r}: choose from {PRECISIONS}")
-    sixteen = (torch.bfloat16, torch.float16)
-    inputs16 = x.dtype in sixteen and B.dtype == x.dtype and C.dtype == x.dtype
-    if precision == "split" and not inputs16:
-        raise ValueError("precision='split' needs x, B and C in one 16-bit dtype")
-    split = precision == "split" or (precision == "auto" and inputs16)
-    if precision == "auto":
-        precision = "tf32"
-    if x.stride(2) != 1 or B.stride(2) != 1 or C.stride(2) != 1 or dt.stride(1) != 1:
-        raise ValueError("x, dt, B and C must be contiguous along their last axis")
-    if starts is not None and starts.dtype != torch.float32:
-        raise ValueError(f"starts must be float32, got {starts.dtype}")
-    if any(t is not None and not t.is_contiguous() for t in (states, initial_states, starts)):
-        raise ValueError("states, initial_states and starts must be contiguous")
+    split, precision, y, dt_out = _prepare(
+        x, dt, A, B, C, D, dt_bias, cu_seqlens, initial_states, chunk_slot, final_slot,
+        states, unclamped, start_slot, starts, precision)
     tokens, heads, head_dim = x.shape
     groups, d_state = B.shape[1], B.shape[2]
     seqs = cu_seqlens.shape[0] - 1
-    y = torch.empty(tokens, heads, head_dim, dtype=torch.float32, device=x.device)
-    dt_out = torch.empty(tokens, heads, dtype=torch.float32, device=x.device)
     if seqs == 0 or tokens == 0:
         return y, dt_out
     if first_chunk is None:
@@ -444,9 +506,7 @@ def ssd_scan_fused(
     block_p = max(16, min(block_p or 64, triton.next_power_of_2(head_dim)))
     block_n = max(16, triton.next_power_of_2(d_state))
     num_warps = num_warps or 8
-    if unclamped is not None and unclamped.dtype == torch.bool:
-        unclamped = unclamped.view(torch.int8)  # the same bytes, a type Triton loads plainly
-    limit = time_step_limit if time_step_limit is not None else (0.0, float("inf"))
+    unclamped, dt_min, dt_max = _dt_limits(unclamped, time_step_limit)
     grid = (heads * triton.cdiv(head_dim, block_p), seqs)
     _ssd_scan_kernel[grid](
         x, x.stride(0), x.stride(1), dt, dt.stride(0), dt_bias, A,
@@ -458,8 +518,7 @@ def ssd_scan_fused(
         chunk_slot, final_slot, states,
         start_slot if start_slot is not None else chunk_slot,
         starts if starts is not None else states, y, dt_out,
-        heads, head_dim, d_state, heads // groups,
-        float(limit[0]), float(limit[1]),
+        heads, head_dim, d_state, heads // groups, dt_min, dt_max,
         CHUNK=CHUNK, BLOCK_P=block_p, BLOCK_N=block_n,
         HAS_D=D is not None, HAS_INIT=initial_states is not None,
         CLAMP=time_step_limit is not None, HAS_UNCLAMPED=unclamped is not None,

@@ -54,12 +54,13 @@ import triton.language as tl
 
 from hybridserve.kernels.ssd_chunked import (
     CHUNK,
-    PRECISIONS,
-    _check,
-    _dot16,
-    _dot_split,
-    _dot_split_left,
-    _softplus,
+    _chunk_outputs,
+    _discretize_dt,
+    _dt_limits,
+    _initial_state,
+    _prepare,
+    _state_step,
+    _store_state,
     chunk_starts,
     ssd_scan_fused_reference,
 )
@@ -139,48 +140,36 @@ def _ssd_state_pass_kernel(
     a_rate = tl.load(A_ptr + h).to(tl.float32)
     bias = tl.load(dt_bias_ptr + h).to(tl.float32)
     block = p[None, :] * d_state + n[:, None]
-    if HAS_INIT:
-        ST = tl.load(init_ptr + (s.to(tl.int64) * heads * state_size + head_base) + block,
-                     mask=smask, other=0.0)
-        ST = ST.to(tl.float32)
-    else:
-        ST = tl.zeros([BLOCK_N, BLOCK_P], dtype=tl.float32)
+    ST = _initial_state(init_ptr, s, heads, state_size, head_base, block, smask,
+                        HAS_INIT, BLOCK_N, BLOCK_P)
     for j in range(0, tl.cdiv(eos - bos, CHUNK)):
         c = first + j
         # The incoming state of chunk c: to its slot when asked for, and for the output
         # pass to the scratch, unless it reads the slot (float32 states: the same values).
         slot = tl.load(chunk_slot_ptr + c).to(tl.int64)
         if slot >= 0:
-            tl.store(states_ptr + (slot * heads * state_size + head_base) + block,
-                     ST.to(states_ptr.dtype.element_ty), mask=smask)
+            _store_state(states_ptr, slot, heads, state_size, head_base, block, ST, smask)
         # (The output pass reads the states before every OUT_EVERY-th chunk only.)
         if j % OUT_EVERY == 0:
             if READ_SLOTS:
                 if slot < 0:
-                    tl.store(chunk_states_ptr + (c * heads * state_size + head_base) + block,
-                             ST, mask=smask)
+                    _store_state(chunk_states_ptr, c, heads, state_size, head_base, block, ST,
+                                 smask)
             else:
-                tl.store(chunk_states_ptr + (c * heads * state_size + head_base) + block, ST,
-                         mask=smask)
+                _store_state(chunk_states_ptr, c, heads, state_size, head_base, block, ST, smask)
         if HAS_STARTS:
             start_slot = tl.load(start_slot_ptr + c).to(tl.int64)
             if start_slot >= 0:
-                tl.store(starts_ptr + (start_slot * heads * state_size + head_base) + block,
-                         ST, mask=smask)
+                _store_state(starts_ptr, start_slot, heads, state_size, head_base, block, ST,
+                             smask)
         # Token offsets inside the chunk in int32 off scalar int64 bases: int64 address
         # tensors kept across the loop would take the registers the products need.
         start = bos + j * CHUNK
         tm = q < eos - start
         # dt in float32, discretised here; 0 past the sequence (no decay, no input).
         d = tl.load(dt_ptr + start * dt_tok_stride + h + q * dt_tok_stride, mask=tm, other=0.0)
-        d = _softplus(d.to(tl.float32) + bias)
-        if CLAMP:
-            dc = tl.minimum(tl.maximum(d, dt_min), dt_max)
-            if HAS_UNCLAMPED:
-                free = tl.load(unclamped_ptr + start + q, mask=tm, other=0) != 0
-                dc = tl.where(free, d, dc)
-            d = dc
-        d = tl.where(tm, d, 0.0)
+        d = _discretize_dt(d, bias, unclamped_ptr + start + q, tm, dt_min, dt_max, CLAMP,
+                           HAS_UNCLAMPED)
         if pb == 0 and nb == 0:
             tl.store(dt_out_ptr + start * heads + h + q * heads, d, mask=tm)
         a = d * a_rate
@@ -192,13 +181,10 @@ def _ssd_state_pass_kernel(
         bv = tl.load(B_ptr + start * B_tok_stride + g * B_group_stride
                      + (q[:, None] * B_tok_stride + n[None, :]),
                      mask=tm[:, None] & nmask[None, :], other=0.0)
-        w = tl.exp(total - cum) * d
-        ST = ST * tl.exp(total) + _dot_split(tl.trans(bv), xv.to(tl.float32) * w[:, None],
-                                             SPLIT, PRECISION, DOT16)
+        ST = _state_step(ST, bv, xv.to(tl.float32), cum, total, d, SPLIT, PRECISION, DOT16)
     fslot = tl.load(final_slot_ptr + s).to(tl.int64)
     if fslot >= 0:
-        tl.store(states_ptr + (fslot * heads * state_size + head_base) + block,
-                 ST.to(states_ptr.dtype.element_ty), mask=smask)
+        _store_state(states_ptr, fslot, heads, state_size, head_base, block, ST, smask)
 
 
 @triton.jit
@@ -286,17 +272,7 @@ def _ssd_output_kernel(
     cv = tl.load(C_ptr + start * C_tok_stride + g * C_group_stride
                  + (q[:, None] * C_tok_stride + n[None, :]),
                  mask=tm[:, None] & nmask[None, :], other=0.0)
-    # Inside the chunk: y_l += sum_{s <= l} (C_l . B_s) exp(cum_l - cum_s) dt_s x_s.
-    if SPLIT:
-        cb = _dot16(cv, tl.trans(bv), None, DOT16)  # exact products of the inputs
-    else:
-        cb = tl.dot(cv.to(tl.float32), tl.trans(bv.to(tl.float32)), input_precision=PRECISION)
-    causal = q[:, None] >= q[None, :]
-    seg = tl.where(causal, cum[:, None] - cum[None, :], 0.0)
-    mix = tl.where(causal, cb * tl.exp(seg) * d[None, :], 0.0)
-    y = _dot_split_left(mix, xv, SPLIT, PRECISION, DOT16)
-    # From the incoming state, decayed to token l.
-    y += tl.exp(cum)[:, None] * _dot_split(cv, ST, SPLIT, PRECISION, DOT16)
+    y = _chunk_outputs(cv, bv, xv, cum, d, ST, q, SPLIT, PRECISION, DOT16)
     if HAS_D:
         y += tl.load(D_ptr + h).to(tl.float32) * xv.to(tl.float32)
     tl.store(y_ptr + (start * heads + h) * head_dim + (q[:, None] * (heads * head_dim) + p[None, :]),
@@ -341,29 +317,13 @@ def ssd_scan_two_pass(
     half the incoming states to store and read, a larger ``C B^T``); ``state_block_p`` x ``state_block_n`` (head_dim x
     state) / ``state_warps``: the state pass's.
     """
-    _check(x, dt, A, B, C, D, dt_bias, cu_seqlens, initial_states, chunk_slot, final_slot,
-           states, unclamped, start_slot, starts)
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r}: choose from {PRECISIONS}")
-    sixteen = (torch.bfloat16, torch.float16)
-    inputs16 = x.dtype in sixteen and B.dtype == x.dtype and C.dtype == x.dtype
-    if precision == "split" and not inputs16:
-        raise ValueError("precision='split' needs x, B and C in one 16-bit dtype")
-    split = precision == "split" or (precision == "auto" and inputs16)
-    if precision == "auto":
-        precision = "tf32"
-    if x.stride(2) != 1 or B.stride(2) != 1 or C.stride(2) != 1 or dt.stride(1) != 1:
-        raise ValueError("x, dt, B and C must be contiguous along their last axis")
-    if starts is not None and starts.dtype != torch.float32:
-        raise ValueError(f"starts must be float32, got {starts.dtype}")
-    if any(t is not None and not t.is_contiguous() for t in (states, initial_states, starts)):
-        raise ValueError("states, initial_states and starts must be contiguous")
+    split, precision, y, dt_out = _prepare(
+        x, dt, A, B, C, D, dt_bias, cu_seqlens, initial_states, chunk_slot, final_slot,
+        states, unclamped, start_slot, starts, precision)
     tokens, heads, head_dim = x.shape
     groups, d_state = B.shape[1], B.shape[2]
     seqs = cu_seqlens.shape[0] - 1
     chunks = chunk_slot.shape[0]
-    y = torch.empty(tokens, heads, head_dim, dtype=torch.float32, device=x.device)
-    dt_out = torch.empty(tokens, heads, dtype=torch.float32, device=x.device)
     if seqs == 0 or tokens == 0:
         return y, dt_out
     if out_chunk not in (CHUNK, 2 * CHUNK):
@@ -395,9 +355,7 @@ def ssd_scan_two_pass(
     state_warps = state_warps or 8
     block_p = max(16, min(block_p or 64, width))
     num_warps = num_warps or 4
-    if unclamped is not None and unclamped.dtype == torch.bool:
-        unclamped = unclamped.view(torch.int8)  # the same bytes, a type Triton loads plainly
-    limit = time_step_limit if time_step_limit is not None else (0.0, float("inf"))
+    unclamped, dt_min, dt_max = _dt_limits(unclamped, time_step_limit)
     # A float32 state stored to its slot is the chunk's incoming state exactly: the output
     # pass reads it there, and the scratch row stays unwritten (a checkpoint every chunk
     # then costs no state traffic beyond the pages').
@@ -414,7 +372,7 @@ def ssd_scan_two_pass(
         chunk_slot, final_slot, states,
         start_slot if start_slot is not None else chunk_slot,
         starts if starts is not None else states, chunk_states, dt_out,
-        heads, head_dim, d_state, heads // groups, float(limit[0]), float(limit[1]),
+        heads, head_dim, d_state, heads // groups, dt_min, dt_max,
         CHUNK=CHUNK, BLOCK_P=state_block_p, BLOCK_N=state_block_n,
         HAS_INIT=initial_states is not None, CLAMP=time_step_limit is not None,
         HAS_UNCLAMPED=unclamped is not None, HAS_STARTS=starts is not None,
