@@ -300,13 +300,21 @@ def load_conv_window(page_ptr, c, wmask, K: tl.constexpr):
 
 
 @triton.jit
-def store_conv_window(conv_ptr, page, page_stride, c, cmask, c0, c1, c2, K: tl.constexpr):
-    """Store the right-aligned window ``(c0, c1, c2)`` of channels ``c`` (mask ``cmask``)
-    to page ``page`` when that is ``>= 0``, cast to the page dtype."""
+def _conv_window_dst(conv_ptr, page, page_stride, c, cmask, K: tl.constexpr):
+    """``(dst, wmask)``: the address of entry 0 of channels ``c``'s window in page
+    ``page``, and the store mask (``cmask``, off everywhere when ``page < 0``)."""
     # Broadcast the page before comparing: a scalar comparison in a mask is rejected by
     # the CPU interpreter.
     wmask = cmask & ((c * 0 + page) >= 0)
     dst = conv_ptr + page.to(tl.int64) * page_stride + c * (K - 1)
+    return dst, wmask
+
+
+@triton.jit
+def store_conv_window(conv_ptr, page, page_stride, c, cmask, c0, c1, c2, K: tl.constexpr):
+    """Store the right-aligned window ``(c0, c1, c2)`` of channels ``c`` (mask ``cmask``)
+    to page ``page`` when that is ``>= 0``, cast to the page dtype."""
+    dst, wmask = _conv_window_dst(conv_ptr, page, page_stride, c, cmask, K)
     ty = conv_ptr.dtype.element_ty
     if K == 4:
         tl.store(dst + (K - 4), c0.to(ty), mask=wmask)
@@ -322,6 +330,21 @@ def conv_tap_step(c0, c1, c2, xin, w0, w1, w2, w3, b, SILU: tl.constexpr):
     if SILU:
         acc = acc * tl.sigmoid(acc)
     return acc
+
+
+@triton.jit
+def _conv_decode_program(in_pages_ptr, conv_ptr, page_stride, channels, BLOCK_C: tl.constexpr):
+    """The setup of a conv decode program (one per row, channel block): ``(r, c, cmask,
+    in_base, inmask)``, its row, channels and their mask, the row's input window page and
+    the mask that reads it (off for a row without a page, which starts from a zero window:
+    page 0 is then never dereferenced)."""
+    r = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = c < channels
+    in_page = tl.load(in_pages_ptr + r)
+    in_base = conv_ptr + tl.maximum(in_page, 0).to(tl.int64) * page_stride
+    inmask = cmask & ((c * 0 + in_page) >= 0)
+    return r, c, cmask, in_base, inmask
 
 
 @triton.jit
@@ -346,16 +369,10 @@ def _conv_decode_kernel(
     # window are read once, the row's Q inputs once each (a contiguous channel block of
     # one token), the window shifts in registers, and the window after token t is written
     # only where out_pages asks for it.
-    r = tl.program_id(0)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    cmask = c < channels
-    in_page = tl.load(in_pages_ptr + r)
+    r, c, cmask, in_base, inmask = _conv_decode_program(in_pages_ptr, conv_ptr, page_stride,
+                                                        channels, BLOCK_C)
     w0, w1, w2, w3, b = conv_taps(weight_ptr, bias_ptr, c, cmask, K, HAS_BIAS)
-    # A row without a page starts from a zero window (page 0 is never dereferenced for it).
-    c0, c1, c2 = load_conv_window(
-        conv_ptr + tl.maximum(in_page, 0).to(tl.int64) * page_stride, c,
-        cmask & ((c * 0 + in_page) >= 0), K,
-    )
+    c0, c1, c2 = load_conv_window(in_base, c, inmask, K)
     # Windows hold inputs in the inputs' dtype (the twin's rounding of a wider page).
     ty = xbc_ptr.dtype.element_ty
     c0 = c0.to(ty).to(tl.float32)
@@ -394,13 +411,9 @@ def _conv_decode_reload_kernel(
     # padded input of a channel is
     # xp = window (K - 1 values, oldest first) followed by the row's Q inputs; output t
     # reads xp[t .. t + K - 1] and the window after token t is xp[t + 1 .. t + K - 1].
-    r = tl.program_id(0)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    cmask = c < channels
-    in_page = tl.load(in_pages_ptr + r)
-    # A row without a page starts from a zero window (page 0 is never dereferenced for it).
-    inmask = cmask & ((c * 0 + in_page) >= 0)
-    win_ptr = conv_ptr + tl.maximum(in_page, 0).to(tl.int64) * page_stride + c * (K - 1)
+    r, c, cmask, in_base, inmask = _conv_decode_program(in_pages_ptr, conv_ptr, page_stride,
+                                                        channels, BLOCK_C)
+    win_ptr = in_base + c * (K - 1)
     tok0 = r * Q
     acc_bias = tl.zeros([BLOCK_C], dtype=tl.float32)
     if HAS_BIAS:
@@ -418,10 +431,7 @@ def _conv_decode_reload_kernel(
             acc = acc * tl.sigmoid(acc)
         tl.store(out_ptr + (tok0 + t) * channels + c, acc.to(out_ptr.dtype.element_ty), mask=cmask)
         out_page = tl.load(out_pages_ptr + r * Q + t)
-        # Broadcast the page before comparing: a scalar comparison in a mask is rejected by
-        # the CPU interpreter.
-        wmask = cmask & ((c * 0 + out_page) >= 0)
-        dst = conv_ptr + out_page.to(tl.int64) * page_stride + c * (K - 1)
+        dst, wmask = _conv_window_dst(conv_ptr, out_page, page_stride, c, cmask, K)
         for i in tl.static_range(K - 1):
             if t + 1 + i < K - 1:
                 v = tl.load(win_ptr + (t + 1 + i), mask=wmask & inmask, other=0.0)
