@@ -274,11 +274,17 @@ def _initial_state(init_ptr, s, heads, state_size, head_base, block, smask,
     """Sequence ``s``'s initial state block, transposed (``[BLOCK_N, BLOCK_P]`` float32),
     or zeros without ``HAS_INIT``."""
     if HAS_INIT:
-        ST = tl.load(init_ptr + (s.to(tl.int64) * heads * state_size + head_base) + block,
-                     mask=smask, other=0.0)
-        return ST.to(tl.float32)
+        return _load_state(init_ptr, s.to(tl.int64), heads, state_size, head_base, block,
+                           smask).to(tl.float32)
     else:
         return tl.zeros([BLOCK_N, BLOCK_P], dtype=tl.float32)
+
+
+@triton.jit
+def _load_state(ptr, row, heads, state_size, head_base, block, smask):
+    """The transposed state block at row ``row`` of ``ptr``, in its dtype (0 off
+    ``smask``); int32 offsets inside the state off a scalar int64 base."""
+    return tl.load(ptr + (row * heads * state_size + head_base) + block, mask=smask, other=0.0)
 
 
 @triton.jit

@@ -58,6 +58,7 @@ from hybridserve.kernels.ssd_chunked import (
     _discretize_dt,
     _dt_limits,
     _initial_state,
+    _load_state,
     _prepare,
     _state_step,
     _store_state,
@@ -69,6 +70,15 @@ __all__ = ["ssd_scan_two_pass", "ssd_scan_two_pass_reference"]
 
 # The two passes write and read the same states as the fused scan: one twin for both.
 ssd_scan_two_pass_reference = ssd_scan_fused_reference
+
+
+@triton.jit
+def _chunk_tile(base_ptr, tok_stride, q, cols, tm, cmask):
+    """The ``[len(q), len(cols)]`` tile of a chunk's tokens ``q`` (rows ``tok_stride``
+    apart from ``base_ptr``, the chunk's first token) and columns ``cols``, in its dtype;
+    0 off ``tm`` x ``cmask``. The offsets are int32 off the scalar int64 base."""
+    return tl.load(base_ptr + (q[:, None] * tok_stride + cols[None, :]),
+                   mask=tm[:, None] & cmask[None, :], other=0.0)
 
 
 @triton.jit
@@ -175,12 +185,10 @@ def _ssd_state_pass_kernel(
         a = d * a_rate
         cum = tl.cumsum(a, 0)
         total = tl.sum(a, 0)
-        xv = tl.load(x_ptr + start * x_tok_stride + h * x_head_stride
-                     + (q[:, None] * x_tok_stride + p[None, :]),
-                     mask=tm[:, None] & pmask[None, :], other=0.0)
-        bv = tl.load(B_ptr + start * B_tok_stride + g * B_group_stride
-                     + (q[:, None] * B_tok_stride + n[None, :]),
-                     mask=tm[:, None] & nmask[None, :], other=0.0)
+        xv = _chunk_tile(x_ptr + start * x_tok_stride + h * x_head_stride, x_tok_stride, q, p,
+                         tm, pmask)
+        bv = _chunk_tile(B_ptr + start * B_tok_stride + g * B_group_stride, B_tok_stride, q, n,
+                         tm, nmask)
         ST = _state_step(ST, bv, xv.to(tl.float32), cum, total, d, SPLIT, PRECISION, DOT16)
     fslot = tl.load(final_slot_ptr + s).to(tl.int64)
     if fslot >= 0:
@@ -255,23 +263,17 @@ def _ssd_output_kernel(
     if READ_SLOTS:
         slot = tl.load(chunk_slot_ptr + c).to(tl.int64)
         if slot >= 0:
-            ST = tl.load(states_ptr + (slot * heads * state_size + head_base) + block,
-                         mask=smask, other=0.0)
+            ST = _load_state(states_ptr, slot, heads, state_size, head_base, block, smask)
         else:
-            ST = tl.load(chunk_states_ptr + (c * heads * state_size + head_base) + block,
-                         mask=smask, other=0.0)
+            ST = _load_state(chunk_states_ptr, c, heads, state_size, head_base, block, smask)
     else:
-        ST = tl.load(chunk_states_ptr + (c * heads * state_size + head_base) + block,
-                     mask=smask, other=0.0)
-    xv = tl.load(x_ptr + start * x_tok_stride + h * x_head_stride
-                 + (q[:, None] * x_tok_stride + p[None, :]),
-                 mask=tm[:, None] & pmask[None, :], other=0.0)
-    bv = tl.load(B_ptr + start * B_tok_stride + g * B_group_stride
-                 + (q[:, None] * B_tok_stride + n[None, :]),
-                 mask=tm[:, None] & nmask[None, :], other=0.0)
-    cv = tl.load(C_ptr + start * C_tok_stride + g * C_group_stride
-                 + (q[:, None] * C_tok_stride + n[None, :]),
-                 mask=tm[:, None] & nmask[None, :], other=0.0)
+        ST = _load_state(chunk_states_ptr, c, heads, state_size, head_base, block, smask)
+    xv = _chunk_tile(x_ptr + start * x_tok_stride + h * x_head_stride, x_tok_stride, q, p, tm,
+                     pmask)
+    bv = _chunk_tile(B_ptr + start * B_tok_stride + g * B_group_stride, B_tok_stride, q, n, tm,
+                     nmask)
+    cv = _chunk_tile(C_ptr + start * C_tok_stride + g * C_group_stride, C_tok_stride, q, n, tm,
+                     nmask)
     y = _chunk_outputs(cv, bv, xv, cum, d, ST, q, SPLIT, PRECISION, DOT16)
     if HAS_D:
         y += tl.load(D_ptr + h).to(tl.float32) * xv.to(tl.float32)
