@@ -77,7 +77,7 @@ import torch
 from torch import nn
 
 from hybridserve.cache.block_pool import BlockPool
-from hybridserve.drafters.base import DraftRequest, draft_choices, draw_tensors
+from hybridserve.drafters.base import DraftRequest, draft_choices, draw_tensors, read_back_drafts
 from hybridserve.drafters.draft_model import _keep_logq
 from hybridserve.models.base import CacheSpec
 from hybridserve.models.batch import ForwardBatch, ModelCaches
@@ -496,16 +496,7 @@ class MtpDrafter:
             cur = cur.index_put((index,), drafts)
             y = y.index_put((index,), y_act)
             step += 1
-        values = torch.cat([d for _, d, _ in steps]).tolist()
-        logqs: dict[int, list] = {i: [] for i, *_ in live}
-        at = 0
-        for act, _, logq in steps:
-            for r, j in enumerate(act):
-                i = live[j][0]
-                out[i].append(values[at + r])
-                if requests[i].temperature > 0:
-                    logqs[i].append(logq[r])
-            at += len(act)
+        logqs = read_back_drafts(steps, [i for i, *_ in live], requests, out)
         _keep_logq(self.draft_logq, requests, logqs)
         return out
 
