@@ -76,3 +76,22 @@ def assert_mtp_drafts_match_dense(llm, prompts, params) -> None:
         for tokens, k, drafts in seen[::3]:
             hidden = dense_hidden(llm.model, tokens)
             assert drafts == dense_mtp_drafts(drafter, tokens, hidden, k)
+
+
+def run_aborting_duplicates(engine, prompts, params, at_step: int = 6) -> dict[str, list[int]]:
+    """Add ``prompts`` as ``r0 ..``, then their first two again, step the engine to the
+    end and abort the two duplicates at step ``at_step`` (mid-speculation); returns the
+    finished requests' tokens by request id."""
+    for i, p in enumerate(prompts + prompts[:2]):
+        engine.add_request(f"r{i}", p, params)
+    n = len(prompts)
+    done: dict[str, list[int]] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        steps += 1
+        if steps == at_step:
+            assert engine.abort_request(f"r{n}") and engine.abort_request(f"r{n + 1}")
+    return done

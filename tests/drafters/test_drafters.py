@@ -13,6 +13,7 @@ from spec_helpers import (
     motif_workload,
     output_tokens,
     rand_tokens,
+    run_aborting_duplicates,
     step_waves,
 )
 
@@ -222,18 +223,8 @@ def test_preemption_and_aborts_mid_speculation(method, qwen_mtp, qwen_draft):
               speculative_config=_spec(method, 3, qwen_draft))
     llm.engine.check_integrity_every_step = True
     engine = llm.engine
-    for i, p in enumerate(prompts + prompts[:2]):
-        engine.add_request(f"r{i}", p, params)
-    done: dict[str, list[int]] = {}
-    steps = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-        steps += 1
-        if steps == 6:
-            # Abort the two duplicates mid-speculation.
-            assert engine.abort_request("r6") and engine.abort_request("r7")
+    # The two duplicates are aborted mid-speculation.
+    done = run_aborting_duplicates(engine, prompts, params)
     assert [done[f"r{i}"] for i in range(6)] == ref
     stats = engine.stats()
     assert stats["spec_draft_tokens"] > 0

@@ -14,7 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from spec_helpers import assert_mtp_drafts_match_dense, motif_workload, output_tokens, rand_tokens
+from spec_helpers import (
+    assert_mtp_drafts_match_dense,
+    motif_workload,
+    output_tokens,
+    rand_tokens,
+    run_aborting_duplicates,
+)
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.models.batch import ForwardBatch
@@ -351,17 +357,7 @@ def test_preemption_aborts_and_sampling_with_nemotron_mtp(nemotron_mtp, nemotron
         llm = LLM(path, state_interval=16, num_kv_blocks=12, max_model_len=64, speculative_config=_mtp(3))
         llm.engine.check_integrity_every_step = True
         engine = llm.engine
-        for i, p in enumerate(prompts + prompts[:2]):
-            engine.add_request(f"r{i}", p, params)
-        done: dict[str, list[int]] = {}
-        steps = 0
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out.outputs[0].token_ids
-            steps += 1
-            if steps == 6:
-                assert engine.abort_request("r6") and engine.abort_request("r7")
+        done = run_aborting_duplicates(engine, prompts, params)
         assert [done[f"r{i}"] for i in range(6)] == ref
         stats = engine.stats()
         assert stats["spec_draft_tokens"] > 0 and stats["preemptions"] > 0
