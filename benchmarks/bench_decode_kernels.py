@@ -48,7 +48,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import git_commit  # noqa: E402
+from provenance import device_label, git_commit, result_writer  # noqa: E402
 
 from hybridserve.kernels import mamba_decode  # noqa: E402
 
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {
         "benchmark": "bench_decode_kernels",
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
+        "device": device_label(device),
         "versions": {"torch": torch.__version__, "triton": triton.__version__},
         "commit": git_commit(),
         "config": cfg,
@@ -309,11 +309,7 @@ def main(argv: list[str] | None = None) -> dict:
         "layers24_batch1": None,
         "complete": False,
     }
-
-    def save() -> None:
-        # Written after every case, so a time limit keeps what was measured.
-        result["wall_s"] = time.time() - started
-        out.write_text(json.dumps(result, indent=1) + "\n")
+    save = result_writer(result, out, started)
 
     for rows in cfg["batches"]:
         for q in cfg["qs"]:

@@ -51,7 +51,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import git_commit  # noqa: E402
+from provenance import device_label, git_commit, result_writer  # noqa: E402
 
 from hybridserve.kernels import ssd_chunked, ssd_two_pass, ssd_varlen  # noqa: E402
 from hybridserve.kernels.conv_varlen import (  # noqa: E402
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {
         "benchmark": "bench_prefill_kernels",
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
+        "device": device_label(device),
         "versions": {"torch": torch.__version__, "triton": triton.__version__,
                      "fla_core": ssd_varlen.fla_version()},
         "commit": git_commit(),
@@ -312,11 +312,7 @@ def main(argv: list[str] | None = None) -> dict:
         "conv": None,
         "complete": False,
     }
-
-    def save() -> None:
-        # Written after every case, so a time limit keeps what was measured.
-        result["wall_s"] = time.time() - started
-        out.write_text(json.dumps(result, indent=1) + "\n")
+    save = result_writer(result, out, started)
 
     for name, rows, length, every in cfg["ssd"]:
         case = _ssd_case(cfg, name, rows, length, every, device, cfg["reps"],

@@ -6,8 +6,11 @@ module is importable as ``provenance``).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,3 +37,24 @@ def portable_path(value) -> str:
         return str(path.resolve().relative_to(ROOT))
     except ValueError:
         return path.name
+
+
+def device_label(device: str) -> str:
+    """The measured device as results name it: the GPU's name, or the CPU interpreter."""
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name()
+    return "cpu (interpreter)"
+
+
+def result_writer(result: dict, out: Path, started: float) -> Callable[[], None]:
+    """A function writing ``result`` to ``out`` as indented JSON, its ``wall_s`` the
+    seconds since ``started`` (called after every case, so a time limit keeps what was
+    measured)."""
+
+    def save() -> None:
+        result["wall_s"] = time.time() - started
+        out.write_text(json.dumps(result, indent=1) + "\n")
+
+    return save

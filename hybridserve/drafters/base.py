@@ -104,6 +104,30 @@ def choose_drafts(
                              for i, r in enumerate(requests)]
 
 
+def read_back_drafts(
+    steps: Sequence[tuple[Sequence[int], torch.Tensor, torch.Tensor | None]],
+    owners: Sequence[int],
+    requests: Sequence[DraftRequest],
+    out: list[list[int]],
+) -> dict[int, list]:
+    """Read a proposal's drafting steps back in one transfer. ``steps``: per step
+    ``(live rows, drafts [rows] on the device, log q [rows, vocab] or None)``, a live row
+    ``j`` drafting for request ``owners[j]``. Appends each step's drafts to ``out[i]``
+    of their requests, in step order, and returns ``log q`` of the sampled requests'
+    drafts by request index (every owner present)."""
+    values = torch.cat([d for _, d, _ in steps]).tolist()
+    logqs: dict[int, list] = {i: [] for i in owners}
+    at = 0
+    for act, _, logq in steps:
+        for r, j in enumerate(act):
+            i = owners[j]
+            out[i].append(values[at + r])
+            if requests[i].temperature > 0:
+                logqs[i].append(logq[r])
+        at += len(act)
+    return logqs
+
+
 class Drafter(Protocol):
     def propose_batch(self, requests: Sequence[DraftRequest]) -> list[list[int]]: ...
 

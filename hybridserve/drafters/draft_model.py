@@ -66,7 +66,7 @@ import torch
 from hybridserve.cache.block_pool import BlockPool, chain_hash
 from hybridserve.cache.state_cache import StateCache
 from hybridserve.default_model import DRAFT_PATH
-from hybridserve.drafters.base import DraftRequest, draft_choices, draw_tensors
+from hybridserve.drafters.base import DraftRequest, draft_choices, draw_tensors, read_back_drafts
 from hybridserve.models.batch import ForwardBatch
 from hybridserve.runner.draft_graphs import DraftDraw, DraftGraphs, DraftRow, row_index
 
@@ -353,16 +353,7 @@ class DraftModelDrafter:
             steps.append((act, drafts, logq))
             cur = cur.index_put((index,), drafts)
             step += 1
-        values = torch.cat([d for _, d, _ in steps]).tolist()
-        logqs: dict[int, list] = {i: [] for i, *_ in live}
-        at = 0
-        for act, _, logq in steps:
-            for r, j in enumerate(act):
-                i = live[j][0]
-                out[i].append(values[at + r])
-                if requests[i].temperature > 0:
-                    logqs[i].append(logq[r])
-            at += len(act)
+        logqs = read_back_drafts(steps, [i for i, *_ in live], requests, out)
         for i, seq, _, pages in live:
             # Draft s was fed at step s, whose state went to pages[s].
             seq.fed = [(out[i][s - 1], pages[s]) for s in range(1, len(out[i]))]

@@ -77,7 +77,7 @@ import torch
 from torch import nn
 
 from hybridserve.cache.block_pool import BlockPool
-from hybridserve.drafters.base import DraftRequest, draft_choices, draw_tensors
+from hybridserve.drafters.base import DraftRequest, draft_choices, draw_tensors, read_back_drafts
 from hybridserve.drafters.draft_model import _keep_logq
 from hybridserve.models.base import CacheSpec
 from hybridserve.models.batch import ForwardBatch, ModelCaches
@@ -158,7 +158,37 @@ def _plan(batch: ForwardBatch, policy) -> ForwardBatch:
     return replace(batch, planned=True, uniform_q=q)
 
 
-class MtpHead(nn.Module):
+class _FusedHead(nn.Module):
+    """What the MTP heads share: the embedding of the token at ``t + 1`` and the hidden
+    state at ``t``, each normed, concatenated and projected back to ``hidden``
+    (:meth:`fusion` names the three modules), then the head's layers
+    (:meth:`run_layers`) under the head's step plan."""
+
+    policy: object
+
+    def fusion(self) -> tuple[nn.Module, nn.Module, nn.Module]:
+        """``(embedding norm, hidden norm, projection)``."""
+        raise NotImplementedError
+
+    def run_layers(self, h: torch.Tensor, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+        """The fused input ``h [T, hidden]`` through the head's layers and final norm."""
+        raise NotImplementedError
+
+    def forward(
+        self,
+        token_embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        batch: ForwardBatch,
+        caches: ModelCaches,
+    ) -> torch.Tensor:
+        """``[T, hidden]`` embeddings of the tokens at ``t + 1`` and hidden states at ``t``
+        -> the head's output ``y [T, hidden]`` (after its final norm)."""
+        enorm, hnorm, proj = self.fusion()
+        h = proj(torch.cat([enorm(token_embeds), hnorm(hidden)], dim=-1))
+        return self.run_layers(h, _plan(batch, self.policy), caches)
+
+
+class MtpHead(_FusedHead):
     """The Qwen ``mtp.*`` modules (see the module docstring); ``state_dict()`` names are
     the checkpoint's without the ``mtp.`` prefix."""
 
@@ -184,20 +214,12 @@ class MtpHead(nn.Module):
             recurrent_layers=(),
         )
 
-    def forward(
-        self,
-        token_embeds: torch.Tensor,
-        hidden: torch.Tensor,
-        batch: ForwardBatch,
-        caches: ModelCaches,
-    ) -> torch.Tensor:
-        """``[T, hidden]`` embeddings of the tokens at ``t + 1`` and hidden states at ``t``
-        -> the head's output ``y [T, hidden]`` (after ``mtp.norm``)."""
-        x = torch.cat(
-            [self.pre_fc_norm_embedding(token_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1
-        )
-        h = self.fc(x)
-        h, pending = self.layers[0](h, None, _plan(batch, self.policy), caches)
+    def fusion(self) -> tuple[nn.Module, nn.Module, nn.Module]:
+        return self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, self.fc
+
+    def run_layers(self, h: torch.Tensor, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+        """The one decoder layer, then ``mtp.norm``."""
+        h, pending = self.layers[0](h, None, batch, caches)
         return self.norm.add_norm(h, pending, self.layer_config.residual_multiplier)[1]
 
 
@@ -211,7 +233,7 @@ def _refuse_recurrent(types: Sequence[str]) -> None:
         )
 
 
-class NemotronHMtpHead(nn.Module):
+class NemotronHMtpHead(_FusedHead):
     """The Nemotron-H ``mtp.*`` modules (see the module docstring): ``layers.i`` is
     layer ``i`` of the MTP stack with the target's names; ``layers.0`` also holds
     ``enorm``, ``hnorm`` and ``eh_proj``, the last layer ``final_layernorm``.
@@ -253,17 +275,12 @@ class NemotronHMtpHead(nn.Module):
         raw["layers_block_type"] = list(types)
         return cls(target, ModelConfig.from_dict(raw, source=f"{path}/config.json (MTP layers)"))
 
-    def forward(
-        self,
-        token_embeds: torch.Tensor,
-        hidden: torch.Tensor,
-        batch: ForwardBatch,
-        caches: ModelCaches,
-    ) -> torch.Tensor:
-        """As :meth:`MtpHead.forward`: -> ``y [T, hidden]`` after ``final_layernorm``."""
+    def fusion(self) -> tuple[nn.Module, nn.Module, nn.Module]:
         first = self.layers[0]
-        h = first.eh_proj(torch.cat([first.enorm(token_embeds), first.hnorm(hidden)], dim=-1))
-        batch = _plan(batch, self.policy)
+        return first.enorm, first.hnorm, first.eh_proj
+
+    def run_layers(self, h: torch.Tensor, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+        """The MTP stack's layers, then the last one's ``final_layernorm``."""
         pending = None
         for layer in self.layers:
             h, pending = layer(h, pending, batch, caches)
@@ -496,16 +513,7 @@ class MtpDrafter:
             cur = cur.index_put((index,), drafts)
             y = y.index_put((index,), y_act)
             step += 1
-        values = torch.cat([d for _, d, _ in steps]).tolist()
-        logqs: dict[int, list] = {i: [] for i, *_ in live}
-        at = 0
-        for act, _, logq in steps:
-            for r, j in enumerate(act):
-                i = live[j][0]
-                out[i].append(values[at + r])
-                if requests[i].temperature > 0:
-                    logqs[i].append(logq[r])
-            at += len(act)
+        logqs = read_back_drafts(steps, [i for i, *_ in live], requests, out)
         _keep_logq(self.draft_logq, requests, logqs)
         return out
 

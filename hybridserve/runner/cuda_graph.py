@@ -566,11 +566,7 @@ class DecodeGraphs:
             entry = self._capture(st, shape)
             if entry is None:
                 return None
-        graph, out = entry
-        if graph is not None:
-            graph.replay()
-        else:
-            out = self._forward(st, shape)
+        out = self._run_entry(entry, lambda: self._forward(st, shape))
         if self.keep_hidden:
             self.last_hidden = self._hidden[key]
         self.counters["graph_steps"] += 1
@@ -647,18 +643,9 @@ class DecodeGraphs:
                 continue
             if getattr(getattr(req, "status", None), "finished", False):
                 continue  # finished since the step was launched: its row is dropped
-            rows.append(sampler.SampleRow(
-                params=req.params,
-                sample_seed=req.sample_seed,
-                # Also for a row scheduled ahead: its draw runs once the token before
-                # it is committed (draw()).
-                first_index=len(req.output_token_ids),
-                prompt_ids=req.prompt_token_ids,
-                output_ids=req.output_token_ids,
-                drafts=req.draft_token_ids[: row.num_drafts],
-                grammar=req.grammar,
-                eos_token_ids=() if req.params.ignore_eos else req.eos_token_ids,
-            ))
+            # Its first index is the committed output's length also for a row scheduled
+            # ahead: its draw runs once the token before it is committed (draw()).
+            rows.append(sampler.SampleRow.of(row))
             starts.append(i * q)
         sampler.fill_masks(rows, h, vocab, starts)
         st.end_masks(shape.batch * q)
@@ -741,8 +728,9 @@ class DecodeGraphs:
         """The step over the static buffer: ``[B * q]`` chosen ids (what is captured)."""
         return self._draw(st, shape, self._forward_logits(st, shape))
 
-    def _forward_logits(self, st: _Static, shape: StepShape) -> torch.Tensor:
-        """The forward over the static buffer: ``[B * q, vocab]`` logits."""
+    def _static_batch(self, st: _Static, shape: StepShape) -> ForwardBatch:
+        """The planned DECODE batch of a step over the static buffer ``st`` (what
+        :meth:`_forward_logits` and a drafter's graphs run the model on)."""
         b, q, w = shape.batch, shape.q, shape.width
         m = st.meta[:b]
         # The step plan of a DECODE step over the static buffer, built directly: no host
@@ -756,7 +744,7 @@ class DecodeGraphs:
                 token_out_pages=m[:, 3 * q + 1 : 4 * q + 1].to(torch.int32).reshape(-1),
                 triton=self.device.type == "cuda" and compute == torch.float32,
             )
-        batch = ForwardBatch(
+        return ForwardBatch(
             query_start=None,
             num_computed=None,
             positions=m[:, q : 2 * q].reshape(-1),
@@ -774,7 +762,12 @@ class DecodeGraphs:
             # context of a row comes from its positions on the device.
             max_context=w * self.block_size,
         )
-        hidden = self.model.forward(m[:, 0:q].reshape(-1), batch, self.caches)
+
+    def _forward_logits(self, st: _Static, shape: StepShape) -> torch.Tensor:
+        """The forward over the static buffer: ``[B * q, vocab]`` logits."""
+        m = st.meta[: shape.batch]
+        batch = self._static_batch(st, shape)
+        hidden = self.model.forward(m[:, 0 : shape.q].reshape(-1), batch, self.caches)
         if self.keep_hidden:
             # The step's final hidden states (a captured step's stay in the graph's pool
             # and hold each replay's values).
@@ -827,6 +820,16 @@ class DecodeGraphs:
         self._graphs[key] = entry
         return entry
 
+    @staticmethod
+    def _run_entry(entry: tuple, forward):
+        """Run a step from its entry ``(graph, output)``: replay the graph and return
+        its output, or without a graph run ``forward()`` eagerly and return its result."""
+        graph, out = entry
+        if graph is None:
+            return forward()
+        graph.replay()
+        return out
+
     def _capture_masked(self, st: _Static, shape: StepShape):
         """Capture a masked step's two graphs (:meth:`_masked_forward`, :meth:`draw`) and return
         ``((forward graph, logits), (draw graph, choices))``, the graphs None without
@@ -848,8 +851,15 @@ class DecodeGraphs:
         return entry
 
     def _capture(self, st: _Static, shape: StepShape):
+        """Capture the step of ``shape`` over ``st`` (:meth:`_capture_step`)."""
+        return self._capture_step(shape, lambda: self._forward(st, shape))
+
+    def _capture_step(self, shape: StepShape, forward):
+        """Record ``forward()`` as the graph of ``shape`` (:meth:`_record`) and return
+        its entry; None when the capture failed (then greedy steps, or sampled ones as
+        ``shape`` is, run eagerly from now on)."""
         try:
-            entry = self._record(shape.key, lambda: self._forward(st, shape))
+            entry = self._record(shape.key, forward)
         except Exception as e:  # a failed capture turns graphs off; the step runs eagerly
             self.capture_errors.append(f"{shape.key}: {type(e).__name__}: {e}")
             if shape.sampling == GREEDY:

@@ -47,7 +47,6 @@ import torch
 
 from hybridserve.kernels.transfer import upload
 from hybridserve.models.batch import ForwardBatch
-from hybridserve.models.step_plan import StatePlan, StepKind
 from hybridserve.runner import sampler
 from hybridserve.runner.cuda_graph import (
     GREEDY,
@@ -210,24 +209,16 @@ class DraftGraphs(DecodeGraphs):
         if tokens is not None:
             st.meta[: shape.rows, 0] = tokens
         self.load_inputs(st, shape, **inputs)
+
+        def forward() -> tuple:
+            return self._draft_forward(st, shape)
+
         entry = self._graphs.get(shape.key)
         if entry is None:
-            try:
-                entry = self._record(shape.key, lambda: self._draft_forward(st, shape))
-            except Exception as e:  # a failed capture: this kind of step runs eagerly
-                self.capture_errors.append(f"{shape.key}: {type(e).__name__}: {e}")
-                if sampled:
-                    self.sampled_enabled = False
-                else:
-                    self.enabled = False
+            entry = self._capture_step(shape, forward)
+            if entry is None:
                 return None
-            if entry[0] is not None:
-                self.counters["captures"] += 1
-        graph, out = entry
-        if graph is not None:
-            graph.replay()
-        else:
-            out = self._draft_forward(st, shape)
+        out = self._run_entry(entry, forward)
         self.counters["graph_steps"] += 1
         self.counters["graph_rows"] += shape.rows
         n = shape.rows
@@ -263,30 +254,6 @@ class DraftGraphs(DecodeGraphs):
             raise TypeError(f"unexpected inputs {sorted(inputs)}")
 
     # ---- the static forward --------------------------------------------------------
-
-    def _static_batch(self, st: _DraftStatic, shape: StepShape) -> ForwardBatch:
-        """The planned DECODE batch over the static buffer (as the target's graphs)."""
-        b, q, w = shape.batch, shape.q, shape.width
-        m = st.meta[:b]
-        states = None
-        if self.caches.states:
-            compute = torch.promote_types(self.model_dtype, torch.float32)
-            states = StatePlan(
-                StepKind.DECODE, b, q,
-                in_pages=m[:, 3 * q].to(torch.int32),
-                token_out_pages=m[:, 3 * q + 1 : 4 * q + 1].to(torch.int32).reshape(-1),
-                triton=self.device.type == "cuda" and compute == torch.float32,
-            )
-        return ForwardBatch(
-            query_start=None, num_computed=None,
-            positions=m[:, q : 2 * q].reshape(-1),
-            context_lens=None,
-            block_tables=m[:, st.tables : st.tables + w].to(torch.int32),
-            slot_mapping=m[:, 2 * q : 3 * q].reshape(-1),
-            state_in_page=None, state_out_row=None, state_out_offset=None,
-            state_out_page=None, planned=True, uniform_q=q, states=states,
-            max_context=w * self.block_size,
-        )
 
     def step_forward(self, st: _DraftStatic, shape: StepShape, batch: ForwardBatch):
         """The model part: ``(logits at each row's last token [B, vocab], extras)``."""

@@ -524,22 +524,7 @@ class ModelRunner:
         """Every sampling row of the step through the batched sampler: parameters up in
         one transfer, the chosen tokens (and the logprobs payload, and the decisions)
         back in one."""
-        rows = []
-        for i in sampling:
-            row = sched.rows[i]
-            req = row.request
-            rows.append(
-                sampler.SampleRow(
-                    params=req.params,
-                    sample_seed=req.sample_seed,
-                    first_index=len(req.output_token_ids),
-                    prompt_ids=req.prompt_token_ids,
-                    output_ids=req.output_token_ids,
-                    drafts=req.draft_token_ids[: row.num_drafts],
-                    grammar=req.grammar,
-                    eos_token_ids=() if req.params.ignore_eos else req.eos_token_ids,
-                )
-            )
+        rows = [sampler.SampleRow.of(sched.rows[i]) for i in sampling]
         plan = sampler.plan_draw(rows, logits.shape[-1])
         packed = upload(plan.packed, logits.device)
         # The choices come first in the output, then the logprobs payload: one read.

@@ -296,6 +296,23 @@ class SampleRow:
     grammar: GrammarMatcher | None = None
     eos_token_ids: Sequence[int] = ()  # banned with stop_token_ids before min_tokens
 
+    @classmethod
+    def of(cls, row) -> SampleRow:
+        """The sampling row of a scheduled row (``row.request``, ``row.num_drafts``):
+        its request's parameters, sequence and grammar, its first position generating
+        the token after the request's committed output."""
+        req = row.request
+        return cls(
+            params=req.params,
+            sample_seed=req.sample_seed,
+            first_index=len(req.output_token_ids),
+            prompt_ids=req.prompt_token_ids,
+            output_ids=req.output_token_ids,
+            drafts=req.draft_token_ids[: row.num_drafts],
+            grammar=req.grammar,
+            eos_token_ids=() if req.params.ignore_eos else req.eos_token_ids,
+        )
+
 
 # Columns of the per-position parameter block of the packed buffer.
 PARAM_COLUMNS = ("temperature", "top_k", "top_p", "min_p", "seed_lo", "seed_hi", "index",

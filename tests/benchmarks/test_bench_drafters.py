@@ -1,17 +1,11 @@
 """benchmarks/bench_drafters.py --target default --smoke: it runs on the embedded model and
 its trained draft model, on held-out prompts, and every output equals no speculation."""
 
-import importlib.util
-import sys
-from pathlib import Path
+from bench_smoke_helpers import load_benchmark
 
 
 def test_trained_draft_benchmark_runs():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_drafters.py"
-    spec = importlib.util.spec_from_file_location("bench_drafters", path)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("bench_drafters")
     report = bench.main(["--target", "default", "--smoke", "--k", "2", "--methods", "draft_model"])
     rows = report["results"]
     assert [(r["batch"], r["method"]) for r in rows] == [
@@ -30,11 +24,7 @@ def test_trained_draft_benchmark_runs():
 def test_nemotron_mtp_benchmark_runs():
     """``--target nemotron --smoke``: a random Nemotron-H target with its MTP head drafts,
     and every output equals no speculation."""
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_drafters.py"
-    spec = importlib.util.spec_from_file_location("bench_drafters", path)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("bench_drafters")
     report = bench.main(["--target", "nemotron", "--smoke", "--k", "2", "--methods", "mtp"])
     rows = report["results"]
     assert [(r["batch"], r["method"]) for r in rows] == [(1, "none"), (1, "mtp"), (2, "none"), (2, "mtp")]

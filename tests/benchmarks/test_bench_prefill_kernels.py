@@ -1,35 +1,16 @@
 """benchmarks/bench_prefill_kernels.py in its smoke mode (the real run needs a GPU)."""
 
-import importlib.util
-import json
 import os
-import sys
-from pathlib import Path
 
 # The interpreter must be chosen before the kernels are defined.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
-
-
-def _load_benchmark():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_prefill_kernels.py"
-    spec = importlib.util.spec_from_file_location("bench_prefill_kernels", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from bench_smoke_helpers import smoke_record  # noqa: E402
 
 
 def test_benchmark_smoke(tmp_path):
-    if torch.cuda.is_available():
-        import pytest
-
-        pytest.skip("the smoke mode is the CPU interpreter's")
-    bench = _load_benchmark()
-    out = tmp_path / "smoke.json"
-    record = bench.main(["--smoke", "--out", str(out)])
-    assert json.loads(out.read_text()) == json.loads(json.dumps(record))
+    record = smoke_record("bench_prefill_kernels", tmp_path)
     assert record["commit"] and record["versions"]["torch"] == torch.__version__
     cases = {c["case"]: c for c in record["ssd"]}
     assert set(cases) == {"2x70 initial+final", "1x130 state every 64"}

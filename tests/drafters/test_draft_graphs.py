@@ -13,6 +13,7 @@ import random
 
 import pytest
 import torch
+from spec_helpers import assert_page_exact, output_tokens, rand_tokens, step_waves
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.config import KernelPolicy
@@ -25,27 +26,18 @@ from hybridserve.runner.draft_graphs import (
     DraftRow,
     _DraftStatic,
 )
-from hybridserve.testing.reference import reference_state
 from hybridserve.testing.tiny_models import make_tiny_checkpoint
 from hybridserve.testing.tiny_mtp import add_mtp_head
 
 GREEDY_PARAMS = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
 
-def _rand(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(3, 256) for _ in range(n)]
-
-
 def _workload(seed: int) -> list[list[int]]:
     """Four prompts, two sharing a prefix of two KV blocks (prefix hits when caching)."""
     rng = random.Random(seed)
-    motif = _rand(rng, 6)
-    shared = _rand(rng, 33)
-    return [motif * 4, shared + _rand(rng, 3), shared + _rand(rng, 6), _rand(rng, 5)]
-
-
-def _tokens(outs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outs]
+    motif = rand_tokens(rng, 6)
+    shared = rand_tokens(rng, 33)
+    return [motif * 4, shared + rand_tokens(rng, 3), shared + rand_tokens(rng, 6), rand_tokens(rng, 5)]
 
 
 def _llm(path, enforce_eager: bool, **kw) -> LLM:
@@ -91,7 +83,7 @@ def references(tiny_granite, tiny_qwen3_5):
     out = {}
     for name, path in (("granite", tiny_granite), ("qwen3_5", tiny_qwen3_5)):
         llm = LLM(path, enable_prefix_caching=False)
-        out[name] = [_tokens(llm.generate(_workload(s), GREEDY_PARAMS, use_tqdm=False))
+        out[name] = [output_tokens(llm.generate(_workload(s), GREEDY_PARAMS, use_tqdm=False))
                      for s in (0, 1)]
     return out
 
@@ -115,7 +107,7 @@ def test_greedy_identical_graphs_on_and_off(arch, caching, d, references, tiny_g
         llm = _llm(target, eager, **kw)
         proposals = _record_proposals(llm)
         # Workload 0, then 1, then 0 again: the drafter's prefix hits when caching.
-        got = [_tokens(llm.generate(_workload(s), GREEDY_PARAMS, use_tqdm=False))
+        got = [output_tokens(llm.generate(_workload(s), GREEDY_PARAMS, use_tqdm=False))
                for s in (0, 1, 0)]
         assert got == references[arch] + references[arch][:1], (eager, arch)
         runs[eager] = (llm.stats(), llm.engine.drafter, proposals)
@@ -139,13 +131,6 @@ def test_greedy_identical_graphs_on_and_off(arch, caching, d, references, tiny_g
         assert graph.counters["prefix_hit_tokens"] == eager.counters["prefix_hit_tokens"] > 0
 
 
-def _assert_page_exact(drafter, page: int, prefix: list[int]) -> None:
-    conv, ssm = reference_state(drafter.model, prefix, len(prefix), torch.float32)
-    for layer in conv:
-        assert (drafter.caches.conv[layer][page] - conv[layer]).abs().max() <= 1e-5
-        assert (drafter.caches.ssm[layer][page] - ssm[layer]).abs().max() <= 1e-5
-
-
 def test_graph_steps_write_exact_states_by_page(tiny_qwen3_5):
     """With the drafter's graph steps: after every step each request's committed drafter
     page holds the draft model's exact state of the prefix it consumed, every proposal
@@ -154,25 +139,17 @@ def test_graph_steps_write_exact_states_by_page(tiny_qwen3_5):
     llm = _llm(tiny_qwen3_5, False, state_interval=16, enable_prefix_caching=True,
                speculative_config=_spec(tiny_qwen3_5, 3))
     engine, drafter = llm.engine, llm.engine.drafter
-    seen: dict[str, list[int]] = {}
     checked = fed = 0
-    for wave in range(2):
-        for i, p in enumerate(_workload(3)):
-            engine.add_request(f"w{wave}r{i}", p, GREEDY_PARAMS)
-        while engine.has_unfinished_requests():
-            engine.step()
-            drafter.check_integrity()
-            for req in engine.scheduler.running:
-                seen[req.request_id] = list(req.all_token_ids)
-            for key, seq in drafter._seqs.items():
-                if seq.computed:
-                    prefix = seen[key][: seq.computed]
-                    _assert_page_exact(drafter, seq.page, prefix)
-                    checked += 1
-                    for draft, page in seq.fed:
-                        prefix = prefix + [draft]
-                        _assert_page_exact(drafter, page, prefix)
-                        fed += 1
+    for seen in step_waves(engine, _workload(3), GREEDY_PARAMS):
+        for key, seq in drafter._seqs.items():
+            if seq.computed:
+                prefix = seen[key][: seq.computed]
+                assert_page_exact(drafter, seq.page, prefix)
+                checked += 1
+                for draft, page in seq.fed:
+                    prefix = prefix + [draft]
+                    assert_page_exact(drafter, page, prefix)
+                    fed += 1
     assert checked > 10 and fed > 10
     assert drafter.graphs.counters["graph_steps"] > 0
     assert drafter.counters["prefix_hit_tokens"] >= 32
@@ -185,14 +162,14 @@ def test_sampled_drafts_reproduce_graphs_on_and_off(tiny_qwen3_5, qwen_draft):
     draft draws and their log q come from the same function on the same logits); the
     sampled draws replay their own graphs."""
     rng = random.Random(11)
-    prompts = [_rand(rng, 7), _rand(rng, 12), _rand(rng, 9), _rand(rng, 20)]
+    prompts = [rand_tokens(rng, 7), rand_tokens(rng, 12), rand_tokens(rng, 9), rand_tokens(rng, 20)]
     params = [SamplingParams(temperature=0.8, seed=5 + i, max_tokens=16, ignore_eos=True)
               for i in range(3)] + [GREEDY_PARAMS]
     runs = {}
     for eager in (True, False):
         llm = _llm(tiny_qwen3_5, eager, state_interval=16, max_num_seqs=8,
                    speculative_config=_spec(qwen_draft, 3))
-        runs[eager] = (_tokens(llm.generate(prompts, params, use_tqdm=False)), llm.stats(),
+        runs[eager] = (output_tokens(llm.generate(prompts, params, use_tqdm=False)), llm.stats(),
                        llm.engine.drafter)
     assert runs[True][0] == runs[False][0]
     for key in ("spec_draft_tokens", "spec_accepted_tokens"):
@@ -227,14 +204,14 @@ def test_mtp_greedy_identical_graphs_on_and_off(arch, caching, d, mtp_targets):
     (the same acceptance), the head's steps replayed; the prefix cache off and on (the
     head's window then starts after the hit)."""
     target = mtp_targets[arch]
-    want = [_tokens(LLM(target, enable_prefix_caching=False).generate(
+    want = [output_tokens(LLM(target, enable_prefix_caching=False).generate(
         _workload(s), GREEDY_PARAMS, use_tqdm=False)) for s in (0, 1)]
     runs = {}
     for eager in (True, False):
         llm = _llm(target, eager, enable_prefix_caching=caching, state_interval=16,
                    max_num_seqs=8, speculative_config=dict(MTP, num_speculative_tokens=d))
         proposals = _record_proposals(llm)
-        got = [_tokens(llm.generate(_workload(s), GREEDY_PARAMS, use_tqdm=False))
+        got = [output_tokens(llm.generate(_workload(s), GREEDY_PARAMS, use_tqdm=False))
                for s in (0, 1)]
         assert got == want, eager
         runs[eager] = (llm.stats(), llm.engine.drafter, proposals, llm.engine.runner.graphs)
@@ -259,13 +236,13 @@ def test_mtp_greedy_identical_graphs_on_and_off(arch, caching, d, mtp_targets):
 
 def test_mtp_sampled_drafts_reproduce_graphs_on_and_off(mtp_targets):
     rng = random.Random(12)
-    prompts = [_rand(rng, 7), _rand(rng, 12), _rand(rng, 9)]
+    prompts = [rand_tokens(rng, 7), rand_tokens(rng, 12), rand_tokens(rng, 9)]
     params = [SamplingParams(temperature=0.9, seed=3 + i, max_tokens=16, ignore_eos=True)
               for i in range(2)] + [GREEDY_PARAMS]
     runs = {}
     for eager in (True, False):
         llm = _llm(mtp_targets["qwen3_5"], eager, max_num_seqs=8, speculative_config=MTP)
-        runs[eager] = (_tokens(llm.generate(prompts, params, use_tqdm=False)), llm.stats(),
+        runs[eager] = (output_tokens(llm.generate(prompts, params, use_tqdm=False)), llm.stats(),
                        llm.engine.drafter)
     assert runs[True][0] == runs[False][0]
     for key in ("spec_draft_tokens", "spec_accepted_tokens"):
@@ -278,7 +255,7 @@ def test_steps_that_do_not_replay_run_eagerly(tiny_granite, references, mtp_targ
     """Graphs turned off after a failed capture (every step then runs eagerly, the
     drafting steps' tokens read back from the device): the same output, nothing
     replayed; for a draft model and an MTP head."""
-    want_mtp = _tokens(LLM(mtp_targets["qwen3_5"], enable_prefix_caching=False).generate(
+    want_mtp = output_tokens(LLM(mtp_targets["qwen3_5"], enable_prefix_caching=False).generate(
         _workload(0), GREEDY_PARAMS, use_tqdm=False))
     for target, spec, want in (
         (tiny_granite, _spec(tiny_granite, 3), references["granite"][0]),
@@ -287,7 +264,7 @@ def test_steps_that_do_not_replay_run_eagerly(tiny_granite, references, mtp_targ
         llm = _llm(target, False, max_num_seqs=8, speculative_config=spec)
         graphs = llm.engine.drafter.graphs
         graphs.enabled = False
-        assert _tokens(llm.generate(_workload(0), GREEDY_PARAMS, use_tqdm=False)) == want
+        assert output_tokens(llm.generate(_workload(0), GREEDY_PARAMS, use_tqdm=False)) == want
         assert graphs.counters["graph_steps"] == 0
         assert llm.stats()["spec_draft_tokens"] > 0
 
@@ -372,18 +349,18 @@ def test_captured_draft_steps_match_eager_on_cuda(request, fixture, qwen_draft, 
         target = request.getfixturevalue(fixture)
         spec = _spec(target if fixture == "tiny_granite" else qwen_draft, 3)
     rng = random.Random(13)
-    prompts = [_rand(rng, 7), _rand(rng, 40), _rand(rng, 9), _rand(rng, 20)]
+    prompts = [rand_tokens(rng, 7), rand_tokens(rng, 40), rand_tokens(rng, 9), rand_tokens(rng, 20)]
     sampled = [SamplingParams(temperature=0.8, seed=5 + i, max_tokens=16, ignore_eos=True)
                for i in range(4)]
     # "auto" keeps drafter graphs off under real capture until this test has passed.
     kw = dict(device="cuda", state_interval=16, max_num_seqs=8, enable_prefix_caching=True,
               kernel_policy=KernelPolicy(drafter_graphs="on"))
-    plain = _tokens(LLM(target, **kw).generate(prompts, GREEDY_PARAMS, use_tqdm=False))
+    plain = output_tokens(LLM(target, **kw).generate(prompts, GREEDY_PARAMS, use_tqdm=False))
     runs = {}
     for eager in (True, False):
         llm = _llm(target, eager, speculative_config=spec, **kw)
-        runs[eager] = (_tokens(llm.generate(prompts, GREEDY_PARAMS, use_tqdm=False)),
-                       _tokens(llm.generate(prompts, sampled, use_tqdm=False)),
+        runs[eager] = (output_tokens(llm.generate(prompts, GREEDY_PARAMS, use_tqdm=False)),
+                       output_tokens(llm.generate(prompts, sampled, use_tqdm=False)),
                        llm.engine.drafter)
     assert runs[True][0] == runs[False][0] == plain
     assert runs[True][1] == runs[False][1]
@@ -404,12 +381,12 @@ def test_drafter_graphs_off_runs_the_drafter_eagerly(request, fixture, mtp_targe
         target = request.getfixturevalue(fixture)
         spec = _spec(target, 3)
     rng = random.Random(3)
-    prompts = [_rand(rng, 9), _rand(rng, 21)]
-    plain = _tokens(LLM(target).generate(prompts, GREEDY_PARAMS, use_tqdm=False))
+    prompts = [rand_tokens(rng, 9), rand_tokens(rng, 21)]
+    plain = output_tokens(LLM(target).generate(prompts, GREEDY_PARAMS, use_tqdm=False))
     llm = _llm(target, False, speculative_config=spec,
                kernel_policy=KernelPolicy(drafter_graphs="off"))
     assert llm.engine.drafter.graphs is None
     assert (llm.engine.runner.graphs is None) == fixture.endswith("_mtp")
-    assert _tokens(llm.generate(prompts, GREEDY_PARAMS, use_tqdm=False)) == plain
+    assert output_tokens(llm.generate(prompts, GREEDY_PARAMS, use_tqdm=False)) == plain
     with pytest.raises(ValueError, match="drafter_graphs"):
         KernelPolicy(drafter_graphs="yes")

@@ -7,31 +7,25 @@ import random
 
 import pytest
 import torch
+from spec_helpers import (
+    assert_mtp_drafts_match_dense,
+    assert_page_exact,
+    motif_workload,
+    output_tokens,
+    rand_tokens,
+    run_aborting_duplicates,
+    step_waves,
+)
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.cache.block_pool import block_hashes
 from hybridserve.config import SpecConfig
 from hybridserve.drafters.base import DraftRequest
 from hybridserve.models.batch import ForwardBatch
-from hybridserve.testing.reference import reference_state
 from hybridserve.testing.tiny_models import make_tiny_checkpoint
 from hybridserve.testing.tiny_mtp import add_mtp_head, dense_hidden, dense_mtp_drafts
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-
-
-def _rand(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(3, 256) for _ in range(n)]
-
-
-def _tokens(outs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outs]
-
-
-def _workload(seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    motif = _rand(rng, 6)
-    return [motif * 5, _rand(rng, 21), motif * 2 + _rand(rng, 4), _rand(rng, 3)]
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +89,7 @@ def references(qwen_mtp, tiny_granite):
     out = {}
     for name, path in (("qwen3_5", qwen_mtp), ("granite", tiny_granite)):
         llm = LLM(path, enable_prefix_caching=False)
-        out[name] = {s: _tokens(llm.generate(_workload(s), GREEDY)) for s in (0, 1)}
+        out[name] = {s: output_tokens(llm.generate(motif_workload(s), GREEDY)) for s in (0, 1)}
     return out
 
 
@@ -118,7 +112,7 @@ def test_greedy_identical_with_every_drafter(
     # Workload 0, then 1 (new prompts, some sharing prefixes), then 0 again: prefix hits
     # (when caching) and speculation together.
     for seed in (0, 1, 0):
-        assert _tokens(llm.generate(_workload(seed), GREEDY)) == references[arch][seed]
+        assert output_tokens(llm.generate(motif_workload(seed), GREEDY)) == references[arch][seed]
     stats = llm.stats()
     assert stats["spec_draft_tokens"] > 0
     if caching:
@@ -134,18 +128,11 @@ def test_draft_model_equal_to_target_accepts_every_draft(arch, qwen_mtp, tiny_gr
         llm = LLM(target, state_interval=16,
                   speculative_config=_spec("draft_model", d, target))
         llm.engine.check_integrity_every_step = True
-        assert _tokens(llm.generate(_workload(d % 2), GREEDY)) == references[arch][d % 2]
+        assert output_tokens(llm.generate(motif_workload(d % 2), GREEDY)) == references[arch][d % 2]
         s = llm.stats()
         assert s["spec_draft_tokens"] > 0
         assert s["spec_accepted_tokens"] == s["spec_draft_tokens"]
         assert s["spec_mean_accepted_length"] > 1 + d - 1
-
-
-def _assert_page_exact(drafter, page: int, prefix: list[int]) -> None:
-    conv, ssm = reference_state(drafter.model, prefix, len(prefix), torch.float32)
-    for layer in conv:
-        assert (drafter.caches.conv[layer][page] - conv[layer]).abs().max() <= 1e-5
-        assert (drafter.caches.ssm[layer][page] - ssm[layer]).abs().max() <= 1e-5
 
 
 def test_draft_model_states_are_exact_by_page(qwen_mtp):
@@ -160,18 +147,11 @@ def test_draft_model_states_are_exact_by_page(qwen_mtp):
     seen: dict[str, list[int]] = {}
     # Twice the same prompts (the second wave after the first): the drafter's prefix
     # cache starts the second wave from checkpoints the first wrote.
-    for wave in range(2):
-        for i, p in enumerate(_workload(2)):
-            engine.add_request(f"w{wave}r{i}", p, GREEDY)
-        while engine.has_unfinished_requests():
-            engine.step()
-            drafter.check_integrity()
-            for req in engine.scheduler.running:
-                seen[req.request_id] = list(req.all_token_ids)
-            for key, seq in drafter._seqs.items():
-                if seq.computed:
-                    _assert_page_exact(drafter, seq.page, seen[key][: seq.computed])
-                    checked += 1
+    for seen in step_waves(engine, motif_workload(2), GREEDY):
+        for key, seq in drafter._seqs.items():
+            if seq.computed:
+                assert_page_exact(drafter, seq.page, seen[key][: seq.computed])
+                checked += 1
     assert checked > 10
     assert drafter.counters["prefix_hit_tokens"] >= 32
     assert not drafter._seqs
@@ -183,21 +163,21 @@ def test_draft_model_states_are_exact_by_page(qwen_mtp):
     assert drafter.states.checkpoints
     for key, ckpt in drafter.states.checkpoints.items():
         assert len(by_key[key]) == ckpt.length
-        _assert_page_exact(drafter, ckpt.page, by_key[key])
+        assert_page_exact(drafter, ckpt.page, by_key[key])
 
 
 def test_second_turns_hit_checkpoints_written_while_speculating(qwen_mtp, qwen_draft):
     rng = random.Random(5)
-    first = [_rand(rng, 20), _rand(rng, 37)]
+    first = [rand_tokens(rng, 20), rand_tokens(rng, 37)]
     plain = LLM(qwen_mtp, enable_prefix_caching=False)
     for method in ("mtp", "draft_model"):
         llm = LLM(qwen_mtp, state_interval=16, speculative_config=_spec(method, 3, qwen_draft))
         llm.engine.check_integrity_every_step = True
-        outs = _tokens(llm.generate(first, GREEDY))
-        assert outs == _tokens(plain.generate(first, GREEDY))
-        second = [p + o + _rand(rng, 5) for p, o in zip(first, outs)]
+        outs = output_tokens(llm.generate(first, GREEDY))
+        assert outs == output_tokens(plain.generate(first, GREEDY))
+        second = [p + o + rand_tokens(rng, 5) for p, o in zip(first, outs)]
         hits_before = llm.stats()["prefix_hit_tokens"]
-        assert _tokens(llm.generate(second, GREEDY)) == _tokens(plain.generate(second, GREEDY))
+        assert output_tokens(llm.generate(second, GREEDY)) == output_tokens(plain.generate(second, GREEDY))
         assert llm.stats()["prefix_hit_tokens"] - hits_before >= 32
         if method == "draft_model":
             # The draft model's own prefix cache hit too.
@@ -208,7 +188,7 @@ def test_hit_lengths_equal_with_and_without_speculation(qwen_mtp, qwen_draft):
     """The same multi-turn trace, request by request: every request's cached-token count
     is the same whichever drafter runs (speculation leaves the target's checkpoints)."""
     rng = random.Random(6)
-    base = [_rand(rng, 18), _rand(rng, 25)]
+    base = [rand_tokens(rng, 18), rand_tokens(rng, 25)]
 
     def trace(spec):
         llm = LLM(qwen_mtp, state_interval=16, speculative_config=spec)
@@ -235,26 +215,16 @@ def test_hit_lengths_equal_with_and_without_speculation(qwen_mtp, qwen_draft):
 @pytest.mark.parametrize("method", ["mtp", "draft_model"])
 def test_preemption_and_aborts_mid_speculation(method, qwen_mtp, qwen_draft):
     rng = random.Random(7)
-    prompts = [_rand(rng, 10 + 3 * i) for i in range(6)]
+    prompts = [rand_tokens(rng, 10 + 3 * i) for i in range(6)]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    ref = _tokens(LLM(qwen_mtp, enable_prefix_caching=False, max_model_len=64).generate(prompts, params))
+    ref = output_tokens(LLM(qwen_mtp, enable_prefix_caching=False, max_model_len=64).generate(prompts, params))
     # Few KV blocks: requests are preempted while speculating and recomputed.
     llm = LLM(qwen_mtp, state_interval=16, num_kv_blocks=12, max_model_len=64,
               speculative_config=_spec(method, 3, qwen_draft))
     llm.engine.check_integrity_every_step = True
     engine = llm.engine
-    for i, p in enumerate(prompts + prompts[:2]):
-        engine.add_request(f"r{i}", p, params)
-    done: dict[str, list[int]] = {}
-    steps = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-        steps += 1
-        if steps == 6:
-            # Abort the two duplicates mid-speculation.
-            assert engine.abort_request("r6") and engine.abort_request("r7")
+    # The two duplicates are aborted mid-speculation.
+    done = run_aborting_duplicates(engine, prompts, params)
     assert [done[f"r{i}"] for i in range(6)] == ref
     stats = engine.stats()
     assert stats["spec_draft_tokens"] > 0
@@ -278,7 +248,7 @@ def test_draft_model_pool_pressure_evicts_the_least_recent(qwen_mtp, qwen_draft)
     tight, roomy = drafter(1), drafter(8)
     assert tight.num_state_pages == 9
     rng = random.Random(8)
-    seqs = {key: _rand(rng, 9 + i) for i, key in enumerate("abcd")}
+    seqs = {key: rand_tokens(rng, 9 + i) for i, key in enumerate("abcd")}
     order = list("abcdabcda")
     for key in order:
         req = [DraftRequest(key, seqs[key], 3)]
@@ -299,22 +269,7 @@ def test_mtp_drafts_equal_a_from_scratch_computation(qwen_mtp):
     hidden states handed over after prefill and verify steps) equals the head run from
     scratch on the dense hidden states of the same prefix."""
     llm = LLM(qwen_mtp, enable_prefix_caching=False, speculative_config=_spec("mtp", 3))
-    drafter = llm.engine.drafter
-    seen: list[tuple[list[int], int, list[int]]] = []
-    original = drafter.propose_batch
-
-    def spy(requests):
-        out = original(requests)
-        seen.extend((list(r.token_ids), r.k, o) for r, o in zip(requests, out))
-        return out
-
-    drafter.propose_batch = spy
-    llm.generate(_workload(3), GREEDY)
-    assert len(seen) > 20
-    with torch.inference_mode():
-        for tokens, k, drafts in seen[::3]:
-            hidden = dense_hidden(llm.model, tokens)
-            assert drafts == dense_mtp_drafts(drafter, tokens, hidden, k)
+    assert_mtp_drafts_match_dense(llm, motif_workload(3), GREEDY)
 
 
 def test_mtp_head_computation_order(qwen_mtp):
@@ -349,8 +304,8 @@ def test_mtp_kv_is_freed_with_the_request(qwen_mtp):
     llm = LLM(qwen_mtp, speculative_config=_spec("mtp", 3))
     engine = llm.engine
     drafter = engine.drafter
-    engine.add_request("a", _workload(0)[0], GREEDY)
-    engine.add_request("b", _workload(0)[1], GREEDY)
+    engine.add_request("a", motif_workload(0)[0], GREEDY)
+    engine.add_request("b", motif_workload(0)[1], GREEDY)
     for _ in range(4):
         engine.step()
     assert drafter.blocks.num_free < drafter.blocks.num_blocks
@@ -434,7 +389,7 @@ def _second_tokens(llm, prompt, seed, n=300):
 def test_sampled_outputs_with_a_draft_model_follow_the_target(qwen_mtp, qwen_draft):
     """Two-sample chi-square on the token emitted by the first verify step: plain
     sampling vs speculation with a different draft model (drafts sampled from q)."""
-    prompt = _workload(0)[1]
+    prompt = motif_workload(0)[1]
     plain = LLM(qwen_mtp, max_num_seqs=300, num_state_pages=1400)
     spec = LLM(qwen_mtp, max_num_seqs=300, num_state_pages=2400,
                speculative_config=_spec("draft_model", 2, qwen_draft))
@@ -463,7 +418,7 @@ def test_sampled_draft_model_equal_to_target_accepts_every_draft(qwen_mtp):
     """q == p (the drafter is the target, plain temperature): min(1, p/q) = 1 always."""
     llm = LLM(qwen_mtp, speculative_config=_spec("draft_model", 3, qwen_mtp))
     params = SamplingParams(n=4, max_tokens=20, temperature=0.9, seed=3, ignore_eos=True)
-    llm.generate([_workload(0)[1]], params)
+    llm.generate([motif_workload(0)[1]], params)
     s = llm.stats()
     assert s["spec_draft_tokens"] > 0
     assert s["spec_accepted_tokens"] == s["spec_draft_tokens"]
@@ -501,7 +456,7 @@ def test_mtp_catch_up_after_accepted_drafts_equals_from_scratch(qwen_mtp):
     with torch.inference_mode():
         for trial in range(3):
             key = f"t{trial}"
-            tokens = _rand(rng, 9 + 5 * trial)
+            tokens = rand_tokens(rng, 9 + 5 * trial)
             hidden = dense_hidden(llm.model, tokens)
             drafter.observe(key, 0, hidden[: len(tokens) - 1])  # the prompt's prefill
             computed = len(tokens) - 1

@@ -14,27 +14,20 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from spec_helpers import (
+    assert_mtp_drafts_match_dense,
+    motif_workload,
+    output_tokens,
+    rand_tokens,
+    run_aborting_duplicates,
+)
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.models.batch import ForwardBatch
 from hybridserve.testing.tiny_models import make_tiny_checkpoint
-from hybridserve.testing.tiny_mtp import add_mtp_head, dense_hidden, dense_mtp_drafts
+from hybridserve.testing.tiny_mtp import add_mtp_head, dense_hidden
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-
-
-def _rand(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(3, 256) for _ in range(n)]
-
-
-def _tokens(outs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outs]
-
-
-def _workload(seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    motif = _rand(rng, 6)
-    return [motif * 5, _rand(rng, 21), motif * 2 + _rand(rng, 4), _rand(rng, 3)]
 
 
 def _mtp(d: int) -> dict:
@@ -96,7 +89,7 @@ def nemotron_bigram(tmp_path_factory):
 @pytest.fixture(scope="module")
 def references(nemotron_mtp):
     llm = LLM(nemotron_mtp, enable_prefix_caching=False)
-    return {s: _tokens(llm.generate(_workload(s), GREEDY)) for s in (0, 1)}
+    return {s: output_tokens(llm.generate(motif_workload(s), GREEDY)) for s in (0, 1)}
 
 
 # ---- greedy output and hits ----------------------------------------------------------
@@ -112,7 +105,7 @@ def test_greedy_identical_with_nemotron_mtp(caching, d, nemotron_mtp, references
     # Workload 0, then 1 (new prompts, some sharing prefixes), then 0 again: prefix hits
     # (when caching) and speculation together.
     for seed in (0, 1, 0):
-        assert _tokens(llm.generate(_workload(seed), GREEDY)) == references[seed]
+        assert output_tokens(llm.generate(motif_workload(seed), GREEDY)) == references[seed]
     stats = llm.stats()
     assert stats["spec_draft_tokens"] > 0
     if caching:
@@ -124,7 +117,7 @@ def test_greedy_identical_with_nemotron_mtp(caching, d, nemotron_mtp, references
 
 def _trace(path, spec):
     rng = random.Random(6)
-    convo = [_rand(rng, 18), _rand(rng, 25)]
+    convo = [rand_tokens(rng, 18), rand_tokens(rng, 25)]
     llm = LLM(path, state_interval=16, speculative_config=spec)
     hits = []
     for _ in range(3):
@@ -132,7 +125,7 @@ def _trace(path, spec):
         hits.append([o.num_cached_tokens for o in outs])
         convo = [c + o.outputs[0].token_ids + [7, 8, 9] for c, o in zip(convo, outs)]
     checkpoints = sorted((c.length, key) for key, c in llm.engine.scheduler.states.checkpoints.items())
-    return hits, checkpoints, _tokens(outs), llm.stats()
+    return hits, checkpoints, output_tokens(outs), llm.stats()
 
 
 @pytest.mark.parametrize("which", ["random", "bigram"])
@@ -153,13 +146,13 @@ def test_hits_unchanged_with_nemotron_mtp(which, nemotron_mtp, nemotron_bigram):
 
 @pytest.mark.parametrize("caching", [False, True])
 def test_context_free_head_equal_to_the_target_accepts_every_draft(caching, nemotron_bigram):
-    prompts = _workload(0) + _workload(1)
-    ref = _tokens(LLM(nemotron_bigram, enable_prefix_caching=False).generate(prompts, GREEDY))
+    prompts = motif_workload(0) + motif_workload(1)
+    ref = output_tokens(LLM(nemotron_bigram, enable_prefix_caching=False).generate(prompts, GREEDY))
     for d in (1, 3):
         llm = LLM(nemotron_bigram, enable_prefix_caching=caching, state_interval=16,
                   speculative_config=_mtp(d))
         llm.engine.check_integrity_every_step = True
-        assert _tokens(llm.generate(prompts, GREEDY)) == ref
+        assert output_tokens(llm.generate(prompts, GREEDY)) == ref
         s = llm.stats()
         assert s["spec_draft_tokens"] > 50
         assert s["spec_accepted_tokens"] == s["spec_draft_tokens"]
@@ -171,7 +164,7 @@ def test_head_equal_to_the_target_accepts_most_drafts(nemotron_equal, tmp_path):
     (checked on one sequence); missing token 0 still changes some drafts of the tiny
     random model, most are accepted, and none of the random head's."""
     llm = LLM(nemotron_equal, enable_prefix_caching=False, speculative_config=_mtp(1))
-    toks = _workload(1)[1]
+    toks = motif_workload(1)[1]
     with torch.inference_mode():
         hidden = dense_hidden(llm.model, toks)
         shifted = dense_hidden(llm.model, toks[1:])
@@ -185,12 +178,12 @@ def test_head_equal_to_the_target_accepts_most_drafts(nemotron_equal, tmp_path):
         )
         y = head(llm.model.model.embed(torch.tensor(toks[1:])), hidden[:q], batch, caches)
         assert torch.allclose(y, shifted, atol=1e-4)
-    prompts = _workload(0) + _workload(1)
+    prompts = motif_workload(0) + motif_workload(1)
     rand = add_mtp_head(make_tiny_checkpoint("nemotron_h", tmp_path / "rand", seed=6, layers="*E"))
-    refs = {p: _tokens(LLM(p, enable_prefix_caching=False).generate(prompts, GREEDY)) for p in (nemotron_equal, rand)}
+    refs = {p: output_tokens(LLM(p, enable_prefix_caching=False).generate(prompts, GREEDY)) for p in (nemotron_equal, rand)}
     for path, d, low, high in ((nemotron_equal, 1, 0.75, 1.0), (nemotron_equal, 3, 0.6, 1.0), (rand, 3, 0.0, 0.1)):
         llm = LLM(path, enable_prefix_caching=False, speculative_config=_mtp(d))
-        assert _tokens(llm.generate(prompts, GREEDY)) == refs[path]
+        assert output_tokens(llm.generate(prompts, GREEDY)) == refs[path]
         s = llm.stats()
         assert s["spec_draft_tokens"] > 50
         assert low <= s["spec_accepted_tokens"] / s["spec_draft_tokens"] <= high, (path, d, s)
@@ -201,22 +194,7 @@ def test_nemotron_mtp_drafts_equal_a_from_scratch_computation(nemotron_mtp):
     states handed over after prefill and verify steps) equals the head run from scratch
     on the dense hidden states of the same prefix."""
     llm = LLM(nemotron_mtp, enable_prefix_caching=False, speculative_config=_mtp(3))
-    drafter = llm.engine.drafter
-    seen: list[tuple[list[int], int, list[int]]] = []
-    original = drafter.propose_batch
-
-    def spy(requests):
-        out = original(requests)
-        seen.extend((list(r.token_ids), r.k, o) for r, o in zip(requests, out))
-        return out
-
-    drafter.propose_batch = spy
-    llm.generate(_workload(3), GREEDY)
-    assert len(seen) > 20
-    with torch.inference_mode():
-        for tokens, k, drafts in seen[::3]:
-            hidden = dense_hidden(llm.model, tokens)
-            assert drafts == dense_mtp_drafts(drafter, tokens, hidden, k)
+    assert_mtp_drafts_match_dense(llm, motif_workload(3), GREEDY)
 
 
 # ---- the published structure -----------------------------------------------------------
@@ -319,8 +297,8 @@ def test_loader_takes_the_published_names(nemotron_mtp, tmp_path):
         raw["mtp_hybrid_override_pattern"] = "*E"
 
     old = _copy(nemotron_mtp, tmp_path / "legacy", config=legacy)
-    assert _tokens(LLM(old, speculative_config=_mtp(2)).generate(_workload(0)[:2], GREEDY)) == _tokens(
-        LLM(nemotron_mtp, speculative_config=_mtp(2)).generate(_workload(0)[:2], GREEDY)
+    assert output_tokens(LLM(old, speculative_config=_mtp(2)).generate(motif_workload(0)[:2], GREEDY)) == output_tokens(
+        LLM(nemotron_mtp, speculative_config=_mtp(2)).generate(motif_workload(0)[:2], GREEDY)
     )
 
 
@@ -372,24 +350,14 @@ def test_preemption_aborts_and_sampling_with_nemotron_mtp(nemotron_mtp, nemotron
     the finished outputs are the target's, and the head's K/V blocks all come back.
     Sampled requests with the head (drafts sampled from its q) reproduce per seed."""
     rng = random.Random(7)
-    prompts = [_rand(rng, 10 + 3 * i) for i in range(6)]
+    prompts = [rand_tokens(rng, 10 + 3 * i) for i in range(6)]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     for path in (nemotron_mtp, nemotron_bigram):
-        ref = _tokens(LLM(path, enable_prefix_caching=False, max_model_len=64).generate(prompts, params))
+        ref = output_tokens(LLM(path, enable_prefix_caching=False, max_model_len=64).generate(prompts, params))
         llm = LLM(path, state_interval=16, num_kv_blocks=12, max_model_len=64, speculative_config=_mtp(3))
         llm.engine.check_integrity_every_step = True
         engine = llm.engine
-        for i, p in enumerate(prompts + prompts[:2]):
-            engine.add_request(f"r{i}", p, params)
-        done: dict[str, list[int]] = {}
-        steps = 0
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out.outputs[0].token_ids
-            steps += 1
-            if steps == 6:
-                assert engine.abort_request("r6") and engine.abort_request("r7")
+        done = run_aborting_duplicates(engine, prompts, params)
         assert [done[f"r{i}"] for i in range(6)] == ref
         stats = engine.stats()
         assert stats["spec_draft_tokens"] > 0 and stats["preemptions"] > 0

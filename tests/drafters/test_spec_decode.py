@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from spec_helpers import output_tokens, rand_tokens
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.engine.scheduler import Scheduler
@@ -15,20 +16,12 @@ from hybridserve.testing.reference import assert_checkpoints_exact
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
 
-def _rand(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(3, 256) for _ in range(n)]
-
-
-def _tokens(outs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outs]
-
-
 def _workload(seed: int) -> list[list[int]]:
     """Repetitive prompts (drafts get accepted) beside random ones (few or no drafts)."""
     rng = random.Random(seed)
-    motif = _rand(rng, 7)
-    prompts = [motif * 6, _rand(rng, 30), motif * 3 + _rand(rng, 5) + motif, _rand(rng, 9)]
-    prompts += [_rand(rng, 4) * 8, motif * 9 + _rand(rng, 3)]
+    motif = rand_tokens(rng, 7)
+    prompts = [motif * 6, rand_tokens(rng, 30), motif * 3 + rand_tokens(rng, 5) + motif, rand_tokens(rng, 9)]
+    prompts += [rand_tokens(rng, 4) * 8, motif * 9 + rand_tokens(rng, 3)]
     return prompts
 
 
@@ -50,7 +43,7 @@ def _record_verify_rows(monkeypatch) -> list[dict]:
 @pytest.fixture(scope="module")
 def reference(tiny_granite):
     llm = LLM(tiny_granite, enable_prefix_caching=False)
-    return {s: _tokens(llm.generate(_workload(s), GREEDY)) for s in (0, 1)}
+    return {s: output_tokens(llm.generate(_workload(s), GREEDY)) for s in (0, 1)}
 
 
 @pytest.mark.parametrize("d", [1, 3, 5])
@@ -64,9 +57,9 @@ def test_greedy_outputs_identical_with_speculation(tiny_granite, reference, d, c
     llm.engine.check_integrity_every_step = True
     for seed in (0, 1):
         prompts = _workload(seed)
-        assert _tokens(llm.generate(prompts, GREEDY)) == reference[seed]
+        assert output_tokens(llm.generate(prompts, GREEDY)) == reference[seed]
         # Again: now with prefix hits (when caching) and speculation together.
-        assert _tokens(llm.generate(prompts, GREEDY)) == reference[seed]
+        assert output_tokens(llm.generate(prompts, GREEDY)) == reference[seed]
     stats = llm.stats()
     assert stats["spec_accepted_tokens"] > 0
     assert stats["spec_draft_tokens"] >= stats["spec_accepted_tokens"]
@@ -81,16 +74,16 @@ def test_greedy_outputs_identical_with_speculation(tiny_granite, reference, d, c
 def test_checkpoints_written_under_speculation_are_exact(tiny_granite, monkeypatch):
     seen = _record_verify_rows(monkeypatch)
     rng = random.Random(3)
-    motif = _rand(rng, 5)
+    motif = rand_tokens(rng, 5)
     # Many concurrent requests so slots spread over the table; half repeat a motif.
-    prompts = [motif * 4 + _rand(rng, i % 5) if i % 2 else _rand(rng, 10 + i) for i in range(40)]
+    prompts = [motif * 4 + rand_tokens(rng, i % 5) if i % 2 else rand_tokens(rng, 10 + i) for i in range(40)]
     llm = LLM(
         tiny_granite, state_interval=16, max_num_seqs=64,
         speculative_config={"method": "ngram", "num_speculative_tokens": 3},
     )
     llm.engine.check_integrity_every_step = True
-    outs = _tokens(llm.generate(prompts, GREEDY))
-    ref = _tokens(LLM(tiny_granite, enable_prefix_caching=False).generate(prompts, GREEDY))
+    outs = output_tokens(llm.generate(prompts, GREEDY))
+    ref = output_tokens(LLM(tiny_granite, enable_prefix_caching=False).generate(prompts, GREEDY))
     assert outs == ref
     seqs = [p + o for p, o in zip(prompts, outs)]
     assert assert_checkpoints_exact(llm, seqs + prompts) > 0
@@ -128,7 +121,7 @@ def test_verify_preserves_the_target_distribution():
 def test_sampled_tokens_match_the_distribution_without_speculation(tiny_granite):
     """Two-sample chi-square on the first token produced by a verify step."""
     rng = random.Random(4)
-    motif = _rand(rng, 6)
+    motif = rand_tokens(rng, 6)
     prompt = motif * 5
     # Draft-friendly prompt; the engine's first token comes from prefill, the second
     # from a verify step with drafts, so compare the second.
