@@ -144,12 +144,19 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda item: item.get_closest_marker(RUNS_LAST) is not None)
     census = config.stash[_CENSUS]
     files = {Path(str(item.path)) for item in items}
-    missing = sorted(p.name for p in KERNEL_TESTS.glob("test_*.py") if p not in files)
+    deselected = config.stash.get(_DESELECTED, [])
+
+    def marked(item) -> bool:
+        return bool(item.get_closest_marker("slow") or item.get_closest_marker("gpu"))
+
+    # A file whose tests are all GPU or slow ones was collected; only its marks kept it out.
+    marked_out = {Path(str(item.path)) for item in deselected if marked(item)}
+    missing = sorted(p.name for p in KERNEL_TESTS.glob("test_*.py")
+                     if p not in files and p not in marked_out)
     dropped = [
         item.nodeid
-        for item in config.stash.get(_DESELECTED, [])
-        if Path(str(item.path)).parent == KERNEL_TESTS
-        and not (item.get_closest_marker("slow") or item.get_closest_marker("gpu"))
+        for item in deselected
+        if Path(str(item.path)).parent == KERNEL_TESTS and not marked(item)
     ]
     census.kernel_tests_complete = not missing and not dropped
     if missing:
