@@ -1644,6 +1644,19 @@ def check_ssd_scan(shape, step, dtype, device, seed):
     }
 
 
+def _grid_requests(specs, interval: int) -> tuple[list[int], list[int], list[int]]:
+    """Packed rows of ``specs`` (``(cached, new)`` per row): their query starts and the
+    state requests of a prefill step, every ``interval`` grid point and each row's end."""
+    query_start, rows, offsets = [0], [], []
+    for r, (c, n) in enumerate(specs):
+        query_start.append(query_start[-1] + n)
+        for off in range(n):
+            if (c + off + 1) % interval == 0 or off == n - 1:
+                rows.append(r)
+                offsets.append(off)
+    return query_start, rows, offsets
+
+
 def check_ssd_prefill(shape, step, dtype, device, seed, chunk_states=False):
     """``ssd_prefill`` on fla-core's scan against ``ssd_prefill`` on the twin scan: outputs
     and the states at every grid point and row end of a mixed step. Without
@@ -1659,13 +1672,7 @@ def check_ssd_prefill(shape, step, dtype, device, seed, chunk_states=False):
     g, h = _generators(seed, device)
     specs, (x, dt, A, B, C, D, init), shapes = _ssd_inputs(g, h, shape, step, device)
     interval = step["state_interval"]
-    query_start, rows, offsets = [0], [], []
-    for r, (c, n) in enumerate(specs):
-        query_start.append(query_start[-1] + n)
-        for off in range(n):
-            if (c + off + 1) % interval == 0 or off == n - 1:
-                rows.append(r)
-                offsets.append(off)
+    query_start, rows, offsets = _grid_requests(specs, interval)
     chunk = ssd_varlen.SCAN_CHUNK if chunk_states else None
     segments = ssd_varlen.plan_segments(query_start, rows, offsets, device, chunk=chunk)
     args = (x, dt, A, B, C, D, init, segments)
@@ -1700,13 +1707,7 @@ def check_ssd_fused(shape, step, dtype, device, seed, two_pass=False):
     dt, dt_bias, _ = _mamba_raw_dt_A(g, x.shape[0], x.shape[1], device, torch.bfloat16)
     x, B, C = (t.to(torch.bfloat16) for t in (x, B, C))  # exact: drawn through bf16
     interval = step["state_interval"]
-    query_start, rows, offsets = [0], [], []
-    for r, (c, n) in enumerate(specs):
-        query_start.append(query_start[-1] + n)
-        for off in range(n):
-            if (c + off + 1) % interval == 0 or off == n - 1:
-                rows.append(r)
-                offsets.append(off)
+    query_start, rows, offsets = _grid_requests(specs, interval)
     segments = ssd_varlen.plan_segments(query_start, rows, offsets, device,
                                         chunk=ssd_varlen.SCAN_CHUNK)
     kw = dict(dt_bias=dt_bias, time_step_limit=(0.0, float("inf")))
