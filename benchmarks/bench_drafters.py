@@ -122,9 +122,11 @@ def run_row(target, spec, prompts, params, args, batch: int) -> tuple[dict, list
     import torch
 
     from hybridserve import LLM
+    from hybridserve.config import KernelPolicy
 
     llm = LLM(target, dtype=args.dtype, device=args.device, max_num_seqs=batch,
-              speculative_config=spec, enable_prefix_caching=False)
+              speculative_config=spec, enable_prefix_caching=False,
+              kernel_policy=KernelPolicy(drafter_graphs=args.drafter_graphs))
     # Warm-up: the same workload once, so that kernel compiles and graph captures of this
     # (drafter, batch) land here, not in the timed run.
     llm.generate(prompts, params, use_tqdm=False)
@@ -184,6 +186,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--methods", nargs="+", default=None,
                     help="drafters to run besides none (default: all of the target's)")
+    ap.add_argument("--drafter-graphs", choices=("auto", "on", "off"), default="auto",
+                    help="KernelPolicy.drafter_graphs: the drafter's own steps from CUDA graphs")
     ap.add_argument("--smoke", action="store_true", help="a few tiny rows on the CPU (a check that it runs)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
