@@ -88,9 +88,16 @@ def references(tiny_granite, tiny_qwen3_5):
     return out
 
 
-@pytest.mark.parametrize("d", [1, 3])
-@pytest.mark.parametrize("caching", [False, True])
-@pytest.mark.parametrize("arch", ["granite", "qwen3_5"])
+def _cases(archs: tuple[str, str], default: set) -> list:
+    """``(arch, caching, d)`` for both archs, caching off and on, d in {1, 3}: the cases
+    in ``default`` run by default, the others are ``slow`` (the same graph-step path on
+    another draft length or cache setting)."""
+    return [pytest.param(a, c, d, marks=() if (a, c, d) in default else pytest.mark.slow)
+            for a in archs for c in (False, True) for d in (1, 3)]
+
+
+@pytest.mark.parametrize("arch,caching,d", _cases(
+    ("granite", "qwen3_5"), {("granite", True, 3), ("qwen3_5", True, 3), ("qwen3_5", False, 1)}))
 def test_greedy_identical_graphs_on_and_off(arch, caching, d, references, tiny_granite,
                                             tiny_qwen3_5, qwen_draft):
     """Greedy output with the drafter's graph steps equals the eager drafter's and no
@@ -195,9 +202,8 @@ def mtp_targets(tmp_path_factory):
     return {"qwen3_5": add_mtp_head(qwen), "nemotron": add_mtp_head(nemotron, seed=1)}
 
 
-@pytest.mark.parametrize("d", [1, 3])
-@pytest.mark.parametrize("caching", [False, True])
-@pytest.mark.parametrize("arch", ["qwen3_5", "nemotron"])
+@pytest.mark.parametrize("arch,caching,d", _cases(
+    ("qwen3_5", "nemotron"), {("qwen3_5", True, 3), ("nemotron", True, 3), ("nemotron", False, 1)}))
 def test_mtp_greedy_identical_graphs_on_and_off(arch, caching, d, mtp_targets):
     """Greedy output with the MTP head's graph steps (its hidden states through the
     static buffer) equals the eager head's and no speculation's, with the same drafts

@@ -40,6 +40,14 @@ def moe_ckpt(request, tmp_path_factory):
                                 seed=SEEDS.get(request.param, 21), layers=layers, **extra)
 
 
+def _models(default: set[str]):
+    """``moe_ckpt``'s models for one test, those outside ``default`` marked ``slow`` (the
+    same engine path on another routing flavour; the parity and caching tests keep all)."""
+    return pytest.mark.parametrize(
+        "moe_ckpt", [pytest.param(m, marks=() if m in default else pytest.mark.slow)
+                     for m in MODELS], indirect=True)
+
+
 def _rand(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(3, 256) for _ in range(n)]
 
@@ -64,6 +72,7 @@ def test_greedy_matches_transformers_generate(moe_ckpt):
         assert got == ref
 
 
+@_models({"nemotron-moe", "qwen3.5-moe"})
 def test_batch_invariance_and_chunked_prefill(moe_ckpt):
     rng = random.Random(6)
     prompts = [_rand(rng, rng.randint(3, 60)) for _ in range(10)]
@@ -100,6 +109,7 @@ def test_prefix_caching_and_speculation_are_token_identical(moe_ckpt):
             assert stats["spec_accepted_tokens"] > 0
 
 
+@_models({"nemotron-moe", "qwen3-next-moe"})
 def test_decode_graph_path_with_grouped_kernels(moe_ckpt, monkeypatch):
     """The decode-graph step (its static buffers and padding rows; no capture on the CPU)
     with the grouped Triton experts, as a GPU decode step runs them, gives the eager

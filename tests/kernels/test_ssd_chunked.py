@@ -38,6 +38,15 @@ LIMIT = (0.05, 0.9)
 # output pass over chunks of 128 tokens (the state pass still stores every 64).
 SCANS = {"fused": (ssd_scan_fused, 1), "two_pass": (ssd_scan_two_pass, 2),
          "two_pass_128": (functools.partial(ssd_scan_two_pass, out_chunk=2 * CHUNK), 2)}
+# "two_pass_128" is the two-pass kernel on another tile: it runs by default where the
+# output tile is what the test is about, ``slow`` where it repeats "two_pass"'s path.
+slow = pytest.mark.slow
+
+
+def _scans(default_128: bool = False) -> list:
+    """SCANS' names as parameters, "two_pass_128" ``slow`` unless ``default_128``."""
+    return [pytest.param(n, marks=() if default_128 or n != "two_pass_128" else slow)
+            for n in SCANS]
 
 
 def _seed() -> int:
@@ -171,9 +180,12 @@ def _tiles(name: str, block_p: int | None) -> dict:
 
 
 @interpreted
-@pytest.mark.parametrize("name", SCANS)
-@pytest.mark.parametrize("case,dtype", [*((c, torch.float32) for c in range(len(KERNEL_CASES))),
-                                        (0, torch.bfloat16)])
+@pytest.mark.parametrize("case,dtype,name", [
+    pytest.param(c, dt, n, marks=slow if n == "two_pass_128" and (c, dt) not in
+                 {(0, torch.float32), (3, torch.float32)} else (),
+                 id=f"{c}-{str(dt).removeprefix('torch.')}-{n}")
+    for n in SCANS
+    for c, dt in [*((c, torch.float32) for c in range(len(KERNEL_CASES))), (0, torch.bfloat16)]])
 def test_kernel_matches_twin_race_free(case, dtype, name):
     """Against the twin in float64 on the same values; bf16 inputs take the split
     products."""
@@ -217,7 +229,7 @@ def test_kernel_casts_bf16_inputs_in_registers(name):
 
 
 @interpreted
-@pytest.mark.parametrize("name", SCANS)
+@pytest.mark.parametrize("name", _scans())
 def test_kernel_independent_of_program_order(name):
     g = torch.Generator().manual_seed(_seed())
     case = ([66, 1, 9], 4, 20, 2, 5, True, True, LIMIT, True, 16)
@@ -240,8 +252,11 @@ def test_kernel_independent_of_program_order(name):
 
 
 @interpreted
-@pytest.mark.parametrize("out_chunk", [CHUNK, 2 * CHUNK])
-@pytest.mark.parametrize("states_dtype", [torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("states_dtype,out_chunk", [
+    pytest.param(dt, c, marks=() if (dt, c) in {(torch.bfloat16, CHUNK),
+                                                (torch.float64, 2 * CHUNK)} else slow,
+                 id=f"{str(dt).removeprefix('torch.')}-{c}")
+    for dt in (torch.bfloat16, torch.float64) for c in (CHUNK, 2 * CHUNK)])
 def test_two_pass_states_of_any_dtype(states_dtype, out_chunk):
     """States that are not float32 (bf16 pages, say): the output pass cannot read the
     chunk states back from their slots, so every chunk's goes through the scratch; the
@@ -263,8 +278,9 @@ def test_two_pass_states_of_any_dtype(states_dtype, out_chunk):
 
 
 @interpreted
-@pytest.mark.parametrize("out_chunk", [CHUNK, 2 * CHUNK])
-@pytest.mark.parametrize("every", [True, False])
+@pytest.mark.parametrize("every,out_chunk", [
+    pytest.param(e, c, marks=() if (e, c) in {(True, CHUNK), (False, 2 * CHUNK)} else slow)
+    for e in (True, False) for c in (CHUNK, 2 * CHUNK)])
 def test_two_pass_reads_chunk_states_from_their_slots_or_the_scratch(every, out_chunk):
     """Every chunk state asked for (the output pass reads each from its slot) or none
     (each from the scratch): the same outputs as the twin either way, with output chunks
@@ -361,7 +377,8 @@ def _assert_per_row(y, states, inputs, qs, rows, offs, tol):
             torch.testing.assert_close(states[j].double(), st[n], rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("kernel", [None, *(pytest.param(n, marks=interpreted) for n in SCANS)])
+@pytest.mark.parametrize("kernel", [None, *(pytest.param(n, marks=[interpreted, *p.marks])
+                                             for n, p in zip(SCANS, _scans()))])
 def test_ssd_prefill_through_the_fused_scan_matches_per_row(kernel):
     g = torch.Generator().manual_seed(_seed())
     dtype = torch.float32 if kernel else torch.float64
@@ -376,7 +393,8 @@ def test_ssd_prefill_through_the_fused_scan_matches_per_row(kernel):
     _assert_per_row(y, states, inputs, qs, rows, offs, 1e-4 if kernel else 1e-10)
 
 
-@pytest.mark.parametrize("kernel", [None, *(pytest.param(n, marks=interpreted) for n in SCANS)])
+@pytest.mark.parametrize("kernel", [None, *(pytest.param(n, marks=[interpreted, *p.marks])
+                                             for n, p in zip(SCANS, _scans()))])
 def test_ssd_prefill_stores_states_straight_into_pages(kernel):
     """With ``out_cache`` every requested state lands on its page (row ends and chunk
     states from the scan, tails and repeats after it), the others stay untouched."""
