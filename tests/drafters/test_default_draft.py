@@ -30,9 +30,9 @@ K = 3
 ACCEPTANCE_FLOOR = 0.35
 
 
-def _run(spec):
+def _run(spec, params=GREEDY):
     llm = LLM(max_num_seqs=len(PROMPTS), speculative_config=spec)
-    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
     stats = llm.stats()
     rate = stats["spec_accepted_tokens"] / max(1, stats["spec_draft_tokens"])
     return [o.outputs[0].token_ids for o in outs], rate, stats
@@ -79,6 +79,11 @@ def test_random_draft_of_the_same_shape_is_not(plain, tmp_path):
     config = transformers.AutoConfig.from_pretrained(DRAFT_PATH)
     torch.manual_seed(0)
     transformers.GraniteMoeHybridForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path)
-    tokens, rate, _ = _run({"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": K})
-    assert tokens == plain
+    # The first 16 tokens of each prompt (greedy: a prefix of the 48 above): every draft
+    # of a random model is rejected, so each of its verify steps gains one token only.
+    short = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    tokens, rate, stats = _run({"method": "draft_model", "model": str(tmp_path),
+                                "num_speculative_tokens": K}, short)
+    assert tokens == [t[:16] for t in plain]
+    assert stats["spec_draft_tokens"] >= 16 * K
     assert rate < ACCEPTANCE_FLOOR / 3, rate
