@@ -96,9 +96,10 @@ SMOKE = dict(heads=4, head_dim=16, groups=2, d_state=16, conv_dim=48, d_conv=4,
 
 
 def _time(fn, reps: int, device: str) -> float:
-    """Median seconds of ``fn`` after one warm-up call (CUDA events; the host clock on
-    the CPU)."""
-    fn()
+    """Median seconds of ``fn`` (CUDA events, after one warm-up call; the host clock on
+    the CPU, without one: the interpreter compiles nothing)."""
+    if device == "cuda":
+        fn()
     times = []
     for _ in range(reps):
         if device == "cuda":
