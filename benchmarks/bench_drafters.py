@@ -282,6 +282,8 @@ def main(argv: list[str] | None = None) -> dict:
         args.hidden, args.layers = min(args.hidden, 128), "MAE" if args.target == "nemotron" else "MA"
     if args.dtype is None:
         args.dtype = "bfloat16" if args.target == "8b" and args.device.startswith("cuda") else "float32"
+    if args.target == "8b":
+        args.hidden = args.layers = None  # its shape is bench_gpu's (target_shape)
     if args.prompts is None:
         args.prompts = max(*args.batch, 2) if args.target == "8b" else 32
     if args.target == "8b" and args.prompts < max(*args.batch, 2):

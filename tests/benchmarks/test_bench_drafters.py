@@ -1,6 +1,11 @@
 """benchmarks/bench_drafters.py --target default --smoke: it runs on the embedded model and
 its trained draft model, on held-out prompts, and every output equals no speculation."""
 
+import json
+
+import pytest
+import torch
+import triton
 from bench_smoke_helpers import load_benchmark
 
 
@@ -37,11 +42,6 @@ def test_8b_shape_benchmark_runs(tmp_path):
     one here) runs without speculation, with the n-gram drafter (the motif prompts give it
     proposals) and as its own draft model on the target's weights (every draft accepted),
     every output equal to no speculation, and the report says where it came from."""
-    import json
-
-    import torch
-    import triton
-
     bench = load_benchmark("bench_drafters")
     gpu = load_benchmark("bench_gpu")
     out = tmp_path / "drafters.json"
@@ -66,5 +66,14 @@ def test_8b_shape_benchmark_runs(tmp_path):
     assert report["torch"] == torch.__version__ and report["triton"] == triton.__version__
     assert report["commit"] and report["device"] and report["python"]
     assert report["args"]["target"] == "8b" and report["args"]["dtype"] == "float32"
+    assert report["args"]["hidden"] is None and report["args"]["layers"] is None
     written = json.loads(out.read_text())
     assert written["results"] == json.loads(json.dumps(rows)) and written["wall_s"] > 0
+
+
+def test_8b_target_refuses_fewer_prompts_than_the_batch():
+    """The 8b rows at batch b run b prompts of one set: a set smaller than the largest
+    batch is refused, naming ``--prompts``, before anything is built."""
+    bench = load_benchmark("bench_drafters")
+    with pytest.raises(SystemExit, match="--prompts 8: .* at least 16"):
+        bench.main(["--target", "8b", "--batch", "1", "16", "--prompts", "8"])
