@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = dict(benchmark="drafters", commit=git_commit(), torch=torch.__version__,
                   triton=triton.__version__, python=platform.python_version(),
                   device=torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.machine(),
-                  args=config, results=results)
+                  args=config)
     save = result_writer(report, Path(args.out), started) if args.out else (lambda: None)
     ngram = {"ngram": lambda k: {"method": "ngram", "num_speculative_tokens": k}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                   "num_speculative_tokens": k},
                         "draft_model=target": lambda k: {"method": "draft_model", "model": str(target),
                                                          "num_speculative_tokens": k}}
-        report.update(meta)
+        report.update(meta, results=results)
         if args.methods:
             unknown = sorted(set(args.methods) - set(drafters))
             if unknown:
