@@ -1,5 +1,6 @@
-"""benchmarks/bench_drafters.py --target default --smoke: it runs on the embedded model and
-its trained draft model, on held-out prompts, and every output equals no speculation."""
+"""benchmarks/bench_drafters.py --smoke for its targets: the embedded model with its trained
+draft model on held-out prompts, a random Nemotron-H with an MTP head, and the 8B shape's
+tiny twin as its own draft model; every output equals no speculation."""
 
 import json
 
