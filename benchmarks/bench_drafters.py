@@ -1,6 +1,6 @@
 """Tokens per second and acceptance with each drafter (none, n-gram, MTP, draft model).
 
-Two targets:
+The targets:
 
 - ``--target random`` (the default): random checkpoints built here (nothing downloaded),
   a Qwen3.5-shaped target with a random MTP head, a smaller draft model, and the target
@@ -16,13 +16,37 @@ Two targets:
   corpus: ``--prompts`` windows of ``--prompt-len`` tokens at evenly spaced offsets of
   the val stream (rebuilt from the local standard library; ``corpus_matches_manifest``
   records whether its sha256 is the manifest's). Acceptance here is real.
+- ``--target 8b``: the random-weight Nemotron-H-8B-shaped model of ``bench_gpu.py``
+  (``NEMOTRON_8B``: 52 layers, d_model 4096, vocab 131072; built in memory, nothing
+  downloaded nor written but its ``config.json``; ``--smoke``: ``bench_gpu.TINY``, the
+  same layer kinds at d_model 64), bf16 on CUDA, with no speculation, the n-gram
+  drafter, and the target as its own draft model (``draft_model=target``: every draft
+  is accepted, the verify path's ceiling). ``LLM`` and the draft model both take the
+  built model's weights (``bench_gpu.engine_with``): one copy of the weights, the
+  draft model's KV blocks and state pages its own. With random weights the n-gram
+  drafter proposes only where the context repeats itself: ``--prompts`` prompts are
+  drawn once (:func:`random_prompts`: random ids alternating with a repeated 8-token
+  motif, so that it has matches to propose from), and the rows at batch ``b`` run the
+  first ``max(b, 2)`` of them: ``b`` requests in flight from the first step (at batch
+  1, one of each kind after the other). A random model does not continue the motif
+  (on the smoke shape 0.6% of its drafts were accepted), so the n-gram row measures
+  the cost of drafting and of verifying rejected drafts; ``--target default`` gives
+  its real acceptance. At batch 64 the row of the target as draft holds about 106 GiB
+  (15 GiB of weights, 520 target state pages and 429 draft-model pages of 97 MiB: the
+  recurrent states in float32; a second copy of the weights would add 15 GiB). On an
+  H200, ``--batch 1 16 64 --k 3 --prompts 64 --max-tokens 64`` is expected to take 2-3
+  minutes (an estimate, not yet measured), most of it the first rows' kernel compiles,
+  each row's graph captures and the draft model's eager steps (``--drafter-graphs
+  auto`` is off under CUDA capture).
 
-Every row runs all prompts through one ``LLM`` at the given batch (``max_num_seqs``),
+Every row runs its prompts through one ``LLM`` at the given batch (``max_num_seqs``),
 greedy, once to warm up and once timed, and checks its outputs against no speculation
 (``matches_no_speculation``, ``token_agreement``, ``sequences_identical``). Per row: ``acceptance_rate`` =
 accepted / drafted tokens; ``accepted_per_verify_step`` = accepted drafts per target row
 that carried drafts; ``tokens_per_verify_step`` = 1 + that; ``tokens_per_target_step`` =
-generated tokens / target rows that emitted them (steps without drafts included).
+generated tokens / target rows that emitted them (steps without drafts included);
+``drafter_share`` = the drafter's seconds over the timed run's; ``draft_weights_shared``
+(draft-model rows) whether the draft model's parameters are the target's tensors.
 
     python benchmarks/bench_drafters.py --target default --k 1 3 5 --batch 32 \
         --methods ngram draft_model --out benchmarks/results/drafters_trained_cpu.json
@@ -32,6 +56,13 @@ generated tokens / target rows that emitted them (steps without drafts included)
         --batch 1 16 64 --out drafters.json
     python benchmarks/bench_drafters.py --target nemotron --device cuda --dtype bfloat16 \
         --hidden 1024 --layers MEMAMEMA --batch 1 16 64 --out drafters_nemotron_h200.json
+    python benchmarks/bench_drafters.py --target 8b --device cuda --dtype bfloat16 \
+        --batch 1 16 64 --k 3 --prompts 64 --max-tokens 64 \
+        --out benchmarks/results/drafters_8b_h200.json
+
+The report records the commit, the device, torch / triton / Python versions and the
+arguments; with ``--out`` it is rewritten after every row (``wall_s``: seconds so far),
+so a run stopped early keeps the rows it measured.
 """
 
 from __future__ import annotations
@@ -48,7 +79,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import git_commit, portable_path  # noqa: E402
+from provenance import git_commit, portable_path, result_writer  # noqa: E402
 
 
 def _checkpoints(root: Path, hidden: int, layers: str, arch: str = "qwen3_5") -> tuple[Path, Path]:
@@ -107,26 +138,59 @@ def heldout_prompts(n: int, length: int) -> tuple[list[list[int]], bool]:
     return prompts, digest.hexdigest() == manifest["splits"]["val"]["sha256"]
 
 
-def random_prompts(rng: random.Random, batch: int, length: int) -> list[list[int]]:
-    """Half random ids, half a repeated motif (something for the n-gram drafter)."""
-    motif = [rng.randrange(3, 4096) for _ in range(8)]
+def random_prompts(rng: random.Random, batch: int, length: int, vocab: int = 4096) -> list[list[int]]:
+    """Half random ids, half a repeated motif (something for the n-gram drafter): ids in
+    ``[3, vocab)``, the random ones at even indices."""
+    motif = [rng.randrange(3, vocab) for _ in range(8)]
     return [
         (motif * (length // 8 + 1))[:length] if i % 2 else
-        [rng.randrange(3, 4096) for _ in range(length)]
+        [rng.randrange(3, vocab) for _ in range(length)]
         for i in range(batch)
     ]
 
 
-def run_row(target, spec, prompts, params, args, batch: int) -> tuple[dict, list[list[int]]]:
-    """One ``LLM`` with ``spec`` at ``max_num_seqs=batch``: its measurements and tokens."""
+def nemotron_8b(root: Path, args):
+    """The ``--target 8b`` model: ``bench_gpu``'s random-weight ``NEMOTRON_8B`` (``TINY``
+    under ``--smoke``) built on ``args.device`` in ``args.dtype``. Returns ``(path,
+    model, shape)``: ``path`` holds only its ``config.json`` (``LLM`` and the draft model
+    get ``model`` itself: :func:`run_row`)."""
+    import bench_gpu
+
+    from hybridserve.config import resolve_dtype
+
+    shape = bench_gpu.TINY if args.smoke else bench_gpu.NEMOTRON_8B
+    model, _, _, path = bench_gpu.build_models(shape, args.device, resolve_dtype(args.dtype),
+                                                root, with_hf=False)
+    return path, model, shape
+
+
+def run_row(target, spec, prompts, params, args, batch: int,
+            model=None) -> tuple[dict, list[list[int]]]:
+    """One ``LLM`` with ``spec`` at ``max_num_seqs=batch``: its measurements and tokens.
+
+    ``model``: a built model whose ``config.json`` is ``target``'s: the target and a
+    draft model of that directory take its weights instead of loading them (shared,
+    not copied)."""
+    import gc
+
     import torch
 
     from hybridserve import LLM
     from hybridserve.config import KernelPolicy
 
-    llm = LLM(target, dtype=args.dtype, device=args.device, max_num_seqs=batch,
-              speculative_config=spec, enable_prefix_caching=False,
-              kernel_policy=KernelPolicy(drafter_graphs=args.drafter_graphs))
+    cuda = args.device.startswith("cuda")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    policy = KernelPolicy(drafter_graphs=args.drafter_graphs)
+    build = dict(dtype=args.dtype, device=args.device, max_num_seqs=batch,
+                 speculative_config=spec, enable_prefix_caching=False, kernel_policy=policy)
+    if model is None:
+        llm = LLM(target, **build)
+    else:
+        import bench_gpu
+
+        with bench_gpu.engine_with(bench_gpu.with_policy(model, drafter_graphs=args.drafter_graphs)):
+            llm = LLM(target, **build)
     # Warm-up: the same workload once, so that kernel compiles and graph captures of this
     # (drafter, batch) land here, not in the timed run.
     llm.generate(prompts, params, use_tqdm=False)
@@ -167,21 +231,39 @@ def run_row(target, spec, prompts, params, args, batch: int) -> tuple[dict, list
     )
     if graphs is not None and graphs.capture_errors:
         row["drafter_capture_errors"] = graphs.capture_errors[:3]
+    if spec is not None and spec["method"] == "draft_model":
+        mine, theirs = list(drafter.model.parameters()), list(llm.model.parameters())
+        row["draft_weights_shared"] = len(mine) == len(theirs) and all(
+            a.data_ptr() == b.data_ptr() for a, b in zip(mine, theirs))
+    if cuda:
+        # The target's caches, and the draft model's (the target as draft: as many
+        # state pages again), with the weights.
+        row["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     del llm
+    drafter = graphs = None  # noqa: F841 (the closure's cells: nothing keeps the engine)
+    # Release this row's caches and graph pools before the next row allocates its own
+    # (at the 8B shape a row's state pages alone are tens of GiB).
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
     return row, tokens
 
 
 def main(argv: list[str] | None = None) -> dict:
+    started = time.time()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", choices=("random", "nemotron", "default"), default="random")
+    ap.add_argument("--target", choices=("random", "nemotron", "default", "8b"), default="random")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default=None,
+                    help="default: bfloat16 for the 8b target on CUDA, else float32")
     ap.add_argument("--hidden", type=int, default=256, help="random target only")
     ap.add_argument("--layers", default="MMMA", help="random target only")
     ap.add_argument("--batch", type=int, nargs="+", default=None,
                     help="max_num_seqs per row (random target: also the number of prompts)")
     ap.add_argument("--k", type=int, nargs="+", default=[3], help="num_speculative_tokens")
-    ap.add_argument("--prompts", type=int, default=32, help="default target: held-out prompts")
+    ap.add_argument("--prompts", type=int, default=None,
+                    help="default target: held-out prompts (32); 8b target: the prompt set, "
+                         "at least the largest batch (the default)")
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--methods", nargs="+", default=None,
@@ -198,8 +280,18 @@ def main(argv: list[str] | None = None) -> dict:
     if args.smoke:
         args.batch, args.prompts, args.max_tokens, args.prompt_len = [1, 2], 2, 8, 32
         args.hidden, args.layers = min(args.hidden, 128), "MAE" if args.target == "nemotron" else "MA"
+    if args.dtype is None:
+        args.dtype = "bfloat16" if args.target == "8b" and args.device.startswith("cuda") else "float32"
+    if args.target == "8b":
+        args.hidden = args.layers = None  # its shape is bench_gpu's (target_shape)
+    if args.prompts is None:
+        args.prompts = max(*args.batch, 2) if args.target == "8b" else 32
+    if args.target == "8b" and args.prompts < max(*args.batch, 2):
+        raise SystemExit(f"--prompts {args.prompts}: the 8b target's rows at batch b run the "
+                         f"first max(b, 2) prompts of the set; give at least {max(*args.batch, 2)}")
 
     import torch
+    import triton
 
     from hybridserve import SamplingParams
 
@@ -208,45 +300,63 @@ def main(argv: list[str] | None = None) -> dict:
     results = []
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     meta = {}
+    model = None
+    config = {**vars(args), "out": portable_path(args.out) if args.out else None}
+    report = dict(benchmark="drafters", commit=git_commit(), torch=torch.__version__,
+                  triton=triton.__version__, python=platform.python_version(),
+                  device=torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.machine(),
+                  args=config)
+    save = result_writer(report, Path(args.out), started) if args.out else (lambda: None)
+    ngram = {"ngram": lambda k: {"method": "ngram", "num_speculative_tokens": k}}
     with tempfile.TemporaryDirectory() as tmp:
         if args.target == "default":
             from hybridserve.default_model import DRAFT_PATH, PATH
 
             target = PATH
             prompts, matches = heldout_prompts(args.prompts, args.prompt_len)
-            meta = {"corpus_matches_manifest": matches, "python": platform.python_version(),
-                    "draft_model": portable_path(DRAFT_PATH)}
-            drafters = {"ngram": lambda k: {"method": "ngram", "num_speculative_tokens": k},
+            meta = {"corpus_matches_manifest": matches, "draft_model": portable_path(DRAFT_PATH)}
+            drafters = {**ngram,
                         "draft_model": lambda k: {"method": "draft_model", "model": "default-draft",
                                                   "num_speculative_tokens": k},
                         "draft_model=target": lambda k: {"method": "draft_model", "model": str(PATH),
                                                          "num_speculative_tokens": k}}
+        elif args.target == "8b":
+            target, model, shape = nemotron_8b(Path(tmp), args)
+            prompt_set = random_prompts(rng, args.prompts, args.prompt_len, shape["vocab_size"])
+            meta = {"target_shape": shape,
+                    "target_parameters": sum(p.numel() for p in model.parameters())}
+            drafters = {**ngram,
+                        "draft_model=target": lambda k: {"method": "draft_model", "model": str(target),
+                                                         "num_speculative_tokens": k}}
         else:
             arch = "nemotron_h" if args.target == "nemotron" else "qwen3_5"
             target, draft = _checkpoints(Path(tmp), args.hidden, args.layers, arch)
-            drafters = {"ngram": lambda k: {"method": "ngram", "num_speculative_tokens": k},
+            drafters = {**ngram,
                         "mtp": lambda k: {"method": "mtp", "num_speculative_tokens": k},
                         "draft_model": lambda k: {"method": "draft_model", "model": str(draft),
                                                   "num_speculative_tokens": k},
                         "draft_model=target": lambda k: {"method": "draft_model", "model": str(target),
                                                          "num_speculative_tokens": k}}
+        report.update(meta, results=results)
         if args.methods:
             unknown = sorted(set(args.methods) - set(drafters))
             if unknown:
                 raise SystemExit(f"--methods: unknown {unknown}; known: {sorted(drafters)}")
             drafters = {name: make for name, make in drafters.items() if name in args.methods}
         for batch in args.batch:
-            if args.target != "default":
+            if args.target == "8b":
+                prompts = prompt_set[:max(batch, 2)]
+            elif args.target != "default":
                 prompts = random_prompts(rng, batch, args.prompt_len)
             rows = [("none", None, None)] + [(name, k, make(k)) for k in args.k
                                              for name, make in drafters.items()]
             reference = None
             for name, k, spec in rows:
-                row, tokens = run_row(target, spec, prompts, params, args, batch)
+                row, tokens = run_row(target, spec, prompts, params, args, batch, model)
                 if reference is None:
                     reference = tokens
                 same = sum(a == b for x, y in zip(tokens, reference) for a, b in zip(x, y))
-                row = dict(batch=batch, method=name, k=k, **row,
+                row = dict(batch=batch, method=name, k=k, requests=len(prompts), **row,
                            matches_no_speculation=tokens == reference,
                            # Positions equal to the run without speculation (greedy; in
                            # bf16 a verify step's products may round differently).
@@ -254,12 +364,8 @@ def main(argv: list[str] | None = None) -> dict:
                            sequences_identical=sum(x == y for x, y in zip(tokens, reference)))
                 results.append(row)
                 print(json.dumps(row), flush=True)
-    config = {**vars(args), "out": portable_path(args.out) if args.out else None}
-    report = dict(benchmark="drafters", commit=git_commit(), torch=torch.__version__,
-                  device=torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.machine(),
-                  args=config, **meta, results=results)
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+                save()
+    save()
     return report
 
 

@@ -153,10 +153,8 @@ class EngineCore:
         max_blocks = -(-config.scheduler.max_model_len // cc.kv_block_size)
         # A drafter with caches of its own replays its uniform steps from graphs of its
         # own (hybridserve.runner.draft_graphs) wherever the target may, as the policy's
-        # drafter_graphs allows (KernelPolicy: "auto" is off under real CUDA capture).
-        captured = torch.device(config.device).type == "cuda"
-        drafter_graphs = policy.drafter_graphs == "on" or (
-            policy.drafter_graphs == "auto" and not captured)
+        # drafter_graphs allows ("auto" is "on").
+        drafter_graphs = policy.drafter_graphs != "off"
         enable_drafter_graphs = getattr(self.drafter, "enable_graphs", None)
         if enable_drafter_graphs is not None and not enforce_eager and drafter_graphs:
             enable_drafter_graphs(max_blocks, config.scheduler.max_num_seqs)

@@ -71,6 +71,11 @@ __all__ = ["ssd_scan_two_pass", "ssd_scan_two_pass_reference"]
 # The two passes write and read the same states as the fused scan: one twin for both.
 ssd_scan_two_pass_reference = ssd_scan_fused_reference
 
+# Rows x heads from which the state pass takes its small tiles (see ssd_scan_two_pass):
+# timed at 128 (1 row of the 8B layer: large tiles win) and 1,024 (8 rows: small tiles
+# win); the switch between them is a guess, not a measurement.
+STATE_PASS_MANY_PROGRAMS = 512
+
 
 @triton.jit
 def _chunk_tile(base_ptr, tok_stride, q, cols, tm, cmask):
@@ -347,14 +352,17 @@ def ssd_scan_two_pass(
                                device=x.device)
     width = max(16, triton.next_power_of_2(head_dim))
     block_n = max(16, triton.next_power_of_2(d_state))
-    # Defaults from sm_90 builds (Triton 3.9, head_dim 64, state 128, bf16 inputs), not
-    # yet timed: the state pass at 32 x 128 and 8 warps takes 225 registers a thread and
-    # spills nothing (64 x 128 spills at 4 and 8 warps); the output pass at 64 and 4
-    # warps takes 255 and spills 40 bytes (32 wide: 194 and none, but C B^T twice).
-    # bench_prefill_kernels.py sweeps the alternatives.
-    state_block_p = max(16, min(state_block_p or 32, width))
-    state_block_n = max(16, min(state_block_n or 128, block_n))
-    state_warps = state_warps or 8
+    # Defaults timed on the H200 (``prefill_kernels.json``, 8B layer: head_dim 64, state
+    # 128, bf16 inputs). The state pass walks its row's chunks in order, so its programs
+    # are heads x tiles x rows: with many rows, small tiles at 4 warps (32 x 64: 3.90 ms
+    # for 8 x 4,096 against 5.07 at 32 x 128 / 8 warps); with few rows, one tile of the
+    # whole state at 8 warps (64 x 128: 1.30 ms for 1 x 8,192 against 1.55 at 32 x 64;
+    # it spills 232 bytes a thread and still wins). The output pass at 64 and 4 warps takes
+    # 255 registers and spills 40 bytes (32 wide: 194 and none, but C B^T twice; 5.37 ms).
+    many_rows = seqs * heads >= STATE_PASS_MANY_PROGRAMS
+    state_block_p = max(16, min(state_block_p or (32 if many_rows else 64), width))
+    state_block_n = max(16, min(state_block_n or (64 if many_rows else 128), block_n))
+    state_warps = state_warps or (4 if many_rows else 8)
     block_p = max(16, min(block_p or 64, width))
     num_warps = num_warps or 4
     unclamped, dt_min, dt_max = _dt_limits(unclamped, time_step_limit)

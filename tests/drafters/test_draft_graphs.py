@@ -378,7 +378,7 @@ def test_captured_draft_steps_match_eager_on_cuda(request, fixture, qwen_draft, 
 
 @pytest.mark.parametrize("fixture", ["tiny_granite", "qwen3_5_mtp"])
 def test_drafter_graphs_off_runs_the_drafter_eagerly(request, fixture, mtp_targets):
-    """``KernelPolicy.drafter_graphs="off"`` (what "auto" is under real CUDA capture):
+    """``KernelPolicy.drafter_graphs="off"``:
     the drafter builds no graphs, an MTP target's steps run eagerly beside it, and the
     output is the output without speculation."""
     if fixture.endswith("_mtp"):
