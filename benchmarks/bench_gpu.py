@@ -1060,14 +1060,16 @@ def layer_kernels(model, device, batches):
 # (NEMOTRON_8B on CUDA, TINY in the smoke run). On CUDA: decode and verify steps of 64
 # rows over contexts of a few hundred to a few thousand keys, prefill rows of a few
 # hundred to a few thousand tokens, the engine's default state interval, 16-token KV
-# blocks, a state copy of 16 rows over every Mamba layer, a short-row step whose cached
-# prompt's tail is 128 tokens (24 in the smoke run: the interpreter steps through the
-# tail token by token, and the kernel tests cover the long tails).
+# blocks, a state copy of 16 rows over every Mamba layer, a short-row step with a cached
+# prompt's 128-token tail and a 37-token fresh prompt (24 and 9 in the smoke run: the
+# interpreter steps through every token in turn, and the kernel tests cover long rows).
 CHECK_STEPS = {
     "cuda": dict(rows=64, verify_q=4, context=(256, 4096), prefill=(256, 2048),
-                 kv_block=16, state_interval=64, copy_rows=16, short_tail=128),
+                 kv_block=16, state_interval=64, copy_rows=16,
+                 short_rows=(128, 1, 1, 37, 0, 5)),
     "smoke": dict(rows=4, verify_q=3, context=(3, 24), prefill=(6, 20),
-                  kv_block=4, state_interval=4, copy_rows=4, short_tail=24),
+                  kv_block=4, state_interval=4, copy_rows=4,
+                  short_rows=(24, 1, 1, 9, 0, 5)),
 }
 # An int32 output cannot hold NaN: this value marks what the kernel has not written.
 INT_POISON = -123456
@@ -1494,12 +1496,13 @@ def check_conv_varlen(shape, step, dtype, device, seed):
     }
 
 
-def _short_step(h, device, tail: int = 128):
-    """The rows of a step of short rows (a cached prompt's ``tail``-token tail, decode rows,
-    a fresh short prompt, an empty row) and its pages: ``(lens, query_start, in_pages,
-    out_pages, pages)``. Rows 0 and 3 start from zeros; about a third of the tokens, and
-    every row's last one, request their state on a page of their own."""
-    lens = [tail, 1, 1, 37, 0, 5]
+def _short_step(h, device, lens):
+    """The rows of a step of short rows of lengths ``lens`` (a cached prompt's tail, two
+    decode rows, a fresh short prompt, an empty row, a continuation) and its pages:
+    ``(lens, query_start, in_pages, out_pages, pages)``. Rows 0 and 3 start from zeros;
+    about a third of the tokens, and every row's last one, request their state on a page
+    of their own."""
+    lens = list(lens)
     qs = [0, *torch.tensor(lens).cumsum(0).tolist()]
     tokens = qs[-1]
     pages = len(lens) + tokens + 2
@@ -1521,7 +1524,7 @@ def check_conv_varlen_windows(shape, step, dtype, device, seed):
     g, h = _generators(seed, device)
     m = _mamba_shapes(shape)
     channels, k = m["conv_dim"], m["d_conv"]
-    lens, qs, in_pages, out_pages, pages = _short_step(h, device, step["short_tail"])
+    lens, qs, in_pages, out_pages, pages = _short_step(h, device, step["short_rows"])
     tokens = int(qs[-1])
     cache = torch.full((pages, channels, k - 1), float("nan"), dtype=dtype, device=device)
     read = in_pages[in_pages >= 0]
@@ -1559,7 +1562,7 @@ def check_ssm_short(shape, step, dtype, device, seed):
     g, h = _generators(seed, device)
     m = _mamba_shapes(shape)
     heads, head_dim, groups, d_state = m["heads"], m["head_dim"], m["groups"], m["d_state"]
-    lens, qs, in_pages, out_pages, pages = _short_step(h, device, step["short_tail"])
+    lens, qs, in_pages, out_pages, pages = _short_step(h, device, step["short_rows"])
     tokens = int(qs[-1])
     x = _randn(g, tokens, heads, head_dim, device=device, dtype=dtype)
     dt, dt_bias, A = _mamba_raw_dt_A(g, tokens, heads, device, dtype)
@@ -2055,7 +2058,7 @@ def check_gdn_varlen(shape, step, dtype, device, seed):
     short-row step's layout): outputs and the states written at requested offsets."""
     g, h = _generators(seed, device)
     s = _gdn_shapes(device)
-    lens, qs, in_pages, out_pages, pages = _short_step(h, device, step["short_tail"])
+    lens, qs, in_pages, out_pages, pages = _short_step(h, device, step["short_rows"])
     inputs, gate = _gdn_inputs(g, int(qs[-1]), s, dtype, device)
     gate64 = {k: t.double() for k, t in gate.items()}
     cache = torch.full((pages, s["hv"], s["dk"], s["dv"]), float("nan"), device=device)
