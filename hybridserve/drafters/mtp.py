@@ -90,8 +90,8 @@ if TYPE_CHECKING:
     from hybridserve.config import EngineConfig
 
 MTP_ARCHITECTURES = (
-    "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3NextForCausalLM",
-    "NemotronHForCausalLM",
+    "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM", "NemotronHForCausalLM",
 )
 
 
@@ -198,8 +198,14 @@ class MtpHead(_FusedHead):
         if config.attention is None:
             raise ValueError("an MTP head needs the target's attention parameters")
         hidden = config.hidden_size
+        # The MTP layer is decoder layer 0 of a one-layer stack: its MLP is the sparse
+        # block exactly where the target's rule (decoder_sparse_step, mlp_only_layers;
+        # every layer in Qwen3.5-MoE) makes layer 0 sparse, as the published heads are
+        # read; the block's shapes and routing are the target's.
+        sparse = 0 in config.moe_layers
         self.layer_config = config.with_overrides(
-            layer_types=(ATTENTION,), mamba=None, gdn=None, layer_has_mlp=True
+            layer_types=(ATTENTION,), mamba=None, gdn=None, layer_has_mlp=True,
+            moe=config.moe if sparse else None, moe_layers=(0,) if sparse else (),
         )
         # The head runs the target's kernel paths (its policy, fixed at load).
         self.policy = policy = target.kernel_policy
