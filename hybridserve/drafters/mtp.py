@@ -9,8 +9,17 @@ Qwen3.5 / Qwen3.6 / Qwen3-Next checkpoints ship one MTP layer (``mtp_num_hidden_
 ``mtp.pre_fc_norm_hidden``, ``mtp.fc`` (``2 * hidden -> hidden``, no bias),
 ``mtp.layers.0.*`` (a full-attention decoder layer with the target's attention and MLP
 shapes and names) and ``mtp.norm``; the token embedding and the LM head are the
-target's. For a slot ``t`` the head reads the token at ``t + 1`` and a hidden state
-``h_t`` and predicts the token at ``t + 2``::
+target's. In the mixture-of-experts targets (Qwen3-Next with ``num_experts > 0``,
+Qwen3.5-MoE) the layer's ``mlp`` is the target's sparse block: router ``mlp.gate``,
+routed experts (``mlp.experts.N.gate_proj`` / ``up_proj`` / ``down_proj``, or stacked
+``mlp.experts.gate_up_proj [E, 2I, H]`` and ``mlp.experts.down_proj [E, H, I]``),
+``mlp.shared_expert.*`` and ``mlp.shared_expert_gate``; it is sparse where the target's
+rule (``decoder_sparse_step``, ``mlp_only_layers``) makes a layer 0 sparse, as the
+published heads are read. The vision-language checkpoints keep ``mtp.*`` at the top
+level, beside ``model.language_model.*``.
+
+For a slot ``t`` the head reads the token at ``t + 1`` and a hidden state ``h_t`` and
+predicts the token at ``t + 2``::
 
     x = fc(concat(pre_fc_norm_embedding(embed(token[t + 1])), pre_fc_norm_hidden(h_t)))
     y = norm(decoder_layer(x))        # attends over the head's own K/V of slots <= t
@@ -306,7 +315,8 @@ def load_mtp_head(path: str | Path, target: nn.Module) -> nn.Module:
 
     Weights are read as the target's are (:func:`hybridserve.models.loader.read_weights`):
     every ``mtp.*`` weight of the head present once with its shape, per-expert tensors
-    (``mtp.layers.i.mixer.experts.N.up_proj.weight``) stacked, nothing unknown.
+    (``mtp.layers.i.mixer.experts.N.up_proj.weight``, ``mtp.layers.0.mlp.experts.N.
+    gate_proj.weight``) stacked, nothing unknown.
     Raises ValueError naming ``speculative_config.method`` when the architecture has no
     MTP support here or the checkpoint carries no (or an incomplete) ``mtp.*`` head."""
     from hybridserve.models.layers.moe import WeightSlot, checkpoint_slot
