@@ -17,7 +17,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from spec_helpers import assert_mtp_drafts_match_dense, motif_workload, output_tokens
+from spec_helpers import (
+    assert_every_mtp_draft_accepted,
+    assert_greedy_workloads_match,
+    assert_mtp_drafts_match_dense,
+    copy_checkpoint,
+    motif_workload,
+    output_tokens,
+)
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.drafters.mtp import MtpHead
@@ -71,18 +78,7 @@ def test_greedy_identical_with_a_qwen_moe_mtp_head(caching, d, moe_mtp, referenc
     head = llm.engine.drafter.head
     assert type(head).__name__ == "MtpHead"
     assert type(head.layers[0].mlp).__name__ == "MoEBlock"
-    llm.engine.check_integrity_every_step = True
-    # Workload 0, then 1 (new prompts, some sharing prefixes), then 0 again: prefix hits
-    # (when caching) and speculation together.
-    for seed in (0, 1, 0):
-        assert output_tokens(llm.generate(motif_workload(seed), GREEDY)) == references[seed]
-    stats = llm.stats()
-    assert stats["spec_draft_tokens"] > 0
-    if caching:
-        assert stats["prefix_hit_tokens"] > 0
-    drafter = llm.engine.drafter
-    drafter.check_integrity()
-    assert drafter.blocks.num_free == drafter.blocks.num_blocks
+    assert_greedy_workloads_match(llm, references, GREEDY, caching)
 
 
 def test_qwen_moe_mtp_drafts_equal_a_from_scratch_computation(moe_mtp):
@@ -127,18 +123,7 @@ def _context_free_equal_head(path: Path) -> Path:
 @pytest.mark.parametrize("which", sorted(TARGETS))
 def test_context_free_head_equal_to_the_target_accepts_every_draft(which, tmp_path):
     path = _context_free_equal_head(_target(tmp_path / which, which, 6))
-    prompts = motif_workload(0) + motif_workload(1)
-    ref = output_tokens(LLM(path, enable_prefix_caching=False).generate(prompts, GREEDY))
-    for caching in (False, True):
-        for d in (1, 3):
-            llm = LLM(path, enable_prefix_caching=caching, state_interval=16,
-                      speculative_config=_mtp(d))
-            llm.engine.check_integrity_every_step = True
-            assert output_tokens(llm.generate(prompts, GREEDY)) == ref
-            s = llm.stats()
-            assert s["spec_draft_tokens"] > 50
-            assert s["spec_accepted_tokens"] == s["spec_draft_tokens"], (caching, d, s)
-            assert s["spec_mean_accepted_length"] > d
+    assert_every_mtp_draft_accepted(path, (False, True), GREEDY)
 
 
 # ---- the published structure -----------------------------------------------------------
@@ -254,19 +239,6 @@ def test_the_mtp_layer_is_sparse_where_the_targets_layer_0_is(moe_mtp):
 # ---- the loader ------------------------------------------------------------------------
 
 
-def _copy(src: Path, dst: Path, weights=None, config=None) -> Path:
-    dst.mkdir()
-    raw = json.loads((src / "config.json").read_text())
-    if config:
-        raw = config(raw)
-    (dst / "config.json").write_text(json.dumps(raw))
-    w = load_file(str(src / "model.safetensors"))
-    if weights:
-        w = weights(w) or w
-    save_file(w, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
-
-
 def _other_layout(w: dict) -> dict:
     """The head's routed experts rewritten in the other published layout (stacked <->
     one tensor per expert)."""
@@ -313,7 +285,7 @@ def test_loader_takes_the_published_names(moe_mtp, tmp_path):
     assert torch.equal(experts.down_proj[7], down)
     assert torch.equal(head.layers[0].mlp.shared_expert_gate.weight, w["mtp.layers.0.mlp.shared_expert_gate.weight"])
     # The other layout of the same experts loads the same head.
-    other = LLM(_copy(path, tmp_path / "other", weights=_other_layout),
+    other = LLM(copy_checkpoint(path, tmp_path / "other", weights=_other_layout),
                 speculative_config=_mtp(1)).engine.drafter.head
     for name, t in head.state_dict().items():
         assert torch.equal(other.state_dict()[name], t), name
@@ -338,33 +310,32 @@ def test_loader_names_what_is_missing_or_unknown(moe_mtp, tmp_path):
         missing = drop(*(f"mtp.layers.0.mlp.experts.3.{p}.weight" for p in ("gate_proj", "up_proj")))
         message = r"expert 3 of 'mtp.layers.0.mlp.experts.gate_up_proj' is missing .*" + where
     with pytest.raises(ValueError, match=message):
-        LLM(_copy(path, tmp_path / "a", weights=missing), speculative_config=_mtp(1))
+        LLM(copy_checkpoint(path, tmp_path / "a", weights=missing), speculative_config=_mtp(1))
     with pytest.raises(ValueError, match=r"missing weight\(s\) \['mtp.layers.0.mlp.shared_expert_gate.weight'\]"
                        r" required by the MTP head .*speculative_config"):
-        LLM(_copy(path, tmp_path / "b", weights=drop("mtp.layers.0.mlp.shared_expert_gate.weight")),
+        LLM(copy_checkpoint(path, tmp_path / "b", weights=drop("mtp.layers.0.mlp.shared_expert_gate.weight")),
             speculative_config=_mtp(1))
     if not fused:
         half = drop("mtp.layers.0.mlp.experts.5.up_proj.weight")
         with pytest.raises(ValueError, match=r"expert 5 of 'mtp.layers.0.mlp.experts.gate_up_proj' is "
                            r"incomplete .*speculative_config"):
-            LLM(_copy(path, tmp_path / "c", weights=half), speculative_config=_mtp(1))
+            LLM(copy_checkpoint(path, tmp_path / "c", weights=half), speculative_config=_mtp(1))
 
     def dense(w):  # a dense MLP where the head has experts
         w["mtp.layers.0.mlp.gate_proj.weight"] = torch.zeros(128, 64)
 
     with pytest.raises(ValueError, match=r"unexpected MTP weight\(s\) \['mtp.layers.0.mlp.gate_proj.weight'\]"):
-        LLM(_copy(path, tmp_path / "d", weights=dense), speculative_config=_mtp(1))
+        LLM(copy_checkpoint(path, tmp_path / "d", weights=dense), speculative_config=_mtp(1))
     # The target alone still loads (its loader skips mtp.*) and runs without speculation.
     assert LLM(path).generate([[5, 6, 7]], GREEDY)[0].outputs[0].token_ids
 
 
-def test_vision_language_checkpoint_keeps_the_head_at_top_level(moe_mtp, references, tmp_path):
+def test_vision_language_checkpoint_keeps_the_head_at_top_level(tmp_path):
     """Qwen3_5MoeForConditionalGeneration: the language model under
     ``model.language_model.*`` and its config under ``text_config``, the head's ``mtp.*``
-    at the top level as in the text checkpoint: the same drafts and outputs."""
-    which, path = moe_mtp
-    if which != "qwen3_5_moe":
-        pytest.skip("the vision-language wrapper is Qwen3.5-MoE's")
+    at the top level as in the text checkpoint: the same drafts and outputs, which are
+    the target's without speculation."""
+    path = _target(tmp_path / "text", "qwen3_5_moe", 3)
 
     def wrap(raw):
         return {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
@@ -374,12 +345,14 @@ def test_vision_language_checkpoint_keeps_the_head_at_top_level(moe_mtp, referen
         return {("model.language_model." + n.removeprefix("model.") if n.startswith("model.") else n): t
                 for n, t in w.items()}
 
-    vl = _copy(path, tmp_path / "vl", weights=rename, config=wrap)
+    vl = copy_checkpoint(path, tmp_path / "vl", weights=rename, config=wrap)
+    ref = output_tokens(LLM(path, enable_prefix_caching=False).generate(motif_workload(0), GREEDY))
     stats = []
     for p in (path, vl):
         llm = LLM(p, enable_prefix_caching=False, speculative_config=_mtp(3))
-        assert output_tokens(llm.generate(motif_workload(0), GREEDY)) == references[0]
+        assert output_tokens(llm.generate(motif_workload(0), GREEDY)) == ref
         s = llm.stats()
         stats.append((s["spec_draft_tokens"], s["spec_accepted_tokens"]))
     assert llm.model.config.architecture == "Qwen3_5MoeForConditionalGeneration"
+    assert type(llm.engine.drafter.head.layers[0].mlp).__name__ == "MoEBlock"
     assert stats[0] == stats[1] and stats[0][0] > 0
