@@ -16,6 +16,20 @@ step would. Anything else (prefill, steps mixing prefill and decode, penalties,
 biases, logprobs, too many rows, a context longer than the block tables' width) returns
 None and the runner runs the step eagerly.
 
+Verify steps with a drafter's distributions (sampled rows whose drafts a draft model or
+an MTP head sampled from its own ``q``: the runner hands each row's ``log q``, or None,
+to :meth:`DecodeGraphs.replay`): the key's :class:`Sampling` says ``drafted`` (never
+which rows), the row's draft flags ride in its static buffer line (``_Static.flags``),
+their ``log q`` in the graphs' one static ``log q`` buffer
+(:meth:`DecodeGraphs.enable_draft_distributions`: float32, ``[max_batch * k, vocab]``,
+allocated only when the engine's drafter produces distributions), and the draw runs
+:func:`~hybridserve.runner.sampler.speculative_choices` over every draft slot of the
+shape, keeping it where the flag is set and the point-mass draw everywhere else: point-mass
+drafts (n-gram, or any row whose ``log q`` the runner did not hand over), greedy rows,
+a row's padding slots and padding rows. Every op of that test is row by row, so a
+flagged slot gives the eager sampler's token, and the step the eager step's tokens and
+acceptance. Without the buffer such steps run eagerly.
+
 Masked steps (rows with a grammar, ``allowed_token_ids`` or ``min_tokens``): the key's
 :class:`Sampling` says the step masks (never which rows do), and the step is two
 graphs, the forward and the logits, then the masks and the draw. Every position's mask
@@ -38,8 +52,8 @@ buckets are powers of two up to 32 blocks, then multiples of 16. Graphs are capt
 lazily, on the first step of each key, into one shared memory pool.
 
 Static inputs: per ``q``, one int64 device buffer ``meta [B_max, cols]`` holds, per
-row, the token ids, positions, KV slots, the input state page, the ``q`` output pages
-and the block table (layout in :class:`_Static`), and one float64 buffer the draw
+row, the token ids, positions, KV slots, the input state page, the ``q`` output pages,
+the block table and the draft flags (layout in :class:`_Static`), and one float64 buffer the draw
 parameters of every position (:data:`~hybridserve.runner.sampler.PARAM_COLUMNS`). The
 host fills pinned twins and copies them with asynchronous transfers (the parameters
 only in steps that sample); the graph reads their slices. Rows

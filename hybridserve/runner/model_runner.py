@@ -13,7 +13,9 @@ draw, the verify rows' accepted counts on the device, then the state postprocess
 elsewhere) from per-row inputs, and one read-back of the choices and the decisions.
 
 With decode graphs enabled (:meth:`ModelRunner.enable_decode_graphs`, the engine's
-default on CUDA), a decode or verify step (greedy, sampled or constrained) replays a captured CUDA graph
+default on CUDA), a decode or verify step (greedy, sampled or constrained, its drafts point
+masses or sampled from a drafter's distribution, whose ``log q`` the graphs take from a
+static buffer) replays a captured CUDA graph
 (:mod:`hybridserve.runner.cuda_graph`), and so does a short-row step (a prompt's tail
 after a cached prefix: few prefill rows of at most the policy's ``max_short_tokens``
 tokens, without penalties or logprobs; :meth:`~hybridserve.runner.cuda_graph.DecodeGraphs.replay_short`); every

@@ -186,6 +186,25 @@ def test_mixed_rows_in_one_step_equal_eager(targets):
     assert {"greedy", "q", "point"} in runs["graphs"][3], runs["graphs"][3]
 
 
+def test_masked_steps_with_distribution_drafts_equal_eager(targets):
+    """Token masks (``allowed_token_ids``, ``min_tokens``) in steps with distribution
+    drafts: the two-graph masked step applies the masks, then the flagged speculative
+    draw; the tokens and acceptance are the eager engine's."""
+    target = targets["target"]
+    prompts, params = _workload(9, sampled=3, greedy=1)
+    params[0] = SamplingParams(temperature=0.9, seed=5, max_tokens=14, ignore_eos=True,
+                               allowed_token_ids=list(range(3, 160)))
+    params[3] = SamplingParams(temperature=0.0, max_tokens=14, min_tokens=10)
+    runs = {mode: _run(target, mode, MTP, prompts, params) for mode in ("eager", "graphs")}
+    assert runs["graphs"][0] == runs["eager"][0]
+    for key in ("spec_draft_tokens", "spec_accepted_tokens"):
+        assert runs["graphs"][1][key] == runs["eager"][1][key], key
+    graphs = runs["graphs"][2]
+    assert runs["eager"][3] and not runs["graphs"][3]
+    assert graphs.counters["masked_graph_steps"] > 0 and graphs.counters["drafted_graph_steps"] > 0
+    assert any(len(k) == 5 and k[3].masked and k[3].drafted for k in graphs._graphs), list(graphs._graphs)
+
+
 def test_the_old_rule_differs(targets):
     """The planted bug the buffer fixes: verifying distribution drafts as point masses
     inside the graph (the flags cleared) changes seeded tokens, so the equality above
