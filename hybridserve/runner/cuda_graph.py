@@ -449,7 +449,7 @@ class DecodeGraphs:
         # The static log q buffer of drafts sampled from a drafter's distribution
         # (enable_draft_distributions; None: such steps run eagerly) and the most drafts
         # per row it holds.
-        self.draft_logq: torch.Tensor | None = None
+        self.static_logq: torch.Tensor | None = None
         self.max_drafted = 0
         # Keep each replayed decode step's final hidden states (``last_hidden``,
         # ``[B * q, hidden]``: row i's token t at i * q + t) for a drafter that reads
@@ -498,7 +498,7 @@ class DecodeGraphs:
         if k < 1:
             return  # no graph verifies a draft (max_q is 1)
         vocab = self.model.config.vocab_size
-        self.draft_logq = torch.zeros(self.max_batch * k, vocab, dtype=sampler.LOGQ_DTYPE,
+        self.static_logq = torch.zeros(self.max_batch * k, vocab, dtype=sampler.LOGQ_DTYPE,
                                       device=self.device)
         self.max_drafted = k
 
@@ -565,7 +565,7 @@ class DecodeGraphs:
             return None
         drafted = logqs is not None and any(logq is not None for logq in logqs)
         if drafted:
-            buf = self.draft_logq
+            buf = self.static_logq
             if buf is None or q - 1 > self.max_drafted:
                 return None
             for row, logq in zip(rows, logqs):
@@ -813,7 +813,7 @@ class DecodeGraphs:
                 if logq is not None:
                     flags[i, : row.num_drafts] = 1
                     # Queued on the stream after every replay that read the buffer before.
-                    self.draft_logq[i * d : i * d + row.num_drafts].copy_(logq[: row.num_drafts])
+                    self.static_logq[i * d : i * d + row.num_drafts].copy_(logq[: row.num_drafts])
         params = 0
         if shape.sampling.any_sampled:
             # Every position's draw parameters; rows shorter than q and padding rows
@@ -919,7 +919,7 @@ class DecodeGraphs:
         pos = (torch.arange(b, device=device)[:, None] * q
                + torch.arange(d, device=device)[None, :]).reshape(-1)
         use = m[:, st.flags : st.flags + d].reshape(-1) != 0
-        return pos, self.draft_logq[: b * d], m[:, 1:q].reshape(-1), use
+        return pos, self.static_logq[: b * d], m[:, 1:q].reshape(-1), use
 
     def _record(self, key: tuple, forward):
         """Capture ``forward()`` (one step on its static buffers) as the graph of

@@ -57,7 +57,7 @@ def _engine(path, mode: str, device: str = "cpu", **kw) -> LLM:
                             eng.eos_token_ids, enforce_eager=mode == "eager",
                             async_scheduling=False)
     if mode == "fallback":
-        llm.engine.runner.graphs.draft_logq = None
+        llm.engine.runner.graphs.static_logq = None
     return llm
 
 
@@ -236,13 +236,13 @@ def test_log_q_buffer_only_for_distribution_drafters(targets, tiny_granite):
         graphs = _engine(target, "graphs", max_num_seqs=5, speculative_config=spec).engine.runner.graphs
         vocab = graphs.model.config.vocab_size
         assert graphs.max_batch == 8 and graphs.max_drafted == K
-        assert graphs.draft_logq.shape == (8 * K, vocab)
-        assert graphs.draft_logq.dtype == sampler.LOGQ_DTYPE == torch.float32
-        assert not graphs.draft_logq.any()
+        assert graphs.static_logq.shape == (8 * K, vocab)
+        assert graphs.static_logq.dtype == sampler.LOGQ_DTYPE == torch.float32
+        assert not graphs.static_logq.any()
     ngram = {"method": "ngram", "num_speculative_tokens": K}
     for kw in ({"speculative_config": ngram}, {}):
         graphs = _engine(tiny_granite, "graphs", **kw).engine.runner.graphs
-        assert graphs.draft_logq is None and graphs.max_drafted == 0
+        assert graphs.static_logq is None and graphs.max_drafted == 0
     with pytest.raises(ValueError, match="max_drafts"):
         graphs.enable_draft_distributions(0)
 
@@ -323,12 +323,12 @@ def test_fill_writes_flags_and_log_q_slots(targets):
         if logqs is not None and not captured:
             shape = graphs.shape_of(sched, logqs)
             if shape is not None and shape.rows >= 2:
-                before = graphs.draft_logq.clone()
+                before = graphs.static_logq.clone()
                 st = _Static(shape.q, graphs.max_batch, graphs.max_blocks, graphs.scratch_block,
                              graphs.scratch_page, graphs.block_size, torch.device("cpu"), flags=True)
                 graphs.fill(st, sched, shape, logqs)
                 drafts = [row.request.draft_token_ids[: row.num_drafts] for row in sched.rows]
-                captured.append((sched, shape, logqs, st, before, graphs.draft_logq.clone(),
+                captured.append((sched, shape, logqs, st, before, graphs.static_logq.clone(),
                                  drafts))
         return replay(sched, tokens, logqs)
 
@@ -358,18 +358,22 @@ def test_fill_writes_flags_and_log_q_slots(targets):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", ["mtp", "draft_model"])
+@pytest.mark.parametrize("method", ["mtp", "draft_model", "mtp_mixed"])
 def test_captured_distribution_draft_steps_equal_eager_on_cuda(method, targets):
     """On CUDA, under real capture: seeded sampled requests with MTP / draft-model
-    drafts (beside a greedy one) replay captured verify graphs that read the log q
+    drafts (beside greedy ones; ``mtp_mixed``: two sampled requests' drafts verified as
+    point masses in the same steps) replay captured verify graphs that read the log q
     buffer, none runs eagerly, and the tokens and acceptance equal the eager engine's."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     target = targets["target"]
-    spec = MTP if method == "mtp" else _draft_spec(targets["draft"])
-    prompts, params = _workload(3, sampled=3, greedy=1)
-    want, want_stats, _, eager_spec = _run(target, "eager", spec, prompts, params, device="cuda")
-    got, stats, graphs, graph_spec = _run(target, "graphs", spec, prompts, params, device="cuda")
+    spec = _draft_spec(targets["draft"]) if method == "draft_model" else MTP
+    prompts, params = _workload(3, sampled=4, greedy=2)
+    point = ("gen-1", "gen-3") if method == "mtp_mixed" else ()
+    want, want_stats, _, eager_spec = _run(target, "eager", spec, prompts, params, point,
+                                           device="cuda")
+    got, stats, graphs, graph_spec = _run(target, "graphs", spec, prompts, params, point,
+                                          device="cuda")
     assert eager_spec and not graph_spec
     assert got == want
     for key in ("spec_draft_tokens", "spec_accepted_tokens"):
