@@ -19,7 +19,9 @@ Shapes (Qwen3.6-27B's config.json): 16 key heads, 48 value heads, head dims 128,
 state pages (3 MiB per sequence per layer). Inputs are rotated over several page sets so
 no iteration reads what the previous one left in L2. Writes
 ``benchmarks/results/gdn_kernels.json``; ``--smoke`` runs tiny shapes (on the CPU through
-Triton's interpreter when there is no GPU) and writes ``gdn_kernels_smoke.json``.
+Triton's interpreter when there is no GPU) and writes ``gdn_kernels_smoke.json``;
+``--f32-dots ieee`` (or ``tf32x3``) compiles fla-core's float32 dots at that precision
+(``--skip-decode --out ...`` for a run of that alone).
 """
 
 from __future__ import annotations
@@ -225,7 +227,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; a separate file")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-decode", action="store_true", help="the prefill section only")
+    parser.add_argument(
+        "--f32-dots", choices=("tf32", "tf32x3", "ieee"), default=None,
+        help="how fla-core's float32 dots run (Triton's TRITON_F32_DEFAULT, read when a "
+             "kernel compiles; fla-core leaves it to Triton, whose default is TF32): its "
+             "error against the token kernel and its time at each")
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.f32_dots:
+        # Before any kernel of this process compiles: the setting is read at compile time.
+        os.environ["TRITON_F32_DEFAULT"] = args.f32_dots
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = SMOKE if args.smoke or device != "cuda" else FULL
     g = torch.Generator().manual_seed(args.seed)
@@ -233,14 +245,15 @@ def main() -> None:
         device=torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)",
         torch=torch.__version__, triton=triton.__version__, commit=git_commit(),
         fla_chunk_scan=gdn_chunked.fla_chunk_scan_available(), fla_core=fla_version(),
-        config={k: v for k, v in shapes.items()},
-        decode=bench_decode(shapes, device, g),
+        config={k: v for k, v in shapes.items()}, f32_dots=args.f32_dots or "triton default",
+        decode=None if args.skip_decode else bench_decode(shapes, device, g),
         prefill=bench_prefill(shapes, device, g),
     )
     name = "gdn_kernels_smoke.json" if shapes is SMOKE else "gdn_kernels.json"
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / name).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {RESULTS / name}")
+    out = args.out or RESULTS / name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ Measured in one run (benchmarks/results/INDEX.md says how), kernel medians from 
                       float32 copies, groups expanded, fla-core's scan (where importable);
          each checked against the float64 twin on the heads of the first two groups
          (relative error of outputs and states);
+         the default two-pass run also by kernel (``kernels_ms``, torch.profiler: the
+         state pass against the output pass);
   conv   ``conv_varlen`` over 8 x 4,096 tokens of the 10,240-channel conv: no window
          asked, the window mode on with no window in the step, windows at the row ends
          (every prefill step), windows every 64 tokens; a few tiles; against its twin.
@@ -115,6 +117,28 @@ def _time(fn, reps: int, device: str) -> float:
     return statistics.median(times)
 
 
+def _kernel_breakdown(fn, reps: int, device: str) -> dict | None:
+    """GPU time a call of ``fn`` by kernel name (ms, summed over that name's launches),
+    from torch.profiler: where the scan's time goes (its state pass, its output pass, the
+    host plan's small launches). None off CUDA."""
+    if device != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    times = {}
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+        if us:
+            times[e.key[:90]] = round(us / reps / 1e3, 4)
+    return dict(sorted(times.items(), key=lambda kv: -kv[1])[:12])
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
@@ -208,7 +232,9 @@ def _ssd_case(cfg, name, rows, length, every64, device, reps, use_fla):
         return {"median_ms": 1e3 * _time(lambda: run(fn, **kw), reps, device), **got}
 
     two_pass = ssd_two_pass.ssd_scan_two_pass
-    out["new"] = {"scan": two_pass.__name__, **measure(two_pass), "variants": [
+    out["new"] = {"scan": two_pass.__name__, **measure(two_pass),
+                  "kernels_ms": _kernel_breakdown(lambda: run(two_pass), reps, device),
+                  "variants": [
         {**kw, **measure(two_pass, **kw)} for kw in (
             dict(block_p=bp, num_warps=w, state_block_p=sbp, state_block_n=sbn,
                  state_warps=sw, precision=pr)

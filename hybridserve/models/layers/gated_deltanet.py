@@ -76,8 +76,13 @@ def packed_rows_mode(
     ``"chunked"``: the same with the chunked form and its chunk states
     (:mod:`hybridserve.kernels.gdn_chunked`, the twin of the fla-core prefill; bfloat16
     state pages keep the token-by-token twin); ``"fla"``: on CUDA, steps with a row longer
-    than :data:`FLA_MIN_TOKENS` take fla-core's chunked delta rule (opt-in until checked on
-    a GPU), the others the packed-rows kernels; ``"off"``: the per-row path everywhere."""
+    than :data:`FLA_MIN_TOKENS` take fla-core's chunked delta rule, the others the
+    packed-rows kernels; ``"off"``: the per-row path everywhere.
+
+    fla-core's rule stays opt-in: on the H200 it was 2.2x (8 x 4,096 tokens) to 4.4x
+    (1 x 4,096) faster a Qwen3.6-27B layer than the token kernel, but 1.8e-3 from it with
+    float32 inputs (its dots run in TF32), so its checkpoints are not the states a cold
+    run of the token kernel reaches (``benchmarks/results/gdn_kernels.json``)."""
     if mode == "reference":
         return "twin"
     if mode == "triton":
