@@ -791,10 +791,12 @@ def speculative_choices(
     p, q = logp.double().exp(), logq.double().exp()
     x = drafts.long()[:, None]
     u = uniforms_at(seed_lo ^ _ACCEPT_SALT, seed_hi, index, x)[:, 0]
-    px, qx = p.gather(1, x)[:, 0], q.gather(1, x)[:, 0]
-    accept = u * qx < px
-    residual = (p - q).clamp_min(0.0)
+    accept = u * q.gather(1, x)[:, 0] < p.gather(1, x)[:, 0]
+    # p - q in q's memory (the same bits: negation is exact), clamped at 0; in place
+    # because a replayed graph runs this on every draft slot of its largest shape.
+    residual = q.neg_().add_(p).clamp_min_(0.0)
     # All-zero residual only when p == q, where acceptance is certain: any fallback works.
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
-    keys = torch.log(residual) - torch.log(-torch.log(uniforms(seed_lo, seed_hi, index, vocab)))
+    gumbel = torch.log(-torch.log(uniforms(seed_lo, seed_hi, index, vocab)))
+    keys = residual.log_().sub_(gumbel)
     return torch.where(accept, drafts.long(), torch.argmax(keys, dim=-1))
