@@ -483,7 +483,7 @@ class DecodeGraphs:
         The buffer: ``[max_batch * k, vocab]`` in
         :data:`~hybridserve.runner.sampler.LOGQ_DTYPE` (float32: the dtype the drafters
         and the eager sampler use too, so both paths test on the same values; why not
-        float64 is said there), zero-filled, one for every ``q``. A step of ``B`` rows
+        float64 is said there), zero-filled, one buffer for every ``q``. A step of ``B`` rows
         of ``q`` tokens uses its first ``B * (q - 1)`` rows, row ``i``'s draft ``j`` at
         ``i * (q - 1) + j``: a contiguous view, so the captured draw reads it without a
         gather. ``k`` rows per batch row, not ``q`` (the last position of a row never
