@@ -20,6 +20,7 @@ import torch
 from spec_helpers import output_tokens, rand_tokens
 
 from hybridserve import LLM, SamplingParams
+from hybridserve.config import KernelPolicy
 from hybridserve.engine.engine_core import EngineCore
 from hybridserve.runner import sampler
 from hybridserve.runner.cuda_graph import _Static
@@ -49,7 +50,10 @@ def _engine(path, mode: str, device: str = "cpu", **kw) -> LLM:
     """An LLM whose engine runs ``mode``: "eager" (no graphs at all), "fallback" (graphs,
     but the target's without a log q buffer: its distribution-draft steps run eagerly,
     the rule before the buffer existed) or "graphs"; every step read back before the
-    next."""
+    next. "graphs" sets ``KernelPolicy.logq_graphs="on"`` (its "auto" is off under real
+    CUDA capture)."""
+    if mode == "graphs":
+        kw.setdefault("kernel_policy", KernelPolicy(logq_graphs="on"))
     llm = LLM(path, device=device, **kw)
     eng = llm.engine
     llm.engine = None
@@ -381,3 +385,19 @@ def test_captured_distribution_draft_steps_equal_eager_on_cuda(method, targets):
     assert graphs.capture and not graphs.capture_errors, graphs.capture_errors
     assert graphs.counters["drafted_graph_steps"] >= len(eager_spec), graphs.counters
     assert graphs.counters["captures"] > 0
+
+
+def test_logq_graphs_off_leaves_distribution_steps_eager(targets):
+    """``KernelPolicy.logq_graphs="off"``: the graphs hold no log q buffer, the verify
+    steps of distribution drafts run eagerly, and their tokens are the eager engine's."""
+    prompts, params = _workload(3, sampled=2, greedy=1)
+    want, want_stats, _, _ = _run(targets["target"], "eager", MTP, prompts, params)
+    llm = _engine(targets["target"], "off", max_num_seqs=8, speculative_config=MTP,
+                  kernel_policy=KernelPolicy(logq_graphs="off"))
+    assert llm.engine.runner.graphs.static_logq is None
+    eager_spec = _spy_eager_distribution_steps(llm)
+    assert output_tokens(llm.generate(prompts, params, use_tqdm=False)) == want
+    assert eager_spec
+    assert llm.stats()["spec_accepted_tokens"] == want_stats["spec_accepted_tokens"]
+    with pytest.raises(ValueError, match="logq_graphs"):
+        KernelPolicy(logq_graphs="yes")
