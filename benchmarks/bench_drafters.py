@@ -183,7 +183,7 @@ def run_row(target, spec, prompts, params, args, batch: int,
     cuda = args.device.startswith("cuda")
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    policy = KernelPolicy(drafter_graphs=args.drafter_graphs)
+    policy = KernelPolicy(drafter_graphs=args.drafter_graphs, logq_graphs=args.logq_graphs)
     build = dict(dtype=args.dtype, device=args.device, max_num_seqs=batch,
                  speculative_config=spec, enable_prefix_caching=False, kernel_policy=policy)
     if model is None:
@@ -191,7 +191,8 @@ def run_row(target, spec, prompts, params, args, batch: int,
     else:
         import bench_gpu
 
-        with bench_gpu.engine_with(bench_gpu.with_policy(model, drafter_graphs=args.drafter_graphs)):
+        with bench_gpu.engine_with(bench_gpu.with_policy(model, drafter_graphs=args.drafter_graphs,
+                                                         logq_graphs=args.logq_graphs)):
             llm = LLM(target, **build)
     # Warm-up: the same workload once, so that kernel compiles and graph captures of this
     # (drafter, batch) land here, not in the timed run.
@@ -273,6 +274,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="0: greedy, outputs checked against no speculation; > 0: sampled "
                          "with one seed per prompt (speculative sampling)")
+    ap.add_argument("--logq-graphs", choices=("auto", "on", "off"), default="auto",
+                    help="KernelPolicy.logq_graphs: sampled verify steps of a drafter's "
+                         "distribution drafts from the target's graphs")
     ap.add_argument("--drafter-graphs", choices=("auto", "on", "off"), default="auto",
                     help="KernelPolicy.drafter_graphs: the drafter's own steps from CUDA graphs")
     ap.add_argument("--smoke", action="store_true", help="a few tiny rows on the CPU (a check that it runs)")
