@@ -561,7 +561,7 @@ class MtpDrafter:
             drafts.index_copy_(0, index, d)
             if q is not None:
                 if logq is None:
-                    logq = torch.empty(n, q.shape[1], dtype=torch.float64, device=self.device)
+                    logq = torch.empty(n, q.shape[1], dtype=q.dtype, device=self.device)
                 logq.index_copy_(0, index, q)
             if y is None:
                 y = torch.empty(n, last.shape[1], dtype=last.dtype, device=self.device)
