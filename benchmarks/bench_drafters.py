@@ -34,14 +34,16 @@ The targets:
   its real acceptance. At batch 64 the row of the target as draft holds about 106 GiB
   (15 GiB of weights, 520 target state pages and 429 draft-model pages of 97 MiB: the
   recurrent states in float32; a second copy of the weights would add 15 GiB). On an
-  H200, ``--batch 1 16 64 --k 3 --prompts 64 --max-tokens 64`` is expected to take 2-3
-  minutes (an estimate, not yet measured), most of it the first rows' kernel compiles,
-  each row's graph captures and the draft model's eager steps (``--drafter-graphs
-  auto`` is off under CUDA capture).
+  H200, ``--batch 1 16 64 --k 3 --prompts 64 --max-tokens 64`` took 56 s with drafter
+  graphs on (``drafters_8b_h200.json``), most of it the first rows' kernel compiles and
+  each row's graph captures.
 
 Every row runs its prompts through one ``LLM`` at the given batch (``max_num_seqs``),
 greedy, once to warm up and once timed, and checks its outputs against no speculation
-(``matches_no_speculation``, ``token_agreement``, ``sequences_identical``). Per row: ``acceptance_rate`` =
+(``matches_no_speculation``, ``token_agreement``, ``sequences_identical``).
+``--temperature T`` samples instead (one seed per prompt, the same in every row): the
+outputs then follow the target's distribution, not its tokens, so the three checks are
+left out (None) and the rows measure speculative sampling's acceptance and speed. Per row: ``acceptance_rate`` =
 accepted / drafted tokens; ``accepted_per_verify_step`` = accepted drafts per target row
 that carried drafts; ``tokens_per_verify_step`` = 1 + that; ``tokens_per_target_step`` =
 generated tokens / target rows that emitted them (steps without drafts included);
@@ -181,7 +183,7 @@ def run_row(target, spec, prompts, params, args, batch: int,
     cuda = args.device.startswith("cuda")
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    policy = KernelPolicy(drafter_graphs=args.drafter_graphs)
+    policy = KernelPolicy(drafter_graphs=args.drafter_graphs, logq_graphs=args.logq_graphs)
     build = dict(dtype=args.dtype, device=args.device, max_num_seqs=batch,
                  speculative_config=spec, enable_prefix_caching=False, kernel_policy=policy)
     if model is None:
@@ -189,7 +191,8 @@ def run_row(target, spec, prompts, params, args, batch: int,
     else:
         import bench_gpu
 
-        with bench_gpu.engine_with(bench_gpu.with_policy(model, drafter_graphs=args.drafter_graphs)):
+        with bench_gpu.engine_with(bench_gpu.with_policy(model, drafter_graphs=args.drafter_graphs,
+                                                         logq_graphs=args.logq_graphs)):
             llm = LLM(target, **build)
     # Warm-up: the same workload once, so that kernel compiles and graph captures of this
     # (drafter, batch) land here, not in the timed run.
@@ -268,6 +271,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--methods", nargs="+", default=None,
                     help="drafters to run besides none (default: all of the target's)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy, outputs checked against no speculation; > 0: sampled "
+                         "with one seed per prompt (speculative sampling)")
+    ap.add_argument("--logq-graphs", choices=("auto", "on", "off"), default="auto",
+                    help="KernelPolicy.logq_graphs: sampled verify steps of a drafter's "
+                         "distribution drafts from the target's graphs")
     ap.add_argument("--drafter-graphs", choices=("auto", "on", "off"), default="auto",
                     help="KernelPolicy.drafter_graphs: the drafter's own steps from CUDA graphs")
     ap.add_argument("--smoke", action="store_true", help="a few tiny rows on the CPU (a check that it runs)")
@@ -298,7 +307,9 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(0)
     rng = random.Random(0)
     results = []
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    sampled = args.temperature > 0
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            ignore_eos=True)
     meta = {}
     model = None
     config = {**vars(args), "out": portable_path(args.out) if args.out else None}
@@ -352,16 +363,22 @@ def main(argv: list[str] | None = None) -> dict:
                                              for name, make in drafters.items()]
             reference = None
             for name, k, spec in rows:
-                row, tokens = run_row(target, spec, prompts, params, args, batch, model)
+                row_params = ([SamplingParams(max_tokens=args.max_tokens,
+                                              temperature=args.temperature, seed=i,
+                                              ignore_eos=True) for i in range(len(prompts))]
+                              if sampled else params)
+                row, tokens = run_row(target, spec, prompts, row_params, args, batch, model)
                 if reference is None:
                     reference = tokens
                 same = sum(a == b for x, y in zip(tokens, reference) for a, b in zip(x, y))
                 row = dict(batch=batch, method=name, k=k, requests=len(prompts), **row,
-                           matches_no_speculation=tokens == reference,
+                           matches_no_speculation=None if sampled else tokens == reference,
                            # Positions equal to the run without speculation (greedy; in
                            # bf16 a verify step's products may round differently).
-                           token_agreement=round(same / max(1, sum(map(len, reference))), 4),
-                           sequences_identical=sum(x == y for x, y in zip(tokens, reference)))
+                           token_agreement=None if sampled else round(
+                               same / max(1, sum(map(len, reference))), 4),
+                           sequences_identical=None if sampled else sum(
+                               x == y for x, y in zip(tokens, reference)))
                 results.append(row)
                 print(json.dumps(row), flush=True)
                 save()

@@ -2362,7 +2362,9 @@ def agreement(device, dtype, workdir: Path, prompts=8, prompt_len=24, new_tokens
               arch="nemotron_h", layers="M*-M-M*-", **overrides):
     """Greedy tokens of a tiny random ``arch`` checkpoint (``layers``, ``overrides`` as in
     :func:`~hybridserve.testing.tiny_models.make_tiny_checkpoint`) on ``device`` in
-    ``dtype`` against the CPU's float32 run, decode graphs on and off."""
+    ``dtype`` against the CPU's float32 run, decode graphs on and off; ``transformers``:
+    the reference implementation's own greedy tokens in ``dtype`` on ``device`` against
+    the same float32 run (the baseline: what the dtype alone costs) and against ours."""
     from hybridserve.testing.tiny_models import make_tiny_checkpoint
 
     path = make_tiny_checkpoint(arch, workdir / f"tiny_{arch}", seed=5, layers=layers,
@@ -2393,13 +2395,39 @@ def agreement(device, dtype, workdir: Path, prompts=8, prompt_len=24, new_tokens
         got, counters = generate(dt, False)
         eager, _ = generate(dt, True)
         return {"dtype": dt, **agree(ref, got), "graph_counters": counters,
-                "eager_vs_cpu": agree(ref, eager), "graphs_vs_eager": agree(eager, got)}
+                "eager_vs_cpu": agree(ref, eager), "graphs_vs_eager": agree(eager, got),
+                "_tokens": got}
+
+    def transformers_agreement(dt):
+        # The reference implementation in the same dtype on the same device, against the
+        # same float32 tokens (ours on the CPU, equal to transformers' by the parity
+        # tests): how far the dtype alone moves greedy tokens of this model.
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=getattr(torch, dt)).to(device).eval()
+        got = []
+        with torch.no_grad():
+            for row in ids:
+                x = torch.tensor([row], device=device)
+                y = hf.generate(input_ids=x, attention_mask=torch.ones_like(x),
+                                max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                do_sample=False, pad_token_id=0, eos_token_id=None)
+                got.append(y[0, prompt_len:].tolist())
+        del hf
+        return {"dtype": dt, **agree(ref, got), "ours_vs_transformers": agree(ours, got)}
 
     out = {"prompts": prompts, "prompt_len": prompt_len, "new_tokens": new_tokens,
            "reference": "cpu float32", "device": device, **compare(dtype)}
+    ours = out.pop("_tokens")
+    try:
+        out["transformers"] = transformers_agreement(dtype)
+    except Exception as e:  # a baseline that cannot run is recorded, not fatal
+        out["transformers"] = {"error": f"{type(e).__name__}: {e}"[:300]}
     if dtype != "float32":
         # Same device, float32: isolates the fast kernels from bf16 rounding.
         out["float32_on_device"] = compare("float32")
+        out["float32_on_device"].pop("_tokens")
     return out
 
 
@@ -2673,7 +2701,7 @@ def main(argv=None) -> int:
     result["decode_sampled"] = section(f"decode_sampled_b{args.profile_batch}", decode_sampled)
     result["agreement"] = section(
         "agreement", lambda: agreement(device, "bfloat16" if device == "cuda" else "float32",
-                                       workdir))
+                                       workdir, prompts=8 if args.smoke else 32))
     # The numerics always at the 8B layer's shape (the CPU smoke run too: one row, fewer
     # decode steps and a shorter prefill row, to stay within its time).
     result["numerics"] = section("numerics", lambda: numerics(
@@ -2820,6 +2848,10 @@ def main(argv=None) -> int:
                 print(f"agreement {f['dtype']} vs cpu float32: {f['positional_agreement']:.3f}, "
                       f"first divergence {f['first_divergence']}; graphs vs eager "
                       f"{f['graphs_vs_eager']['identical_sequences']}/{a['prompts']} identical")
+        t = a.get("transformers") or {}
+        if "positional_agreement" in t:
+            print(f"transformers {t['dtype']} vs cpu float32: {t['positional_agreement']:.3f} "
+                  f"(ours against it: {t['ours_vs_transformers']['positional_agreement']:.3f})")
     if result.get("numerics"):
         n = result["numerics"]
         d, p = n["decode"], n["prefill"]

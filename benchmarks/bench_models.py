@@ -510,7 +510,7 @@ def run_shape(name: str, args, env: dict, result: dict, save, workdir: Path) -> 
     arch, layers, overrides = SHAPES[name]["tiny_family"]
     out["agreement"] = section("agreement", lambda: bg.agreement(
         device, "bfloat16" if device == "cuda" else "float32", workdir / name, arch=arch,
-        layers=layers, **overrides), needs(20))
+        layers=layers, prompts=8 if args.smoke else 32, **overrides), needs(20))
 
     # transformers' baseline and the checkpoint load, on the truncated shape.
     layers = SHAPES[name]["truncated_layers"]

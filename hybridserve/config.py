@@ -277,6 +277,13 @@ class KernelPolicy:
       eagerly). On the H200 the captured drafter steps gave the eager steps' tokens
       (``tests/drafters/test_draft_graphs.py``'s `gpu` test) and the shipped draft model
       drafted at 1,608 tok/s at batch 1 against 260 eagerly (``drafters_trained_h200.json``).
+    - ``logq_graphs``: sampled verify steps whose drafts a drafter drew from its own
+      distribution (draft model, MTP head) replayed from the target's graphs, with the
+      drafter's ``log q`` in a static buffer
+      (:meth:`hybridserve.runner.cuda_graph.DecodeGraphs.enable_draft_distributions`):
+      ``"on"``, ``"off"`` (such steps run eagerly), or ``"auto"``: on where steps are not
+      captured (the static-buffer steps the CPU tests drive), off under real CUDA capture
+      until ``tests/drafters/test_logq_graphs.py``'s `gpu` test has run on a GPU.
     - ``fused_decode`` (bool): uniform Mamba2 steps on the Triton kernels run the conv and
       the recurrence in one launch (:func:`~hybridserve.kernels.mamba_decode.conv_ssm_update`:
       no round trip of the conv output through memory, one launch less per layer); False
@@ -304,9 +311,10 @@ class KernelPolicy:
     fused_decode: bool = True
     fused_decode_max_rows: int = 8
     drafter_graphs: str = "auto"
+    logq_graphs: str = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("short_graphs", "drafter_graphs"):
+        for name in ("short_graphs", "drafter_graphs", "logq_graphs"):
             if getattr(self, name) not in ("auto", "on", "off"):
                 raise ValueError(
                     f"kernel_policy.{name}={getattr(self, name)!r}: choose from ('auto', 'on', 'off')"

@@ -58,15 +58,18 @@ def draft_choices(
     ``temperatures [N]`` (float32) is 0, else a sample of ``q = softmax(logits / T)``
     from the row's counter-based stream (seed words, generated-token ``index``: int64
     ``[N]``, :func:`hybridserve.runner.sampler.draft_draw`). Returns ``(tokens [N]
-    int64, log q [N, vocab] float64)`` (``log q`` of greedy rows is that of ``T = 1``,
-    unused). Every op works row by row, so a row's result does not depend on the rows
-    beside it; the eager drafters and their graph steps both call this."""
+    int64, log q [N, vocab])`` in :data:`~hybridserve.runner.sampler.LOGQ_DTYPE`
+    (``log q`` of greedy rows is that of ``T = 1``, unused): computed in float64,
+    rounded, and the draft drawn from the rounded values, so the ``q`` the target's
+    acceptance test reads is the one the draft was sampled from. Every op works row by
+    row, so a row's result does not depend on the rows beside it; the eager drafters
+    and their graph steps both call this."""
     from hybridserve.runner import sampler
 
     greedy = torch.argmax(logits, dim=-1)
     hot = temperatures > 0
     t = torch.where(hot, temperatures, torch.ones_like(temperatures))
-    logq = torch.log_softmax(logits.double() / t[:, None], dim=-1)
+    logq = torch.log_softmax(logits.double() / t[:, None], dim=-1).to(sampler.LOGQ_DTYPE)
     drawn = sampler.draft_draw(logq, seed_lo, seed_hi, index)
     return torch.where(hot, drawn, greedy), logq
 

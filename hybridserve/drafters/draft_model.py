@@ -396,7 +396,7 @@ class DraftModelDrafter:
                 drafts.index_copy_(0, index, got[0])
                 if got[1] is not None:
                     if logq is None:
-                        logq = torch.empty(n, got[1].shape[1], dtype=torch.float64,
+                        logq = torch.empty(n, got[1].shape[1], dtype=got[1].dtype,
                                            device=self.device)
                     logq.index_copy_(0, index, got[1])
                 done = set(group)
@@ -414,7 +414,7 @@ class DraftModelDrafter:
                                     self.device)
                 chosen, q = draft_choices(logits, *args)
                 if logq is None:
-                    logq = torch.empty(n, q.shape[1], dtype=torch.float64, device=self.device)
+                    logq = torch.empty(n, q.shape[1], dtype=q.dtype, device=self.device)
                 logq.index_copy_(0, index, q)
             else:
                 chosen = torch.argmax(logits, dim=-1)

@@ -9,8 +9,17 @@ Qwen3.5 / Qwen3.6 / Qwen3-Next checkpoints ship one MTP layer (``mtp_num_hidden_
 ``mtp.pre_fc_norm_hidden``, ``mtp.fc`` (``2 * hidden -> hidden``, no bias),
 ``mtp.layers.0.*`` (a full-attention decoder layer with the target's attention and MLP
 shapes and names) and ``mtp.norm``; the token embedding and the LM head are the
-target's. For a slot ``t`` the head reads the token at ``t + 1`` and a hidden state
-``h_t`` and predicts the token at ``t + 2``::
+target's. In the mixture-of-experts targets (Qwen3-Next with ``num_experts > 0``,
+Qwen3.5-MoE) the layer's ``mlp`` is the target's sparse block: router ``mlp.gate``,
+routed experts (``mlp.experts.N.gate_proj`` / ``up_proj`` / ``down_proj``, or stacked
+``mlp.experts.gate_up_proj [E, 2I, H]`` and ``mlp.experts.down_proj [E, H, I]``),
+``mlp.shared_expert.*`` and ``mlp.shared_expert_gate``; it is sparse where the target's
+rule (``decoder_sparse_step``, ``mlp_only_layers``) makes a layer 0 sparse, as the
+published heads are read. The vision-language checkpoints keep ``mtp.*`` at the top
+level, beside ``model.language_model.*``.
+
+For a slot ``t`` the head reads the token at ``t + 1`` and a hidden state ``h_t`` and
+predicts the token at ``t + 2``::
 
     x = fc(concat(pre_fc_norm_embedding(embed(token[t + 1])), pre_fc_norm_hidden(h_t)))
     y = norm(decoder_layer(x))        # attends over the head's own K/V of slots <= t
@@ -90,8 +99,8 @@ if TYPE_CHECKING:
     from hybridserve.config import EngineConfig
 
 MTP_ARCHITECTURES = (
-    "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3NextForCausalLM",
-    "NemotronHForCausalLM",
+    "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM", "NemotronHForCausalLM",
 )
 
 
@@ -198,8 +207,14 @@ class MtpHead(_FusedHead):
         if config.attention is None:
             raise ValueError("an MTP head needs the target's attention parameters")
         hidden = config.hidden_size
+        # The MTP layer is decoder layer 0 of a one-layer stack: its MLP is the sparse
+        # block exactly where the target's rule (decoder_sparse_step, mlp_only_layers;
+        # every layer in Qwen3.5-MoE) makes layer 0 sparse, as the published heads are
+        # read; the block's shapes and routing are the target's.
+        sparse = 0 in config.moe_layers
         self.layer_config = config.with_overrides(
-            layer_types=(ATTENTION,), mamba=None, gdn=None, layer_has_mlp=True
+            layer_types=(ATTENTION,), mamba=None, gdn=None, layer_has_mlp=True,
+            moe=config.moe if sparse else None, moe_layers=(0,) if sparse else (),
         )
         # The head runs the target's kernel paths (its policy, fixed at load).
         self.policy = policy = target.kernel_policy
@@ -300,7 +315,8 @@ def load_mtp_head(path: str | Path, target: nn.Module) -> nn.Module:
 
     Weights are read as the target's are (:func:`hybridserve.models.loader.read_weights`):
     every ``mtp.*`` weight of the head present once with its shape, per-expert tensors
-    (``mtp.layers.i.mixer.experts.N.up_proj.weight``) stacked, nothing unknown.
+    (``mtp.layers.i.mixer.experts.N.up_proj.weight``, ``mtp.layers.0.mlp.experts.N.
+    gate_proj.weight``) stacked, nothing unknown.
     Raises ValueError naming ``speculative_config.method`` when the architecture has no
     MTP support here or the checkpoint carries no (or an incomplete) ``mtp.*`` head."""
     from hybridserve.models.layers.moe import WeightSlot, checkpoint_slot
@@ -545,7 +561,7 @@ class MtpDrafter:
             drafts.index_copy_(0, index, d)
             if q is not None:
                 if logq is None:
-                    logq = torch.empty(n, q.shape[1], dtype=torch.float64, device=self.device)
+                    logq = torch.empty(n, q.shape[1], dtype=q.dtype, device=self.device)
                 logq.index_copy_(0, index, q)
             if y is None:
                 y = torch.empty(n, last.shape[1], dtype=last.dtype, device=self.device)

@@ -16,6 +16,20 @@ step would. Anything else (prefill, steps mixing prefill and decode, penalties,
 biases, logprobs, too many rows, a context longer than the block tables' width) returns
 None and the runner runs the step eagerly.
 
+Verify steps with a drafter's distributions (sampled rows whose drafts a draft model or
+an MTP head sampled from its own ``q``: the runner hands each row's ``log q``, or None,
+to :meth:`DecodeGraphs.replay`): the key's :class:`Sampling` says ``drafted`` (never
+which rows), the row's draft flags ride in its static buffer line (``_Static.flags``),
+their ``log q`` in the graphs' one static ``log q`` buffer
+(:meth:`DecodeGraphs.enable_draft_distributions`: float32, ``[max_batch * k, vocab]``,
+allocated only when the engine's drafter produces distributions), and the draw runs
+:func:`~hybridserve.runner.sampler.speculative_choices` over every draft slot of the
+shape, keeping it where the flag is set and the point-mass draw everywhere else: point-mass
+drafts (n-gram, or any row whose ``log q`` the runner did not hand over), greedy rows,
+a row's padding slots and padding rows. Every op of that test is row by row, so a
+flagged slot gives the eager sampler's token, and the step the eager step's tokens and
+acceptance. Without the buffer such steps run eagerly.
+
 Masked steps (rows with a grammar, ``allowed_token_ids`` or ``min_tokens``): the key's
 :class:`Sampling` says the step masks (never which rows do), and the step is two
 graphs, the forward and the logits, then the masks and the draw. Every position's mask
@@ -38,8 +52,8 @@ buckets are powers of two up to 32 blocks, then multiples of 16. Graphs are capt
 lazily, on the first step of each key, into one shared memory pool.
 
 Static inputs: per ``q``, one int64 device buffer ``meta [B_max, cols]`` holds, per
-row, the token ids, positions, KV slots, the input state page, the ``q`` output pages
-and the block table (layout in :class:`_Static`), and one float64 buffer the draw
+row, the token ids, positions, KV slots, the input state page, the ``q`` output pages,
+the block table and the draft flags (layout in :class:`_Static`), and one float64 buffer the draw
 parameters of every position (:data:`~hybridserve.runner.sampler.PARAM_COLUMNS`). The
 host fills pinned twins and copies them with asynchronous transfers (the parameters
 only in steps that sample); the graph reads their slices. Rows
@@ -167,14 +181,18 @@ class Sampling:
     whether any row truncates by top-p or min-p, whether any row masks tokens (a
     grammar, ``allowed_token_ids``, ``min_tokens``: the step then reads every position's
     mask from the static mask buffer, all ones for the rows that mask nothing, so the
-    key says whether a step is masked, never which rows are). Greedy steps are
-    ``Sampling()``."""
+    key says whether a step is masked, never which rows are), whether any sampled row
+    verifies drafts its drafter sampled from a distribution of its own (``drafted``: the
+    draw then runs :func:`~hybridserve.runner.sampler.speculative_choices` over every
+    draft slot with the static ``log q`` buffer and keeps it where the slot's flag is
+    set; again the key never says which rows). Greedy steps are ``Sampling()``."""
 
     any_sampled: bool = False
     top_k: int = 0
     any_top_p: bool = False
     any_min_p: bool = False
     masked: bool = False
+    drafted: bool = False
 
 
 GREEDY = Sampling()
@@ -236,15 +254,22 @@ class _Static:
 
     Columns: ``[0, q)`` token ids, ``[q, 2q)`` positions, ``[2q, 3q)`` KV slots,
     ``3q`` the input state page, ``[3q + 1, 4q + 1)`` the output state pages,
-    ``[4q + 1, 4q + 1 + max_blocks)`` the block table (-1 padded).
+    ``[4q + 1, 4q + 1 + max_blocks)`` the block table (-1 padded), then ``extra``
+    columns of a subclass's, then with ``flags`` (a verify step's buffer) ``q - 1``
+    draft flags from column :attr:`flags`: 1 where the row's draft ``j`` (its token at
+    column ``j + 1``) was sampled from a drafter's distribution, whose ``log q`` the
+    graphs' static buffer holds (:meth:`DecodeGraphs.enable_draft_distributions`), 0
+    for point-mass drafts, greedy rows, a row's padding slots and padding rows. The
+    flags ride in the same upload as the rest of the row.
     """
 
     def __init__(self, q: int, max_batch: int, max_blocks: int, scratch_block: int,
                  scratch_page: int, block_size: int, device: torch.device,
-                 extra: int = 0) -> None:
+                 extra: int = 0, flags: bool = False) -> None:
         self.q = q
         self.tables = 4 * q + 1
-        cols = self.tables + max_blocks + extra
+        self.flags = self.tables + max_blocks + extra
+        cols = self.flags + (q - 1 if flags else 0)
         self.meta = torch.zeros(max_batch, cols, dtype=torch.int64, device=device)
         pin = device.type == "cuda"
         # Two pinned host twins, filled in turn: a step scheduled ahead is filled while
@@ -276,6 +301,7 @@ class _Static:
         pad[2 * q : 3 * q] = scratch_block * block_size + np.arange(q) % block_size
         pad[3 * q] = scratch_page
         pad[self.tables] = scratch_block
+        pad[self.flags :] = 0  # no draft of a padding row carries a distribution
         self.pad = pad
 
     @property
@@ -419,7 +445,12 @@ class DecodeGraphs:
         self._moe_grouped: dict[str, bool] = {}
         self.counters = {"graph_steps": 0, "eager_steps": 0, "captures": 0,
                          "short_graph_steps": 0, "short_captures": 0, "masked_graph_steps": 0,
-                         "deferred_draws": 0}
+                         "deferred_draws": 0, "drafted_graph_steps": 0}
+        # The static log q buffer of drafts sampled from a drafter's distribution
+        # (enable_draft_distributions; None: such steps run eagerly) and the most drafts
+        # per row it holds.
+        self.static_logq: torch.Tensor | None = None
+        self.max_drafted = 0
         # Keep each replayed decode step's final hidden states (``last_hidden``,
         # ``[B * q, hidden]``: row i's token t at i * q + t) for a drafter that reads
         # them (MTP); short-row steps then run eagerly (the eager path keeps them).
@@ -439,10 +470,49 @@ class DecodeGraphs:
                 k[scratch_block].zero_()
                 v[scratch_block].zero_()
 
+    def enable_draft_distributions(self, max_drafts: int) -> None:
+        """Replay sampled verify steps whose drafts a drafter sampled from a
+        distribution of its own (a draft model's, an MTP head's: ``Sampling.drafted``),
+        by allocating the static ``log q`` buffer their acceptance test reads. The
+        engine calls this only when its drafter produces distributions (never for
+        n-gram drafts or without speculation); without it such steps run eagerly.
+
+        ``max_drafts``: the most drafts a row carries (``num_speculative_tokens``; at
+        most ``max_q - 1`` are ever verified in a graph).
+
+        The buffer: ``[max_batch * k, vocab]`` in
+        :data:`~hybridserve.runner.sampler.LOGQ_DTYPE` (float32: the dtype the drafters
+        and the eager sampler use too, so both paths test on the same values; why not
+        float64 is said there), zero-filled, one buffer for every ``q``. A step of ``B`` rows
+        of ``q`` tokens uses its first ``B * (q - 1)`` rows, row ``i``'s draft ``j`` at
+        ``i * (q - 1) + j``: a contiguous view, so the captured draw reads it without a
+        gather. ``k`` rows per batch row, not ``q`` (the last position of a row never
+        holds a draft): at 256 rows, 3 drafts and a 152k vocabulary that is 0.44 GiB.
+        The fill copies only the flagged drafts' rows (:meth:`fill`, on the device); a
+        slot nobody flags (point-mass drafts, greedy rows, padding) keeps what it held,
+        zeros or an earlier step's ``log q``: finite, and its result is discarded by
+        the flag."""
+        if max_drafts < 1:
+            raise ValueError(f"max_drafts={max_drafts}: a drafter proposes at least one draft")
+        k = min(max_drafts, self.max_q - 1)
+        if k < 1:
+            return  # no graph verifies a draft (max_q is 1)
+        vocab = self.model.config.vocab_size
+        self.static_logq = torch.zeros(self.max_batch * k, vocab, dtype=sampler.LOGQ_DTYPE,
+                                      device=self.device)
+        self.max_drafted = k
+
     # ---- which steps ---------------------------------------------------------------
 
-    def shape_of(self, sched: SchedulerOutput) -> StepShape | None:
-        """The graph key of ``sched``, or None when the step must run eagerly."""
+    def shape_of(
+        self, sched: SchedulerOutput, logqs: Sequence[torch.Tensor | None] | None = None
+    ) -> StepShape | None:
+        """The graph key of ``sched``, or None when the step must run eagerly.
+
+        ``logqs``: per row, the drafter's ``log q [>= num_drafts, vocab]`` of the drafts
+        it sampled from its distribution, or None (point-mass drafts, greedy rows, no
+        drafts); such a step (``Sampling.drafted``) needs the static ``log q`` buffer
+        (:meth:`enable_draft_distributions`) wide enough for its rows."""
         rows = sched.rows
         if not self.enabled or not rows or not self.uniform_decode:
             return None
@@ -493,18 +563,30 @@ class DecodeGraphs:
             blocks = max(blocks, need)
         if blocks > self.max_blocks or in_pages & out_pages:
             return None
-        sampling = self._sampling_of([row.request.params for row in rows], masked)
+        drafted = logqs is not None and any(logq is not None for logq in logqs)
+        if drafted:
+            buf = self.static_logq
+            if buf is None or q - 1 > self.max_drafted:
+                return None
+            for row, logq in zip(rows, logqs):
+                if logq is not None and (logq.shape[-1] != buf.shape[1]
+                                         or logq.shape[0] < row.num_drafts):
+                    return None  # the eager step names the mismatch
+        sampling = self._sampling_of([row.request.params for row in rows], masked, drafted)
         if sampling is None:
             return None
         return StepShape(len(rows), batch, q, blocks_bucket(blocks, self.max_blocks), sampling)
 
-    def _sampling_of(self, params: list, masked: bool = False) -> Sampling | None:
+    def _sampling_of(
+        self, params: list, masked: bool = False, drafted: bool = False
+    ) -> Sampling | None:
         """What the draw of rows of ``params`` must do (:class:`Sampling`; ``masked``:
-        some row masks tokens), or None when they sample or mask and sampled graphs are
+        some row masks tokens; ``drafted``: some sampled row verifies drafts with their
+        ``log q``), or None when they sample or mask and sampled graphs are
         off. A greedy row is plain argmax when nothing masks or penalises it; rows whose
         params are not plain (a grammar waiting for its start tag) but that mask
         nothing draw as such."""
-        if not masked and all(
+        if not masked and not drafted and all(
             sampler.samples_by_argmax(p) or (p.greedy and sampler.graph_samplable(p)) for p in params
         ):
             return GREEDY
@@ -518,23 +600,29 @@ class DecodeGraphs:
             any_top_p=any(sampler.active_top_p(p) < 1.0 for p in params),
             any_min_p=any(sampler.active_min_p(p) > 0.0 for p in params),
             masked=masked,
+            drafted=drafted,
         )
 
     # ---- one step ------------------------------------------------------------------
 
     def replay(
-        self, sched: SchedulerOutput, tokens: torch.Tensor | None = None
+        self,
+        sched: SchedulerOutput,
+        tokens: torch.Tensor | None = None,
+        logqs: Sequence[torch.Tensor | None] | None = None,
     ) -> tuple[torch.Tensor | DeferredDraw, int] | None:
         """Run ``sched`` from a graph if it qualifies, reading nothing back: the device
         output (row ``i``'s choices at ``[i * q, i * q + num_tokens)``) and ``q``, or
         None (then nothing ran). ``tokens`` (device, one per row): the input tokens of a
         step of one-token rows scheduled ahead, which the host does not have yet.
+        ``logqs``: per row, the ``log q`` of drafts sampled from a drafter's
+        distribution, or None (:meth:`shape_of`).
 
         A masked step scheduled ahead (``tokens`` given) runs its forward only and
         returns a :class:`DeferredDraw` in place of the output: its masks follow the
         tokens still on the device, so :meth:`draw` fills them and replays the draw
         once the step before is committed."""
-        shape = self.shape_of(sched)
+        shape = self.shape_of(sched, logqs)
         if tokens is not None and (shape is None or shape.q != 1):
             return None
         if shape is None:
@@ -543,9 +631,9 @@ class DecodeGraphs:
         if st is None:
             st = self._static[shape.q] = _Static(
                 shape.q, self.max_batch, self.max_blocks, self.scratch_block,
-                self.scratch_page, self.block_size, self.device,
+                self.scratch_page, self.block_size, self.device, flags=True,
             )
-        self.fill(st, sched, shape)
+        self.fill(st, sched, shape, logqs)
         if tokens is not None:
             st.meta[: shape.rows, 0] = tokens
         if shape.sampling.masked:
@@ -556,6 +644,7 @@ class DecodeGraphs:
                 self.last_hidden = self._hidden[shape.key]
             self.counters["graph_steps"] += 1
             self.counters["masked_graph_steps"] += 1
+            self.counters["drafted_graph_steps"] += shape.sampling.drafted
             if tokens is not None:
                 self.counters["deferred_draws"] += 1
                 return deferred, shape.q
@@ -570,6 +659,7 @@ class DecodeGraphs:
         if self.keep_hidden:
             self.last_hidden = self._hidden[key]
         self.counters["graph_steps"] += 1
+        self.counters["drafted_graph_steps"] += shape.sampling.drafted
         return out, shape.q
 
     def _masked_forward(
@@ -651,9 +741,18 @@ class DecodeGraphs:
         st.end_masks(shape.batch * q)
         self.mask_seconds += time.perf_counter() - t0
 
-    def fill(self, st: _Static, sched: SchedulerOutput, shape: StepShape) -> None:
+    def fill(
+        self,
+        st: _Static,
+        sched: SchedulerOutput,
+        shape: StepShape,
+        logqs: Sequence[torch.Tensor | None] | None = None,
+    ) -> None:
         """Write the step's rows (then padding rows up to the bucket) into the static
-        buffer: the pinned host twin first, then one asynchronous copy."""
+        buffer: the pinned host twin first, then one asynchronous copy. A ``drafted``
+        step also sets its rows' draft flags and copies each flagged row's ``log q``
+        (``logqs[i][:num_drafts]``, on the device) into the static ``log q`` buffer
+        (:meth:`enable_draft_distributions` gives the layout)."""
         st.begin_fill()
         q, bs, h = shape.q, self.block_size, st.host
         tab = st.tables
@@ -706,6 +805,15 @@ class DecodeGraphs:
                 line[tab : tab + k] = blocks[:k]
                 line[tab + k : tab + width] = -1
         h[shape.rows : shape.batch] = st.pad
+        if shape.sampling.drafted:
+            d = q - 1
+            flags = h[: shape.rows, st.flags : st.flags + d]
+            flags[:] = 0
+            for i, (row, logq) in enumerate(zip(rows, logqs)):
+                if logq is not None:
+                    flags[i, : row.num_drafts] = 1
+                    # Queued on the stream after every replay that read the buffer before.
+                    self.static_logq[i * d : i * d + row.num_drafts].copy_(logq[: row.num_drafts])
         params = 0
         if shape.sampling.any_sampled:
             # Every position's draw parameters; rows shorter than q and padding rows
@@ -792,7 +900,26 @@ class DecodeGraphs:
             logprob_k=[], max_logprobs=0, max_top_k=sm.top_k, any_sampled=sm.any_sampled,
             any_top_p=sm.any_top_p, any_min_p=sm.any_min_p,
         )
-        return sampler.sample_step(logits, plan, st.params)
+        return sampler.sample_step(logits, plan, st.params, self._drafted(st, shape))
+
+    def _drafted(self, st: _Static, shape: StepShape) -> tuple | None:
+        """The draw's ``drafted`` input of a static step (None unless ``drafted``):
+        every draft slot of the shape (row ``i``'s position ``j < q - 1``, at ``i * q +
+        j``), its ``log q`` (the buffer's first ``B * (q - 1)`` rows), its draft (the
+        row's token at ``j + 1``) and its flag. Built from device ops only, so the
+        capture records it; the speculative test runs on every slot (row by row, so a
+        flagged slot's choice is the eager step's) and the flags keep the point-mass
+        choice everywhere else."""
+        if not shape.sampling.drafted:
+            return None
+        b, q = shape.batch, shape.q
+        d = q - 1
+        m = st.meta[:b]
+        device = m.device
+        pos = (torch.arange(b, device=device)[:, None] * q
+               + torch.arange(d, device=device)[None, :]).reshape(-1)
+        use = m[:, st.flags : st.flags + d].reshape(-1) != 0
+        return pos, self.static_logq[: b * d], m[:, 1:q].reshape(-1), use
 
     def _record(self, key: tuple, forward):
         """Capture ``forward()`` (one step on its static buffers) as the graph of

@@ -13,7 +13,9 @@ draw, the verify rows' accepted counts on the device, then the state postprocess
 elsewhere) from per-row inputs, and one read-back of the choices and the decisions.
 
 With decode graphs enabled (:meth:`ModelRunner.enable_decode_graphs`, the engine's
-default on CUDA), a decode or verify step (greedy, sampled or constrained) replays a captured CUDA graph
+default on CUDA), a decode or verify step (greedy, sampled or constrained, its drafts point
+masses or sampled from a drafter's distribution, whose ``log q`` the graphs take from a
+static buffer) replays a captured CUDA graph
 (:mod:`hybridserve.runner.cuda_graph`), and so does a short-row step (a prompt's tail
 after a cached prefix: few prefill rows of at most the policy's ``max_short_tokens``
 tokens, without penalties or logprobs; :meth:`~hybridserve.runner.cuda_graph.DecodeGraphs.replay_short`); every
@@ -125,7 +127,8 @@ class ModelRunner:
         self.host_pool.before_forward([row.state_in_page for row in sched.rows])
 
     def enable_decode_graphs(
-        self, max_blocks: int, scratch_block: int, scratch_page: int, capture: bool | None = None
+        self, max_blocks: int, scratch_block: int, scratch_page: int, capture: bool | None = None,
+        draft_distributions: int = 0,
     ) -> DecodeGraphs:
         """Replay greedy decode and verify steps from CUDA graphs.
 
@@ -133,13 +136,20 @@ class ModelRunner:
         ``max_model_len`` tokens). ``scratch_block`` / ``scratch_page``: a KV block and
         a state page that no request ever owns (padding rows write there).
         ``capture``: None captures on CUDA only; False runs the same static-buffer step
-        eagerly (the CPU tests' mode).
+        eagerly (the CPU tests' mode). ``draft_distributions``: with a drafter that
+        samples drafts from a distribution of its own (``draft_logq``), the most drafts
+        a row carries: the graphs then hold a static ``log q`` buffer and replay the
+        sampled verify steps of such drafts too
+        (:meth:`~hybridserve.runner.cuda_graph.DecodeGraphs.enable_draft_distributions`);
+        0 (n-gram drafts, no speculation) allocates nothing.
         """
         self.graphs = DecodeGraphs(
             self.model, self.caches, self.block_size, self.max_num_seqs, max_blocks,
             scratch_block, scratch_page, self.device, capture,
         )
         self.graphs.keep_hidden = self.keep_hidden
+        if draft_distributions:
+            self.graphs.enable_draft_distributions(draft_distributions)
         return self.graphs
 
     def build_batch(self, sched: SchedulerOutput) -> tuple[torch.Tensor, ForwardBatch]:
@@ -209,7 +219,7 @@ class ModelRunner:
         graph replays it: they stay ahead of the forward.
         """
         self.run_transfers(sched)
-        if self.graphs is None or self._has_drafted_distributions(sched):
+        if self.graphs is None:
             return None
         tokens = None
         if after is not None:
@@ -217,7 +227,7 @@ class ModelRunner:
                 raise RuntimeError("a step was launched after one whose draw is not queued yet")
             src = torch.tensor([j * after.q for j in sources], dtype=torch.int64)
             tokens = after.choices.index_select(0, upload(src, after.choices.device))
-        replayed = self.graphs.replay(sched, tokens)
+        replayed = self.graphs.replay(sched, tokens, self._row_distributions(sched))
         if replayed is None:
             return None
         out, q = replayed
@@ -534,37 +544,44 @@ class ModelRunner:
         )
         return (*sampler.read_step(values, plan), decisions)
 
-    def _has_drafted_distributions(self, sched: SchedulerOutput) -> bool:
-        """Whether a sampled row of ``sched`` verifies drafts its drafter sampled from a
-        distribution of its own (``draft_logq``): the decode graphs' draw has no input
-        for ``log q`` (it would verify them as point masses), so such steps run eagerly
-        (:func:`~hybridserve.runner.sampler.speculative_choices`)."""
+    def _row_distributions(self, sched: SchedulerOutput) -> list[torch.Tensor | None] | None:
+        """Per row of ``sched``: the drafter's ``log q [drafts, vocab]`` when the row is
+        sampled and verifies drafts its drafter sampled from a distribution of its own
+        (``draft_logq``), else None; None for the step when no row does. The one rule
+        that picks the :func:`~hybridserve.runner.sampler.speculative_choices` positions,
+        for the eager sampler (:meth:`_drafted_positions`) and the decode graphs alike;
+        every other draft (point masses, greedy rows) keeps the coupled rule."""
         if not self.draft_logq:
-            return False
-        return any(
-            row.num_drafts and not row.request.params.greedy
-            and row.request.request_id in self.draft_logq
+            return None
+        out = [
+            self.draft_logq.get(row.request.request_id)
+            if row.num_drafts and not row.request.params.greedy else None
             for row in sched.rows
-        )
+        ]
+        return out if any(q is not None for q in out) else None
 
     def _drafted_positions(self, sched: SchedulerOutput, sampling: list[int], device):
-        """``(positions, logq, drafts)`` of the step's draft positions whose drafter
-        sampled them from its own distribution (``draft_logq``), for the sampler."""
-        pos, logqs, drafts = [], [], []
+        """``(positions, logq, drafts, None)`` of the step's draft positions whose
+        drafter sampled them from its own distribution (:meth:`_row_distributions`), for
+        the sampler: every such position carries ``q``."""
+        logqs = self._row_distributions(sched)
+        if logqs is None:
+            return None
+        pos, rows, drafts = [], [], []
         start = 0
         for i in sampling:
             row = sched.rows[i]
-            req = row.request
-            logq = self.draft_logq.get(req.request_id)
-            if logq is not None and row.num_drafts and not req.params.greedy:
+            logq = logqs[i]
+            if logq is not None:
                 pos += range(start, start + row.num_drafts)
-                logqs.append(logq[: row.num_drafts])
-                drafts += req.draft_token_ids[: row.num_drafts]
+                rows.append(logq[: row.num_drafts])
+                drafts += row.request.draft_token_ids[: row.num_drafts]
             start += row.num_drafts + 1
         if not pos:
             return None
         return (
             torch.tensor(pos, dtype=torch.long, device=device),
-            torch.cat(logqs).to(device),
+            torch.cat(rows).to(device),
             torch.tensor(drafts, dtype=torch.long, device=device),
+            None,
         )

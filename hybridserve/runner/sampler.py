@@ -111,11 +111,29 @@ def uniforms(seed_lo: torch.Tensor, seed_hi: torch.Tensor, index: torch.Tensor, 
     seed words ``(seed_lo[i], seed_hi[i])`` and generated-token index ``index[i]``
     (int64 tensors ``[N]``, words from :func:`seed_words`). Odd multiples of 2^-32, so
     neither 0 nor 1."""
+    h = torch.arange(vocab, dtype=torch.int64, device=seed_lo.device)[None, :]
+    return _token_uniforms(h, _position_keys(seed_lo, seed_hi, index))
+
+
+def uniforms_at(
+    seed_lo: torch.Tensor, seed_hi: torch.Tensor, index: torch.Tensor, tokens: torch.Tensor
+) -> torch.Tensor:
+    """``uniforms(seed_lo, seed_hi, index, vocab).gather(1, tokens)`` without the
+    ``[N, vocab]`` table: the uniforms of the tokens ``tokens [N, m]`` (int64) only.
+    Bit-identical, since a token's value depends on nothing but its id and the keys."""
+    return _token_uniforms(tokens.long(), _position_keys(seed_lo, seed_hi, index))
+
+
+def _position_keys(seed_lo: torch.Tensor, seed_hi: torch.Tensor, index: torch.Tensor) -> tuple:
+    """The three round keys ``[N]`` of positions with these seed words and indices."""
     k1 = _mix(_mix(_mix(seed_lo ^ _KEY_SALTS[0]) ^ seed_hi) ^ (index & _MASK31))
     k2 = _mix(k1 ^ _KEY_SALTS[1])
-    k3 = _mix(k2 ^ _KEY_SALTS[2])
-    h = torch.arange(vocab, dtype=torch.int64, device=seed_lo.device)[None, :]
-    for key in (k1, k2, k3):
+    return k1, k2, _mix(k2 ^ _KEY_SALTS[2])
+
+
+def _token_uniforms(h: torch.Tensor, keys: tuple) -> torch.Tensor:
+    """Three keyed rounds over token ids ``h`` (a row per key), as uniforms in (0, 1)."""
+    for key in keys:
         h = _mix(h ^ key[:, None])
     return (h.double() * 2 + 1) * 2.0**-32
 
@@ -651,9 +669,12 @@ def sample_step(
     the chosen token per position, then ``payload_width`` entries per logprob position
     (float32 values travel as their bit patterns). Reads nothing back to the host.
 
-    ``drafted``: ``(positions [M], logq [M, vocab], drafts [M])`` for draft positions
-    whose drafter sampled from a distribution ``q`` of its own: their choice is
-    :func:`speculative_choices` instead of the point-mass coupling of :func:`draw`."""
+    ``drafted``: ``(positions [M], logq [M, vocab], drafts [M], use)`` for draft
+    positions whose drafter sampled from a distribution ``q`` of its own: their choice
+    is :func:`speculative_choices` instead of the point-mass coupling of :func:`draw`.
+    ``use`` (bool ``[M]``, or None for all): which of the ``M`` positions carry a
+    distribution; the others keep :func:`draw`'s choice (a replayed graph passes every
+    draft slot of its static shape and flags the ones that carry ``q``)."""
     cols = _columns(plan, packed)
     logp = process_step(logits, plan, packed)
     seed_lo, seed_hi = cols[:, _C["seed_lo"]].long(), cols[:, _C["seed_hi"]].long()
@@ -663,11 +684,11 @@ def sample_step(
         any_sampled=plan.any_sampled,
     )
     if drafted is not None:
-        pos, logq, drafts = drafted
-        choices = choices.index_put(
-            (pos,),
-            speculative_choices(logp[pos], logq, drafts, seed_lo[pos], seed_hi[pos], index[pos]),
-        )
+        pos, logq, drafts, use = drafted
+        spec = speculative_choices(logp[pos], logq, drafts, seed_lo[pos], seed_hi[pos], index[pos])
+        if use is not None:
+            spec = torch.where(use, spec, choices[pos])
+        choices = choices.index_put((pos,), spec)
     if not plan.logprob_positions:
         return choices
     start = plan.logprob_start
@@ -722,6 +743,24 @@ def read_step(values: Sequence[int], plan: DrawPlan) -> tuple[list[int], dict[in
 # request stays reproducible. The accepted-or-residual token becomes the position's
 # choice: rejection means p(x) < q(x), where the residual is 0, so the choice equals the
 # draft exactly when it is accepted and the walk of :func:`verify_choices` applies.
+#
+# Every op below works row by row (the uniforms hash a position's own seed, index and
+# token; the reductions are per row), so a position's choice does not depend on which
+# other positions are computed beside it: an eager step computes its distribution
+# drafts' positions only, a replayed decode graph every draft slot of its static shape
+# (:mod:`hybridserve.runner.cuda_graph`), and both give the same tokens.
+
+LOGQ_DTYPE = torch.float32
+"""The dtype of a drafter's ``log q`` everywhere: what the drafters return
+(:func:`hybridserve.drafters.base.draft_choices`), keep per request and hand to the
+eager sampler, and what a decode graph's static ``log q`` buffer holds, so both paths
+test acceptance on the same values. float32, not float64: the target's ``log p`` is
+float32 already (:func:`process_step`), so float64 ``q`` would not make the test any
+more exact, while the graph's buffer (``max_batch x k`` rows of the vocabulary:
+0.44 GiB at 256 rows x 3 drafts x a 152k vocabulary) and every kept ``log q`` would double. The
+drafter samples its draft from the rounded ``q`` itself (:func:`draft_draw` of the
+float32 values), so the ``q`` the test divides by is the one the draft came from; the
+test itself runs in float64 (``u`` has 31 bits)."""
 
 _DRAFT_SALT = 0x2545F491
 _ACCEPT_SALT = 0x5851F42D
@@ -730,7 +769,8 @@ _ACCEPT_SALT = 0x5851F42D
 def draft_draw(
     logq: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor, index: torch.Tensor
 ) -> torch.Tensor:
-    """The drafter's sample from ``logq [N, vocab]`` (log-probabilities) -> ``[N]``."""
+    """The drafter's sample from ``logq [N, vocab]`` (log-probabilities, any float
+    dtype; drawn in float64) -> ``[N]``."""
     u = uniforms(seed_lo ^ _DRAFT_SALT, seed_hi, index, logq.shape[-1])
     return torch.argmax(logq.double() - torch.log(-torch.log(u)), dim=-1)
 
@@ -745,15 +785,18 @@ def speculative_choices(
 ) -> torch.Tensor:
     """Per draft position: the draft ``drafts[i]`` if accepted (``u < p(x) / q(x)``), else
     a sample of the normalised residual ``max(0, p - q)``. ``logp`` / ``logq``: the
-    target's processed and the drafter's log-probabilities ``[N, vocab]``."""
+    target's processed and the drafter's log-probabilities ``[N, vocab]`` (any float
+    dtype: the test and the residual are computed in float64)."""
     vocab = logp.shape[-1]
     p, q = logp.double().exp(), logq.double().exp()
     x = drafts.long()[:, None]
-    u = uniforms(seed_lo ^ _ACCEPT_SALT, seed_hi, index, vocab).gather(1, x)[:, 0]
-    px, qx = p.gather(1, x)[:, 0], q.gather(1, x)[:, 0]
-    accept = u * qx < px
-    residual = (p - q).clamp_min(0.0)
+    u = uniforms_at(seed_lo ^ _ACCEPT_SALT, seed_hi, index, x)[:, 0]
+    accept = u * q.gather(1, x)[:, 0] < p.gather(1, x)[:, 0]
+    # p - q in q's memory (the same bits: negation is exact), clamped at 0; in place
+    # because a replayed graph runs this on every draft slot of its largest shape.
+    residual = q.neg_().add_(p).clamp_min_(0.0)
     # All-zero residual only when p == q, where acceptance is certain: any fallback works.
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
-    keys = torch.log(residual) - torch.log(-torch.log(uniforms(seed_lo, seed_hi, index, vocab)))
+    gumbel = torch.log(-torch.log(uniforms(seed_lo, seed_hi, index, vocab)))
+    keys = residual.log_().sub_(gumbel)
     return torch.where(accept, drafts.long(), torch.argmax(keys, dim=-1))

@@ -3,8 +3,12 @@
 ``transformers`` builds no MTP modules for Qwen3.5 / Qwen3-Next / Nemotron-H, so the
 tests' heads are written here: every tensor the head of
 :mod:`hybridserve.drafters.mtp` expects, under the names the published checkpoints use
-(Nemotron-H experts one tensor per expert, ``mtp.layers.i.mixer.experts.N.up_proj.weight``),
-drawn from a seeded generator, and the config fields that declare the head
+(routed experts one tensor per expert: Nemotron-H's
+``mtp.layers.i.mixer.experts.N.up_proj.weight``, the Qwen MoE heads'
+``mtp.layers.0.mlp.experts.N.gate_proj.weight`` / ``up_proj`` / ``down_proj``; or, with
+``fused_experts``, the stacked ``mtp.layers.0.mlp.experts.gate_up_proj`` ``[E, 2I, H]``
+and ``experts.down_proj`` ``[E, H, I]`` some Qwen3.5-MoE files carry), drawn from a
+seeded generator, and the config fields that declare the head
 (``mtp_num_hidden_layers``; Nemotron-H: ``num_nextn_predict_layers`` and
 ``mtp_layers_block_type``).
 """
@@ -19,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-_STACKED_EXPERTS = re.compile(r"(.*\.experts)\.(up_proj|down_proj|gate_proj)")
+_STACKED_EXPERTS = re.compile(r"(.*\.experts)\.(gate_up_proj|up_proj|down_proj)")
 
 
 def add_mtp_head(
@@ -27,10 +31,12 @@ def add_mtp_head(
     seed: int = 0,
     std: float = 0.1,
     block_types: Sequence[str] = ("attention", "moe"),
+    fused_experts: bool = False,
 ) -> Path:
     """Add a random one-step MTP head to the tiny Qwen3.5 / Qwen3-Next / Nemotron-H
     checkpoint at ``path`` (rewriting its single ``model.safetensors``); returns ``path``.
-    ``block_types``: the Nemotron-H MTP stack (``mtp_layers_block_type``)."""
+    ``block_types``: the Nemotron-H MTP stack (``mtp_layers_block_type``);
+    ``fused_experts``: write routed experts stacked rather than one tensor per expert."""
     from safetensors.torch import load_file, save_file
 
     from hybridserve.drafters.mtp import build_mtp_head
@@ -64,10 +70,15 @@ def add_mtp_head(
         else:  # matrices [out, in] and stacked experts [E, out, in]
             value = torch.randn(t.shape, generator=g) / t.shape[-1] ** 0.5
         m = _STACKED_EXPERTS.fullmatch(name)
-        if t.dim() == 3 and m is not None:
-            # Published checkpoints keep one tensor per expert.
-            for j in range(t.shape[0]):
-                tensors[f"mtp.{m.group(1)}.{j}.{m.group(2)}.weight"] = value[j].contiguous()
+        if t.dim() == 3 and m is not None and not fused_experts:
+            # Published checkpoints keep one tensor per expert; a stacked gate_up_proj
+            # is each expert's gate_proj rows, then its up_proj rows.
+            base, proj = m.group(1), m.group(2)
+            parts = {"gate_proj": value[:, : t.shape[1] // 2],
+                     "up_proj": value[:, t.shape[1] // 2 :]} if proj == "gate_up_proj" else {proj: value}
+            for part, v in parts.items():
+                for j in range(t.shape[0]):
+                    tensors[f"mtp.{base}.{j}.{part}.weight"] = v[j].contiguous()
             continue
         tensors["mtp." + name] = value.contiguous()
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})

@@ -78,3 +78,18 @@ def test_8b_target_refuses_fewer_prompts_than_the_batch():
     bench = load_benchmark("bench_drafters")
     with pytest.raises(SystemExit, match="--prompts 8: .* at least 16"):
         bench.main(["--target", "8b", "--batch", "1", "16", "--prompts", "8"])
+
+
+def test_sampled_rows_accept_every_draft_of_the_target_itself():
+    """``--temperature``: sampled rows (one seed per prompt) leave out the token checks,
+    and the target as its own draft model, whose q is the target's p, has every draft
+    accepted by the min(1, p / q) test."""
+    bench = load_benchmark("bench_drafters")
+    report = bench.main(["--target", "default", "--smoke", "--k", "2", "--temperature", "0.8",
+                         "--methods", "draft_model=target"])
+    rows = report["results"]
+    assert [r["method"] for r in rows] == ["none", "draft_model=target"] * 2
+    assert all(r["matches_no_speculation"] is None and r["token_agreement"] is None
+               for r in rows)
+    for r in rows[1::2]:
+        assert r["draft_tokens"] > 0 and r["acceptance_rate"] == 1.0

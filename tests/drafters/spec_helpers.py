@@ -1,13 +1,17 @@
 """Helpers the speculative-decoding tests share: random prompts, the tokens of a
-generation, the drafter's page-exact state check, a driver of request waves and the
-MTP drafter's from-scratch comparison."""
+generation, the drafter's page-exact state check, a driver of request waves, the
+MTP drafter's from-scratch comparison, greedy runs against references (and with a head
+that accepts every draft), and edited copies of a checkpoint."""
 
 from __future__ import annotations
 
+import json
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from hybridserve.testing.reference import reference_state
 from hybridserve.testing.tiny_mtp import dense_hidden, dense_mtp_drafts
@@ -95,3 +99,58 @@ def run_aborting_duplicates(engine, prompts, params, at_step: int = 6) -> dict[s
         if steps == at_step:
             assert engine.abort_request(f"r{n}") and engine.abort_request(f"r{n + 1}")
     return done
+
+
+def assert_greedy_workloads_match(llm, references: dict[int, list[list[int]]], params,
+                                  caching: bool) -> None:
+    """Workload 0, then 1 (new prompts, some sharing prefixes), then 0 again (prefix hits
+    when ``caching``, and speculation together) give the ``references`` tokens of each
+    workload (checking integrity every step); drafts were made, and at the end the MTP
+    drafter's K/V blocks are all back (freed with the requests)."""
+    llm.engine.check_integrity_every_step = True
+    for seed in (0, 1, 0):
+        assert output_tokens(llm.generate(motif_workload(seed), params)) == references[seed]
+    stats = llm.stats()
+    assert stats["spec_draft_tokens"] > 0
+    if caching:
+        assert stats["prefix_hit_tokens"] > 0
+    drafter = llm.engine.drafter
+    drafter.check_integrity()
+    assert drafter.blocks.num_free == drafter.blocks.num_blocks
+
+
+def assert_every_mtp_draft_accepted(path, cachings, params) -> None:
+    """With the MTP head of ``path`` (one built to equal its context-free target), each
+    prefix-cache setting of ``cachings`` and k in {1, 3}: the output of workloads 0 and 1
+    is the target's without speculation, and every one of the (many) drafts is accepted."""
+    from hybridserve import LLM
+
+    prompts = motif_workload(0) + motif_workload(1)
+    ref = output_tokens(LLM(path, enable_prefix_caching=False).generate(prompts, params))
+    for caching in cachings:
+        for d in (1, 3):
+            llm = LLM(path, enable_prefix_caching=caching, state_interval=16,
+                      speculative_config={"method": "mtp", "num_speculative_tokens": d})
+            llm.engine.check_integrity_every_step = True
+            assert output_tokens(llm.generate(prompts, params)) == ref
+            s = llm.stats()
+            assert s["spec_draft_tokens"] > 50
+            assert s["spec_accepted_tokens"] == s["spec_draft_tokens"], (caching, d, s)
+            assert s["spec_mean_accepted_length"] > d
+
+
+def copy_checkpoint(src: Path, dst: Path, config: Callable | None = None,
+                    weights: Callable | None = None) -> Path:
+    """A copy of the single-file checkpoint ``src`` at ``dst``, its ``config.json`` dict
+    and its tensors passed through ``config`` / ``weights`` (each edits in place or
+    returns the replacement)."""
+    dst.mkdir()
+    raw = json.loads((src / "config.json").read_text())
+    if config:
+        raw = config(raw) or raw
+    (dst / "config.json").write_text(json.dumps(raw))
+    w = load_file(str(src / "model.safetensors"))
+    if weights:
+        w = weights(w) or w
+    save_file(w, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst

@@ -332,20 +332,27 @@ def _p_value(counts: torch.Tensor, expected: torch.Tensor) -> float:
     return float(torch.special.gammaincc(df, torch.tensor(chi2 / 2, dtype=torch.float64)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("case", ["close", "far", "equal"])
-def test_speculative_sampling_reproduces_the_target_distribution(case):
+def test_speculative_sampling_reproduces_the_target_distribution(case, dtype):
     """Draft x ~ q (the drafter's stream), accepted with min(1, p/q), else the residual:
-    the emitted token is distributed as p (chi-square), acceptance is sum(min(p, q))."""
+    the emitted token is distributed as p (chi-square), acceptance is sum(min(p, q));
+    with log q in float64 and in the float32 the drafters and the decode graphs keep
+    (``sampler.LOGQ_DTYPE``, the draft drawn from the rounded values), and log p in
+    float32 as the sampler computes it."""
     from hybridserve.runner import sampler
 
     g = torch.Generator().manual_seed({"close": 1, "far": 2, "equal": 3}[case])
     vocab, trials = 10, 8000
     logp = torch.log_softmax(torch.randn(vocab, generator=g, dtype=torch.float64) * 1.2, -1)
+    if dtype == torch.float32:
+        logp = logp.float()
     if case == "equal":
         logq = logp.clone()
     else:
         noise = 0.5 if case == "close" else 2.0
-        logq = torch.log_softmax(logp + noise * torch.randn(vocab, generator=g, dtype=torch.float64), -1)
+        logq = torch.log_softmax(logp.double() + noise * torch.randn(vocab, generator=g, dtype=torch.float64), -1)
+    logq = logq.to(dtype)
     seeds = torch.arange(trials, dtype=torch.int64) * 7919 + 13
     lo, hi = seeds & ((1 << 31) - 1), seeds >> 31
     index = torch.full((trials,), 5, dtype=torch.int64)

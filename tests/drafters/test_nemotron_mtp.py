@@ -15,7 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from spec_helpers import (
+    assert_every_mtp_draft_accepted,
+    assert_greedy_workloads_match,
     assert_mtp_drafts_match_dense,
+    copy_checkpoint,
     motif_workload,
     output_tokens,
     rand_tokens,
@@ -104,18 +107,7 @@ def test_greedy_identical_with_nemotron_mtp(caching, d, nemotron_mtp, references
     llm = LLM(nemotron_mtp, enable_prefix_caching=caching, state_interval=16,
               speculative_config=_mtp(d))
     assert type(llm.engine.drafter.head).__name__ == "NemotronHMtpHead"
-    llm.engine.check_integrity_every_step = True
-    # Workload 0, then 1 (new prompts, some sharing prefixes), then 0 again: prefix hits
-    # (when caching) and speculation together.
-    for seed in (0, 1, 0):
-        assert output_tokens(llm.generate(motif_workload(seed), GREEDY)) == references[seed]
-    stats = llm.stats()
-    assert stats["spec_draft_tokens"] > 0
-    if caching:
-        assert stats["prefix_hit_tokens"] > 0
-    drafter = llm.engine.drafter
-    drafter.check_integrity()
-    assert drafter.blocks.num_free == drafter.blocks.num_blocks  # freed with the requests
+    assert_greedy_workloads_match(llm, references, GREEDY, caching)
 
 
 def _trace(path, spec):
@@ -149,17 +141,7 @@ def test_hits_unchanged_with_nemotron_mtp(which, nemotron_mtp, nemotron_bigram):
 
 @pytest.mark.parametrize("caching", [False, True])
 def test_context_free_head_equal_to_the_target_accepts_every_draft(caching, nemotron_bigram):
-    prompts = motif_workload(0) + motif_workload(1)
-    ref = output_tokens(LLM(nemotron_bigram, enable_prefix_caching=False).generate(prompts, GREEDY))
-    for d in (1, 3):
-        llm = LLM(nemotron_bigram, enable_prefix_caching=caching, state_interval=16,
-                  speculative_config=_mtp(d))
-        llm.engine.check_integrity_every_step = True
-        assert output_tokens(llm.generate(prompts, GREEDY)) == ref
-        s = llm.stats()
-        assert s["spec_draft_tokens"] > 50
-        assert s["spec_accepted_tokens"] == s["spec_draft_tokens"]
-        assert s["spec_mean_accepted_length"] > d
+    assert_every_mtp_draft_accepted(nemotron_bigram, (caching,), GREEDY)
 
 
 def test_head_equal_to_the_target_accepts_most_drafts(nemotron_equal, tmp_path):
@@ -262,19 +244,6 @@ def test_nemotron_mtp_head_is_the_published_structure(nemotron_mtp):
 # ---- the loader ------------------------------------------------------------------------
 
 
-def _copy(src: Path, dst: Path, config=None, weights=None) -> Path:
-    dst.mkdir()
-    raw = json.loads((src / "config.json").read_text())
-    if config:
-        config(raw)
-    (dst / "config.json").write_text(json.dumps(raw))
-    w = load_file(str(src / "model.safetensors"))
-    if weights:
-        weights(w)
-    save_file(w, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
-
-
 def test_loader_takes_the_published_names(nemotron_mtp, tmp_path):
     names = load_file(str(nemotron_mtp / "model.safetensors")).keys()
     mtp = sorted(n for n in names if n.startswith("mtp."))
@@ -299,7 +268,7 @@ def test_loader_takes_the_published_names(nemotron_mtp, tmp_path):
         del raw["mtp_layers_block_type"]
         raw["mtp_hybrid_override_pattern"] = "*E"
 
-    old = _copy(nemotron_mtp, tmp_path / "legacy", config=legacy)
+    old = copy_checkpoint(nemotron_mtp, tmp_path / "legacy", config=legacy)
     assert output_tokens(LLM(old, speculative_config=_mtp(2)).generate(motif_workload(0)[:2], GREEDY)) == output_tokens(
         LLM(nemotron_mtp, speculative_config=_mtp(2)).generate(motif_workload(0)[:2], GREEDY)
     )
@@ -310,37 +279,37 @@ def test_loader_refuses_what_it_cannot_run(nemotron_mtp, tmp_path):
         del w["mtp.layers.1.final_layernorm.weight"]
 
     with pytest.raises(ValueError, match=r"missing weight\(s\) \['mtp.layers.1.final_layernorm.weight'\]"):
-        LLM(_copy(nemotron_mtp, tmp_path / "a", weights=drop), speculative_config=_mtp(1))
+        LLM(copy_checkpoint(nemotron_mtp, tmp_path / "a", weights=drop), speculative_config=_mtp(1))
 
     def extra(w):
         w["mtp.layers.1.mixer.experts.8.up_proj.weight"] = w["mtp.layers.1.mixer.experts.0.up_proj.weight"].clone()
 
     with pytest.raises(ValueError, match=r"unexpected MTP weight\(s\) \['mtp.layers.1.mixer.experts.8"):
-        LLM(_copy(nemotron_mtp, tmp_path / "b", weights=extra), speculative_config=_mtp(1))
+        LLM(copy_checkpoint(nemotron_mtp, tmp_path / "b", weights=extra), speculative_config=_mtp(1))
 
     def two(raw):
         raw["num_nextn_predict_layers"] = 2
 
     with pytest.raises(ValueError, match="2 MTP layers declared; only one"):
-        LLM(_copy(nemotron_mtp, tmp_path / "c", config=two), speculative_config=_mtp(1))
+        LLM(copy_checkpoint(nemotron_mtp, tmp_path / "c", config=two), speculative_config=_mtp(1))
 
     def mamba(raw):
         raw["mtp_layers_block_type"] = ["mamba", "moe"]
 
     with pytest.raises(ValueError, match=r"include \['mamba'\]; only attention, moe and mlp"):
-        LLM(_copy(nemotron_mtp, tmp_path / "d", config=mamba), speculative_config=_mtp(1))
+        LLM(copy_checkpoint(nemotron_mtp, tmp_path / "d", config=mamba), speculative_config=_mtp(1))
 
     def bad(raw):
         raw["mtp_layers_block_type"] = ["attention", "conv"]
 
     with pytest.raises(ValueError, match="'mtp_layers_block_type': expected a non-empty list"):
-        LLM(_copy(nemotron_mtp, tmp_path / "e", config=bad), speculative_config=_mtp(1))
+        LLM(copy_checkpoint(nemotron_mtp, tmp_path / "e", config=bad), speculative_config=_mtp(1))
 
     def none(raw):
         raw["num_nextn_predict_layers"] = 0
 
     with pytest.raises(ValueError, match="declares no MTP layers"):
-        LLM(_copy(nemotron_mtp, tmp_path / "f", config=none), speculative_config=_mtp(1))
+        LLM(copy_checkpoint(nemotron_mtp, tmp_path / "f", config=none), speculative_config=_mtp(1))
     # The target alone still loads (its loader skips mtp.*) and runs without speculation.
     assert LLM(nemotron_mtp).generate([[5, 6, 7]], GREEDY)[0].outputs[0].token_ids
 
