@@ -70,8 +70,11 @@ def references(moe_mtp):
 # ---- greedy output ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("d", [1, 3])
-@pytest.mark.parametrize("caching", [False, True])
+# By default one case per draft length and target, the cache off for d = 1 and on for
+# d = 3; the other two are ``slow``.
+@pytest.mark.parametrize("caching,d", [
+    pytest.param(c, d, marks=() if (c, d) in {(False, 1), (True, 3)} else pytest.mark.slow)
+    for c in (False, True) for d in (1, 3)])
 def test_greedy_identical_with_a_qwen_moe_mtp_head(caching, d, moe_mtp, references):
     _, path = moe_mtp
     llm = LLM(path, enable_prefix_caching=caching, state_interval=16, speculative_config=_mtp(d))
