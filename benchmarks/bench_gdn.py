@@ -13,7 +13,9 @@ Measured in the same run (benchmarks/results/INDEX.md says how):
             engine's ``gdn_rows="fla"`` path (same outputs and states as the token kernel;
             per layer: the host plan of where the states come from is made once per step
             and timed apart);
-  check     each kernel against its torch twin on fresh random inputs (relative error).
+  check     each kernel against its torch twin on fresh random inputs (relative error);
+  numerics  the paged decode kernel's state after 1 and 256 decode steps against a float64
+            twin, bf16-rounded inputs, float32 pages (``numerics``).
 
 Shapes (Qwen3.6-27B's config.json): 16 key heads, 48 value heads, head dims 128, float32
 state pages (3 MiB per sequence per layer). Inputs are rotated over several page sets so
@@ -144,6 +146,40 @@ def bench_decode(s, device, g) -> list[dict]:
     return out
 
 
+def bench_numerics(s, device, g, steps: int, rows: int = 2) -> dict:
+    """The paged decode kernel's state drift against float64: ``rows`` sequences decode
+    ``steps`` tokens one step at a time (each step reads the page the last one wrote),
+    q, k, v and the gate inputs rounded to bfloat16 as the projections give them, float32
+    pages; the twin runs the same rounded inputs in float64 with float64 pages. Relative
+    error of the states (max-abs, as ``rel_err``) after the first step and after the last,
+    and of the last step's outputs."""
+    x, gate = inputs(g, rows * steps, s, device)
+    x = [t.to(torch.bfloat16) for t in x]
+    init = torch.randn(rows, s["hv"], s["dk"], s["dv"], generator=g).to(device) * 0.1
+    pages = torch.zeros(2 * rows, *init.shape[1:], device=device)
+    pages64 = pages.double()
+    pages[:rows], pages64[:rows] = init, init.double()
+    gate64 = {k: v.double() for k, v in gate.items()}
+    ids = torch.arange(rows, dtype=torch.int32, device=device)
+    errs = {}
+    for t in range(steps):
+        at = slice(t * rows, (t + 1) * rows)
+        src, dst = ids + (t % 2) * rows, ids + ((t + 1) % 2) * rows
+        q, k, v, a, b = (u[at] for u in x)
+        out = gdn_decode_update(q.float(), k.float(), v.float(), a, b, pages, src,
+                                dst.view(rows, 1), **gate)
+        want = gdn_decode_update_reference(q.double(), k.double(), v.double(), a.double(),
+                                           b.double(), pages64, src, dst.view(rows, 1),
+                                           **gate64)
+        if t == 0:
+            errs["state_rel_err_after_1_step"] = rel_err(pages[dst.long()], pages64[dst.long()])
+    errs[f"state_rel_err_after_{steps}_steps"] = rel_err(pages[dst.long()], pages64[dst.long()])
+    errs[f"output_rel_err_at_step_{steps}"] = rel_err(out, want)
+    print("numerics: " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()))
+    return {"rows": rows, "steps": steps, "inputs": "bfloat16", "pages": "float32",
+            "reference": "float64 twin", **errs}
+
+
 def varlen_plan(rows, length, interval, pages, device):
     qs = [r * length for r in range(rows + 1)]
     outs = [-1] * (rows * length)
@@ -223,7 +259,7 @@ def bench_prefill(s, device, g) -> list[dict]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; a separate file")
     parser.add_argument("--seed", type=int, default=0)
@@ -234,7 +270,7 @@ def main() -> None:
              "kernel compiles; fla-core leaves it to Triton, whose default is TF32): its "
              "error against the token kernel and its time at each")
     parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.f32_dots:
         # Before any kernel of this process compiles: the setting is read at compile time.
         os.environ["TRITON_F32_DEFAULT"] = args.f32_dots
@@ -247,6 +283,8 @@ def main() -> None:
         fla_chunk_scan=gdn_chunked.fla_chunk_scan_available(), fla_core=fla_version(),
         config={k: v for k, v in shapes.items()}, f32_dots=args.f32_dots or "triton default",
         decode=None if args.skip_decode else bench_decode(shapes, device, g),
+        numerics=None if args.skip_decode else bench_numerics(
+            shapes, device, g, steps=256 if shapes is FULL else 8),
         prefill=bench_prefill(shapes, device, g),
     )
     name = "gdn_kernels_smoke.json" if shapes is SMOKE else "gdn_kernels.json"
@@ -254,6 +292,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
+    return result
 
 
 if __name__ == "__main__":
