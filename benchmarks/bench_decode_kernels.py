@@ -48,6 +48,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from graph_timing import capture  # noqa: E402
 from provenance import device_label, git_commit, result_writer  # noqa: E402
 
 from hybridserve.kernels import mamba_decode  # noqa: E402
@@ -261,16 +262,7 @@ def _graph_layers(cfg, device, layers: int) -> dict:
         if device != "cuda":
             out[f"{name}_us"] = _time(fn, device) * 1e6
             continue
-        fn()  # compile outside the capture
-        torch.cuda.synchronize()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        graph = capture(fn)
         graph.replay()
         torch.cuda.synchronize()
         times = []

@@ -46,6 +46,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from graph_timing import rotating  # noqa: E402
 from provenance import git_commit  # noqa: E402
 
 from hybridserve.kernels import gdn_chunked  # noqa: E402
@@ -78,17 +79,6 @@ def time_us(fn, device: str) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e6
-
-
-def rotating(items):
-    state = {"i": 0}
-
-    def nxt():
-        item = items[state["i"] % len(items)]
-        state["i"] += 1
-        return item
-
-    return nxt
 
 
 def inputs(g, tokens, s, device):

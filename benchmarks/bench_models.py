@@ -58,6 +58,7 @@ from pathlib import Path
 
 import bench_gpu as bg  # benchmarks/ is on the path when run as a script
 import torch
+from graph_timing import capture
 from provenance import git_commit, portable_path
 
 from hybridserve.models.config import ModelConfig
@@ -357,15 +358,7 @@ def moe_blocks_time(model, batch: int, device: str, reps: int = 20) -> dict:
     fn, graph_error = run, None
     if device.startswith("cuda"):
         try:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                run()
-            torch.cuda.current_stream().wait_stream(s)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                run()
-            fn = graph.replay
+            fn = capture(run).replay
         except Exception as e:  # the eager time still stands
             graph_error = f"{type(e).__name__}: {e}"
     t = bg._event_time(fn, reps, device)

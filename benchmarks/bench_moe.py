@@ -57,6 +57,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import triton  # noqa: E402
+from graph_timing import capture, rotating  # noqa: E402
 from provenance import git_commit  # noqa: E402
 
 from hybridserve.kernels import moe  # noqa: E402
@@ -119,16 +120,10 @@ def timed(fn, device: str) -> float:
     return statistics.median(times)
 
 
-def rotating(fns):
+def in_turn(fns):
     """One callable that runs ``fns`` in turn (a different input set on each call)."""
-    state = {"i": 0}
-
-    def run():
-        f = fns[state["i"] % len(fns)]
-        state["i"] += 1
-        return f()
-
-    return run
+    nxt = rotating(fns)
+    return lambda: nxt()()
 
 
 def copy_bandwidth(device: str, nbytes: int) -> dict:
@@ -243,9 +238,9 @@ def layer_case(shape: Shape, block, dense, tokens: int, variants: int, device: s
         a = grouped(0)().float()
         b = loop(0)().float()
         out["grouped_vs_loop_rel_err"] = float((a - b).norm() / b.norm().clamp_min(1e-30))
-        out["grouped_s"] = timed(rotating([grouped(i) for i in range(variants)]), device)
-        out["loop_s"] = timed(rotating([loop(i) for i in range(variants)]), device)
-        out["block_s"] = timed(rotating([whole(i) for i in range(variants)]), device)
+        out["grouped_s"] = timed(in_turn([grouped(i) for i in range(variants)]), device)
+        out["loop_s"] = timed(in_turn([loop(i) for i in range(variants)]), device)
+        out["block_s"] = timed(in_turn([whole(i) for i in range(variants)]), device)
         out["block_graph_s"], out["graph_error"] = graph_time(whole, xs, variants, device)
         rows = {}
         ref = whole(0)().float()
@@ -256,7 +251,7 @@ def layer_case(shape: Shape, block, dense, tokens: int, variants: int, device: s
             rows[name] = {
                 "block_vs_module_rel_err": float((got - ref).norm()
                                                  / ref.norm().clamp_min(1e-30)),
-                "grouped_s": timed(rotating([grouped(i, routed) for i in range(variants)]),
+                "grouped_s": timed(in_turn([grouped(i, routed) for i in range(variants)]),
                                    device),
             }
             rows[name]["block_graph_s"], rows[name]["graph_error"] = graph_time(
@@ -284,19 +279,8 @@ def graph_time(whole, xs, variants, device):
     if not device.startswith("cuda"):
         return None, "no CUDA"
     try:
-        graphs = []
-        for i in range(variants):
-            run = whole(i)
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                run()  # warm-up outside capture (allocations, autotune-free compiles)
-            torch.cuda.current_stream().wait_stream(s)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                run()
-            graphs.append(graph)
-        return timed(rotating([g.replay for g in graphs]), device), None
+        graphs = [capture(whole(i)) for i in range(variants)]
+        return timed(in_turn([g.replay for g in graphs]), device), None
     except Exception as e:  # record and go on: the eager numbers still stand
         return None, f"{type(e).__name__}: {e}"
 

@@ -39,6 +39,9 @@ if not torch.cuda.is_available():
 
 import triton  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from graph_timing import capture, rotating  # noqa: E402
+
 from hybridserve.kernels.state_postprocess import (  # noqa: E402
     PostprocessResult,
     StateCopyPlan,
@@ -170,31 +173,9 @@ def _time_us(fn, cfg: Config, device: str) -> float:
 
 def _graph_time_us(launches: list, cfg: Config) -> float:
     """Median GPU time of replaying each launch (rotating) from a captured CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for fn in launches:  # warm up: compile and allocate outside the capture
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graphs = []
-    for fn in launches:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        graphs.append(graph)
-    next_graph = _rotating(graphs)
+    graphs = [capture(fn) for fn in launches]
+    next_graph = rotating(graphs)
     return _time_us(lambda: next_graph().replay(), cfg, "cuda")
-
-
-def _rotating(items: list):
-    state = {"i": 0}
-
-    def next_item():
-        item = items[state["i"] % len(items)]
-        state["i"] += 1
-        return item
-
-    return next_item
 
 
 def run(cfg: Config, device: str) -> dict:
@@ -223,7 +204,7 @@ def run(cfg: Config, device: str) -> dict:
 
 def _measure_case(cfg: Config, device: str, plan: StateCopyPlan, variants: list[dict],
                   num_crossing: int, ids_bytes: int) -> dict:
-    next_variant = _rotating(variants)
+    next_variant = rotating(variants)
     copied = num_crossing * cfg.page_bytes
 
     def ownership():
