@@ -1,7 +1,8 @@
 """Variable-length causal conv over packed rows: the Triton kernel against its twin and the
 per-row reference, NaN-poisoned outputs and unread pages, the race checker and three
 program orders; the windows written to output pages bit for bit against the per-row
-reference.
+reference, by both window writers (the slab writer over the window tokens' list, the
+full-grid writer of graph steps), and through the model with checkpoints every 64 tokens.
 
 GPU tests (``-m gpu``) compile the kernel: run them with ``TRITON_INTERPRET=0``.
 """
@@ -13,9 +14,15 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
+import triton
 
 from hybridserve.kernels.conv1d import causal_conv1d_reference
-from hybridserve.kernels.conv_varlen import conv_varlen, conv_varlen_reference, token_rows
+from hybridserve.kernels.conv_varlen import (
+    conv_varlen,
+    conv_varlen_reference,
+    token_rows,
+    window_token_list,
+)
 
 INTERPRETED = os.environ["TRITON_INTERPRET"] == "1"
 
@@ -65,16 +72,24 @@ LENS = [
 ]
 
 
-def _out_pages(g, lens, cache, in_pages, share=0.5):
-    """A page for every row's last token (as the engine asks) and about ``share`` of the
-    other tokens, distinct and never an input page; -1 for the rest."""
+def _out_pages(g, lens, cache, in_pages, share=0.5, ends=True):
+    """A page for every row's last token (as the engine asks; not when ``ends`` is False)
+    and about ``share`` of the other tokens, distinct and never an input page; -1 for the
+    rest."""
     free = [p for p in range(cache.shape[0]) if p not in set(in_pages.tolist())]
     free = [free[i] for i in torch.randperm(len(free), generator=g).tolist()]
     last = set(torch.tensor(lens).cumsum(0)[torch.tensor(lens) > 0].sub(1).tolist())
+    if not ends:
+        last = set()
     return torch.tensor([
         free.pop() if t in last or bool(torch.rand((), generator=g) < share) else -1
         for t in range(sum(lens))
-    ])
+    ], dtype=torch.int64)
+
+
+def _window_tokens(out_pages):
+    """The step plan's ``[W]`` list of the tokens that have an output page."""
+    return torch.tensor(window_token_list(out_pages.tolist()), dtype=torch.int32)
 
 
 def _per_row(xbc, weight, bias, before, qs, in_pages, out_pages, act="silu"):
@@ -94,12 +109,21 @@ def _per_row(xbc, weight, bias, before, qs, in_pages, out_pages, act="silu"):
     return torch.cat(out), windows
 
 
-@pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=interpreted)])
+WRITERS = [
+    "twin",
+    pytest.param("slabs", marks=interpreted),  # the window tokens' list (planned steps)
+    pytest.param("grid", marks=interpreted),  # no list (graph steps)
+]
+WINDOW_KERNELS = {"slabs": "_conv_window_slabs_kernel", "grid": "_conv_windows_kernel"}
+
+
+@pytest.mark.parametrize("writer", WRITERS)
 @pytest.mark.parametrize("lens,k", [(LENS[0], 4), (LENS[3], 3), ([2, 0, 1], 4), (LENS[1], 2)])
-def test_out_pages_get_the_windows_bit_for_bit(kernel, lens, k):
+def test_out_pages_get_the_windows_bit_for_bit(writer, lens, k):
     """With ``out_pages`` the conv also writes the window after each token that has a
     page: bit for bit the per-row reference's windows, in the page dtype; no other page
-    changes, and the kernel stays race-free."""
+    changes, and the kernels stay race-free, with the window tokens' list (the twin
+    checks it) or without it."""
     g = torch.Generator().manual_seed(_seed())
     xbc, weight, bias, cache, qs, in_pages = _step(
         g, lens, 9, k, torch.float32, num_pages=3 * sum(lens) + 4
@@ -107,16 +131,19 @@ def test_out_pages_get_the_windows_bit_for_bit(kernel, lens, k):
     out_pages = _out_pages(g, lens, cache, in_pages)
     before = cache.clone()
     want, windows = _per_row(xbc, weight, bias, before, qs, in_pages, out_pages)
-    if kernel:
+    listed = _window_tokens(out_pages) if writer != "grid" else None
+    if writer != "twin":
         with racecheck.record_launches() as rec:
             got = conv_varlen(xbc, weight, bias, cache, qs.to(torch.int32), in_pages, "silu",
-                              out_pages=out_pages.to(torch.int32), block_t=4, block_c=8)
+                              out_pages=out_pages.to(torch.int32), window_tokens=listed,
+                              block_t=4, block_c=8, window_block=8)
         # The conv of inner tokens, of rows' first tokens, and the windows.
         assert len(rec.reports) == 3 and all(r.clean for r in rec.reports), rec.reports
+        assert rec.reports[2].kernel.endswith(WINDOW_KERNELS[writer]), rec.reports[2].kernel
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     else:
         got = conv_varlen_reference(xbc, weight, bias, cache, qs, in_pages, "silu",
-                                    out_pages=out_pages)
+                                    out_pages=out_pages, window_tokens=listed)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert windows
     for page, window in windows.items():
@@ -126,23 +153,98 @@ def test_out_pages_get_the_windows_bit_for_bit(kernel, lens, k):
     assert torch.equal(cache[unwritten].nan_to_num(7.0), before[unwritten].nan_to_num(7.0))
 
 
+# (share of the other tokens, row ends) of every mode the engine asks for.
+MODES = {"every token": (1.0, True), "row ends": (0.0, True), "none": (0.0, False),
+         "some, no ends": (0.4, False)}
+
+
 @interpreted
-def test_kernel_windows_take_initial_entries_through_the_input_dtype():
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize(
+    "lens,channels,k,window_block",
+    [
+        (LENS[0], 9, 4, 8),  # empty rows, rows shorter than K - 1; blocks straddle channels
+        (LENS[3], 5, 3, 4),
+        ([1, 0, 2, 6, 1], 16, 4, 64),  # one block a page
+        (LENS[2], 7, 2, 2),
+    ],
+)
+def test_slab_writer_covers_only_window_tokens(lens, channels, k, window_block, mode):
+    """The slab writer, in every mode (windows at every token, at row ends, none, some
+    inside rows only): one program per (window token, block of page entries), none at
+    all without a window; the windows bit for bit the per-row reference's, on steps of
+    rows with and without initial pages; no other page changes; race-free."""
+    g = torch.Generator().manual_seed(_seed())
+    xbc, weight, bias, cache, qs, in_pages = _step(
+        g, lens, channels, k, torch.float32, num_pages=3 * sum(lens) + 4
+    )
+    share, ends = MODES[mode]
+    out_pages = _out_pages(g, lens, cache, in_pages, share=share, ends=ends)
+    listed = _window_tokens(out_pages)
+    before = cache.clone()
+    want, windows = _per_row(xbc, weight, bias, before, qs, in_pages, out_pages)
+    with racecheck.record_launches() as rec:
+        got = conv_varlen(xbc, weight, bias, cache, qs.to(torch.int32), in_pages, "silu",
+                          out_pages=out_pages.to(torch.int32), window_tokens=listed,
+                          block_t=4, block_c=8, window_block=window_block)
+    assert all(r.clean for r in rec.reports), rec.reports
+    kernels = [r.kernel.rsplit(".", 1)[-1] for r in rec.reports]
+    if listed.numel():
+        assert kernels[2:] == ["_conv_window_slabs_kernel"], kernels
+        blocks = -(-channels * (k - 1) // min(window_block, triton.next_power_of_2(
+            channels * (k - 1))))
+        assert tuple(rec.reports[2].grid)[:2] == (listed.numel(), blocks)
+    else:
+        assert len(kernels) == 2, kernels  # no window: no writer launched
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert len(windows) == listed.numel()
+    for page, window in windows.items():
+        assert torch.equal(cache[page], window), page
+    unwritten = torch.ones(cache.shape[0], dtype=torch.bool)
+    unwritten[list(windows)] = False
+    assert torch.equal(cache[unwritten].nan_to_num(7.0), before[unwritten].nan_to_num(7.0))
+
+
+def test_twin_rejects_a_window_list_that_is_not_the_pages():
+    """The twin checks the list the slab writer trusts: every token with a page, ascending,
+    once; and the list needs ``out_pages``."""
+    g = torch.Generator().manual_seed(_seed())
+    lens = [3, 0, 4]
+    xbc, weight, bias, cache, qs, in_pages = _step(g, lens, 4, 4, torch.float32,
+                                                   num_pages=3 * sum(lens) + 4)
+    out_pages = _out_pages(g, lens, cache, in_pages, share=0.5)
+    good = window_token_list(out_pages.tolist())
+    for bad in (good[:-1], good[::-1] if len(good) > 1 else good * 2, good + good[-1:]):
+        with pytest.raises(ValueError, match="window_tokens"):
+            conv_varlen_reference(xbc, weight, bias, cache.clone(), qs, in_pages, "silu",
+                                  out_pages=out_pages, window_tokens=torch.tensor(bad))
+    with pytest.raises(ValueError, match="window_tokens"):
+        conv_varlen_reference(xbc, weight, bias, cache, qs, in_pages, "silu",
+                              window_tokens=torch.tensor(good))
+
+
+@interpreted
+@pytest.mark.parametrize("slabs", [False, True])
+def test_kernel_windows_take_initial_entries_through_the_input_dtype(slabs):
     """bf16 inputs over float32 window pages: a window's entries from before the row go
-    through bf16, as the per-row reference's concatenation does (page values exact in bf16,
-    so the interpreter's truncating cast and the GPU's rounding one agree)."""
+    through bf16, as the per-row reference's concatenation does; both writers. The page
+    values carry low bits under half a bf16 ulp: the interpreter's truncating cast and the
+    GPU's rounding one agree on them, and a writer that skipped the cast would keep them."""
     g = torch.Generator().manual_seed(_seed())
     lens = [1, 2, 6]
     xbc, weight, bias, cache, qs, in_pages = _step(
         g, lens, 5, 4, torch.bfloat16, num_pages=3 * sum(lens) + 4,
         cache_dtype=torch.float32, with_pages=1.0,
     )
-    cache.copy_(cache.to(torch.bfloat16).to(torch.float32))
+    bits = cache.view(torch.int32)
+    bits.copy_((bits & -65536) | 0x1234)  # the bf16 bits, then 0x1234 below them
+    assert not torch.equal(cache, cache.to(torch.bfloat16).to(torch.float32))
     out_pages = _out_pages(g, lens, cache, in_pages, share=1.0)
     before = cache.clone()
     _, windows = _per_row(xbc, weight, bias, before, qs, in_pages, out_pages)
     conv_varlen(xbc, weight, bias, cache, qs, in_pages, "silu", out_pages=out_pages,
-                block_t=4, block_c=8)
+                window_tokens=_window_tokens(out_pages) if slabs else None,
+                block_t=4, block_c=8, window_block=4)
     for page, window in windows.items():
         assert window.dtype == torch.bfloat16
         assert torch.equal(cache[page], window.to(torch.float32)), page
@@ -198,17 +300,19 @@ def test_kernel_without_bias_int32_indices_and_bf16():
 
 
 @interpreted
-@pytest.mark.parametrize("windows", [False, True])
+@pytest.mark.parametrize("windows", [None, "grid", "slabs"])
 def test_kernel_independent_of_program_order(windows):
     g = torch.Generator().manual_seed(_seed())
     lens = [5, 0, 1, 9, 2]
     xbc, weight, bias, cache, qs, in_pages = _step(g, lens, 10, 4, torch.float32,
                                                    num_pages=3 * sum(lens) + 4)
     out_pages = _out_pages(g, lens, cache, in_pages) if windows else None
+    listed = _window_tokens(out_pages) if windows == "slabs" else None
 
     def launch(xbc, weight, bias, conv_cache, query_start, in_pages, out):
         return conv_varlen(xbc, weight, bias, conv_cache, query_start, in_pages, "silu",
-                           out=out, out_pages=out_pages, block_t=4, block_c=4)
+                           out=out, out_pages=out_pages, window_tokens=listed,
+                           block_t=4, block_c=4, window_block=8)
 
     report = racecheck.run_launcher_in_orders(
         launch,
