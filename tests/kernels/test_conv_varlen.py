@@ -348,3 +348,118 @@ def test_gpu_kernel_matches_twin(dtype, record_property):
     record_property("conv_varlen_rel_err", rel)
     print(f"conv_varlen {dtype}: relative error {rel:.3e}")
     assert rel < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("kind", ["short", "packed", "packed, no state asked"])
+def test_plan_uploads_the_window_tokens_with_its_index_tensors(kind):
+    """The step plan's ``window_tokens``: every token with an output page, ascending, in
+    the same host-to-device copy as the plan's other index tensors (views of one
+    storage); the varlen plan (Gated DeltaNet's) carries the same tensor. A step that asks
+    for no state has an empty list (the conv then launches no window writer)."""
+    from hybridserve.config import KernelPolicy
+    from hybridserve.models.batch import ForwardBatch
+    from hybridserve.models.step_plan import StepKind, plan_states
+
+    lens, in_pages = [3, 0, 1, 5], [4, -1, 5, -1]
+    requests = [] if kind.endswith("no state asked") else [(0, 2, 7), (2, 0, 9), (3, 1, 10),
+                                                          (3, 4, 11), (0, 0, 12)]
+    qs = [0, 3, 3, 4, 9]
+    batch = ForwardBatch(
+        query_start=qs, num_computed=[5] * 4, positions=torch.arange(9),
+        context_lens=[5 + q for q in lens], block_tables=torch.zeros(4, 4, dtype=torch.int32),
+        slot_mapping=torch.arange(9), state_in_page=in_pages,
+        state_out_row=[r for r, _, _ in requests], state_out_offset=[o for _, o, _ in requests],
+        state_out_page=[p for _, _, p in requests],
+    )
+    short = kind == "short"
+    policy = KernelPolicy(short_rows="reference" if short else "off",
+                          packed_prefill="off" if short else "reference")
+    plan = plan_states(batch, policy, torch.device("cpu"), torch.float32, varlen=True)
+    assert plan.kind is (StepKind.SHORT if short else StepKind.PACKED)
+    want = [] if not requests else [0, 2, 3, 5, 8]
+    assert plan.window_tokens.tolist() == want
+    assert want == window_token_list(plan.token_out_pages.tolist())
+    assert plan.window_tokens.dtype == torch.int32
+    assert (plan.window_tokens.untyped_storage().data_ptr()
+            == plan.query_start.untyped_storage().data_ptr())
+    assert plan.varlen.window_tokens is plan.window_tokens
+
+
+@interpreted
+def test_checkpoint_windows_every_64_tokens_through_the_model(tmp_path, monkeypatch):
+    """Prefix-cache checkpoints through a model step on the short-row path, its conv the
+    Triton kernel (writing through the slab writer): a fresh 150-token prompt with the
+    state after every 64th token, beside a one-token row and a two-token row (shorter
+    than the conv's window); then a row resumed from the checkpoint after token 127 beside
+    the short rows continued from their pages (windows partly from their initial ones).
+    The first Mamba layer's windows (copies of its inputs) are bit for bit the per-row
+    path's and every layer's states match; the resumed row gives the cold run's logits
+    for the tokens after the checkpoint. The
+    recurrence runs through its twin (its kernel is tests/kernels/test_mamba_short.py's;
+    under the interpreter it would take most of a minute here)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    from paged_driver import PagedDriver, Sequence
+
+    from hybridserve.config import KernelPolicy
+    from hybridserve.kernels import mamba_decode
+    from hybridserve.models.layers import mamba2
+    from hybridserve.models.loader import load_model
+    from hybridserve.testing.tiny_models import make_tiny_checkpoint
+
+    torch.set_num_threads(1)
+    seed = _seed()
+    path = make_tiny_checkpoint("nemotron_h", tmp_path / "m", seed=seed % 1000, layers="M*-M")
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(3, 250, (150,), generator=g).tolist()
+    short = {1: torch.randint(3, 250, (1,), generator=g).tolist(),
+             2: torch.randint(3, 250, (2,), generator=g).tolist()}
+    more = {1: torch.randint(3, 250, (1,), generator=g).tolist(),
+            2: torch.randint(3, 250, (2,), generator=g).tolist()}
+    lists = []
+    real = mamba2.conv_varlen
+
+    def spy(*args, window_tokens=None, **kwargs):
+        lists.append(None if window_tokens is None else window_tokens.tolist())
+        return real(*args, window_tokens=window_tokens, **kwargs)
+
+    monkeypatch.setattr(mamba2, "conv_varlen", spy)
+    monkeypatch.setattr(mamba_decode, "ssm_update", mamba_decode.ssm_update_reference)
+    runs = {}
+    for mode in ("triton", "off"):
+        model = load_model(path, dtype=torch.float32,
+                           policy=KernelPolicy(short_rows=mode, packed_prefill="off"))
+        layers = model.cache_spec.mamba_layers
+        d = PagedDriver(model)
+        lists.clear()
+        cold, pages = d.step([(0, prompt), *short.items()], {0: [63, 127]})
+        states = {(1, sid, off, layer): (d.conv_state(layer, page), d.ssm_state(layer, page))
+                  for sid, offs in pages.items() for off, page in offs.items()
+                  for layer in layers}
+        # A prefix-cache hit: the first 128 tokens' KV blocks and the checkpoint's page.
+        bs = d.block_size
+        d.seqs[3] = Sequence(tokens=prompt[:128], blocks=d.seqs[0].blocks[: 128 // bs],
+                             state_page=pages[0][127])
+        resumed, pages = d.step([(3, prompt[128:]), *more.items()])
+        states.update({
+            (2, sid, off, layer): (d.conv_state(layer, page), d.ssm_state(layer, page))
+            for sid, offs in pages.items() for off, page in offs.items() for layer in layers
+        })
+        runs[mode] = (cold, resumed[:22], states)
+        if mode == "triton":
+            # Every conv took the slab writer, over the requested tokens only.
+            want = [[63, 127, 149, 150, 152]] * len(layers) + [[21, 22, 24]] * len(layers)
+            assert lists == want, lists
+    (tc, tr, ts), (oc, orr, os_) = runs["triton"], runs["off"]
+    assert ts.keys() == os_.keys() and not tc.isnan().any()
+    for key in ts:
+        if key[3] == layers[0]:
+            assert torch.equal(ts[key][0], os_[key][0]), key
+        torch.testing.assert_close(ts[key][0], os_[key][0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(ts[key][1], os_[key][1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(tc, oc, rtol=1e-4, atol=1e-4)
+    # The checkpoint resumes the cold run: the same logits after token 127, on each path.
+    torch.testing.assert_close(tr, tc[128:150], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(orr, oc[128:150], rtol=1e-4, atol=1e-4)
