@@ -463,3 +463,38 @@ def test_checkpoint_windows_every_64_tokens_through_the_model(tmp_path, monkeypa
     # The checkpoint resumes the cold run: the same logits after token 127, on each path.
     torch.testing.assert_close(tr, tc[128:150], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(orr, oc[128:150], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(INTERPRETED, reason="compiles the kernel: run with TRITON_INTERPRET=0")
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("slabs", [True, False])
+def test_gpu_windows_bit_for_bit(slabs, cache_dtype):
+    """Both window writers compiled, at the 8B conv width: windows every 64 tokens and at
+    row ends beside rows shorter than the window, bit for bit the twin's (bf16 inputs;
+    float32 pages take the initial entries through bf16 on both sides: their values carry
+    low bits under half a bf16 ulp, which the cast drops whichever way it rounds)."""
+    g = torch.Generator().manual_seed(_seed())
+    lens = [4096, 1, 0, 2, 777, 1500, 3]
+    xbc, weight, bias, cache, qs, in_pages = _step(g, lens, 10240, 4, torch.bfloat16,
+                                                   cache_dtype=cache_dtype, num_pages=200,
+                                                   with_pages=0.9)
+    if cache_dtype == torch.float32:
+        bits = cache.view(torch.int32)
+        bits.copy_((bits & -65536) | 0x1234)
+    # Pages: every 64th token of each row and its last one, never an input page.
+    free = [p for p in range(cache.shape[0]) if p not in set(in_pages.tolist())]
+    out_pages = torch.full((sum(lens),), -1, dtype=torch.int64)
+    for r, n in enumerate(lens):
+        for off in sorted({*range(63, n, 64), n - 1} if n else set()):
+            out_pages[int(qs[r]) + off] = free.pop()
+    args = [t.cuda() for t in (xbc, weight, bias, cache, qs, in_pages)]
+    twin = args[3].clone()
+    want = conv_varlen_reference(*args[:3], twin, *args[4:], "silu", out_pages=out_pages.cuda())
+    listed = _window_tokens(out_pages).cuda() if slabs else None
+    got = conv_varlen(*args, "silu", out_pages=out_pages.cuda(), window_tokens=listed)
+    rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
+    assert rel < 1e-2
+    written = out_pages[out_pages >= 0].cuda()
+    assert torch.equal(args[3][written], twin[written])
