@@ -308,10 +308,11 @@ def _conv_windows_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    # One program per (token block, channel block) writes the window after each of its
-    # tokens that has an output page; a block without one stops after reading its pages.
-    # Entry i of the window after token t is the input K - 2 - i tokens back, from the
-    # row or from its initial window, cast as the reference casts.
+    # The full-grid writer (steps whose window tokens the host does not know: graph
+    # steps). One program per (token block, channel block) writes the window after each
+    # of its tokens that has an output page; a block without one stops after reading its
+    # pages. Entry i of the window after token t is the input K - 2 - i tokens back, from
+    # the row or from its initial window, cast as the reference casts.
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = tok < tokens
     out_page = tl.load(out_pages_ptr + tok, mask=tmask, other=-1).to(tl.int64)
