@@ -2,7 +2,8 @@
 per-row reference, NaN-poisoned outputs and unread pages, the race checker and three
 program orders; the windows written to output pages bit for bit against the per-row
 reference, by both window writers (the slab writer over the window tokens' list, the
-full-grid writer of graph steps), and through the model with checkpoints every 64 tokens.
+full-grid writer of graph steps); checkpoints every 64 tokens through the model and through
+the engine with prefix caching.
 
 GPU tests (``-m gpu``) compile the kernel: run them with ``TRITON_INTERPRET=0``.
 """
@@ -498,3 +499,68 @@ def test_gpu_windows_bit_for_bit(slabs, cache_dtype):
     assert rel < 1e-2
     written = out_pages[out_pages >= 0].cuda()
     assert torch.equal(args[3][written], twin[written])
+
+
+@interpreted
+def test_engine_checkpoints_on_the_64_token_grid_are_exact(tmp_path, monkeypatch):
+    """Through the engine with prefix caching (checkpoints every 64 tokens, a later prompt
+    resuming from one), the short-row path's conv the Triton kernel with the slab writer:
+    every live checkpoint's conv window and state equal a cold run's through the per-row
+    path (an oracle that shares no kernel with the engine's path), and the resumed prompt's
+    greedy tokens the per-row engine's. The recurrence runs through its twin (its kernel
+    has its own tests; under the interpreter it would take minutes here)."""
+    from hybridserve import LLM, SamplingParams
+    from hybridserve.cache.block_pool import block_hashes
+    from hybridserve.config import KernelPolicy
+    from hybridserve.kernels import mamba_decode
+    from hybridserve.models.layers import mamba2
+    from hybridserve.models.loader import with_kernel_policy
+    from hybridserve.testing.reference import reference_state
+    from hybridserve.testing.tiny_models import make_tiny_checkpoint
+
+    torch.set_num_threads(1)
+    seed = _seed()
+    path = make_tiny_checkpoint("nemotron_h", tmp_path / "m", seed=seed % 1000, layers="M*-M")
+    g = torch.Generator().manual_seed(seed)
+    root = torch.randint(3, 250, (150,), generator=g).tolist()
+    prompts = [root + torch.randint(3, 250, (5,), generator=g).tolist(),
+               root[:133] + torch.randint(3, 250, (9,), generator=g).tolist()]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    lists = []
+    real = mamba2.conv_varlen
+
+    def spy(*args, window_tokens=None, **kwargs):
+        lists.append(None if window_tokens is None else window_tokens.numel())
+        return real(*args, window_tokens=window_tokens, **kwargs)
+
+    monkeypatch.setattr(mamba2, "conv_varlen", spy)
+    monkeypatch.setattr(mamba_decode, "ssm_update", mamba_decode.ssm_update_reference)
+    outputs = {}
+    for mode in ("triton", "off"):
+        llm = LLM(path, dtype="float32", state_interval=64, max_num_batched_tokens=256,
+                  kernel_policy=KernelPolicy(short_rows=mode, packed_prefill="off"))
+        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+        assert outs[1].num_cached_tokens >= 128  # resumed from the checkpoint at 128
+        outputs[mode] = [o.outputs[0].token_ids for o in outs]
+        if mode == "triton":
+            engine = llm
+    assert outputs["triton"] == outputs["off"]
+    # The slab writer took every conv; one step wrote the grid's windows inside a row.
+    assert lists and None not in lists and max(lists) >= 3, lists
+    # Every live checkpoint against a cold run on the per-row path.
+    oracle = with_kernel_policy(engine.model, KernelPolicy(short_rows="off", packed_prefill="off"))
+    sched, caches = engine.engine.scheduler, engine.engine.runner.caches
+    prefixes = {}
+    for seq in [p + o for p, o in zip(prompts, outputs["triton"])] + prompts:
+        for i, h in enumerate(block_hashes(seq, sched.block_size)):
+            prefixes.setdefault(h, seq[: (i + 1) * sched.block_size])
+    lengths = set()
+    for key, ckpt in sched.states.checkpoints.items():
+        conv, ssm = reference_state(oracle, prefixes[key], ckpt.length)
+        for layer in conv:
+            torch.testing.assert_close(caches.conv[layer][ckpt.page], conv[layer],
+                                       rtol=0, atol=1e-5)
+            torch.testing.assert_close(caches.ssm[layer][ckpt.page], ssm[layer],
+                                       rtol=0, atol=1e-5)
+        lengths.add(ckpt.length)
+    assert {64, 128} <= lengths, lengths
