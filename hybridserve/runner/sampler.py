@@ -66,6 +66,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hybridserve.config import KERNEL_MODES, runs_triton
 from hybridserve.step import Logprob, SamplingParams
 from hybridserve.structured.backend import GrammarMatcher, bitmask_words, fill_step_bitmasks
 
@@ -145,13 +146,23 @@ def draw(
     seed_hi: torch.Tensor,
     index: torch.Tensor,
     any_sampled: bool = True,
+    kernels: str = "auto",
 ) -> torch.Tensor:
     """One token per row of processed log-probabilities ``logp [N, vocab]`` -> ``[N]``.
 
     Rows where ``greedy`` is True take the argmax; the others an exact sample by the
     Gumbel-max trick over :func:`uniforms`. ``any_sampled=False`` (the caller knows no
     row samples) skips the noise.
+
+    ``kernels`` (``KernelPolicy.sampler``): where a sampled draw runs as the one-pass
+    kernel :func:`hybridserve.kernels.sampling.draw` (same tokens, no ``[N, vocab]``
+    tables): ``"auto"`` for CUDA tensors, ``"triton"`` everywhere (the CPU interpreter),
+    ``"reference"`` nowhere. The torch code below is its twin and the CPU path.
     """
+    if any_sampled and _sampler_kernel(kernels, logp):
+        from hybridserve.kernels import sampling
+
+        return sampling.draw(logp, greedy, seed_lo, seed_hi, index)
     choice = torch.argmax(logp, dim=-1)
     if not any_sampled:
         return choice
@@ -160,6 +171,13 @@ def draw(
     # whose exponential clock rings first, with rate p. float64 so u's 31 bits survive.
     keys = logp.double() - torch.log(-torch.log(u))
     return torch.where(greedy, choice, torch.argmax(keys, dim=-1))
+
+
+def _sampler_kernel(kernels: str, logp: torch.Tensor) -> bool:
+    """Whether a draw over ``logp`` takes the Triton kernel under ``kernels``."""
+    if kernels not in KERNEL_MODES:
+        raise ValueError(f"kernel_policy.sampler={kernels!r}: choose from {KERNEL_MODES}")
+    return runs_triton(kernels, logp.device)
 
 
 # --- per-row reference definitions --------------------------------------------------
@@ -663,6 +681,7 @@ def sample_step(
     plan: DrawPlan,
     packed: torch.Tensor,
     drafted: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    kernels: str = "auto",
 ) -> torch.Tensor:
     """Sample every position of a step: ``logits [num_positions, vocab]`` (raw),
     ``packed`` the plan's buffer on the logits' device. Returns int64 on that device:
@@ -674,14 +693,17 @@ def sample_step(
     is :func:`speculative_choices` instead of the point-mass coupling of :func:`draw`.
     ``use`` (bool ``[M]``, or None for all): which of the ``M`` positions carry a
     distribution; the others keep :func:`draw`'s choice (a replayed graph passes every
-    draft slot of its static shape and flags the ones that carry ``q``)."""
+    draft slot of its static shape and flags the ones that carry ``q``).
+
+    ``kernels`` (``KernelPolicy.sampler``): where :func:`draw` runs as its Triton
+    kernel (see there); the tokens are the same either way."""
     cols = _columns(plan, packed)
     logp = process_step(logits, plan, packed)
     seed_lo, seed_hi = cols[:, _C["seed_lo"]].long(), cols[:, _C["seed_hi"]].long()
     index = cols[:, _C["index"]].long()
     choices = draw(
         logp, cols[:, _C["temperature"]] == 0, seed_lo, seed_hi, index,
-        any_sampled=plan.any_sampled,
+        any_sampled=plan.any_sampled, kernels=kernels,
     )
     if drafted is not None:
         pos, logq, drafts, use = drafted
@@ -767,10 +789,19 @@ _ACCEPT_SALT = 0x5851F42D
 
 
 def draft_draw(
-    logq: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor, index: torch.Tensor
+    logq: torch.Tensor,
+    seed_lo: torch.Tensor,
+    seed_hi: torch.Tensor,
+    index: torch.Tensor,
+    kernels: str = "auto",
 ) -> torch.Tensor:
     """The drafter's sample from ``logq [N, vocab]`` (log-probabilities, any float
-    dtype; drawn in float64) -> ``[N]``."""
+    dtype; drawn in float64) -> ``[N]``. ``kernels`` as for :func:`draw`: the kernel
+    draws every row sampled, with the drafter's salted seed words."""
+    if _sampler_kernel(kernels, logq):
+        from hybridserve.kernels import sampling
+
+        return sampling.draw(logq, None, seed_lo ^ _DRAFT_SALT, seed_hi, index)
     u = uniforms(seed_lo ^ _DRAFT_SALT, seed_hi, index, logq.shape[-1])
     return torch.argmax(logq.double() - torch.log(-torch.log(u)), dim=-1)
 

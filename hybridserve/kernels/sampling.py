@@ -1,0 +1,235 @@
+"""The sampler's draw in one pass over the vocabulary: counter-based Gumbel-max without
+an ``[N, vocab]`` table.
+
+:func:`draw` computes what :func:`hybridserve.runner.sampler.draw` (its torch twin, the
+CPU path and the test oracle) computes: per row ``i`` of ``logp [N, vocab]``, the argmax
+of ``logp[i]`` where ``greedy[i]``, else the argmax of the Gumbel keys
+``logp[i, t] - log(-log u(i, t))`` with ``u`` the counter-based uniforms of
+:func:`hybridserve.runner.sampler.uniforms`. The twin materialises the uniforms as an
+``[N, vocab]`` int64 table (three keyed rounds of integer mixing, about thirty full-table
+elementwise ops) and then a float64 key table: gigabytes of memory traffic at decode
+batch sizes for a result of ``N`` tokens. Here each token's uniform is hashed in
+registers, its key formed and folded into a running maximum, so the launch reads
+``logp`` once and writes a few numbers per row.
+
+Contract (bit-for-bit with the twin):
+
+- The hash is the twin's: the three round keys of a position come from its seed words
+  and index by the same chain of ``_mix`` rounds (computed per program in int64, the
+  twin's arithmetic, so even out-of-contract seed words give its keys), then three keyed
+  rounds over the token id. The per-token rounds run in uint32: every value there is in
+  ``[0, 2^31)`` (token ids, keys and ``_mix`` outputs all are), the shifts of a value
+  below ``2^31`` are the same in either width, and ``(h * m) & (2^31 - 1)`` depends only
+  on the low 31 bits of the product, which a wrapping 32-bit multiply keeps. So the
+  values are the twin's int64 ones, at a fraction of the cost of 64-bit multiplies on a
+  GPU. ``u = (2h + 1) * 2^-32`` in float64 (exact, as in the twin).
+- Keys are ``float64(logp) - log(-log(u))`` in float64, the twin's operations in its
+  order (no fused multiply-add is involved). ``log`` is the device's float64 log: NumPy's
+  under the CPU interpreter (equal to torch's CPU log on every value the tests compare),
+  libdevice's ``__nv_log`` on CUDA, which is what torch's CUDA ``log`` of a double calls.
+- The argmax follows ``torch.argmax``: the lowest index among equal maxima; NaN counts
+  as larger than everything and the first NaN wins; a row that is all ``-inf`` gives
+  index 0. ``-inf`` tokens (top-k / top-p / min-p / grammar masked) have key ``-inf``
+  whatever their uniform, exactly as in the twin. Greedy rows take the argmax of
+  ``logp`` itself (no hash is computed for them); float32 to float64 is exact and order
+  preserving, so that is ``torch.argmax`` of the float32 row.
+
+Grid: ``(N, S)`` programs, program ``(i, s)`` streaming split ``s`` of row ``i``'s
+vocabulary in blocks of ``BLOCK`` tokens and writing the split's best key and its
+(lowest) index to ``[N, S]`` partials; a ``torch.argmax`` over the ``S`` partials of a
+row and a gather finish the row (the same tie and NaN rule across splits: split ``s``'s
+index is below every index of split ``s + 1``). One program per row would leave most of
+the GPU idle at small batches (at batch 1 a single program would walk 131,072 tokens
+and their two float64 logs on one SM), so :func:`num_splits` picks ``S`` to give the
+launch a few hundred programs; at ``S == 1`` the partials are the result. Each program
+writes only its own partial and reads nothing any program writes (the race rule,
+docs/racecheck.md). Shapes alone pick ``S`` and the block, so the launch is the same on
+every replay of a CUDA graph; nothing is read back to the host.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from hybridserve.runner import sampler as _twin
+
+__all__ = ["BLOCK", "TARGET_PROGRAMS", "draw", "draw_kernel", "num_splits"]
+
+BLOCK = 1024
+"""Tokens per block of a program's loop on the GPU (a block of float64 keys fits four
+warps' registers)."""
+
+TARGET_PROGRAMS = 512
+"""How many programs a launch aims for: a few per SM of an H200 (132 SMs), so that small
+batches still fill the chip and large ones are not split for nothing."""
+
+# The hash's constants, the twin's values, as constexprs the kernel can read.
+_MASK31 = tl.constexpr(_twin._MASK31)
+_MUL_A = tl.constexpr(_twin._MUL_A)
+_MUL_B = tl.constexpr(_twin._MUL_B)
+_SALT_0 = tl.constexpr(_twin._KEY_SALTS[0])
+_SALT_1 = tl.constexpr(_twin._KEY_SALTS[1])
+_SALT_2 = tl.constexpr(_twin._KEY_SALTS[2])
+_INV_2_32 = tl.constexpr(2.0**-32)
+
+# The CPU interpreter has no libdevice; there ``tl.log`` is NumPy's float64 log. On the
+# GPU the float64 log is named explicitly so that it is the libdevice routine torch's
+# CUDA log of a double uses, whatever the Triton version lowers ``tl.log`` to.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+if not _INTERPRETED:
+    from triton.language.extra import libdevice
+
+
+@triton.jit
+def _mix(h):
+    """The twin's ``_mix`` on any integer dtype holding values the twin's int64 would
+    (int64 scalars for the round keys, uint32 tensors for the tokens)."""
+    h = h ^ (h >> 16)
+    h = (h * _MUL_A) & _MASK31
+    h = h ^ (h >> 15)
+    h = (h * _MUL_B) & _MASK31
+    return h ^ (h >> 16)
+
+
+@triton.jit
+def _log64(x, USE_LIBDEVICE: tl.constexpr):
+    if USE_LIBDEVICE:
+        return libdevice.log(x)
+    else:
+        return tl.log(x)
+
+
+@triton.jit
+def draw_kernel(
+    logp, stride_row, greedy, seed_lo, seed_hi, index, part_key, part_idx, vocab,
+    NUM_SPLITS: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_GREEDY: tl.constexpr, USE_LIBDEVICE: tl.constexpr,
+):
+    """Program ``(row, split)``: the best key and its index over tokens
+    ``[split * SPLIT_BLOCKS * BLOCK, (split + 1) * SPLIT_BLOCKS * BLOCK)`` of ``row``,
+    into ``part_key[row, split]`` / ``part_idx[row, split]``."""
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    sampled = True
+    if HAS_GREEDY:
+        sampled = tl.load(greedy + row) == 0
+    # The position's round keys, in the twin's int64 arithmetic.
+    k1 = _mix(_mix(_mix(tl.load(seed_lo + row) ^ _SALT_0) ^ tl.load(seed_hi + row))
+              ^ (tl.load(index + row) & _MASK31))
+    k2 = _mix(k1 ^ _SALT_1)
+    k3 = _mix(k2 ^ _SALT_2)
+    k1 = k1.to(tl.uint32)
+    k2 = k2.to(tl.uint32)
+    k3 = k3.to(tl.uint32)
+
+    lanes = tl.arange(0, BLOCK)
+    big = 2147483647  # above every token index: the "no candidate" of a min
+    row_logp = logp + row.to(tl.int64) * stride_row
+    best_key = tl.full((), float("-inf"), tl.float64)
+    best_idx = tl.full((), 0, tl.int32) + split * (SPLIT_BLOCKS * BLOCK)
+    first_nan = tl.full((), big, tl.int32)
+    for b in range(SPLIT_BLOCKS):
+        offs = (split * SPLIT_BLOCKS + b) * BLOCK + lanes
+        valid = offs < vocab
+        key = tl.load(row_logp + offs, mask=valid, other=float("-inf")).to(tl.float64)
+        if sampled:
+            h = offs.to(tl.uint32)
+            h = _mix(h ^ k1)
+            h = _mix(h ^ k2)
+            h = _mix(h ^ k3)
+            u = (h * 2 + 1).to(tl.float64) * _INV_2_32
+            key = key - _log64(-_log64(u, USE_LIBDEVICE), USE_LIBDEVICE)
+        is_nan = key != key
+        first_nan = tl.minimum(first_nan, tl.min(tl.where(is_nan & valid, offs, big), axis=0))
+        # Max and its first index by explicit compares, so neither NaN nor ties depend
+        # on how tl.max / tl.argmax treat them.
+        key = tl.where(is_nan | ~valid, float("-inf"), key)
+        m = tl.max(key, axis=0)
+        at = tl.min(tl.where((key == m) & valid, offs, big), axis=0)
+        # Strictly greater: an earlier block keeps an equal maximum (lowest index wins).
+        take = m > best_key
+        best_idx = tl.where(take, at, best_idx)
+        best_key = tl.where(take, m, best_key)
+    has_nan = first_nan < big
+    best_key = tl.where(has_nan, float("nan"), best_key)
+    best_idx = tl.where(has_nan, first_nan, best_idx)
+    out = row * NUM_SPLITS + split
+    tl.store(part_key + out, best_key)
+    tl.store(part_idx + out, best_idx.to(tl.int64))
+
+
+def num_splits(rows: int, vocab: int, block: int = BLOCK) -> int:
+    """The number of vocabulary splits per row for ``rows`` rows: enough programs to
+    reach :data:`TARGET_PROGRAMS`, at most one split per block. A function of the shape
+    only (a captured graph's launch is fixed)."""
+    blocks = triton.cdiv(vocab, block)
+    return max(1, min(blocks, triton.cdiv(TARGET_PROGRAMS, max(rows, 1))))
+
+
+def draw(
+    logp: torch.Tensor,
+    greedy: torch.Tensor | None,
+    seed_lo: torch.Tensor,
+    seed_hi: torch.Tensor,
+    index: torch.Tensor,
+    *,
+    block: int = BLOCK,
+    splits: int | None = None,
+    return_keys: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of ``logp [N, vocab]`` (any float dtype, unit stride along the
+    vocabulary) -> int64 ``[N]`` on its device: :func:`hybridserve.runner.sampler.draw`
+    with ``any_sampled=True``. ``greedy``: bool ``[N]``, or None for all rows sampled
+    (the drafter's draw). ``seed_lo`` / ``seed_hi`` / ``index``: integer ``[N]``, the
+    twin's seed words and generated-token indices.
+
+    ``block`` (a power of two) and ``splits`` (default :func:`num_splits`) set the
+    launch; they change nothing in the result. ``return_keys`` also returns each row's
+    winning key (float64 ``[N]``: ``logp`` for greedy rows, the Gumbel key otherwise,
+    NaN where a NaN won), the value the twin's argmax selected."""
+    if logp.dim() != 2:
+        raise ValueError(f"logp must be [N, vocab], got shape {tuple(logp.shape)}")
+    if not logp.dtype.is_floating_point:
+        raise ValueError(f"logp must be a float tensor, got {logp.dtype}")
+    n, vocab = logp.shape
+    if vocab < 1 or vocab >= 2**31 - block:
+        raise ValueError(f"logp's vocabulary must be in [1, 2**31 - block), got {vocab}")
+    if logp.stride(-1) != 1:
+        raise ValueError("logp must have unit stride along the vocabulary")
+    if block < 1 or block & (block - 1):
+        raise ValueError(f"block must be a power of two, got {block}")
+    for name, t in (("seed_lo", seed_lo), ("seed_hi", seed_hi), ("index", index)) + (
+        (("greedy", greedy),) if greedy is not None else ()
+    ):
+        if t.shape != (n,):
+            raise ValueError(f"{name} must have shape [{n}], got {tuple(t.shape)}")
+        if t.device != logp.device:
+            raise ValueError(f"{name} is on {t.device}, logp on {logp.device}")
+    s = num_splits(n, vocab, block) if splits is None else splits
+    blocks = triton.cdiv(vocab, block)
+    if not 1 <= s <= blocks:
+        raise ValueError(f"splits must be in [1, {blocks}] for this vocabulary and block, got {s}")
+    split_blocks = triton.cdiv(blocks, s)
+    s = triton.cdiv(blocks, split_blocks)  # no split left empty
+    part_key = torch.empty((n, s), dtype=torch.float64, device=logp.device)
+    part_idx = torch.empty((n, s), dtype=torch.int64, device=logp.device)
+    if n:
+        flags = greedy.contiguous().view(torch.uint8) if greedy is not None else part_idx
+        draw_kernel[(n, s)](
+            logp, logp.stride(0), flags,
+            seed_lo.long().contiguous(), seed_hi.long().contiguous(), index.long().contiguous(),
+            part_key, part_idx, vocab,
+            NUM_SPLITS=s, SPLIT_BLOCKS=split_blocks, BLOCK=block,
+            HAS_GREEDY=greedy is not None, USE_LIBDEVICE=not _INTERPRETED,
+        )
+    if s == 1:
+        tokens, keys = part_idx[:, 0], part_key[:, 0]
+    else:
+        # torch.argmax over the splits: lowest split among equal keys, first NaN.
+        best = torch.argmax(part_key, dim=1, keepdim=True)
+        tokens, keys = part_idx.gather(1, best)[:, 0], part_key.gather(1, best)[:, 0]
+    return (tokens, keys) if return_keys else tokens
