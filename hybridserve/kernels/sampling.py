@@ -57,7 +57,8 @@ import triton.language as tl
 
 from hybridserve.runner import sampler as _twin
 
-__all__ = ["BLOCK", "TARGET_PROGRAMS", "draw", "draw_kernel", "num_splits"]
+__all__ = ["BLOCK", "TARGET_PROGRAMS", "draw", "draw_kernel", "num_splits", "uniforms",
+           "uniforms_kernel"]
 
 BLOCK = 1024
 """Tokens per block of a program's loop on the GPU (a block of float64 keys fits four
@@ -104,6 +105,28 @@ def _log64(x, USE_LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
+def _round_keys(seed_lo, seed_hi, index, row):
+    """Row ``row``'s three round keys (the twin's ``_position_keys``), in the twin's
+    int64 arithmetic, returned as uint32 (they are below ``2^31``)."""
+    k1 = _mix(_mix(_mix(tl.load(seed_lo + row) ^ _SALT_0) ^ tl.load(seed_hi + row))
+              ^ (tl.load(index + row) & _MASK31))
+    k2 = _mix(k1 ^ _SALT_1)
+    k3 = _mix(k2 ^ _SALT_2)
+    return k1.to(tl.uint32), k2.to(tl.uint32), k3.to(tl.uint32)
+
+
+@triton.jit
+def _token_uniforms(offs, k1, k2, k3):
+    """The float64 uniforms of token ids ``offs`` (int32, in ``[0, 2^31)``) under the
+    round keys (the twin's ``_token_uniforms``)."""
+    h = offs.to(tl.uint32)
+    h = _mix(h ^ k1)
+    h = _mix(h ^ k2)
+    h = _mix(h ^ k3)
+    return (h * 2 + 1).to(tl.float64) * _INV_2_32
+
+
+@triton.jit
 def draw_kernel(
     logp, stride_row, greedy, seed_lo, seed_hi, index, part_key, part_idx, vocab,
     NUM_SPLITS: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, BLOCK: tl.constexpr,
@@ -117,14 +140,7 @@ def draw_kernel(
     sampled = True
     if HAS_GREEDY:
         sampled = tl.load(greedy + row) == 0
-    # The position's round keys, in the twin's int64 arithmetic.
-    k1 = _mix(_mix(_mix(tl.load(seed_lo + row) ^ _SALT_0) ^ tl.load(seed_hi + row))
-              ^ (tl.load(index + row) & _MASK31))
-    k2 = _mix(k1 ^ _SALT_1)
-    k3 = _mix(k2 ^ _SALT_2)
-    k1 = k1.to(tl.uint32)
-    k2 = k2.to(tl.uint32)
-    k3 = k3.to(tl.uint32)
+    k1, k2, k3 = _round_keys(seed_lo, seed_hi, index, row)
 
     lanes = tl.arange(0, BLOCK)
     big = 2147483647  # above every token index: the "no candidate" of a min
@@ -137,11 +153,7 @@ def draw_kernel(
         valid = offs < vocab
         key = tl.load(row_logp + offs, mask=valid, other=float("-inf")).to(tl.float64)
         if sampled:
-            h = offs.to(tl.uint32)
-            h = _mix(h ^ k1)
-            h = _mix(h ^ k2)
-            h = _mix(h ^ k3)
-            u = (h * 2 + 1).to(tl.float64) * _INV_2_32
+            u = _token_uniforms(offs, k1, k2, k3)
             key = key - _log64(-_log64(u, USE_LIBDEVICE), USE_LIBDEVICE)
         is_nan = key != key
         first_nan = tl.minimum(first_nan, tl.min(tl.where(is_nan & valid, offs, big), axis=0))
@@ -233,3 +245,51 @@ def draw(
         best = torch.argmax(part_key, dim=1, keepdim=True)
         tokens, keys = part_idx.gather(1, best)[:, 0], part_key.gather(1, best)[:, 0]
     return (tokens, keys) if return_keys else tokens
+
+
+@triton.jit
+def uniforms_kernel(
+    seed_lo, seed_hi, index, out, vocab, BLOCK: tl.constexpr, GUMBEL: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr,
+):
+    """Program ``(row, block)``: ``out[row, block * BLOCK : (block + 1) * BLOCK]``, the
+    row's uniforms (or their ``log(-log u)`` where ``GUMBEL``)."""
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    k1, k2, k3 = _round_keys(seed_lo, seed_hi, index, row)
+    u = _token_uniforms(offs, k1, k2, k3)
+    if GUMBEL:
+        u = _log64(-_log64(u, USE_LIBDEVICE), USE_LIBDEVICE)
+    tl.store(out + row.to(tl.int64) * vocab + offs, u, mask=offs < vocab)
+
+
+def uniforms(
+    seed_lo: torch.Tensor,
+    seed_hi: torch.Tensor,
+    index: torch.Tensor,
+    vocab: int,
+    *,
+    gumbel: bool = False,
+    block: int = BLOCK,
+) -> torch.Tensor:
+    """:func:`hybridserve.runner.sampler.uniforms` (bit-identical) as one launch that
+    writes the float64 ``[N, vocab]`` table and nothing else; with ``gumbel``, the
+    table of ``log(-log u)`` instead (the twin's two float64 logs). For a caller that
+    needs the whole table (the residual draw of
+    :func:`~hybridserve.runner.sampler.speculative_choices`): one write of it, instead
+    of the twin's thirty-odd int64 passes."""
+    n = seed_lo.shape[0]
+    for name, t in (("seed_lo", seed_lo), ("seed_hi", seed_hi), ("index", index)):
+        if t.shape != (n,):
+            raise ValueError(f"{name} must have shape [{n}], got {tuple(t.shape)}")
+    if vocab < 1 or vocab >= 2**31 - block:
+        raise ValueError(f"vocab must be in [1, 2**31 - block), got {vocab}")
+    if block < 1 or block & (block - 1):
+        raise ValueError(f"block must be a power of two, got {block}")
+    out = torch.empty((n, vocab), dtype=torch.float64, device=seed_lo.device)
+    if n:
+        uniforms_kernel[(n, triton.cdiv(vocab, block))](
+            seed_lo.long().contiguous(), seed_hi.long().contiguous(), index.long().contiguous(),
+            out, vocab, BLOCK=block, GUMBEL=gumbel, USE_LIBDEVICE=not _INTERPRETED,
+        )
+    return out

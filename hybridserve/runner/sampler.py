@@ -177,6 +177,8 @@ def _sampler_kernel(kernels: str, logp: torch.Tensor) -> bool:
     """Whether a draw over ``logp`` takes the Triton kernel under ``kernels``."""
     if kernels not in KERNEL_MODES:
         raise ValueError(f"kernel_policy.sampler={kernels!r}: choose from {KERNEL_MODES}")
+    if kernels == "auto" and logp.stride(-1) != 1:
+        return False  # the kernel reads rows with unit stride; the twin reads anything
     return runs_triton(kernels, logp.device)
 
 
@@ -707,7 +709,8 @@ def sample_step(
     )
     if drafted is not None:
         pos, logq, drafts, use = drafted
-        spec = speculative_choices(logp[pos], logq, drafts, seed_lo[pos], seed_hi[pos], index[pos])
+        spec = speculative_choices(logp[pos], logq, drafts, seed_lo[pos], seed_hi[pos], index[pos],
+                                   kernels)
         if use is not None:
             spec = torch.where(use, spec, choices[pos])
         choices = choices.index_put((pos,), spec)
@@ -813,11 +816,16 @@ def speculative_choices(
     seed_lo: torch.Tensor,
     seed_hi: torch.Tensor,
     index: torch.Tensor,
+    kernels: str = "auto",
 ) -> torch.Tensor:
     """Per draft position: the draft ``drafts[i]`` if accepted (``u < p(x) / q(x)``), else
     a sample of the normalised residual ``max(0, p - q)``. ``logp`` / ``logq``: the
     target's processed and the drafter's log-probabilities ``[N, vocab]`` (any float
-    dtype: the test and the residual are computed in float64)."""
+    dtype: the test and the residual are computed in float64). ``kernels`` as for
+    :func:`draw`: the residual's Gumbel table then comes from one Triton launch
+    (:func:`hybridserve.kernels.sampling.uniforms`, the same values); the residual
+    itself is float64 tables either way (it needs a pass over the row before the
+    draw: its sum decides the fallback)."""
     vocab = logp.shape[-1]
     p, q = logp.double().exp(), logq.double().exp()
     x = drafts.long()[:, None]
@@ -828,6 +836,11 @@ def speculative_choices(
     residual = q.neg_().add_(p).clamp_min_(0.0)
     # All-zero residual only when p == q, where acceptance is certain: any fallback works.
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
-    gumbel = torch.log(-torch.log(uniforms(seed_lo, seed_hi, index, vocab)))
+    if _sampler_kernel(kernels, logp):
+        from hybridserve.kernels import sampling
+
+        gumbel = sampling.uniforms(seed_lo, seed_hi, index, vocab, gumbel=True)
+    else:
+        gumbel = torch.log(-torch.log(uniforms(seed_lo, seed_hi, index, vocab)))
     keys = residual.log_().sub_(gumbel)
     return torch.where(accept, drafts.long(), torch.argmax(keys, dim=-1))
