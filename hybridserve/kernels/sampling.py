@@ -49,16 +49,13 @@ every replay of a CUDA graph; nothing is read back to the host.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
-from hybridserve.runner import sampler as _twin
-
-__all__ = ["BLOCK", "TARGET_PROGRAMS", "draw", "draw_kernel", "num_splits", "uniforms",
-           "uniforms_kernel"]
+__all__ = ["BLOCK", "HASH_CONSTANTS", "TARGET_PROGRAMS", "draw", "draw_kernel", "num_splits",
+           "uniforms", "uniforms_kernel"]
 
 BLOCK = 1024
 """Tokens per block of a program's loop on the GPU (a block of float64 keys fits four
@@ -68,21 +65,26 @@ TARGET_PROGRAMS = 512
 """How many programs a launch aims for: a few per SM of an H200 (132 SMs), so that small
 batches still fill the chip and large ones are not split for nothing."""
 
-# The hash's constants, the twin's values, as constexprs the kernel can read.
-_MASK31 = tl.constexpr(_twin._MASK31)
-_MUL_A = tl.constexpr(_twin._MUL_A)
-_MUL_B = tl.constexpr(_twin._MUL_B)
-_SALT_0 = tl.constexpr(_twin._KEY_SALTS[0])
-_SALT_1 = tl.constexpr(_twin._KEY_SALTS[1])
-_SALT_2 = tl.constexpr(_twin._KEY_SALTS[2])
+HASH_CONSTANTS = (0x7FFFFFFF, 0x2C1B3C6D, 0x297A2D39, (0x3C6EF372, 0x1B873593, 0x68E31DA4))
+"""The counter-based hash's mask, two multipliers and three key salts: the values of the
+twin's ``_MASK31``, ``_MUL_A``, ``_MUL_B`` and ``_KEY_SALTS`` (kernels import nothing from
+the runner, so they are written here again; the tests check that they are the twin's)."""
+
+# As constexprs, which is how a Triton function reads a module's values.
+_MASK31 = tl.constexpr(HASH_CONSTANTS[0])
+_MUL_A = tl.constexpr(HASH_CONSTANTS[1])
+_MUL_B = tl.constexpr(HASH_CONSTANTS[2])
+_SALT_0 = tl.constexpr(HASH_CONSTANTS[3][0])
+_SALT_1 = tl.constexpr(HASH_CONSTANTS[3][1])
+_SALT_2 = tl.constexpr(HASH_CONSTANTS[3][2])
 _INV_2_32 = tl.constexpr(2.0**-32)
 
-# The CPU interpreter has no libdevice; there ``tl.log`` is NumPy's float64 log. On the
-# GPU the float64 log is named explicitly so that it is the libdevice routine torch's
-# CUDA log of a double uses, whatever the Triton version lowers ``tl.log`` to.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-if not _INTERPRETED:
-    from triton.language.extra import libdevice
+
+def _use_libdevice() -> bool:
+    """The CPU interpreter has no libdevice (there ``tl.log`` is NumPy's float64 log).
+    Compiled, the float64 log is named explicitly so that it is the libdevice routine
+    torch's CUDA log of a double uses, whatever a Triton version lowers ``tl.log`` to."""
+    return not triton.knobs.runtime.interpret
 
 
 @triton.jit
@@ -127,6 +129,23 @@ def _token_uniforms(offs, k1, k2, k3):
 
 
 @triton.jit
+def _fold(key, offs, valid, best_key, best_idx, first_nan):
+    """Fold one block of keys (token ids ``offs``, ``valid`` inside the vocabulary) into
+    the running best key, its index and the first NaN's index (``2^31 - 1``: none yet),
+    by torch.argmax's rule. The max and its first index come from explicit compares, so
+    neither NaN nor ties depend on how ``tl.max`` / ``tl.argmax`` treat them."""
+    none = 2147483647  # above every token id: "no candidate" for a min
+    is_nan = key != key
+    first_nan = tl.minimum(first_nan, tl.min(tl.where(is_nan & valid, offs, none), axis=0))
+    key = tl.where(is_nan | ~valid, float("-inf"), key)
+    m = tl.max(key, axis=0)
+    at = tl.min(tl.where((key == m) & valid, offs, none), axis=0)
+    # Strictly greater: an earlier block keeps an equal maximum (the lowest index wins).
+    take = m > best_key
+    return tl.where(take, m, best_key), tl.where(take, at, best_idx), first_nan
+
+
+@triton.jit
 def draw_kernel(
     logp, stride_row, greedy, seed_lo, seed_hi, index, part_key, part_idx, vocab,
     NUM_SPLITS: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, BLOCK: tl.constexpr,
@@ -143,11 +162,10 @@ def draw_kernel(
     k1, k2, k3 = _round_keys(seed_lo, seed_hi, index, row)
 
     lanes = tl.arange(0, BLOCK)
-    big = 2147483647  # above every token index: the "no candidate" of a min
-    row_logp = logp + row.to(tl.int64) * stride_row
     best_key = tl.full((), float("-inf"), tl.float64)
     best_idx = tl.full((), 0, tl.int32) + split * (SPLIT_BLOCKS * BLOCK)
-    first_nan = tl.full((), big, tl.int32)
+    first_nan = tl.full((), 2147483647, tl.int32)
+    row_logp = logp + row.to(tl.int64) * stride_row
     for b in range(SPLIT_BLOCKS):
         offs = (split * SPLIT_BLOCKS + b) * BLOCK + lanes
         valid = offs < vocab
@@ -155,18 +173,8 @@ def draw_kernel(
         if sampled:
             u = _token_uniforms(offs, k1, k2, k3)
             key = key - _log64(-_log64(u, USE_LIBDEVICE), USE_LIBDEVICE)
-        is_nan = key != key
-        first_nan = tl.minimum(first_nan, tl.min(tl.where(is_nan & valid, offs, big), axis=0))
-        # Max and its first index by explicit compares, so neither NaN nor ties depend
-        # on how tl.max / tl.argmax treat them.
-        key = tl.where(is_nan | ~valid, float("-inf"), key)
-        m = tl.max(key, axis=0)
-        at = tl.min(tl.where((key == m) & valid, offs, big), axis=0)
-        # Strictly greater: an earlier block keeps an equal maximum (lowest index wins).
-        take = m > best_key
-        best_idx = tl.where(take, at, best_idx)
-        best_key = tl.where(take, m, best_key)
-    has_nan = first_nan < big
+        best_key, best_idx, first_nan = _fold(key, offs, valid, best_key, best_idx, first_nan)
+    has_nan = first_nan < 2147483647
     best_key = tl.where(has_nan, float("nan"), best_key)
     best_idx = tl.where(has_nan, first_nan, best_idx)
     out = row * NUM_SPLITS + split
@@ -236,7 +244,7 @@ def draw(
             seed_lo.long().contiguous(), seed_hi.long().contiguous(), index.long().contiguous(),
             part_key, part_idx, vocab,
             NUM_SPLITS=s, SPLIT_BLOCKS=split_blocks, BLOCK=block,
-            HAS_GREEDY=greedy is not None, USE_LIBDEVICE=not _INTERPRETED,
+            HAS_GREEDY=greedy is not None, USE_LIBDEVICE=_use_libdevice(),
         )
     if s == 1:
         tokens, keys = part_idx[:, 0], part_key[:, 0]
@@ -290,6 +298,6 @@ def uniforms(
     if n:
         uniforms_kernel[(n, triton.cdiv(vocab, block))](
             seed_lo.long().contiguous(), seed_hi.long().contiguous(), index.long().contiguous(),
-            out, vocab, BLOCK=block, GUMBEL=gumbel, USE_LIBDEVICE=not _INTERPRETED,
+            out, vocab, BLOCK=block, GUMBEL=gumbel, USE_LIBDEVICE=_use_libdevice(),
         )
     return out

@@ -8,7 +8,11 @@ as one float64 buffer, sent to the device in one transfer. :func:`sample_step` t
 processes and draws every position of the step at once on the logits' device and
 returns one int64 tensor: the target's token after each position, followed by the
 logprobs payload of the positions whose request asks for logprobs. The host reads it
-back once and :func:`read_step` decodes it. The same code runs on CPU and CUDA.
+back once and :func:`read_step` decodes it. The same code runs on CPU and CUDA, except
+that on CUDA (``KernelPolicy.sampler``) the sampled draw of :func:`draw` and
+:func:`draft_draw` is one Triton pass over the vocabulary
+(:func:`hybridserve.kernels.sampling.draw`, the same tokens, without the ``[positions x
+vocab]`` uniform and key tables); the torch code here is its twin.
 
 Processing: the definitions of :func:`process_logits` (the per-row reference), row by
 row with each row's own values: the logit bias, repetition penalty over the prompt and output tokens,
@@ -67,6 +71,7 @@ import numpy as np
 import torch
 
 from hybridserve.config import KERNEL_MODES, runs_triton
+from hybridserve.kernels import sampling as sampling_kernels
 from hybridserve.step import Logprob, SamplingParams
 from hybridserve.structured.backend import GrammarMatcher, bitmask_words, fill_step_bitmasks
 
@@ -160,9 +165,7 @@ def draw(
     ``"reference"`` nowhere. The torch code below is its twin and the CPU path.
     """
     if any_sampled and _sampler_kernel(kernels, logp):
-        from hybridserve.kernels import sampling
-
-        return sampling.draw(logp, greedy, seed_lo, seed_hi, index)
+        return sampling_kernels.draw(logp, greedy, seed_lo, seed_hi, index)
     choice = torch.argmax(logp, dim=-1)
     if not any_sampled:
         return choice
@@ -802,9 +805,7 @@ def draft_draw(
     dtype; drawn in float64) -> ``[N]``. ``kernels`` as for :func:`draw`: the kernel
     draws every row sampled, with the drafter's salted seed words."""
     if _sampler_kernel(kernels, logq):
-        from hybridserve.kernels import sampling
-
-        return sampling.draw(logq, None, seed_lo ^ _DRAFT_SALT, seed_hi, index)
+        return sampling_kernels.draw(logq, None, seed_lo ^ _DRAFT_SALT, seed_hi, index)
     u = uniforms(seed_lo ^ _DRAFT_SALT, seed_hi, index, logq.shape[-1])
     return torch.argmax(logq.double() - torch.log(-torch.log(u)), dim=-1)
 
@@ -837,9 +838,7 @@ def speculative_choices(
     # All-zero residual only when p == q, where acceptance is certain: any fallback works.
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
     if _sampler_kernel(kernels, logp):
-        from hybridserve.kernels import sampling
-
-        gumbel = sampling.uniforms(seed_lo, seed_hi, index, vocab, gumbel=True)
+        gumbel = sampling_kernels.uniforms(seed_lo, seed_hi, index, vocab, gumbel=True)
     else:
         gumbel = torch.log(-torch.log(uniforms(seed_lo, seed_hi, index, vocab)))
     keys = residual.log_().sub_(gumbel)

@@ -20,6 +20,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from hybridserve.config import KernelPolicy  # noqa: E402
 from hybridserve.kernels import sampling  # noqa: E402
@@ -288,39 +289,69 @@ def test_kernels_race_free_and_independent_of_program_order():
         assert report.consistent, report.differences
 
 
+_kernel_round_keys = sampling._round_keys
+
+
+@triton.jit
+def _round_keys_wrong_order(seed_lo, seed_hi, index, row):
+    k1, k2, k3 = _kernel_round_keys(seed_lo, seed_hi, index, row)
+    return k1, k3, k2
+
+
+@triton.jit
+def _fold_last_tie(key, offs, valid, best_key, best_idx, first_nan):
+    # sampling._fold with the last of equal maxima winning, in a block and across blocks.
+    is_nan = key != key
+    first_nan = tl.minimum(first_nan, tl.min(tl.where(is_nan & valid, offs, 2147483647), axis=0))
+    key = tl.where(is_nan | ~valid, float("-inf"), key)
+    m = tl.max(key, axis=0)
+    at = tl.max(tl.where((key == m) & valid, offs, -1), axis=0)
+    take = m >= best_key
+    return tl.where(take, m, best_key), tl.where(take, at, best_idx), first_nan
+
+
 @interpreted
 def test_planted_bug_round_keys_in_the_wrong_order(monkeypatch):
-    """Swapping the second and third round salts (a wrong key order) changes draws and
-    uniforms: the comparisons above would fail."""
+    """The kernel with its second and third round keys swapped: the comparison with the
+    twin fails (draws and the uniform table)."""
     g = torch.Generator().manual_seed(_seed())
     n, vocab = 8, 64
     lo, hi, index = _positions(g, n)
     logp = torch.log_softmax(torch.randn(n, vocab, generator=g), -1)
     greedy = torch.zeros(n, dtype=torch.bool)
-    monkeypatch.setattr(sampling, "_SALT_1", sampling._SALT_2)
-    monkeypatch.setattr(sampling, "_SALT_2", sampling._SALT_1)
-    want = sampler.draw(logp, greedy, lo, hi, index)
+    _assert_matches_twin(logp, greedy, lo, hi, index, block=64)
+    monkeypatch.setattr(sampling, "_round_keys", _round_keys_wrong_order)
     with pytest.raises(AssertionError):
         _assert_matches_twin(logp, greedy, lo, hi, index, block=64)
     assert not torch.equal(sampling.uniforms(lo, hi, index, vocab, block=64),
                            sampler.uniforms(lo, hi, index, vocab))
-    assert not torch.equal(sampling.draw(logp, greedy, lo, hi, index, block=64), want)
 
 
-def test_planted_bug_last_of_tied_maxima_is_caught():
-    """The tie inputs tell the rules apart: an argmax that took the last of equal maxima
-    (within a block or across splits) would give other tokens than the twin on
-    :func:`test_ties_nan_and_inf_follow_torch_argmax`'s rows."""
-    logp = torch.zeros(3, 96)
-    logp[0, [70, 20, 50]] = float("inf")
-    logp[1, [65, 40]] = 1.0
+@interpreted
+def test_planted_bug_last_of_tied_maxima(monkeypatch):
+    """The kernel taking the last of equal maxima: the tie rows of
+    :func:`test_ties_nan_and_inf_follow_torch_argmax` tell it from the twin, in one
+    split and in several."""
+    vocab = 96
+    logp = torch.log_softmax(torch.randn(3, vocab), -1)
+    logp[0, [70, 20, 50]] = float("inf")  # sampled, +inf keys in three blocks
+    logp[1, [65, 40]] = logp[1].max() + 1  # greedy, two blocks
+    logp[2] = 0.0                          # greedy, every token tied
     greedy = torch.tensor([False, True, True])
     z = torch.arange(3)
-    twin = sampler.draw(logp, greedy, z, z, z)
-    keys = _twin_keys(logp, greedy, z, z, z)
-    last = keys.shape[-1] - 1 - torch.argmax(keys.flip(-1), dim=-1)
-    assert twin.tolist() == [20, 40, 0]
-    assert last.tolist() == [70, 65, 95]
+    monkeypatch.setattr(sampling, "_fold", _fold_last_tie)
+    for splits in (1, 3):
+        got = sampling.draw(logp, greedy, z, z, z, block=32, splits=splits)
+        assert got.tolist() != [20, 40, 0]
+        with pytest.raises(AssertionError):
+            _assert_matches_twin(logp, greedy, z, z, z, block=32, splits=splits)
+    monkeypatch.undo()
+    _assert_matches_twin(logp, greedy, z, z, z, block=32, splits=1)
+
+
+def test_hash_constants_are_the_twins():
+    assert sampling.HASH_CONSTANTS == (sampler._MASK31, sampler._MUL_A, sampler._MUL_B,
+                                       sampler._KEY_SALTS)
 
 
 # --------------------------------------------------------------------------------------
