@@ -259,6 +259,29 @@ def test_auto_keeps_the_torch_path_on_the_cpu(monkeypatch):
     sampler.speculative_choices(logp, logp, z, z, z, z)
 
 
+@interpreted
+def test_engine_with_the_kernel_samples_the_twins_tokens(tiny_granite):
+    """Seeded sampled requests (top-p 0.95 / temperature 0.8, top-k) through the engine
+    with ``KernelPolicy(sampler="triton")``: the kernel runs and every token is the one
+    the torch draw gives."""
+    from hybridserve import LLM
+
+    prompts = [[3, 14, 15, 92, 65], [2, 71, 82]]
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=1.1, top_k=20, seed=12, max_tokens=6, ignore_eos=True)]
+
+    def run(mode):
+        llm = LLM(tiny_granite, kernel_policy=KernelPolicy(sampler=mode))
+        with racecheck.record_launches(record=False) as rec:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], rec.launches
+
+    want, twin_launches = run("reference")
+    got, kernel_launches = run("triton")
+    assert twin_launches == 0 and kernel_launches > 0
+    assert got == want and all(len(t) == 6 for t in got)
+
+
 # --------------------------------------------------------------------------------------
 # The race checker and planted bugs
 # --------------------------------------------------------------------------------------
