@@ -11,6 +11,9 @@ run it) with inputs rotated over several sets:
   sample_step  the whole :func:`~hybridserve.runner.sampler.sample_step` of raw logits
                at temperature 0.8 / top-p 0.95 (the decode benchmark's sampled setting:
                temperature, log-softmax, the top-p sort, the draw), twin against kernel;
+  speculative  :func:`~hybridserve.runner.sampler.speculative_choices` over ``N`` draft
+               positions with a drafter's distribution (acceptance and the residual
+               draw), twin against kernel (:func:`hybridserve.kernels.sampling.residual_draw`);
   floor        ``torch.argmax`` of the same log-probabilities (one read of them, the
                greedy draw) and a device-to-device copy of the bytes the kernel must
                read (``N x vocab`` float32), for the fraction of copy bandwidth.
@@ -99,13 +102,17 @@ def step_inputs(g, rows: int, s: dict, device: str):
     c = sampler._C
     draw_args = (logp, cols[:, c["temperature"]] == 0, cols[:, c["seed_lo"]].long(),
                  cols[:, c["seed_hi"]].long(), cols[:, c["index"]].long())
-    return logits, plan, packed, draw_args
+    logq = torch.log_softmax(torch.randn(rows, s["vocab"], generator=g) * 2.5, -1).to(device)
+    drafts = torch.randint(0, s["vocab"], (rows,), generator=g).to(device)
+    spec_args = (logp, logq, drafts, *draw_args[2:])
+    return logits, plan, packed, draw_args, spec_args
 
 
 def bench_batch(rows: int, s: dict, device: str, g) -> dict:
     sets = [step_inputs(g, rows, s, device) for _ in range(s["variants"])]
-    draws = [d for *_, d in sets]
-    steps = [(logits, plan, packed) for logits, plan, packed, _ in sets]
+    draws = [d for *_, d, _ in sets]
+    specs = [sp for *_, sp in sets]
+    steps = [(logits, plan, packed) for logits, plan, packed, *_ in sets]
 
     def twin_draw(*a):
         return sampler.draw(*a, kernels="reference")
@@ -116,6 +123,13 @@ def bench_batch(rows: int, s: dict, device: str, g) -> dict:
     def kernel_step(logits, plan, packed):
         return sampler.sample_step(logits, plan, packed, kernels="triton")
 
+    def twin_spec(*a):
+        return sampler.speculative_choices(*a, kernels="reference")
+
+    def kernel_spec(*a):
+        return sampler.speculative_choices(*a, kernels="triton")
+
+    same_spec = all(torch.equal(kernel_spec(*a), twin_spec(*a)) for a in specs)
     same_draw = all(torch.equal(sampling.draw(*d), twin_draw(*d)) for d in draws)
     same_step = all(torch.equal(kernel_step(*t), twin_step(*t)) for t in steps)
     nbytes = rows * s["vocab"] * 4  # the float32 log-probabilities, read once
@@ -125,12 +139,15 @@ def bench_batch(rows: int, s: dict, device: str, g) -> dict:
         draw_kernel_us=replayed_us(sampling.draw, draws, device),
         sample_step_twin_us=replayed_us(twin_step, steps, device),
         sample_step_kernel_us=replayed_us(kernel_step, steps, device),
+        speculative_twin_us=replayed_us(twin_spec, specs, device),
+        speculative_kernel_us=replayed_us(kernel_spec, specs, device),
         argmax_us=replayed_us(lambda logp, *_: torch.argmax(logp, dim=-1), draws, device),
         kernel_bytes=nbytes,
         # A copy of b bytes reads b and writes b; the kernel only reads, so the copy of
         # half its bytes moves as much.
         copy_us_same_traffic=copy_us(nbytes // 2, device),
         same_tokens_draw=same_draw, same_tokens_sample_step=same_step,
+        same_tokens_speculative=same_spec,
     )
     out["draw_speedup"] = out["draw_twin_us"] / out["draw_kernel_us"]
     out["sample_step_saved_us"] = out["sample_step_twin_us"] - out["sample_step_kernel_us"]
@@ -139,7 +156,9 @@ def bench_batch(rows: int, s: dict, device: str, g) -> dict:
           f"{out['draw_kernel_us']:8.1f} us ({out['draw_speedup']:5.1f}x, "
           f"{out['kernel_fraction_of_copy']:5.1%} of copy)  sample_step twin "
           f"{out['sample_step_twin_us']:9.1f}  kernel {out['sample_step_kernel_us']:9.1f} us  "
-          f"argmax {out['argmax_us']:7.1f} us  same tokens {same_draw and same_step}")
+          f"speculative twin {out['speculative_twin_us']:9.1f}  kernel "
+          f"{out['speculative_kernel_us']:8.1f} us  argmax {out['argmax_us']:7.1f} us  "
+          f"same tokens {same_draw and same_step and same_spec}")
     return out
 
 

@@ -55,7 +55,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 __all__ = ["BLOCK", "HASH_CONSTANTS", "TARGET_PROGRAMS", "draw", "draw_kernel", "num_splits",
-           "uniforms", "uniforms_kernel"]
+           "residual_draw", "residual_draw_kernel", "uniforms", "uniforms_kernel"]
 
 BLOCK = 1024
 """Tokens per block of a program's loop on the GPU (a block of float64 keys fits four
@@ -104,6 +104,14 @@ def _log64(x, USE_LIBDEVICE: tl.constexpr):
         return libdevice.log(x)
     else:
         return tl.log(x)
+
+
+@triton.jit
+def _exp64(x, USE_LIBDEVICE: tl.constexpr):
+    if USE_LIBDEVICE:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
 
 
 @triton.jit
@@ -211,30 +219,11 @@ def draw(
     launch; they change nothing in the result. ``return_keys`` also returns each row's
     winning key (float64 ``[N]``: ``logp`` for greedy rows, the Gumbel key otherwise,
     NaN where a NaN won), the value the twin's argmax selected."""
-    if logp.dim() != 2:
-        raise ValueError(f"logp must be [N, vocab], got shape {tuple(logp.shape)}")
-    if not logp.dtype.is_floating_point:
-        raise ValueError(f"logp must be a float tensor, got {logp.dtype}")
+    _check_rows(logp, "logp", block)
     n, vocab = logp.shape
-    if vocab < 1 or vocab >= 2**31 - block:
-        raise ValueError(f"logp's vocabulary must be in [1, 2**31 - block), got {vocab}")
-    if logp.stride(-1) != 1:
-        raise ValueError("logp must have unit stride along the vocabulary")
-    if block < 1 or block & (block - 1):
-        raise ValueError(f"block must be a power of two, got {block}")
-    for name, t in (("seed_lo", seed_lo), ("seed_hi", seed_hi), ("index", index)) + (
-        (("greedy", greedy),) if greedy is not None else ()
-    ):
-        if t.shape != (n,):
-            raise ValueError(f"{name} must have shape [{n}], got {tuple(t.shape)}")
-        if t.device != logp.device:
-            raise ValueError(f"{name} is on {t.device}, logp on {logp.device}")
-    s = num_splits(n, vocab, block) if splits is None else splits
-    blocks = triton.cdiv(vocab, block)
-    if not 1 <= s <= blocks:
-        raise ValueError(f"splits must be in [1, {blocks}] for this vocabulary and block, got {s}")
-    split_blocks = triton.cdiv(blocks, s)
-    s = triton.cdiv(blocks, split_blocks)  # no split left empty
+    _check_positions(n, logp.device, seed_lo=seed_lo, seed_hi=seed_hi, index=index,
+                     greedy=greedy)
+    s, split_blocks = _splits(n, vocab, block, splits)
     part_key = torch.empty((n, s), dtype=torch.float64, device=logp.device)
     part_idx = torch.empty((n, s), dtype=torch.int64, device=logp.device)
     if n:
@@ -246,13 +235,51 @@ def draw(
             NUM_SPLITS=s, SPLIT_BLOCKS=split_blocks, BLOCK=block,
             HAS_GREEDY=greedy is not None, USE_LIBDEVICE=_use_libdevice(),
         )
-    if s == 1:
-        tokens, keys = part_idx[:, 0], part_key[:, 0]
-    else:
-        # torch.argmax over the splits: lowest split among equal keys, first NaN.
-        best = torch.argmax(part_key, dim=1, keepdim=True)
-        tokens, keys = part_idx.gather(1, best)[:, 0], part_key.gather(1, best)[:, 0]
+    tokens, keys = _reduce(part_key, part_idx)
     return (tokens, keys) if return_keys else tokens
+
+
+def _check_rows(logp: torch.Tensor, name: str, block: int) -> None:
+    if logp.dim() != 2:
+        raise ValueError(f"{name} must be [N, vocab], got shape {tuple(logp.shape)}")
+    if not logp.dtype.is_floating_point:
+        raise ValueError(f"{name} must be a float tensor, got {logp.dtype}")
+    if not 1 <= logp.shape[1] < 2**31 - block:
+        raise ValueError(f"{name}'s vocabulary must be in [1, 2**31 - block), got {logp.shape[1]}")
+    if logp.stride(-1) != 1:
+        raise ValueError(f"{name} must have unit stride along the vocabulary")
+    if block < 1 or block & (block - 1):
+        raise ValueError(f"block must be a power of two, got {block}")
+
+
+def _check_positions(n: int, device: torch.device, **tensors: torch.Tensor | None) -> None:
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if t.shape != (n,):
+            raise ValueError(f"{name} must have shape [{n}], got {tuple(t.shape)}")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, the rows on {device}")
+
+
+def _splits(n: int, vocab: int, block: int, splits: int | None) -> tuple[int, int]:
+    """``(splits, blocks per split)`` of a launch; no split is left empty."""
+    s = num_splits(n, vocab, block) if splits is None else splits
+    blocks = triton.cdiv(vocab, block)
+    if not 1 <= s <= blocks:
+        raise ValueError(f"splits must be in [1, {blocks}] for this vocabulary and block, got {s}")
+    split_blocks = triton.cdiv(blocks, s)
+    return triton.cdiv(blocks, split_blocks), split_blocks
+
+
+def _reduce(part_key: torch.Tensor, part_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's token and key from its ``[..., S]`` split partials: torch.argmax over
+    the splits (the lowest split among equal keys, the first NaN), since split ``s``'s
+    index is below every index of split ``s + 1``."""
+    if part_key.shape[-1] == 1:
+        return part_idx[..., 0], part_key[..., 0]
+    best = torch.argmax(part_key, dim=-1, keepdim=True)
+    return part_idx.gather(-1, best)[..., 0], part_key.gather(-1, best)[..., 0]
 
 
 @triton.jit
@@ -301,3 +328,94 @@ def uniforms(
             out, vocab, BLOCK=block, GUMBEL=gumbel, USE_LIBDEVICE=_use_libdevice(),
         )
     return out
+
+
+@triton.jit
+def residual_draw_kernel(
+    logp, stride_p, logq, stride_q, seed_lo, seed_hi, index, part_key, part_idx, part_flags,
+    vocab, NUM_SPLITS: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, BLOCK: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr,
+):
+    """Program ``(row, split)``, over the split's tokens: the best Gumbel key of the
+    residual ``r = max(p - q, 0)`` and of ``p`` itself (the twin's fallback) with their
+    indices, into ``part_key`` / ``part_idx`` ``[2, N, S]`` (0: residual, 1: ``p``), and
+    into ``part_flags[row, split]`` bit 0 "some ``r > 0``", bit 1 "some ``r`` is NaN"."""
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    k1, k2, k3 = _round_keys(seed_lo, seed_hi, index, row)
+    lanes = tl.arange(0, BLOCK)
+    start = tl.full((), 0, tl.int32) + split * (SPLIT_BLOCKS * BLOCK)
+    best_r = tl.full((), float("-inf"), tl.float64)
+    best_p = tl.full((), float("-inf"), tl.float64)
+    idx_r = start
+    idx_p = start
+    nan_r = tl.full((), 2147483647, tl.int32)
+    nan_p = tl.full((), 2147483647, tl.int32)
+    positive = tl.full((), 0, tl.int32)
+    has_nan = tl.full((), 0, tl.int32)
+    row_p = logp + row.to(tl.int64) * stride_p
+    row_q = logq + row.to(tl.int64) * stride_q
+    for b in range(SPLIT_BLOCKS):
+        offs = (split * SPLIT_BLOCKS + b) * BLOCK + lanes
+        valid = offs < vocab
+        p = _exp64(tl.load(row_p + offs, mask=valid, other=float("-inf")).to(tl.float64),
+                   USE_LIBDEVICE)
+        q = _exp64(tl.load(row_q + offs, mask=valid, other=float("-inf")).to(tl.float64),
+                   USE_LIBDEVICE)
+        # The twin's clamp_min(p - q, 0): NaN stays NaN.
+        r = p - q
+        r = tl.where(r < 0, 0.0, r)
+        positive = tl.maximum(positive, tl.max(((r > 0) & valid).to(tl.int32), axis=0))
+        has_nan = tl.maximum(has_nan, tl.max(((r != r) & valid).to(tl.int32), axis=0))
+        g = _log64(-_log64(_token_uniforms(offs, k1, k2, k3), USE_LIBDEVICE), USE_LIBDEVICE)
+        best_r, idx_r, nan_r = _fold(_log64(r, USE_LIBDEVICE) - g, offs, valid, best_r, idx_r,
+                                     nan_r)
+        best_p, idx_p, nan_p = _fold(_log64(p, USE_LIBDEVICE) - g, offs, valid, best_p, idx_p,
+                                     nan_p)
+    out = row * NUM_SPLITS + split
+    plane = tl.num_programs(0) * NUM_SPLITS
+    tl.store(part_key + out, tl.where(nan_r < 2147483647, float("nan"), best_r))
+    tl.store(part_idx + out, tl.where(nan_r < 2147483647, nan_r, idx_r).to(tl.int64))
+    tl.store(part_key + plane + out, tl.where(nan_p < 2147483647, float("nan"), best_p))
+    tl.store(part_idx + plane + out, tl.where(nan_p < 2147483647, nan_p, idx_p).to(tl.int64))
+    tl.store(part_flags + out, positive | (has_nan * 2))
+
+
+def residual_draw(
+    logp: torch.Tensor,
+    logq: torch.Tensor,
+    seed_lo: torch.Tensor,
+    seed_hi: torch.Tensor,
+    index: torch.Tensor,
+    *,
+    block: int = BLOCK,
+    splits: int | None = None,
+) -> torch.Tensor:
+    """The residual sample of :func:`hybridserve.runner.sampler.speculative_choices` (its
+    choice where the draft is rejected), in one pass over both rows: per row of
+    ``logp`` / ``logq [N, vocab]``, the argmax of ``log(r) - log(-log u)`` for the
+    residual ``r = max(exp(logp) - exp(logq), 0)`` in float64, or of ``log(exp(logp)) -
+    log(-log u)`` where ``r`` sums to nothing positive (no entry above 0, or a NaN: the
+    twin's ``sum > 0`` test), with the twin's uniforms (unsalted seed words) and
+    torch.argmax's rule. -> int64 ``[N]``. Both candidates are kept per split, so the
+    fallback costs no second pass; ``block`` / ``splits`` as for :func:`draw`."""
+    _check_rows(logp, "logp", block)
+    _check_rows(logq, "logq", block)
+    if logq.shape != logp.shape:
+        raise ValueError(f"logq must have logp's shape {tuple(logp.shape)}, got {tuple(logq.shape)}")
+    n, vocab = logp.shape
+    _check_positions(n, logp.device, seed_lo=seed_lo, seed_hi=seed_hi, index=index)
+    s, split_blocks = _splits(n, vocab, block, splits)
+    part_key = torch.empty((2, n, s), dtype=torch.float64, device=logp.device)
+    part_idx = torch.empty((2, n, s), dtype=torch.int64, device=logp.device)
+    flags = torch.empty((n, s), dtype=torch.int32, device=logp.device)
+    if n:
+        residual_draw_kernel[(n, s)](
+            logp, logp.stride(0), logq, logq.stride(0),
+            seed_lo.long().contiguous(), seed_hi.long().contiguous(), index.long().contiguous(),
+            part_key, part_idx, flags, vocab,
+            NUM_SPLITS=s, SPLIT_BLOCKS=split_blocks, BLOCK=block, USE_LIBDEVICE=_use_libdevice(),
+        )
+    tokens, _ = _reduce(part_key, part_idx)
+    use_residual = ((flags & 1) != 0).any(dim=1) & ~((flags & 2) != 0).any(dim=1)
+    return torch.where(use_residual, tokens[0], tokens[1])

@@ -176,11 +176,12 @@ def draw(
     return torch.where(greedy, choice, torch.argmax(keys, dim=-1))
 
 
-def _sampler_kernel(kernels: str, logp: torch.Tensor) -> bool:
-    """Whether a draw over ``logp`` takes the Triton kernel under ``kernels``."""
+def _sampler_kernel(kernels: str, logp: torch.Tensor, *more: torch.Tensor) -> bool:
+    """Whether a draw over ``logp`` (and ``more`` rows beside it) takes the Triton
+    kernel under ``kernels``."""
     if kernels not in KERNEL_MODES:
         raise ValueError(f"kernel_policy.sampler={kernels!r}: choose from {KERNEL_MODES}")
-    if kernels == "auto" and logp.stride(-1) != 1:
+    if kernels == "auto" and any(t.stride(-1) != 1 for t in (logp, *more)):
         return False  # the kernel reads rows with unit stride; the twin reads anything
     return runs_triton(kernels, logp.device)
 
@@ -823,10 +824,17 @@ def speculative_choices(
     a sample of the normalised residual ``max(0, p - q)``. ``logp`` / ``logq``: the
     target's processed and the drafter's log-probabilities ``[N, vocab]`` (any float
     dtype: the test and the residual are computed in float64). ``kernels`` as for
-    :func:`draw`: the residual's Gumbel table then comes from one Triton launch
-    (:func:`hybridserve.kernels.sampling.uniforms`, the same values); the residual
-    itself is float64 tables either way (it needs a pass over the row before the
-    draw: its sum decides the fallback)."""
+    :func:`draw`: the residual's draw then runs as one pass over both rows
+    (:func:`hybridserve.kernels.sampling.residual_draw`, the same tokens) and the
+    acceptance test reads the drafts' two values only, so no ``[N, vocab]`` table is
+    made; the torch code below is the twin."""
+    if _sampler_kernel(kernels, logp, logq):
+        x = drafts.long()[:, None]
+        u = uniforms_at(seed_lo ^ _ACCEPT_SALT, seed_hi, index, x)[:, 0]
+        # exp of the gathered values: the twin's gather of the exp'd tables, elementwise.
+        accept = u * logq.gather(1, x)[:, 0].double().exp() < logp.gather(1, x)[:, 0].double().exp()
+        choice = sampling_kernels.residual_draw(logp, logq, seed_lo, seed_hi, index)
+        return torch.where(accept, drafts.long(), choice)
     vocab = logp.shape[-1]
     p, q = logp.double().exp(), logq.double().exp()
     x = drafts.long()[:, None]
@@ -837,9 +845,6 @@ def speculative_choices(
     residual = q.neg_().add_(p).clamp_min_(0.0)
     # All-zero residual only when p == q, where acceptance is certain: any fallback works.
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
-    if _sampler_kernel(kernels, logp):
-        gumbel = sampling_kernels.uniforms(seed_lo, seed_hi, index, vocab, gumbel=True)
-    else:
-        gumbel = torch.log(-torch.log(uniforms(seed_lo, seed_hi, index, vocab)))
+    gumbel = torch.log(-torch.log(uniforms(seed_lo, seed_hi, index, vocab)))
     keys = residual.log_().sub_(gumbel)
     return torch.where(accept, drafts.long(), torch.argmax(keys, dim=-1))

@@ -13,7 +13,8 @@ def test_sampler_benchmark_smoke(tmp_path):
     assert rows == list(record["config"]["batches"])
     for r in record["results"]:
         assert r["same_tokens_draw"] and r["same_tokens_sample_step"]
+        assert r["same_tokens_speculative"]
         assert r["kernel_bytes"] == r["rows"] * record["config"]["vocab"] * 4
         for key in ("draw_twin_us", "draw_kernel_us", "sample_step_twin_us",
-                    "sample_step_kernel_us", "argmax_us", "copy_us_same_traffic"):
+                    "sample_step_kernel_us", "speculative_twin_us", "speculative_kernel_us", "argmax_us", "copy_us_same_traffic"):
             assert r[key] > 0, key

@@ -1,12 +1,14 @@
-"""The one-pass draw (:mod:`hybridserve.kernels.sampling`) against its torch twin
+"""The one-pass draws (:mod:`hybridserve.kernels.sampling`) against their torch twins
 :func:`hybridserve.runner.sampler.draw` on fresh random inputs: identical tokens and
 bit-identical winning keys over many seeds and indices, vocabularies that are not a
 multiple of the block, one and several splits, greedy and sampled rows mixed, rows with
 ``-inf`` tokens (top-p / top-k masked, all but one, all), exact ties, NaN; the uniform
 table bit-identical to :func:`~hybridserve.runner.sampler.uniforms`; the sampler's
 ``kernels`` dispatch (``sample_step``, ``draft_draw``, ``speculative_choices``) giving
-the twin's tokens; the race checker and three program orders; planted bugs (round keys
-in the wrong order, the last of tied maxima) that the comparisons catch.
+the twin's tokens; the residual draw of speculative sampling against the twin's
+(``p == q`` and NaN fallbacks, truncated supports); the race checker and three program
+orders; planted bugs (round keys in the wrong order, the last of tied maxima) that the
+comparisons catch; the engine sampling through the kernel.
 
 The CPU tests need the interpreter (``TRITON_INTERPRET=1``, the default here). The GPU
 test needs compiled kernels: ``TRITON_INTERPRET=0 pytest -m gpu tests/kernels/test_sampling.py -s``.
@@ -36,6 +38,9 @@ interpreted = pytest.mark.skipif(
 )
 
 NEG = float("-inf")
+
+# The interpreter's NumPy log of a residual's zeros: -inf, as torch gives, with a warning.
+pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")
 
 
 def _seed() -> int:
@@ -232,16 +237,58 @@ def test_sample_step_with_the_kernel_gives_the_twins_tokens():
 
 @interpreted
 def test_draft_draw_and_speculative_choices_with_the_kernel():
+    """The drafter's draw and the whole speculative choice (acceptance, residual) through
+    the kernels give the twin's tokens, accepted and rejected drafts alike."""
     g = torch.Generator().manual_seed(_seed())
-    n, vocab = 6, 90
+    n, vocab = 12, 90
     lo, hi, index = _positions(g, n)
-    logq = torch.log_softmax(torch.randn(n, vocab, generator=g), -1)
-    logp = torch.log_softmax(torch.randn(n, vocab, generator=g), -1)
-    logp[1, 30:] = NEG
+    logp, logq = _residual_rows(g, n, vocab)
+    logq = logq.nan_to_num(nan=-3.0)  # the drafter's own draw needs no NaN
     drafts = sampler.draft_draw(logq, lo, hi, index, kernels="reference")
     assert torch.equal(sampler.draft_draw(logq, lo, hi, index, kernels="triton"), drafts)
     want = sampler.speculative_choices(logp, logq, drafts, lo, hi, index, kernels="reference")
     got = sampler.speculative_choices(logp, logq, drafts, lo, hi, index, kernels="triton")
+    assert torch.equal(got, want)
+
+
+def _residual_rows(g, n, vocab):
+    """Target / drafter log-probabilities with the residual's cases: plain rows, the
+    target truncated (top-p), the drafter's support smaller than the target's, ``p ==
+    q`` (nothing positive: the twin falls back to ``p``), a NaN in ``q`` (a NaN residual:
+    the fallback too), ``q`` above ``p`` everywhere but one token."""
+    logp = torch.log_softmax(torch.randn(n, vocab, generator=g) * 2, -1)
+    logq = torch.log_softmax(torch.randn(n, vocab, generator=g) * 2, -1)
+    for i in range(n):
+        kind = i % 6
+        if kind == 1:
+            logp[i] = torch.log_softmax(logp[i].masked_fill(logp[i] < logp[i].median(), NEG), -1)
+        elif kind == 2:
+            logq[i] = torch.log_softmax(logq[i].masked_fill(logq[i] < logq[i].median(), NEG), -1)
+        elif kind == 3:
+            logq[i] = logp[i]
+        elif kind == 4:
+            logq[i, int(torch.randint(0, vocab, (), generator=g))] = float("nan")
+        elif kind == 5:
+            one = int(torch.randint(0, vocab, (), generator=g))
+            logp[i] = NEG
+            logp[i, one] = 0.0
+    return logp, logq
+
+
+@interpreted
+@pytest.mark.parametrize("splits", [1, 3])
+def test_residual_draw_matches_twin(splits):
+    """Drafts the target gives no mass (always rejected): the twin's choice is its
+    residual draw, which the kernel must give token for token."""
+    g = torch.Generator().manual_seed(_seed())
+    n, vocab = 12, 150
+    lo, hi, index = _positions(g, n)
+    logp, logq = _residual_rows(g, n, vocab)
+    drafts = torch.randint(0, vocab, (n,), generator=g)
+    drafts[5] = (int(logp[5].argmax()) + 1) % vocab  # not the row's only token
+    logp[torch.arange(n), drafts] = NEG  # p(x) = 0: rejected
+    want = sampler.speculative_choices(logp, logq, drafts, lo, hi, index, kernels="reference")
+    got = sampling.residual_draw(logp, logq, lo, hi, index, block=32, splits=splits)
     assert torch.equal(got, want)
 
 
@@ -252,6 +299,7 @@ def test_auto_keeps_the_torch_path_on_the_cpu(monkeypatch):
 
     monkeypatch.setattr(sampling, "draw", boom)
     monkeypatch.setattr(sampling, "uniforms", boom)
+    monkeypatch.setattr(sampling, "residual_draw", boom)
     logp = torch.log_softmax(torch.randn(3, 20), -1)
     z = torch.arange(3)
     sampler.draw(logp, z == 0, z, z, z)
@@ -292,12 +340,16 @@ def _race_cases(g):
     lo, hi, index = _positions(g, n)
     logp = _logp(g, n, vocab)
     greedy = torch.tensor([False, True, False, False])
+    logq = torch.log_softmax(torch.randn(n, vocab, generator=g), -1)
     return [
         (lambda **kw: sampling.draw(**kw, block=16, splits=3),
          lambda: dict(logp=logp.clone(), greedy=greedy.clone(), seed_lo=lo.clone(),
                       seed_hi=hi.clone(), index=index.clone())),
         (lambda **kw: sampling.uniforms(**kw, vocab=vocab, gumbel=True, block=32),
          lambda: dict(seed_lo=lo.clone(), seed_hi=hi.clone(), index=index.clone())),
+        (lambda **kw: sampling.residual_draw(**kw, block=16, splits=3),
+         lambda: dict(logp=logp.clone(), logq=logq.clone(),
+                      seed_lo=lo.clone(), seed_hi=hi.clone(), index=index.clone())),
     ]
 
 
@@ -399,3 +451,19 @@ def test_draw_matches_twin_on_cuda(n):
                        sampler.uniforms(lo, hi, index, vocab))
     assert torch.equal(sampling.uniforms(lo, hi, index, vocab, gumbel=True),
                        torch.log(-torch.log(sampler.uniforms(lo, hi, index, vocab))))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED,
+                    reason="needs CUDA and compiled kernels (TRITON_INTERPRET=0)")
+def test_residual_draw_matches_twin_on_cuda():
+    g = torch.Generator().manual_seed(_seed())
+    n, vocab = 48, 131072
+    lo, hi, index = (t.cuda() for t in _positions(g, n))
+    logp, logq = (t.cuda() for t in _residual_rows(g, n, vocab))
+    drafts = torch.randint(0, vocab, (n,), generator=g).cuda()
+    want = sampler.speculative_choices(logp, logq, drafts, lo, hi, index, kernels="reference")
+    assert torch.equal(sampler.speculative_choices(logp, logq, drafts, lo, hi, index), want)
+    logp[torch.arange(n), drafts] = NEG  # every draft rejected: the residual draws alone
+    want = sampler.speculative_choices(logp, logq, drafts, lo, hi, index, kernels="reference")
+    assert torch.equal(sampling.residual_draw(logp, logq, lo, hi, index), want)
