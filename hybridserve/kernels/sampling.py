@@ -1,4 +1,4 @@
-"""The sampler's draw in one pass over the vocabulary: counter-based Gumbel-max without
+"""The sampler's draws in one pass over the vocabulary: counter-based Gumbel-max without
 an ``[N, vocab]`` table.
 
 :func:`draw` computes what :func:`hybridserve.runner.sampler.draw` (its torch twin, the
@@ -11,6 +11,16 @@ elementwise ops) and then a float64 key table: gigabytes of memory traffic at de
 batch sizes for a result of ``N`` tokens. Here each token's uniform is hashed in
 registers, its key formed and folded into a running maximum, so the launch reads
 ``logp`` once and writes a few numbers per row.
+
+:func:`residual_draw` does the same for the residual sample of speculative sampling with
+a drafter's distribution (the twin: the rejected branch of
+:func:`hybridserve.runner.sampler.speculative_choices`): ``r = max(exp(logp) -
+exp(logq), 0)`` in float64 per token (``exp`` as ``log`` below: NumPy's under the
+interpreter, libdevice's ``__nv_exp`` compiled), the keys of ``r`` and of the twin's
+fallback ``p`` (taken where ``r`` has no positive entry or a NaN, the twin's ``sum > 0``
+test) both folded, and the choice made per row after the launch. :func:`uniforms` writes
+the uniform (or ``log(-log u)``) table itself, bit-identical to the twin's: no engine
+path needs the table any more; it is the hash's direct check.
 
 Contract (bit-for-bit with the twin):
 
