@@ -295,11 +295,12 @@ class KernelPolicy:
       graph, but 184 / 580 against 157 / 411 us at 64 rows and 697 / 2,326 against
       599 / 1,619 us at 256 (every program of a group recomputes the group's B and C);
       rows between 1 and 64 were not measured.
-    - ``sampler``: the sampled draw (:func:`hybridserve.runner.sampler.draw`, the
-      drafter's :func:`~hybridserve.runner.sampler.draft_draw`) as one Triton pass over
-      the vocabulary (:mod:`hybridserve.kernels.sampling`: the counter-based uniforms
-      hashed in registers, no ``[rows x vocab]`` uniform or key tables) or as its torch
-      twin; the same tokens either way.
+    - ``sampler``: the sampled draws (:func:`hybridserve.runner.sampler.draw`, the
+      drafter's :func:`~hybridserve.runner.sampler.draft_draw`, the residual sample of
+      :func:`~hybridserve.runner.sampler.speculative_choices`) as one Triton pass over
+      the vocabulary each (:mod:`hybridserve.kernels.sampling`: the counter-based
+      uniforms hashed in registers, no ``[rows x vocab]`` uniform or key tables) or as
+      their torch twins; the same tokens either way.
     """
 
     uniform_decode: bool = True
