@@ -310,24 +310,46 @@ def test_auto_keeps_the_torch_path_on_the_cpu(monkeypatch):
 @interpreted
 def test_engine_with_the_kernel_samples_the_twins_tokens(tiny_granite):
     """Seeded sampled requests (top-p 0.95 / temperature 0.8, top-k) through the engine
-    with ``KernelPolicy(sampler="triton")``: the kernel runs and every token is the one
-    the torch draw gives."""
+    with ``KernelPolicy(sampler="triton")``, eager steps and the decode graphs' static
+    steps: the kernel runs and every token is the one the torch draw gives."""
     from hybridserve import LLM
 
     prompts = [[3, 14, 15, 92, 65], [2, 71, 82]]
     params = [SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=6, ignore_eos=True),
               SamplingParams(temperature=1.1, top_k=20, seed=12, max_tokens=6, ignore_eos=True)]
 
-    def run(mode):
+    calls = []
+    kernel_draw = sampling.draw
+
+    def counted(*a, **k):
+        calls.append(1)
+        return kernel_draw(*a, **k)
+
+    def run(mode, graphs=False):
         llm = LLM(tiny_granite, kernel_policy=KernelPolicy(sampler=mode))
-        with racecheck.record_launches(record=False) as rec:
+        if graphs:  # the decode-graph path's static steps (no capture on the CPU)
+            from hybridserve.engine.engine_core import EngineCore
+
+            eng, llm.engine = llm.engine, None
+            llm.engine = EngineCore(llm.config, llm.model, llm.tokenizer, eng.vocab_size,
+                                    eng.eos_token_ids, enforce_eager=False)
+        calls.clear()
+        with racecheck.record_launches(record=False) as rec, pytest.MonkeyPatch.context() as m:
+            m.setattr(sampling, "draw", counted)
             outs = llm.generate(prompts, params, use_tqdm=False)
+        if graphs:
+            # Every step drew through the kernel, the graph path's static steps too.
+            counters = llm.engine.runner.graphs.counters
+            assert counters["graph_steps"] > 0
+            assert len(calls) == counters["graph_steps"] + counters["eager_steps"], counters
         return [o.outputs[0].token_ids for o in outs], rec.launches
 
     want, twin_launches = run("reference")
     got, kernel_launches = run("triton")
     assert twin_launches == 0 and kernel_launches > 0
     assert got == want and all(len(t) == 6 for t in got)
+    got, kernel_launches = run("triton", graphs=True)
+    assert kernel_launches > 0 and got == want
 
 
 # --------------------------------------------------------------------------------------
