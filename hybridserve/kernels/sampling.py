@@ -111,17 +111,19 @@ def _mix(h):
 @triton.jit
 def _log64(x, USE_LIBDEVICE: tl.constexpr):
     if USE_LIBDEVICE:
-        return libdevice.log(x)
+        y = libdevice.log(x)
     else:
-        return tl.log(x)
+        y = tl.log(x)
+    return y
 
 
 @triton.jit
 def _exp64(x, USE_LIBDEVICE: tl.constexpr):
     if USE_LIBDEVICE:
-        return libdevice.exp(x)
+        y = libdevice.exp(x)
     else:
-        return tl.exp(x)
+        y = tl.exp(x)
+    return y
 
 
 @triton.jit
@@ -233,6 +235,8 @@ def draw(
     n, vocab = logp.shape
     _check_positions(n, logp.device, seed_lo=seed_lo, seed_hi=seed_hi, index=index,
                      greedy=greedy)
+    if greedy is not None and greedy.dtype != torch.bool:
+        raise ValueError(f"greedy must be a bool tensor, got {greedy.dtype}")
     s, split_blocks = _splits(n, vocab, block, splits)
     part_key = torch.empty((n, s), dtype=torch.float64, device=logp.device)
     part_idx = torch.empty((n, s), dtype=torch.int64, device=logp.device)

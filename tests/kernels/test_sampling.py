@@ -189,6 +189,10 @@ def test_bad_input_names_the_field():
     z = torch.zeros(3, dtype=torch.int64)
     with pytest.raises(ValueError, match="seed_hi"):
         sampling.draw(logp, None, z, z[:2], z)
+    with pytest.raises(ValueError, match="greedy must be a bool"):
+        sampling.draw(logp, z, z, z, z)
+    with pytest.raises(ValueError, match="logq must have"):
+        sampling.residual_draw(logp, logp[:, :5], z, z, z)
     with pytest.raises(ValueError, match="unit stride"):
         sampling.draw(logp.t(), None, z, z, z)
     with pytest.raises(ValueError, match="splits"):
