@@ -14,6 +14,8 @@ run it) with inputs rotated over several sets:
   speculative  :func:`~hybridserve.runner.sampler.speculative_choices` over ``N`` draft
                positions with a drafter's distribution (acceptance and the residual
                draw), twin against kernel (:func:`hybridserve.kernels.sampling.residual_draw`);
+  splits       the kernel at every power-of-two split count of the vocabulary (the
+               default is :func:`hybridserve.kernels.sampling.num_splits`');
   floor        ``torch.argmax`` of the same log-probabilities (one read of them, the
                greedy draw) and a device-to-device copy of the bytes the kernel must
                read (``N x vocab`` float32), for the fraction of copy bandwidth.
@@ -149,6 +151,17 @@ def bench_batch(rows: int, s: dict, device: str, g) -> dict:
         same_tokens_draw=same_draw, same_tokens_sample_step=same_step,
         same_tokens_speculative=same_spec,
     )
+    # The kernel at every power-of-two split count (the default is num_splits'), to check
+    # the split heuristic; the same tokens at each.
+    blocks = -(-s["vocab"] // sampling.BLOCK)
+    by_splits = {}
+    for splits in (2**i for i in range(blocks.bit_length())):
+        if splits > blocks:
+            break
+        fn = functools.partial(sampling.draw, splits=splits)
+        out["same_tokens_draw"] &= torch.equal(fn(*draws[0]), twin_draw(*draws[0]))
+        by_splits[splits] = replayed_us(fn, draws, device)
+    out["draw_kernel_us_by_splits"] = by_splits
     out["draw_speedup"] = out["draw_twin_us"] / out["draw_kernel_us"]
     out["sample_step_saved_us"] = out["sample_step_twin_us"] - out["sample_step_kernel_us"]
     out["kernel_fraction_of_copy"] = out["copy_us_same_traffic"] / out["draw_kernel_us"]
@@ -158,7 +171,7 @@ def bench_batch(rows: int, s: dict, device: str, g) -> dict:
           f"{out['sample_step_twin_us']:9.1f}  kernel {out['sample_step_kernel_us']:9.1f} us  "
           f"speculative twin {out['speculative_twin_us']:9.1f}  kernel "
           f"{out['speculative_kernel_us']:8.1f} us  argmax {out['argmax_us']:7.1f} us  "
-          f"same tokens {same_draw and same_step and same_spec}")
+          f"same tokens {out['same_tokens_draw'] and same_step and same_spec}")
     return out
 
 
