@@ -14,6 +14,7 @@ def test_sampler_benchmark_smoke(tmp_path):
     for r in record["results"]:
         assert r["same_tokens_draw"] and r["same_tokens_sample_step"]
         assert r["same_tokens_speculative"]
+        assert list(r["draw_kernel_us_by_splits"]) == [1]  # the smoke vocabulary is one block
         assert r["kernel_bytes"] == r["rows"] * record["config"]["vocab"] * 4
         for key in ("draw_twin_us", "draw_kernel_us", "sample_step_twin_us",
                     "sample_step_kernel_us", "speculative_twin_us", "speculative_kernel_us", "argmax_us", "copy_us_same_traffic"):
