@@ -300,7 +300,10 @@ class KernelPolicy:
       :func:`~hybridserve.runner.sampler.speculative_choices`) as one Triton pass over
       the vocabulary each (:mod:`hybridserve.kernels.sampling`: the counter-based
       uniforms hashed in registers, no ``[rows x vocab]`` uniform or key tables) or as
-      their torch twins; the same tokens either way.
+      their torch twins; the same tokens either way. ``"auto"`` takes the twins on every
+      device until ``tests/kernels/test_sampling.py``'s `gpu` tests have run on a GPU
+      (the kernels have not yet been compiled for one, and a draw that fails would fail
+      every sampled request); ``"triton"`` takes the kernels.
     """
 
     uniform_decode: bool = True
