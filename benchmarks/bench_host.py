@@ -8,8 +8,17 @@ time. This script measures that remainder without a GPU: a tiny Nemotron-H model
 decode-graph path's static-buffer step (``enforce_eager=False``; no capture off CUDA),
 timing ``step()`` and, inside it, the static forward (``DecodeGraphs._forward``), whose
 time is subtracted. On the CPU the state postprocess runs its torch twin inside the
-step, so its compute counts as host time here (on CUDA it is a kernel); the breakdown
-reports it separately where the engine exposes it.
+step (on CUDA it is a kernel): the breakdown reports the twin's call as
+``postprocess_twin``, apart from ``postprocess_launch`` (the host's preparation of the
+postprocess's inputs), and ``host_without_twin`` is the host remainder less the twin,
+what a GPU host pays besides the kernel's launch. With async scheduling (on by default
+with decode graphs) a plain decode step is scheduled by ``Scheduler.schedule_ahead``,
+counted as ``schedule`` too; ``collect`` is the read-back and the rows' results and
+decisions built from it; ``unattributed`` is the host remainder less every named part
+(the step loop's own work). ``parts_sum`` adds the parts' medians: on a shared machine
+it is the figure that holds (see ``_run``). ``gc`` reports the garbage collections
+during the timed steps (their seconds a step, and how many were full ones), which the
+medians leave out.
 
 Every request decodes greedily with ``max_tokens`` large enough that no request
 finishes during the timed steps. Each batch runs twice where the engine supports it:
@@ -24,6 +33,7 @@ Usage: ``python benchmarks/bench_host.py [--batches 16,64,256] [--out ...]``
 from __future__ import annotations
 
 import argparse
+import gc
 import inspect
 import json
 import platform
@@ -38,6 +48,7 @@ from provenance import git_commit, portable_path
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.engine.engine_core import EngineCore
+from hybridserve.runner import model_runner
 from hybridserve.testing.tiny_models import make_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,13 +56,18 @@ ROOT = Path(__file__).resolve().parent.parent
 # engine attribute path -> name in the breakdown (those present in this version)
 TIMED = {
     ("scheduler", "schedule"): "schedule",
+    ("scheduler", "schedule_ahead"): "schedule",
     ("runner.graphs", "shape_of"): "graph_plan",
     ("runner.graphs", "fill"): "graph_fill",
     ("runner", "_postprocess"): "postprocess_launch",
+    ("runner", "collect"): "collect",
     ("", "_commit_postprocess"): "postprocess_commit",
     ("", "_append_tokens"): "append_tokens",
     ("", "_make_output"): "make_output",
 }
+
+# Totals, not parts, in a step's figures.
+TOTALS = ("step", "host", "forward", "host_without_twin", "parts_sum", "parts_sum_without_twin")
 
 
 def measure(path: Path, batch: int, prompt: int, warmup: int, steps: int,
@@ -83,7 +99,22 @@ def measure(path: Path, batch: int, prompt: int, warmup: int, steps: int,
         if hasattr(owner, name):
             wrap(owner, name, key)
     wrap(eng.runner.graphs, "_forward", "forward")
+    # The CPU's postprocess twin, called from inside the runner's _postprocess (which
+    # imported it by name): timed apart, and taken out of postprocess_launch below.
+    twin = getattr(model_runner, "state_postprocess_reference", None)
+    if twin is not None:
+        wrap(model_runner, "state_postprocess_reference", "postprocess_twin")
+    try:
+        return _run(eng, batch, prompt, warmup, steps, final_only, acc, twin is not None)
+    finally:
+        if twin is not None:
+            model_runner.state_postprocess_reference = twin
 
+
+def _run(eng, batch: int, prompt: int, warmup: int, steps: int, final_only: bool,
+         acc: dict[str, float], twin: bool) -> dict:
+    """Fill the engine with ``batch`` decoding requests and time ``steps`` steps (``acc``
+    gathers the timed functions' seconds of the step under way)."""
     g = torch.Generator().manual_seed(batch)
     params = SamplingParams(temperature=0.0, max_tokens=warmup + steps + 32, ignore_eos=True)
     for i in range(batch):
@@ -97,22 +128,58 @@ def measure(path: Path, batch: int, prompt: int, warmup: int, steps: int,
     for _ in range(warmup):
         eng.step()
     per_step: dict[str, list[float]] = defaultdict(list)
+    # Garbage collections during the timed steps: a full one lands on one step (the
+    # medians skip it) but its cost is paid all the same, so it is reported apart.
+    collections = {"seconds": 0.0, "full": 0, "count": 0}
+    started = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+            return
+        collections["seconds"] += time.perf_counter() - started[0]
+        collections["count"] += 1
+        collections["full"] += info["generation"] == 2
+
+    gc.callbacks.append(on_gc)
+    try:
+        _timed_steps(eng, steps, acc, twin, per_step)
+    finally:
+        gc.callbacks.remove(on_gc)
+    graphs = eng.runner.graphs.counters
+    med = {k: statistics.median(v) for k, v in per_step.items()}
+    # On a shared machine a step often loses a scheduler slice to another process
+    # (several ms at once), which lands in a different part each time: the parts'
+    # medians skip it, the host median does not. Their sum is the figure that holds.
+    parts = [k for k in med if k not in TOTALS]
+    med["parts_sum"] = sum(med[k] for k in parts)
+    med["parts_sum_without_twin"] = med["parts_sum"] - med.get("postprocess_twin", 0.0)
+    running = len(eng.scheduler.running)
+    if running != batch:
+        raise RuntimeError(f"only {running} of {batch} requests running; raise the cache sizes")
+    gc_stats = {"seconds_per_step": collections["seconds"] / steps,
+                "collections": collections["count"], "full_collections": collections["full"]}
+    return {"batch": batch, "final_only": final_only, "median_s": med, "gc": gc_stats,
+            "graph_counters": dict(graphs)}
+
+
+def _timed_steps(eng, steps: int, acc: dict[str, float], twin: bool,
+                 per_step: dict[str, list[float]]) -> None:
     for _ in range(steps):
         acc.clear()
         t = time.perf_counter()
         eng.step()
         total = time.perf_counter() - t
         per_step["step"].append(total)
-        per_step["host"].append(total - acc["forward"])
+        host = total - acc["forward"]
+        per_step["host"].append(host)
+        if twin:
+            acc["postprocess_launch"] -= acc["postprocess_twin"]
+            per_step["host_without_twin"].append(host - acc["postprocess_twin"])
+        named = sum(v for k, v in acc.items() if k != "forward")
+        per_step["unattributed"].append(host - named)
         for k, v in acc.items():
             per_step[k].append(v)
-    graphs = eng.runner.graphs.counters
-    med = {k: statistics.median(v) for k, v in per_step.items()}
-    running = len(eng.scheduler.running)
-    if running != batch:
-        raise RuntimeError(f"only {running} of {batch} requests running; raise the cache sizes")
-    return {"batch": batch, "final_only": final_only, "median_s": med,
-            "graph_counters": dict(graphs)}
 
 
 def main() -> None:
@@ -148,9 +215,11 @@ def main() -> None:
     for r in rows:
         m = r["median_s"]
         parts = ", ".join(f"{k} {1e3 * v:.3f}" for k, v in sorted(m.items())
-                          if k not in ("step", "host", "forward"))
+                          if k not in TOTALS)
         print(f"batch {r['batch']}{' final-only' if r['final_only'] else ''}: step {1e3 * m['step']:.2f} ms, forward "
-              f"{1e3 * m['forward']:.2f} ms, host {1e3 * m['host']:.2f} ms ({parts})")
+              f"{1e3 * m['forward']:.2f} ms, host {1e3 * m['host']:.2f} ms, parts {1e3 * m['parts_sum']:.2f} ms "
+              f"({1e3 * m['parts_sum_without_twin']:.2f} ms without the twin; {parts}); "
+              f"gc {1e3 * r['gc']['seconds_per_step']:.2f} ms a step ({r['gc']['full_collections']} full)")
     print(f"wrote {args.out}")
 
 
