@@ -43,6 +43,14 @@ from hybridserve.tokenizer import Tokenizer
 
 log = logging.getLogger("hybridserve.engine")
 
+# A finished request's CompletionOutput.finish_reason (None while it runs or waits).
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
 
 def prefill_flops(model: torch.nn.Module):
     """``length -> FLOPs`` of prefilling that many tokens: 2 per active weight per token
@@ -516,6 +524,8 @@ class EngineCore:
         touched: dict[str, _Group] = {}
         failed: dict[str, Exception] = {}
         dropped: set[int] = set()
+        groups = self.groups
+        stats = self._step_stats
         for row, res in zip(sched.rows, results):
             req = row.request
             if row.ahead and req.status is not RequestStatus.RUNNING:
@@ -523,13 +533,13 @@ class EngineCore:
                 self.scheduler.drop_ahead_row(row)
                 dropped.add(id(row))
                 continue
-            gid = self.group_id(req)
+            gid = req.parent_id or req.request_id  # group_id(), inline: once per row
             if gid in failed:
                 continue
             try:
                 if res.new_tokens:
                     self._append_tokens(req, res.new_tokens, res.logprobs)
-                    if self._step_stats is not None:
+                    if stats is not None:
                         self._stamp_tokens(req, committed)
                 if res.prompt_logprobs:
                     self._store_prompt_logprobs(req, row.num_computed, res.prompt_logprobs)
@@ -538,17 +548,19 @@ class EngineCore:
             except Exception as e:
                 failed[gid] = e
                 continue
-            group = self.groups.get(gid)
+            group = groups.get(gid)
             if group is not None:
                 touched[group.request_id] = group
+        decisions = step.decisions
         decode_rows = [
-            (row, res, step.decisions.get(i))
+            (row, res, decisions.get(i))
             for i, (row, res) in enumerate(zip(sched.rows, results)) if row.is_decode
         ]
         if decode_rows:
+            # Nothing failed (the usual step): the dropped rows are all there is to skip.
             skip = dropped | {
                 id(row) for row, _, _ in decode_rows if self.group_id(row.request) in failed
-            }
+            } if failed else dropped
             try:
                 self._commit_postprocess(decode_rows, skip, failed)
             except Exception as e:
@@ -557,14 +569,17 @@ class EngineCore:
                         failed.setdefault(self.group_id(row.request), e)
         if self._observe is not None:
             self._hand_over_hidden(sched, results, dropped)
+        running = RequestStatus.RUNNING
         for row in sched.rows:
             req = row.request
-            if id(row) in dropped or self.group_id(req) in failed:
+            if req.status is not running:
+                continue  # finished already (or dropped): nothing to finish
+            if (dropped or failed) and (id(row) in dropped or self.group_id(req) in failed):
                 continue
             try:
-                if req.status is RequestStatus.RUNNING and req.stopped:
+                if req.stopped:
                     self._finish(req)
-                elif req.status is RequestStatus.RUNNING and self._length_capped(req):
+                elif self._length_capped(req):
                     self._finish(req, length=True)
             except Exception as e:
                 failed[self.group_id(req)] = e
@@ -574,7 +589,10 @@ class EngineCore:
                 touched[gid] = group
         outputs = []
         for g in touched.values():
-            if g.final_only and not all(r.status.finished for r in g.children):
+            if g.final_only and not (
+                g.children[0].status.finished if len(g.children) == 1
+                else all(r.status.finished for r in g.children)
+            ):
                 continue
             try:
                 outputs.append(self._make_output(g))
@@ -674,7 +692,7 @@ class EngineCore:
                         f"{d.num_accepted} tokens, the host {len(res.new_tokens)}"
                     )
                 self.scheduler.commit_decode_row(
-                    row, d.num_accepted, d.state_page, list(d.checkpoints), list(d.released)
+                    row, d.num_accepted, d.state_page, d.checkpoints, d.released
                 )
             except Exception as e:
                 failed[self.group_id(row.request)] = e
@@ -732,7 +750,11 @@ class EngineCore:
         return mt if mt is not None else req.max_model_len
 
     def _length_capped(self, req: Request) -> bool:
-        return len(req.output_token_ids) >= self._max_tokens(req) or req.num_tokens >= req.max_model_len
+        # _max_tokens() inline: asked for every row of every step.
+        mt = req.params.max_tokens
+        if mt is None:
+            mt = req.max_model_len
+        return len(req.output_token_ids) >= mt or len(req.all_token_ids) >= req.max_model_len
 
     def _append_tokens(self, req: Request, tokens: list[int], logprobs: list) -> None:
         p = req.params
@@ -830,19 +852,16 @@ class EngineCore:
         return text
 
     def _make_output(self, group: _Group) -> RequestOutput:
+        # Built for every request on every step it advances (a server's streaming
+        # mode): one pass over the children, the finish reason by lookup.
+        children = group.children
         outs = []
-        for i, req in enumerate(group.children):
-            finish_reason = None
-            if req.status is RequestStatus.FINISHED_LENGTH:
-                finish_reason = "length"
-            elif req.status is RequestStatus.FINISHED_STOPPED:
-                finish_reason = "stop"
-            elif req.status is RequestStatus.FINISHED_ABORTED:
-                finish_reason = "abort"
-            elif req.status is RequestStatus.FINISHED_ERROR:
-                finish_reason = "error"
-            logprobs = list(req.logprobs) if req.params.logprobs is not None else None
-            cum = sum(lp[t].logprob for lp, t in zip(req.logprobs, req.output_token_ids)) if logprobs else None
+        for i, req in enumerate(children):
+            if req.params.logprobs is not None:
+                logprobs = list(req.logprobs)
+                cum = sum(lp[t].logprob for lp, t in zip(req.logprobs, req.output_token_ids)) if logprobs else None
+            else:
+                logprobs = cum = None
             outs.append(
                 CompletionOutput(
                     index=i,
@@ -851,25 +870,31 @@ class EngineCore:
                     token_ids=list(req.output_token_ids),
                     cumulative_logprob=cum,
                     logprobs=logprobs,
-                    finish_reason=finish_reason,
+                    finish_reason=_FINISH_REASONS.get(req.status),
                     stop_reason=req.stop_reason,
                 )
             )
-        finished = all(r.status.finished for r in group.children)
-        drafts = sum(r.spec_draft_tokens for r in group.children)
-        accepted = sum(r.spec_accepted_tokens for r in group.children)
-        verify_steps = sum(r.spec_steps for r in group.children)
+        first = children[0]
+        if len(children) == 1:
+            finished = first.status.finished
+            drafts, accepted = first.spec_draft_tokens, first.spec_accepted_tokens
+            verify_steps, preemptions = first.spec_steps, first.num_preemptions
+        else:
+            finished = all(r.status.finished for r in children)
+            drafts = sum(r.spec_draft_tokens for r in children)
+            accepted = sum(r.spec_accepted_tokens for r in children)
+            verify_steps = sum(r.spec_steps for r in children)
+            preemptions = sum(r.num_preemptions for r in children)
         metrics = {
             "spec_draft_tokens": drafts,
             "spec_accepted_tokens": accepted,
             "spec_mean_accepted_length": 1.0 + accepted / verify_steps if verify_steps else 0.0,
-            "num_preemptions": sum(r.num_preemptions for r in group.children),
+            "num_preemptions": preemptions,
             "predicted_cached_tokens": group.predicted_cached_tokens,
         }
         if finished:
             self.groups.pop(group.request_id, None)
         prompt_logprobs = None
-        first = group.children[0]
         if first.params.prompt_logprobs is not None:
             # Every child computes the same prompt; the first one's entries are reported.
             # Before its prefill is done the list has holes (None) past position 0.
@@ -880,7 +905,7 @@ class EngineCore:
             prompt_token_ids=group.prompt_token_ids,
             outputs=outs,
             finished=finished,
-            num_cached_tokens=group.children[0].num_cached_tokens,
+            num_cached_tokens=first.num_cached_tokens,
             prompt_logprobs=prompt_logprobs,
             metrics=metrics,
             error=group.error,

@@ -43,7 +43,7 @@ refused at construction.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from hybridserve.cache.block_pool import BlockPool, chain_hash
 from hybridserve.cache.host_tier import HostCheckpointIndex
@@ -505,22 +505,32 @@ class Scheduler:
         tokens are in). A request that the step in flight finishes gets its row's
         result dropped and its page released (:meth:`drop_ahead_row`).
         """
-        need_blocks = sum(
-            self._blocks_needed(r.num_computed + 2) - len(r.request.block_ids) for r in rows
-        )
-        if need_blocks > self.blocks.num_free or not self.states.can_allocate(len(rows)):
+        bs = self.block_size
+        # Per row: the blocks its next token needs beyond those it holds
+        # (_blocks_needed(num_computed + 2), inline: this runs for every row of every
+        # plain decode step).
+        extra = [-(-(r.num_computed + 2) // bs) - len(r.request.block_ids) for r in rows]
+        if sum(extra) > self.blocks.num_free or not self.states.can_allocate(len(rows)):
             return None
+        # Taking every page at once hands out the pages taking them row by row would, in
+        # the same order, unless a checkpoint is evicted on the way: for a page (too few
+        # free) or for a KV block (a cached block's reuse drops the checkpoints on it,
+        # freeing their pages; only with prefix caching, and only where a row takes one).
+        batched = self.states.num_free >= len(rows) and (
+            not self.cache_config.enable_prefix_caching or max(extra, default=0) <= 0
+        )
+        pages = self.states.allocate(len(rows)) if batched else None
         out = []
-        for prev in rows:
+        for i, prev in enumerate(rows):
             req = prev.request
             n = prev.num_computed + 1
-            extra = self._blocks_needed(n + 1) - len(req.block_ids)
-            if extra > 0:
-                req.block_ids += self.blocks.allocate(extra)
+            if extra[i] > 0:
+                req.block_ids += self.blocks.allocate(extra[i])
             out.append(ScheduledRow(
                 request=req, num_computed=n, num_tokens=1, num_drafts=0, samples=True,
                 state_in_page=prev.state_outputs[n], is_decode=True,
-                state_outputs={n + 1: self.states.allocate(1)[0]}, ahead=True,
+                state_outputs={n + 1: pages[i] if pages is not None else self.states.allocate(1)[0]},
+                ahead=True,
             ))
         return self._drain(SchedulerOutput(rows=out, preempted=[]))
 
@@ -574,8 +584,8 @@ class Scheduler:
         row: ScheduledRow,
         num_accepted: int,
         new_state_page: int,
-        checkpoints: list[tuple[int, int]],
-        released: list[int],
+        checkpoints: Sequence[tuple[int, int]],
+        released: Sequence[int],
     ) -> None:
         """Apply the state postprocess's decision for a decode/verify row.
 
@@ -587,17 +597,18 @@ class Scheduler:
         references) and the previous state page (the request's reference).
         """
         req = row.request
-        kept_len, kept_page = -1, -1
-        for p, page in checkpoints:
-            if self._checkpoint_worthy(req, p):
-                self._admit_checkpoint(req, p, page)
-            if self._keeps_boundary() and p > kept_len:
-                kept_len, kept_page = p, page
-        if kept_page >= 0:
-            self.states.incref(kept_page)
-            self.states.release([req.boundary_page])
-            req.boundary_page, req.boundary_len = kept_page, kept_len
-        self.states.release([page for _, page in checkpoints if page != new_state_page])
+        if checkpoints:  # most decode steps cross no boundary
+            kept_len, kept_page = -1, -1
+            for p, page in checkpoints:
+                if self._checkpoint_worthy(req, p):
+                    self._admit_checkpoint(req, p, page)
+                if self._keeps_boundary() and p > kept_len:
+                    kept_len, kept_page = p, page
+            if kept_page >= 0:
+                self.states.incref(kept_page)
+                self.states.release([req.boundary_page])
+                req.boundary_page, req.boundary_len = kept_page, kept_len
+            self.states.release([page for _, page in checkpoints if page != new_state_page])
         self.states.release(released)
         req.state_page = new_state_page
         row.settled = True

@@ -532,23 +532,36 @@ class DecodeGraphs:
         out_pages = set()
         masked = False
         words = bitmask_words(self.model.config.vocab_size)
+        # The per-params tests once per distinct params object of the step (requests
+        # often share one), not once per row; keyed by identity, within this call only.
+        by_params: dict[int, tuple[bool, bool]] = {}
         for row in rows:
             n = row.num_computed
             rq = row.num_tokens
+            req = row.request
+            params = req.params
+            tests = by_params.get(id(params))
+            if tests is None:
+                tests = by_params[id(params)] = (
+                    sampler.graph_samplable(params), params.token_masked
+                )
             if (
                 rq < 1
                 or row.num_drafts != rq - 1
                 or not row.samples
                 or row.state_in_page < 0
                 or len(row.state_outputs) != rq
-                or not sampler.graph_samplable(row.request.params)
+                or not tests[0]
             ):
                 return None
-            outs = [row.state_outputs.get(n + 1 + t, -1) for t in range(rq)]
+            if rq == 1:
+                outs = [row.state_outputs.get(n + 1, -1)]
+            else:
+                outs = [row.state_outputs.get(n + 1 + t, -1) for t in range(rq)]
             if min(outs) < 0:
                 return None
-            req = row.request
-            if sampler.needs_mask(req.params, req.grammar):
+            # sampler.needs_mask(params, grammar), from the params' cached half.
+            if req.grammar is not None or tests[1]:
                 grammar = req.grammar
                 if grammar is not None and getattr(grammar, "words", words) != words:
                     return None  # the eager step names the mismatch
@@ -574,7 +587,10 @@ class DecodeGraphs:
                 if logq is not None and (logq.shape[-1] != buf.shape[1]
                                          or logq.shape[0] < row.num_drafts):
                     return None  # the eager step names the mismatch
-        sampling = self._sampling_of([row.request.params for row in rows], masked, drafted)
+        # Every distinct params object once: the draw depends on which params the step
+        # has, not on how many rows share each.
+        distinct = list({id(row.request.params): row.request.params for row in rows}.values())
+        sampling = self._sampling_of(distinct, masked, drafted)
         if sampling is None:
             return None
         return StepShape(len(rows), batch, q, blocks_bucket(blocks, self.max_blocks), sampling)

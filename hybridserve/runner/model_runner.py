@@ -282,11 +282,17 @@ class ModelRunner:
         else:
             host = pending.values.tolist()
         n = pending.num_choices
-        results = []
-        for i, row in enumerate(pending.sched.rows):
-            drafts = row.request.draft_token_ids[: row.num_drafts]
-            choices = host[i * pending.q : i * pending.q + row.num_tokens]
-            results.append(RowResult(sampler.verify_choices(choices, drafts), []))
+        rows = pending.sched.rows
+        if pending.q == 1:
+            # One token a row and no drafts (a plain decode step): each row's result is
+            # its choice (what verify_choices returns for a row without drafts).
+            results = [RowResult([c], []) for c in host[: len(rows)]]
+        else:
+            results = []
+            for i, row in enumerate(rows):
+                drafts = row.request.draft_token_ids[: row.num_drafts]
+                choices = host[i * pending.q : i * pending.q + row.num_tokens]
+                results.append(RowResult(sampler.verify_choices(choices, drafts), []))
         return StepResult(results, self._decisions(pending.sched, host[n:]))
 
     @torch.inference_mode()
@@ -459,17 +465,23 @@ class ModelRunner:
         b = len(rows)
         max_q = max(r.num_tokens for r in rows)
         width = max(r.num_drafts for r in rows)
-        computed, state_in, pages, pos, drafts = [], [], [], [], []
-        for i, row in zip(verify, rows):
-            n, d = row.num_computed, row.num_drafts
-            computed.append(n)
-            state_in.append(row.state_in_page)
-            pages += [row.state_outputs[n + 1 + j] for j in range(row.num_tokens)]
-            pages += [-1] * (max_q - row.num_tokens)
-            # [rows, width] positions of the choices to compare and the drafts (-1 pads,
-            # which no choice equals).
-            pos += [starts[i] + j for j in range(d)] + [0] * (width - d)
-            drafts += row.request.draft_token_ids[:d] + [-1] * (width - d)
+        computed = [row.num_computed for row in rows]
+        state_in = [row.state_in_page for row in rows]
+        if max_q == 1:
+            # Plain decode rows (one token, no drafts, so width is 0): the one output
+            # page each, and nothing to compare.
+            pages = [row.state_outputs[row.num_computed + 1] for row in rows]
+            pos, drafts = [], []
+        else:
+            pages, pos, drafts = [], [], []
+            for i, row in zip(verify, rows):
+                n, d = row.num_computed, row.num_drafts
+                pages += [row.state_outputs[n + 1 + j] for j in range(row.num_tokens)]
+                pages += [-1] * (max_q - row.num_tokens)
+                # [rows, width] positions of the choices to compare and the drafts (-1
+                # pads, which no choice equals).
+                pos += [starts[i] + j for j in range(d)] + [0] * (width - d)
+                drafts += row.request.draft_token_ids[:d] + [-1] * (width - d)
         # Every host-side input of the launch travels in one transfer; the tensors below
         # are views of it.
         packed = upload(
@@ -515,6 +527,16 @@ class ModelRunner:
                 f"postprocess read-back of {len(host)} values for {len(verify)} rows of {width}"
             )
         out = {}
+        if k == 1 and max_q == 1:
+            # Plain decode rows: [accepted, state page, checkpoint page, its length,
+            # released page] each, unpacked without the general slicing below.
+            for j, i in enumerate(verify):
+                a, page, ckpt_page, ckpt_len, rel = host[j * 5 : j * 5 + 5]
+                out[i] = PostprocessDecision(
+                    a, page, ((ckpt_len, ckpt_page),) if ckpt_page >= 0 else (),
+                    (rel,) if rel >= 0 else (),
+                )
+            return out
         for j, i in enumerate(verify):
             h = host[j * width : (j + 1) * width]
             ckpts = tuple(
