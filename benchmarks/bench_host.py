@@ -71,7 +71,7 @@ TOTALS = ("step", "host", "forward", "host_without_twin", "parts_sum", "parts_su
 
 
 def measure(path: Path, batch: int, prompt: int, warmup: int, steps: int,
-            final_only: bool) -> dict:
+            final_only: bool, gc_freeze: bool = False) -> dict:
     max_len = prompt + warmup + steps + 64
     llm = LLM(str(path), max_num_seqs=batch, max_model_len=max_len, enforce_eager=False,
               enable_prefix_caching=False, num_kv_blocks=batch * (-(-max_len // 16)) + 8,
@@ -105,16 +105,19 @@ def measure(path: Path, batch: int, prompt: int, warmup: int, steps: int,
     if twin is not None:
         wrap(model_runner, "state_postprocess_reference", "postprocess_twin")
     try:
-        return _run(eng, batch, prompt, warmup, steps, final_only, acc, twin is not None)
+        return _run(eng, batch, prompt, warmup, steps, final_only, acc, twin is not None,
+                    gc_freeze)
     finally:
         if twin is not None:
             model_runner.state_postprocess_reference = twin
 
 
 def _run(eng, batch: int, prompt: int, warmup: int, steps: int, final_only: bool,
-         acc: dict[str, float], twin: bool) -> dict:
+         acc: dict[str, float], twin: bool, gc_freeze: bool) -> dict:
     """Fill the engine with ``batch`` decoding requests and time ``steps`` steps (``acc``
-    gathers the timed functions' seconds of the step under way)."""
+    gathers the timed functions' seconds of the step under way). ``gc_freeze``: move
+    every object alive after the warm-up out of the collector's sight (``gc.freeze()``)
+    for the timed steps, so that a full collection scans only what the steps made."""
     g = torch.Generator().manual_seed(batch)
     params = SamplingParams(temperature=0.0, max_tokens=warmup + steps + 32, ignore_eos=True)
     for i in range(batch):
@@ -141,11 +144,16 @@ def _run(eng, batch: int, prompt: int, warmup: int, steps: int, final_only: bool
         collections["count"] += 1
         collections["full"] += info["generation"] == 2
 
+    if gc_freeze:
+        gc.collect()
+        gc.freeze()
     gc.callbacks.append(on_gc)
     try:
         _timed_steps(eng, steps, acc, twin, per_step)
     finally:
         gc.callbacks.remove(on_gc)
+        if gc_freeze:
+            gc.unfreeze()
     graphs = eng.runner.graphs.counters
     med = {k: statistics.median(v) for k, v in per_step.items()}
     # On a shared machine a step often loses a scheduler slice to another process
@@ -189,6 +197,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="gc.freeze() after the warm-up: what full collections cost when "
+                         "they scan only the objects the steps made")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/host_overhead.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -199,7 +210,7 @@ def main() -> None:
     modes = [False]
     if "final_only" in inspect.signature(EngineCore.add_request).parameters:
         modes.append(True)
-    rows = [measure(path, int(b), args.prompt, args.warmup, args.steps, final_only)
+    rows = [measure(path, int(b), args.prompt, args.warmup, args.steps, final_only, args.gc_freeze)
             for b in args.batches.split(",") if b for final_only in modes]
     result = {
         "env": {"device": platform.processor() or platform.machine(), "torch": torch.__version__,

@@ -790,8 +790,18 @@ class DecodeGraphs:
             ]
             h[: len(rows), 3] = [row.state_in_page for row in rows]
             h[: len(rows), 4] = [row.state_outputs[c + 1] for row, c in zip(rows, n)]
-            tables = [row.request.block_ids[:width] for row in rows]
-            h[: len(rows), tab : tab + width] = [t + [-1] * (width - len(t)) for t in tables]
+            # The block tables as one flat list, converted once: numpy converts a flat
+            # list of ints about twice as fast as the same values as a list of rows.
+            pad = [-1] * width
+            flat: list[int] = []
+            for row in rows:
+                blocks = row.request.block_ids
+                if len(blocks) >= width:
+                    flat += blocks[:width]
+                else:
+                    flat += blocks
+                    flat += pad[len(blocks):]
+            h[: len(rows), tab : tab + width] = np.array(flat, dtype=np.int64).reshape(len(rows), width)
         else:
             for i, row in enumerate(rows):
                 req = row.request
