@@ -483,12 +483,19 @@ class ModelRunner:
                 pos += [starts[i] + j for j in range(d)] + [0] * (width - d)
                 drafts += row.request.draft_token_ids[:d] + [-1] * (width - d)
         # Every host-side input of the launch travels in one transfer; the tensors below
-        # are views of it.
-        packed = upload(
-            torch.tensor(computed + state_in + pages + pos + drafts, dtype=torch.int64), device
-        )
-        computed_d, state_in_d = packed[: 2 * b].to(torch.int32).view(2, b)
-        out_pages = packed[2 * b : 2 * b + b * max_q].to(torch.int32).view(b, max_q)
+        # are views of it. Without drafts it holds only the postprocess's int32 inputs,
+        # uploaded as int32 (no conversions queued on the device); with drafts it also
+        # holds the comparison's positions, which index as int64.
+        if width == 0:
+            packed = upload(torch.tensor(computed + state_in + pages, dtype=torch.int32), device)
+            computed_d, state_in_d = packed[: 2 * b].view(2, b)
+            out_pages = packed[2 * b :].view(b, max_q)
+        else:
+            packed = upload(
+                torch.tensor(computed + state_in + pages + pos + drafts, dtype=torch.int64), device
+            )
+            computed_d, state_in_d = packed[: 2 * b].to(torch.int32).view(2, b)
+            out_pages = packed[2 * b : 2 * b + b * max_q].to(torch.int32).view(b, max_q)
         if width == 0:
             accepted = torch.ones(b, dtype=torch.int64, device=device)
         else:
@@ -506,9 +513,10 @@ class ModelRunner:
             release_prev=state_in_d >= 0,
             boundary_interval=self.boundary_interval,
         )
+        # One int64 tensor: cat promotes the int32 results itself (no conversion each).
         return torch.cat(
-            [accepted[:, None], result.new_state_page[:, None].long(), result.ckpt_page.long(),
-             result.ckpt_len.long(), result.release_pages.long()], dim=1,
+            [accepted[:, None], result.new_state_page[:, None], result.ckpt_page,
+             result.ckpt_len, result.release_pages], dim=1,
         ).reshape(-1)
 
     def _decisions(self, sched: SchedulerOutput, host: list[int]) -> dict[int, PostprocessDecision]:
