@@ -487,14 +487,15 @@ class EngineCore:
         if not sched.plain_decode or (self.scheduler.waiting and self.scheduler.free_seats):
             return None
         rows, sources = [], []
+        running = RequestStatus.RUNNING
         for i, row in enumerate(sched.rows):
             req = row.request
             # The request's output count and length once this row's token is in.
-            outputs = len(req.output_token_ids) + row.ahead + 1
+            after = row.ahead + 1
             if (
-                req.status is RequestStatus.RUNNING
-                and outputs < self._max_tokens(req)
-                and req.num_tokens + row.ahead + 1 < req.max_model_len
+                req.status is running
+                and len(req.output_token_ids) + after < self._max_tokens(req)
+                and len(req.all_token_ids) + after < req.max_model_len
             ):
                 rows.append(row)
                 sources.append(i)

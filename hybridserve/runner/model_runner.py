@@ -225,8 +225,14 @@ class ModelRunner:
         if after is not None:
             if after.deferred is not None:
                 raise RuntimeError("a step was launched after one whose draw is not queued yet")
-            src = torch.tensor([j * after.q for j in sources], dtype=torch.int64)
-            tokens = after.choices.index_select(0, upload(src, after.choices.device))
+            if after.q == 1 and list(sources) == list(range(after.choices.numel())):
+                # Every row of the step before continues, in order (a saturated engine's
+                # usual step): its choices are the input tokens as they are, with no
+                # index to upload and no gather.
+                tokens = after.choices
+            else:
+                src = torch.tensor([j * after.q for j in sources], dtype=torch.int64)
+                tokens = after.choices.index_select(0, upload(src, after.choices.device))
         replayed = self.graphs.replay(sched, tokens, self._row_distributions(sched))
         if replayed is None:
             return None
