@@ -554,12 +554,16 @@ class DecodeGraphs:
                 or not tests[0]
             ):
                 return None
-            if rq == 1:
-                outs = [row.state_outputs.get(n + 1, -1)]
+            if rq == 1:  # a plain decode row: its one output page, without a list
+                out = row.state_outputs.get(n + 1, -1)
+                if out < 0:
+                    return None
+                out_pages.add(out)
             else:
                 outs = [row.state_outputs.get(n + 1 + t, -1) for t in range(rq)]
-            if min(outs) < 0:
-                return None
+                if min(outs) < 0:
+                    return None
+                out_pages.update(outs)
             # sampler.needs_mask(params, grammar), from the params' cached half.
             if req.grammar is not None or tests[1]:
                 grammar = req.grammar
@@ -571,11 +575,11 @@ class DecodeGraphs:
                 # filled when the draw runs (after that token is committed).
                 masked = True
             in_pages.add(row.state_in_page)
-            out_pages.update(outs)
             need = -(-(n + rq) // bs)
             if need > len(row.request.block_ids):
                 return None
-            blocks = max(blocks, need)
+            if need > blocks:
+                blocks = need
         if blocks > self.max_blocks or in_pages & out_pages:
             return None
         drafted = logqs is not None and any(logq is not None for logq in logqs)
