@@ -254,6 +254,10 @@ class KernelPolicy:
       :mod:`hybridserve.kernels.ssd_two_pass` (a state pass, then every chunk's outputs
       in parallel); ``"fused"`` through the one-launch scan of
       :mod:`hybridserve.kernels.ssd_chunked` (one program walks all chunks of its row);
+      ``"chunk_states"`` through the three-launch scan of
+      :mod:`hybridserve.kernels.ssd_chunk_states` (every chunk's local state in parallel,
+      an elementwise state passing, the two-pass scan's output pass; opt-in until an H200
+      run times it against the two-pass default);
       ``"reference"`` with their torch twin anywhere; ``"fla"`` on CUDA through
       fla-core's scan (groups expanded to heads, float32 copies of the inputs: the
       comparison point). Otherwise rows go one by one (the oracle).
@@ -334,7 +338,7 @@ class KernelPolicy:
             if value not in KERNEL_MODES:
                 raise ValueError(f"kernel_policy.{name}={value!r}: choose from {KERNEL_MODES}")
         for name, modes in (("short_rows", PATH_MODES),
-                            ("packed_prefill", (*PATH_MODES, "fused", "fla"))):
+                            ("packed_prefill", (*PATH_MODES, "fused", "chunk_states", "fla"))):
             value = getattr(self, name)
             if value not in modes:
                 raise ValueError(f"kernel_policy.{name}={value!r}: choose from {modes}")

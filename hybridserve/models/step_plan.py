@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridserve.config import KernelPolicy
-from hybridserve.kernels import ssd_chunked, ssd_two_pass, ssd_varlen
+from hybridserve.kernels import ssd_chunk_states, ssd_chunked, ssd_two_pass, ssd_varlen
 from hybridserve.kernels.conv_varlen import token_rows, window_token_list
 from hybridserve.kernels.gdn_varlen import VarlenPlan
 from hybridserve.kernels.transfer import upload_lists as upload
@@ -118,6 +118,8 @@ def packed_scan(policy: KernelPolicy, device: torch.device, compute: torch.dtype
         return ssd_two_pass.ssd_scan_two_pass
     if mode == "fused":
         return ssd_chunked.ssd_scan_fused
+    if mode == "chunk_states":
+        return ssd_chunk_states.ssd_scan_chunk_states
     if mode == "fla" and ssd_varlen.fla_available():
         return ssd_varlen.ssd_scan_varlen_fla
     return None
