@@ -36,7 +36,9 @@ is the state after the sequence's token ``CHUNK j - 1``: the checkpoint grid.
 Compared with a split into a parallel local-state kernel and a separate state-passing
 kernel, the state pass reads ``x`` and ``B`` of a chunk (24 KiB per head at bf16,
 head_dim 64, state 128) instead of writing a local float32 state (32 KiB) and reading it
-back: two trips of the state scratch through memory instead of four.
+back: two trips of the state scratch through memory instead of four
+(:mod:`~hybridserve.kernels.ssd_chunk_states` is that split, built to time against this
+scan; it shares this module's slot stores and output pass).
 
 The scratch's size comes from host-known shapes only (``chunk_slot`` has one entry per
 chunk) and the chunk -> sequence map is computed on the device, so a call makes no host
