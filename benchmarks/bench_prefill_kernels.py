@@ -103,18 +103,23 @@ FULL = dict(heads=128, head_dim=64, groups=8, d_state=128, conv_dim=10240, d_con
             # stores every 64): (output block_p, its warps); the state pass at its default.
             two_pass_128_variants=((32, 8), (64, 8), (32, 4)),  # output 255 (8), (104), (216)
             # Chunk-state scan: (output block_p, its warps, local-state block_p x block_n,
-            # its warps, state-passing block_p x block_n, its warps, precision); the first
-            # row its defaults (guesses: none of these has run on a GPU yet).
+            # its warps, state-passing block (entries of the flattened state), its warps,
+            # precision); the first row its defaults (guesses: none of these has run on a
+            # GPU yet). Registers a thread in sm_90 builds (Triton 3.9, none spill): local
+            # states 80 at 64 x 128 / 8, 124 at 64 x 128 / 4 and 64 x 64 / 4, 156 at
+            # 32 x 128 / 4, 80 at 32 x 64 / 4; state passing 38 at 1,024 / 4, 69 at
+            # 1,024 / 2, 71 at 2,048 / 4 and 512 / 1, 82 at 4,096 / 8.
             chunk_states_variants=(
-                (64, 4, 64, 128, 8, 32, 64, 4, "split"),
-                (64, 4, 64, 128, 4, 32, 64, 4, "split"),
-                (64, 4, 32, 128, 4, 32, 64, 4, "split"),
-                (64, 4, 64, 64, 4, 32, 64, 4, "split"),
-                (64, 4, 32, 64, 4, 32, 64, 4, "split"),
-                (64, 4, 64, 128, 8, 16, 64, 2, "split"),
-                (64, 4, 64, 128, 8, 32, 128, 4, "split"),
-                (64, 4, 64, 128, 8, 64, 128, 8, "split"),
-                (64, 4, 64, 128, 8, 32, 64, 4, "tf32"),
+                (64, 4, 64, 128, 8, 1024, 4, "split"),
+                (64, 4, 64, 128, 4, 1024, 4, "split"),
+                (64, 4, 32, 128, 4, 1024, 4, "split"),
+                (64, 4, 64, 64, 4, 1024, 4, "split"),
+                (64, 4, 32, 64, 4, 1024, 4, "split"),
+                (64, 4, 64, 128, 8, 2048, 4, "split"),
+                (64, 4, 64, 128, 8, 4096, 8, "split"),
+                (64, 4, 64, 128, 8, 512, 1, "split"),
+                (64, 4, 64, 128, 8, 1024, 2, "split"),
+                (64, 4, 64, 128, 8, 1024, 4, "tf32"),
             ),
             # Its output pass over 128-token chunks: (output block_p, its warps).
             chunk_states_128_variants=((32, 8), (64, 8)),
@@ -127,7 +132,7 @@ SMOKE = dict(heads=4, head_dim=16, groups=2, d_state=16, conv_dim=48, d_conv=4,
                   True)),
              conv_rows=(2, 70), reps=1, check_groups=1,
              two_pass_variants=((16, 4, 16, 16, 4, "ieee"),), two_pass_128_variants=((16, 4),),
-             chunk_states_variants=((16, 4, 16, 16, 4, 16, 16, 4, "ieee"),),
+             chunk_states_variants=((16, 4, 16, 16, 4, 64, 4, "ieee"),),
              chunk_states_128_variants=((16, 4),),
              ssd_variants=((16, 4, "ieee"),),
              conv_tiles=((32, 64, None),))
@@ -286,9 +291,8 @@ def _ssd_case(cfg, name, rows, length, every64, device, reps, use_fla):
         "variants": [
             {**kw, **measure(chunked, **kw)} for kw in (
                 dict(block_p=bp, num_warps=w, local_block_p=lbp, local_block_n=lbn,
-                     local_warps=lw, pass_block_p=pbp, pass_block_n=pbn, pass_warps=pw,
-                     precision=pr)
-                for bp, w, lbp, lbn, lw, pbp, pbn, pw, pr in cfg["chunk_states_variants"])] + [
+                     local_warps=lw, pass_block=pb, pass_warps=pw, precision=pr)
+                for bp, w, lbp, lbn, lw, pb, pw, pr in cfg["chunk_states_variants"])] + [
             {"out_chunk": 128, "block_p": bp, "num_warps": w,
              **measure(chunked, out_chunk=128, block_p=bp, num_warps=w)}
             for bp, w in cfg["chunk_states_128_variants"]]}

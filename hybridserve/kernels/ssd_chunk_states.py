@@ -20,12 +20,13 @@ launch parallel over every chunk, and only an elementwise chain stays sequential
    ``a = dt * A`` inside the chunk; the two-pass scan's product, the same split
    precision), to a float32 scratch ``[chunks, H, P, N]``, and the chunk's log decay
    ``c_last`` to ``[chunks, H]``. It discretises dt (writes ``dt_out``).
-2. **State passing** (:func:`_ssd_state_passing_kernel`), one program per (head, state
-   tile, sequence): from the row's initial state, per chunk ``S_(c+1) = exp(c_last(c))
-   S_c + L_c``, elementwise. It stores ``S_c``, the state before chunk ``c``, where the
-   two-pass scan's state pass does (its slot, the scratch row the output pass reads, the
-   start slot; the same code), and the final state to its slot. ``S_c`` goes over
-   ``L_c`` in the scratch: each program owns its (sequence, head, tile) chain, and loads
+2. **State passing** (:func:`_ssd_state_passing_kernel`), one program per (head, block
+   of the flattened state, sequence): from the row's initial state, per chunk
+   ``S_(c+1) = exp(c_last(c)) S_c + L_c``, elementwise. It stores ``S_c``, the state
+   before chunk ``c``, where the two-pass scan's state pass does (its slot, the scratch
+   row the output pass reads, the start slot; the same code), and the final state to its
+   slot. ``S_c`` goes over ``L_c`` in the scratch: each program owns its (sequence, head,
+   block) chain, and loads
    ``L_c`` before it stores ``S_c`` over it in the same layout (elementwise: each thread
    stores the elements it loaded), so no program reads what another writes and the scan
    needs one scratch, not two.
@@ -170,31 +171,29 @@ def _ssd_state_passing_kernel(
     head_dim,
     d_state,
     CHUNK: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK: tl.constexpr,
     HAS_INIT: tl.constexpr,
     HAS_STARTS: tl.constexpr,
     READ_SLOTS: tl.constexpr,
     OUT_EVERY: tl.constexpr,
 ):
-    # Axis 0: (head, state block); axis 1: the sequence, whose chain this program owns.
-    blocks_p = tl.cdiv(head_dim, BLOCK_P)
-    blocks_n = tl.cdiv(d_state, BLOCK_N)
-    h = tl.program_id(0) // (blocks_p * blocks_n)
-    pb = tl.program_id(0) % (blocks_p * blocks_n) // blocks_n
-    nb = tl.program_id(0) % blocks_n
+    # Axis 0: (head, block of the head's state flattened: BLOCK contiguous entries of
+    # head_dim x state, any split will do for an elementwise chain); axis 1: the sequence,
+    # whose chain this program owns.
+    state_size = head_dim * d_state
+    blocks = tl.cdiv(state_size, BLOCK)
+    h = tl.program_id(0) // blocks
+    b = tl.program_id(0) % blocks
     s = tl.program_id(1)
     bos = tl.load(cu_ptr + s).to(tl.int64)
     eos = tl.load(cu_ptr + s + 1).to(tl.int64)
     first = tl.load(first_chunk_ptr + s).to(tl.int64)
-    p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
-    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    smask = (n < d_state)[:, None] & (p < head_dim)[None, :]
-    state_size = head_dim * d_state
+    # Offsets inside a state as a [1, BLOCK] tile, the shape the state helpers take.
+    block = b * BLOCK + tl.arange(0, BLOCK)[None, :]
+    smask = block < state_size
     head_base = h.to(tl.int64) * state_size
-    block = p[None, :] * d_state + n[:, None]
     ST = _initial_state(init_ptr, s, heads, state_size, head_base, block, smask,
-                        HAS_INIT, BLOCK_N, BLOCK_P)
+                        HAS_INIT, 1, BLOCK)
     for j in range(0, tl.cdiv(eos - bos, CHUNK)):
         c = first + j
         # Chunk c's local state, loaded before the incoming state may go over it (the
@@ -237,8 +236,7 @@ def ssd_scan_chunk_states(
     local_block_p: int | None = None,
     local_block_n: int | None = None,
     local_warps: int | None = None,
-    pass_block_p: int | None = None,
-    pass_block_n: int | None = None,
+    pass_block: int | None = None,
     pass_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The scan in three launches (module docstring); arguments and results as
@@ -248,8 +246,8 @@ def ssd_scan_chunk_states(
     the scratch), and ``block_p`` / ``num_warps`` / ``out_chunk`` are the output pass's,
     as for :func:`~hybridserve.kernels.ssd_two_pass.ssd_scan_two_pass`.
     ``local_block_p`` x ``local_block_n`` (head_dim x state) / ``local_warps``: the
-    local-state kernel's tile and warps; ``pass_block_p`` x ``pass_block_n`` /
-    ``pass_warps``: the state passing's.
+    local-state kernel's tile and warps; ``pass_block`` / ``pass_warps``: the state
+    passing's (entries of a head's flattened state a program holds, a power of two).
     """
     split, precision, y, dt_out = _prepare(
         x, dt, A, B, C, D, dt_bias, cu_seqlens, initial_states, chunk_slot, final_slot,
@@ -268,13 +266,15 @@ def ssd_scan_chunk_states(
     # Defaults are guesses, not yet timed (bench_prefill_kernels.py sweeps them): the
     # local states of the whole state at once (B and x of a chunk read once per head; no
     # state carried across a loop, so the registers the two-pass state pass spilled at
-    # this tile are free); the state passing in small tiles (many programs for its
-    # sequential chain, whose step is a load, a scaled add and a store).
+    # this tile are free); the state passing in small blocks (many programs for its
+    # sequential chain, whose step is a load, a scaled add and a store: 1,024 entries at 4
+    # warps take 38 registers a thread in an sm_90 build, 2,048 take 71).
     local_block_p = max(16, min(local_block_p or 64, width))
     local_block_n = max(16, min(local_block_n or 128, block_n))
     local_warps = local_warps or 8
-    pass_block_p = max(16, min(pass_block_p or 32, width))
-    pass_block_n = max(16, min(pass_block_n or 64, block_n))
+    pass_block = min(pass_block or 1024, triton.next_power_of_2(head_dim * d_state))
+    if pass_block < 1 or pass_block & (pass_block - 1):
+        raise ValueError(f"pass_block must be a power of two, got {pass_block}")
     pass_warps = pass_warps or 4
     unclamped, dt_min, dt_max = _dt_limits(unclamped, time_step_limit)
     products = _products(split, precision)
@@ -291,7 +291,7 @@ def ssd_scan_chunk_states(
             CLAMP=time_step_limit is not None, HAS_UNCLAMPED=unclamped is not None,
             num_warps=local_warps, **products,
         )
-    pass_blocks = triton.cdiv(head_dim, pass_block_p) * triton.cdiv(d_state, pass_block_n)
+    pass_blocks = triton.cdiv(head_dim * d_state, pass_block)
     _ssd_state_passing_kernel[(heads * pass_blocks, seqs)](
         cu_seqlens, first_chunk,
         initial_states if initial_states is not None else states,
@@ -299,7 +299,7 @@ def ssd_scan_chunk_states(
         start_slot if start_slot is not None else chunk_slot,
         starts if starts is not None else states, chunk_states, decay,
         heads, head_dim, d_state,
-        CHUNK=CHUNK, BLOCK_P=pass_block_p, BLOCK_N=pass_block_n,
+        CHUNK=CHUNK, BLOCK=pass_block,
         HAS_INIT=initial_states is not None, HAS_STARTS=starts is not None,
         READ_SLOTS=_reads_slots(states), OUT_EVERY=out_chunk // CHUNK, num_warps=pass_warps,
     )

@@ -31,7 +31,7 @@ def test_benchmark_smoke(tmp_path):
             assert variant["rel_err_y"] < 1e-5 and variant["rel_err_states"] < 1e-5
         assert case["new"]["variants"][0]["state_block_p"] == 16
         assert case["chunk_states"]["variants"][0]["local_block_p"] == 16
-        assert case["chunk_states"]["variants"][0]["pass_block_n"] == 16
+        assert case["chunk_states"]["variants"][0]["pass_block"] == 64
         for side in ("new", "chunk_states"):
             wide = case[side]["variants"][-1]  # the 128-token output chunks
             assert wide["out_chunk"] == 128 and wide["rel_err_y"] < 1e-5

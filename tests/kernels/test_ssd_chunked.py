@@ -188,13 +188,13 @@ def _run_both(case, g, dtype=torch.float32):
 def _tiles(name: str, block_p: int | None) -> dict:
     """Tile arguments of scan ``name``: the two-pass scan's state pass and the
     chunk-state scan's local-state and state-passing kernels take tiles of their own
-    (16 x 16 here: several head_dim and state blocks even for tiny shapes)."""
+    (16 x 16 here, and 16 entries of the flattened state: several blocks of a state even
+    for tiny shapes)."""
     state = {}
     if name.startswith("two_pass"):
         state = {"state_block_p": 16, "state_block_n": 16}
     if name.startswith("chunk_states"):
-        state = {"local_block_p": 16, "local_block_n": 16, "pass_block_p": 16,
-                 "pass_block_n": 16}
+        state = {"local_block_p": 16, "local_block_n": 16, "pass_block": 16}
     return {"block_p": block_p, **state}
 
 
@@ -388,6 +388,8 @@ def test_rejects_bad_inputs():
             fn(x, dt, A, B, C, D, bias, cu, init, *slots, states, out_chunk=96)
         with pytest.raises(ValueError, match="one entry per chunk"):
             fn(x, dt, A, B, C, D, bias, cu, init, torch.tensor([0, 1, -1]), slots[1], states)
+    with pytest.raises(ValueError, match="pass_block"):
+        ssd_scan_chunk_states(x, dt, A, B, C, D, bias, cu, init, *slots, states, pass_block=24)
 
 
 # --------------------------------------------------------------------------------------
