@@ -107,7 +107,7 @@ FULL = dict(heads=128, head_dim=64, groups=8, d_state=128, conv_dim=10240, d_con
             # precision); the first row its defaults (guesses: none of these has run on a
             # GPU yet). Registers a thread in sm_90 builds (Triton 3.9, none spill): local
             # states 80 at 64 x 128 / 8, 124 at 64 x 128 / 4 and 64 x 64 / 4, 156 at
-            # 32 x 128 / 4, 80 at 32 x 64 / 4; state passing 38 at 1,024 / 4, 69 at
+            # 32 x 128 / 4, 80 at 32 x 64 / 4; state passing 40 at 1,024 / 4, 69 at
             # 1,024 / 2, 71 at 2,048 / 4 and 512 / 1, 82 at 4,096 / 8.
             chunk_states_variants=(
                 (64, 4, 64, 128, 8, 1024, 4, "split"),

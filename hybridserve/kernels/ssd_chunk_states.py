@@ -26,10 +26,9 @@ launch parallel over every chunk, and only an elementwise chain stays sequential
    before chunk ``c``, where the two-pass scan's state pass does (its slot, the scratch
    row the output pass reads, the start slot; the same code), and the final state to its
    slot. ``S_c`` goes over ``L_c`` in the scratch: each program owns its (sequence, head,
-   block) chain, and loads
-   ``L_c`` before it stores ``S_c`` over it in the same layout (elementwise: each thread
-   stores the elements it loaded), so no program reads what another writes and the scan
-   needs one scratch, not two.
+   block) chain and loads ``L_c`` before it stores ``S_c`` over it (a barrier between
+   the two orders them across the program's threads), so no program reads what another
+   writes and the scan needs one scratch, not two.
 3. **Outputs**: the two-pass scan's output pass (``_ssd_output_kernel``, the same launch),
    one program per (head, head_dim block, output chunk of 64 or 128 tokens).
 
@@ -197,9 +196,12 @@ def _ssd_state_passing_kernel(
     for j in range(0, tl.cdiv(eos - bos, CHUNK)):
         c = first + j
         # Chunk c's local state, loaded before the incoming state may go over it (the
-        # scratch row is this program's: module docstring).
+        # scratch row is this program's: module docstring). The barrier orders the load
+        # before the store for every thread of the program, whichever thread the
+        # compiler gives each entry in either (the chain waits for the load anyway).
         LT = _load_state(chunk_states_ptr, c, heads, state_size, head_base, block, smask)
         total = tl.load(decay_ptr + c * heads + h)
+        tl.debug_barrier()
         _store_incoming(ST, c, j, chunk_slot_ptr, states_ptr, chunk_states_ptr, start_slot_ptr,
                         starts_ptr, heads, state_size, head_base, block, smask, HAS_STARTS,
                         READ_SLOTS, OUT_EVERY)
@@ -268,7 +270,7 @@ def ssd_scan_chunk_states(
     # state carried across a loop, so the registers the two-pass state pass spilled at
     # this tile are free); the state passing in small blocks (many programs for its
     # sequential chain, whose step is a load, a scaled add and a store: 1,024 entries at 4
-    # warps take 38 registers a thread in an sm_90 build, 2,048 take 71).
+    # warps take 40 registers a thread in an sm_90 build, 2,048 take 71).
     local_block_p = max(16, min(local_block_p or 64, width))
     local_block_n = max(16, min(local_block_n or 128, block_n))
     local_warps = local_warps or 8
