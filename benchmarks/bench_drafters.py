@@ -81,6 +81,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from divergence import agreement  # noqa: E402
 from provenance import git_commit, portable_path, result_writer  # noqa: E402
 
 
@@ -151,52 +152,92 @@ def random_prompts(rng: random.Random, batch: int, length: int, vocab: int = 409
     ]
 
 
-def nemotron_8b(root: Path, args):
-    """The ``--target 8b`` model: ``bench_gpu``'s random-weight ``NEMOTRON_8B`` (``TINY``
-    under ``--smoke``) built on ``args.device`` in ``args.dtype``. Returns ``(path,
-    model, shape)``: ``path`` holds only its ``config.json`` (``LLM`` and the draft model
-    get ``model`` itself: :func:`run_row`)."""
+LAYER_CODES = {"M": "M", "A": "*", "-": "-"}
+
+
+def shape_8b(args) -> dict:
+    """The ``--target 8b`` shape: ``bench_gpu.NEMOTRON_8B`` (``TINY`` under ``--smoke``),
+    with ``--layers`` (codes ``M`` Mamba2, ``A`` attention, ``-`` MLP) as its layer
+    pattern and ``--vocab`` as its vocabulary where given: the 8B width at a depth
+    (and vocabulary) the CPU can run."""
+    import bench_gpu
+
+    shape = dict(bench_gpu.TINY if args.smoke else bench_gpu.NEMOTRON_8B)
+    if args.layers is not None:
+        bad = sorted(set(args.layers) - set(LAYER_CODES))
+        if bad or not args.layers:
+            raise SystemExit(f"--layers {args.layers!r}: the 8b target's codes are M (Mamba2), "
+                             "A (attention) and - (MLP)")
+        shape["pattern"] = "".join(LAYER_CODES[c] for c in args.layers)
+    if args.vocab is not None:
+        if args.vocab < 256:
+            raise SystemExit(f"--vocab {args.vocab}: give at least 256")
+        shape["vocab_size"] = args.vocab
+    return shape
+
+
+def nemotron_8b(root: Path, args, dtype: str):
+    """The ``--target 8b`` model: ``bench_gpu``'s random-weight Nemotron-H of
+    :func:`shape_8b` built on ``args.device`` in ``dtype`` (the same float32 draws for
+    every dtype: a bf16 model's weights are the float32 one's rounded). Returns
+    ``(path, model, shape)``: ``path`` holds only its ``config.json`` (``LLM`` and the
+    draft model get ``model`` itself: :func:`run_row`)."""
     import bench_gpu
 
     from hybridserve.config import resolve_dtype
 
-    shape = bench_gpu.TINY if args.smoke else bench_gpu.NEMOTRON_8B
-    model, _, _, path = bench_gpu.build_models(shape, args.device, resolve_dtype(args.dtype),
+    shape = shape_8b(args)
+    model, _, _, path = bench_gpu.build_models(shape, args.device, resolve_dtype(dtype),
                                                 root, with_hf=False)
     return path, model, shape
 
 
-def run_row(target, spec, prompts, params, args, batch: int,
-            model=None) -> tuple[dict, list[list[int]]]:
-    """One ``LLM`` with ``spec`` at ``max_num_seqs=batch``: its measurements and tokens.
+def make_llm(target, spec, args, batch: int, dtype: str, model=None):
+    """An ``LLM`` over ``target`` in ``dtype`` with ``spec`` at ``max_num_seqs=batch``,
+    prefix caching off. ``model``: a built model whose ``config.json`` is ``target``'s:
+    the target and a draft model of that directory take its weights instead of loading
+    them (shared, not copied)."""
+    from hybridserve import LLM
+    from hybridserve.config import KernelPolicy
 
-    ``model``: a built model whose ``config.json`` is ``target``'s: the target and a
-    draft model of that directory take its weights instead of loading them (shared,
-    not copied)."""
+    policy = KernelPolicy(drafter_graphs=args.drafter_graphs, logq_graphs=args.logq_graphs)
+    build = dict(dtype=dtype, device=args.device, max_num_seqs=batch,
+                 speculative_config=spec, enable_prefix_caching=False, kernel_policy=policy)
+    if model is None:
+        return LLM(target, **build)
+    import bench_gpu
+
+    with bench_gpu.engine_with(bench_gpu.with_policy(model, drafter_graphs=args.drafter_graphs,
+                                                     logq_graphs=args.logq_graphs)):
+        return LLM(target, **build)
+
+
+def release_memory(device: str) -> None:
+    """Free a dropped engine's caches and graph pools before the next one allocates
+    its own (at the 8B shape a row's state pages alone are tens of GiB)."""
     import gc
 
     import torch
 
-    from hybridserve import LLM
-    from hybridserve.config import KernelPolicy
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def run_row(target, spec, prompts, params, args, batch: int, model=None,
+            dtype: str | None = None) -> tuple[dict, list[list[int]]]:
+    """One ``LLM`` (:func:`make_llm`) with ``spec`` at ``max_num_seqs=batch`` in
+    ``dtype`` (default: the first of ``args.dtype``): its measurements and tokens."""
+    import torch
 
     cuda = args.device.startswith("cuda")
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    policy = KernelPolicy(drafter_graphs=args.drafter_graphs, logq_graphs=args.logq_graphs)
-    build = dict(dtype=args.dtype, device=args.device, max_num_seqs=batch,
-                 speculative_config=spec, enable_prefix_caching=False, kernel_policy=policy)
-    if model is None:
-        llm = LLM(target, **build)
-    else:
-        import bench_gpu
-
-        with bench_gpu.engine_with(bench_gpu.with_policy(model, drafter_graphs=args.drafter_graphs,
-                                                         logq_graphs=args.logq_graphs)):
-            llm = LLM(target, **build)
+    llm = make_llm(target, spec, args, batch, dtype or args.dtype[0], model)
     # Warm-up: the same workload once, so that kernel compiles and graph captures of this
     # (drafter, batch) land here, not in the timed run.
-    llm.generate(prompts, params, use_tqdm=False)
+    if args.warm_up:
+        llm.generate(prompts, params, use_tqdm=False)
     before = dict(llm.stats())
     # The drafter's own steps: replayed from its graphs (CUDA) or run eagerly.
     drafter = llm.engine.drafter
@@ -244,12 +285,38 @@ def run_row(target, spec, prompts, params, args, batch: int,
         row["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     del llm
     drafter = graphs = None  # noqa: F841 (the closure's cells: nothing keeps the engine)
-    # Release this row's caches and graph pools before the next row allocates its own
-    # (at the 8B shape a row's state pages alone are tens of GiB).
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
+    release_memory(args.device)
     return row, tokens
+
+
+def divergence_sections(batch_runs, logits_fn, reference_dtype: str) -> None:
+    """Fill in the ``divergence`` section of every row of ``batch_runs`` (one entry per
+    batch of one dtype: its prompts, the no-speculation row and tokens, the baseline's
+    tokens or None, and each speculative row with its tokens), against the row without
+    speculation of the same batch (:func:`divergence.compare`, one precise forward of
+    each request)."""
+    from divergence import compare
+
+    for run in batch_runs:
+        others = {str(j): tokens for j, (_, tokens) in enumerate(run["rows"])}
+        if run["baseline"] is not None:
+            others["baseline"] = run["baseline"]
+        typical, figures = compare(logits_fn, run["prompts"], run["reference"], others)
+        typical = dict(reference_dtype=reference_dtype, **typical)
+        base = figures.get("baseline")
+        if base is not None:
+            base = dict(max_num_seqs=run["baseline_max_num_seqs"], **base)
+        run["none"]["divergence"] = dict(baseline=base, reference=typical)
+        for j, (row, _) in enumerate(run["rows"]):
+            mine = figures[str(j)]
+            row["divergence"] = dict(
+                against="none", token_agreement=mine.pop("token_agreement"),
+                # The same prompts without speculation at another max_num_seqs: how far
+                # the batch's composition alone moves the tokens.
+                baseline_agreement=base["token_agreement"] if base else None,
+                baseline_max_num_seqs=run["baseline_max_num_seqs"] if base else None,
+                baseline_gap_percentile_median=base["gap_percentile_median"] if base else None,
+                **mine, reference=typical)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -257,10 +324,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", choices=("random", "nemotron", "default", "8b"), default="random")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default=None,
-                    help="default: bfloat16 for the 8b target on CUDA, else float32")
+    ap.add_argument("--dtype", nargs="+", default=None,
+                    help="one or more; the rows of each in turn (default: bfloat16 for the "
+                         "8b target on CUDA, else float32)")
     ap.add_argument("--hidden", type=int, default=256, help="random target only")
-    ap.add_argument("--layers", default="MMMA", help="random target only")
+    ap.add_argument("--layers", default=None,
+                    help="random and nemotron targets: their layer codes (default MMMA); 8b "
+                         "target: its layer pattern in M (Mamba2), A (attention), - (MLP) "
+                         "(default: the shape's own)")
+    ap.add_argument("--vocab", type=int, default=None, help="8b target only: its vocabulary")
     ap.add_argument("--batch", type=int, nargs="+", default=None,
                     help="max_num_seqs per row (random target: also the number of prompts)")
     ap.add_argument("--k", type=int, nargs="+", default=[3], help="num_speculative_tokens")
@@ -274,6 +346,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="0: greedy, outputs checked against no speculation; > 0: sampled "
                          "with one seed per prompt (speculative sampling)")
+    ap.add_argument("--baseline-batch", type=int, default=1,
+                    help="greedy: each batch's prompts without speculation at this "
+                         "max_num_seqs too, against no speculation at the row's batch")
+    ap.add_argument("--reference-dtype", default=None,
+                    help="the precise forward of the divergence sections (default: float64 "
+                         "on the CPU, float32 on CUDA)")
+    ap.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=True,
+                    help="each row's workload once before the timed run (--no-warm-up: "
+                         "for divergence runs, whose times do not matter)")
     ap.add_argument("--logq-graphs", choices=("auto", "on", "off"), default="auto",
                     help="KernelPolicy.logq_graphs: sampled verify steps of a drafter's "
                          "distribution drafts from the target's graphs")
@@ -288,30 +369,39 @@ def main(argv: list[str] | None = None) -> dict:
         args.prompt_len = 128 if args.target == "default" else 64
     if args.smoke:
         args.batch, args.prompts, args.max_tokens, args.prompt_len = [1, 2], 2, 8, 32
-        args.hidden, args.layers = min(args.hidden, 128), "MAE" if args.target == "nemotron" else "MA"
+        if args.target != "8b":
+            args.hidden, args.layers = min(args.hidden, 128), "MAE" if args.target == "nemotron" else "MA"
     if args.dtype is None:
-        args.dtype = "bfloat16" if args.target == "8b" and args.device.startswith("cuda") else "float32"
+        args.dtype = ["bfloat16" if args.target == "8b" and args.device.startswith("cuda") else "float32"]
+    if args.reference_dtype is None:
+        args.reference_dtype = "float32" if args.device.startswith("cuda") else "float64"
     if args.target == "8b":
-        args.hidden = args.layers = None  # its shape is bench_gpu's (target_shape)
+        args.hidden = None  # its shape is bench_gpu's (target_shape)
+    else:
+        if args.vocab is not None:
+            raise SystemExit("--vocab: the 8b target's only")
+        args.layers = args.layers or "MMMA"
     if args.prompts is None:
         args.prompts = max(*args.batch, 2) if args.target == "8b" else 32
     if args.target == "8b" and args.prompts < max(*args.batch, 2):
         raise SystemExit(f"--prompts {args.prompts}: the 8b target's rows at batch b run the "
                          f"first max(b, 2) prompts of the set; give at least {max(*args.batch, 2)}")
+    if args.baseline_batch < 1:
+        raise SystemExit(f"--baseline-batch {args.baseline_batch}: give at least 1")
+    if args.target == "8b":
+        shape_8b(args)  # bad --layers / --vocab: refused before anything is built
 
     import torch
     import triton
 
     from hybridserve import SamplingParams
+    from hybridserve.config import resolve_dtype
 
-    torch.manual_seed(0)
-    rng = random.Random(0)
     results = []
     sampled = args.temperature > 0
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             ignore_eos=True)
     meta = {}
-    model = None
     config = {**vars(args), "out": portable_path(args.out) if args.out else None}
     report = dict(benchmark="drafters", commit=git_commit(), torch=torch.__version__,
                   triton=triton.__version__, python=platform.python_version(),
@@ -320,70 +410,111 @@ def main(argv: list[str] | None = None) -> dict:
     save = result_writer(report, Path(args.out), started) if args.out else (lambda: None)
     ngram = {"ngram": lambda k: {"method": "ngram", "num_speculative_tokens": k}}
     with tempfile.TemporaryDirectory() as tmp:
-        if args.target == "default":
-            from hybridserve.default_model import DRAFT_PATH, PATH
+        for dtype in args.dtype:
+            # Every dtype draws the same prompts (and, for the random targets, the same
+            # checkpoints).
+            torch.manual_seed(0)
+            rng = random.Random(0)
+            model = None
+            if args.target == "default":
+                from hybridserve.default_model import DRAFT_PATH, PATH
 
-            target = PATH
-            prompts, matches = heldout_prompts(args.prompts, args.prompt_len)
-            meta = {"corpus_matches_manifest": matches, "draft_model": portable_path(DRAFT_PATH)}
-            drafters = {**ngram,
-                        "draft_model": lambda k: {"method": "draft_model", "model": "default-draft",
-                                                  "num_speculative_tokens": k},
-                        "draft_model=target": lambda k: {"method": "draft_model", "model": str(PATH),
-                                                         "num_speculative_tokens": k}}
-        elif args.target == "8b":
-            target, model, shape = nemotron_8b(Path(tmp), args)
-            prompt_set = random_prompts(rng, args.prompts, args.prompt_len, shape["vocab_size"])
-            meta = {"target_shape": shape,
-                    "target_parameters": sum(p.numel() for p in model.parameters())}
-            drafters = {**ngram,
-                        "draft_model=target": lambda k: {"method": "draft_model", "model": str(target),
-                                                         "num_speculative_tokens": k}}
-        else:
-            arch = "nemotron_h" if args.target == "nemotron" else "qwen3_5"
-            target, draft = _checkpoints(Path(tmp), args.hidden, args.layers, arch)
-            drafters = {**ngram,
-                        "mtp": lambda k: {"method": "mtp", "num_speculative_tokens": k},
-                        "draft_model": lambda k: {"method": "draft_model", "model": str(draft),
-                                                  "num_speculative_tokens": k},
-                        "draft_model=target": lambda k: {"method": "draft_model", "model": str(target),
-                                                         "num_speculative_tokens": k}}
-        report.update(meta, results=results)
-        if args.methods:
-            unknown = sorted(set(args.methods) - set(drafters))
-            if unknown:
-                raise SystemExit(f"--methods: unknown {unknown}; known: {sorted(drafters)}")
-            drafters = {name: make for name, make in drafters.items() if name in args.methods}
-        for batch in args.batch:
-            if args.target == "8b":
-                prompts = prompt_set[:max(batch, 2)]
-            elif args.target != "default":
-                prompts = random_prompts(rng, batch, args.prompt_len)
-            rows = [("none", None, None)] + [(name, k, make(k)) for k in args.k
-                                             for name, make in drafters.items()]
-            reference = None
-            for name, k, spec in rows:
-                row_params = ([SamplingParams(max_tokens=args.max_tokens,
-                                              temperature=args.temperature, seed=i,
-                                              ignore_eos=True) for i in range(len(prompts))]
-                              if sampled else params)
-                row, tokens = run_row(target, spec, prompts, row_params, args, batch, model)
-                if reference is None:
-                    reference = tokens
-                same = sum(a == b for x, y in zip(tokens, reference) for a, b in zip(x, y))
-                row = dict(batch=batch, method=name, k=k, requests=len(prompts), **row,
-                           matches_no_speculation=None if sampled else tokens == reference,
-                           # Positions equal to the run without speculation (greedy; in
-                           # bf16 a verify step's products may round differently).
-                           token_agreement=None if sampled else round(
-                               same / max(1, sum(map(len, reference))), 4),
-                           sequences_identical=None if sampled else sum(
-                               x == y for x, y in zip(tokens, reference)))
-                results.append(row)
-                print(json.dumps(row), flush=True)
+                target = PATH
+                prompts, matches = heldout_prompts(args.prompts, args.prompt_len)
+                meta = {"corpus_matches_manifest": matches, "draft_model": portable_path(DRAFT_PATH)}
+                drafters = {**ngram,
+                            "draft_model": lambda k: {"method": "draft_model", "model": "default-draft",
+                                                      "num_speculative_tokens": k},
+                            "draft_model=target": lambda k: {"method": "draft_model", "model": str(PATH),
+                                                             "num_speculative_tokens": k}}
+            elif args.target == "8b":
+                target, model, shape = nemotron_8b(Path(tmp) / dtype, args, dtype)
+                prompt_set = random_prompts(rng, args.prompts, args.prompt_len, shape["vocab_size"])
+                meta = {"target_shape": shape,
+                        "target_parameters": sum(p.numel() for p in model.parameters())}
+                drafters = {**ngram,
+                            "draft_model=target": lambda k, t=target: {"method": "draft_model", "model": str(t),
+                                                             "num_speculative_tokens": k}}
+            else:
+                arch = "nemotron_h" if args.target == "nemotron" else "qwen3_5"
+                target, draft = _checkpoints(Path(tmp) / dtype, args.hidden, args.layers, arch)
+                drafters = {**ngram,
+                            "mtp": lambda k: {"method": "mtp", "num_speculative_tokens": k},
+                            "draft_model": lambda k, d=draft: {"method": "draft_model", "model": str(d),
+                                                      "num_speculative_tokens": k},
+                            "draft_model=target": lambda k, t=target: {"method": "draft_model", "model": str(t),
+                                                             "num_speculative_tokens": k}}
+            report.update(meta, results=results)
+            if args.methods:
+                unknown = sorted(set(args.methods) - set(drafters))
+                if unknown:
+                    raise SystemExit(f"--methods: unknown {unknown}; known: {sorted(drafters)}")
+                drafters = {name: make for name, make in drafters.items() if name in args.methods}
+            batch_runs = []
+            for batch in args.batch:
+                if args.target == "8b":
+                    prompts = prompt_set[:max(batch, 2)]
+                elif args.target != "default":
+                    prompts = random_prompts(rng, batch, args.prompt_len)
+                rows = [("none", None, None)] + [(name, k, make(k)) for k in args.k
+                                                 for name, make in drafters.items()]
+                run = dict(prompts=prompts, rows=[], baseline=None,
+                           baseline_max_num_seqs=args.baseline_batch)
+                reference = None
+                for name, k, spec in rows:
+                    row_params = ([SamplingParams(max_tokens=args.max_tokens,
+                                                  temperature=args.temperature, seed=i,
+                                                  ignore_eos=True) for i in range(len(prompts))]
+                                  if sampled else params)
+                    row, tokens = run_row(target, spec, prompts, row_params, args, batch, model, dtype)
+                    ref = reference if reference is not None else tokens
+                    row = dict(batch=batch, method=name, k=k, dtype=dtype, requests=len(prompts), **row,
+                               matches_no_speculation=None if sampled else tokens == ref,
+                               # Positions equal to the run without speculation (greedy; in
+                               # bf16 a verify step's products may round differently: the
+                               # divergence section tells rounding from a defect).
+                               token_agreement=None if sampled else agreement(ref, tokens),
+                               sequences_identical=None if sampled else sum(
+                                   x == y for x, y in zip(tokens, ref)))
+                    results.append(row)
+                    if reference is None:
+                        reference, run["none"], run["reference"] = tokens, row, tokens
+                        if not sampled and args.baseline_batch != batch:
+                            run["baseline"] = generate_once(target, prompts, params, args,
+                                                            args.baseline_batch, dtype, model)
+                    else:
+                        run["rows"].append((row, tokens))
+                    print(json.dumps(row), flush=True)
+                    save()
+                batch_runs.append(run)
+            if not sampled:
+                # The precise forward of the same weights: the built model converted in
+                # place (its engines are gone), or the checkpoint loaded in the run's
+                # dtype and converted (the run's rounded weights, computed precisely).
+                ref_dtype = resolve_dtype(args.reference_dtype)
+                if model is None:
+                    from hybridserve.models.loader import load_model
+
+                    model = load_model(target, dtype=dtype, device=args.device)
+                model = model.to(ref_dtype)
+                from divergence import model_logits
+
+                divergence_sections(batch_runs, model_logits(model), args.reference_dtype)
                 save()
+            model = None
+            release_memory(args.device)
     save()
     return report
+
+
+def generate_once(target, prompts, params, args, batch: int, dtype: str, model=None):
+    """The tokens of ``prompts`` without speculation at ``max_num_seqs=batch`` (one
+    untimed run: the divergence sections' baseline)."""
+    llm = make_llm(target, None, args, batch, dtype, model)
+    tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    del llm
+    release_memory(args.device)
+    return tokens
 
 
 if __name__ == "__main__":
