@@ -26,9 +26,12 @@ The targets:
   draft model's KV blocks and state pages its own. With random weights the n-gram
   drafter proposes only where the context repeats itself: ``--prompts`` prompts are
   drawn once (:func:`random_prompts`: random ids alternating with a repeated 8-token
-  motif, so that it has matches to propose from), and the rows at batch ``b`` run the
-  first ``max(b, 2)`` of them: ``b`` requests in flight from the first step (at batch
-  1, one of each kind after the other). A random model does not continue the motif
+  motif, each its own, so that it has matches to propose from), and the rows at batch
+  ``b`` run the first ``max(b, 2)`` of them: ``b`` requests in flight from the first
+  step (at batch 1, one of each kind after the other). ``--layers`` (``M``, ``A``,
+  ``-``) and ``--vocab`` change the shape's depth and vocabulary: the 8B width at a
+  depth the CPU runs (``--layers MMA- --vocab 32768``:
+  ``drafters_8b_width_cpu_divergence.json``). A random model does not continue the motif
   (on the smoke shape 0.6% of its drafts were accepted), so the n-gram row measures
   the cost of drafting and of verifying rejected drafts; ``--target default`` gives
   its real acceptance. At batch 64 the row of the target as draft holds about 106 GiB
@@ -49,6 +52,21 @@ that carried drafts; ``tokens_per_verify_step`` = 1 + that; ``tokens_per_target_
 generated tokens / target rows that emitted them (steps without drafts included);
 ``drafter_share`` = the drafter's seconds over the timed run's; ``draft_weights_shared``
 (draft-model rows) whether the draft model's parameters are the target's tensors.
+``--dtype`` takes several: each dtype's rows in turn (one model of the same weights per
+dtype), each row naming its ``dtype``.
+
+Greedy rows get a ``divergence`` section (:mod:`divergence`), telling rounding from a
+defect where a row's tokens differ from no speculation's: its ``token_agreement`` beside
+``baseline_agreement``, the same prompts without speculation at ``--baseline-batch``
+(1) against no speculation at the row's batch (the batch's composition alone; the no
+speculation row holds the full ``baseline`` comparison); and, at each request's first
+divergent position, the gap between the two tokens' logits in a precise forward of the
+same weights from the common prefix (``--reference-dtype``: float64 on the CPU, float32
+on CUDA; the built model converted in place once its dtype's rows have run), in units
+of the logits' standard deviation, next to the top-1 / top-2 gap over every position
+(``reference``). Rounding parts runs at near-ties (small gaps, low ``gap_percentile``,
+the precise forward picking either run's token); a defect at any gap. ``--no-warm-up``
+runs each row once (for divergence runs, whose times do not matter).
 
     python benchmarks/bench_drafters.py --target default --k 1 3 5 --batch 32 \
         --methods ngram draft_model --out benchmarks/results/drafters_trained_cpu.json
@@ -61,6 +79,10 @@ generated tokens / target rows that emitted them (steps without drafts included)
     python benchmarks/bench_drafters.py --target 8b --device cuda --dtype bfloat16 \
         --batch 1 16 64 --k 3 --prompts 64 --max-tokens 64 \
         --out benchmarks/results/drafters_8b_h200.json
+    python benchmarks/bench_drafters.py --target 8b --layers MMA- --vocab 32768 \
+        --dtype bfloat16 float32 --batch 1 16 --k 3 --prompts 16 --prompt-len 32 \
+        --max-tokens 24 --methods ngram draft_model=target --no-warm-up \
+        --out benchmarks/results/drafters_8b_width_cpu_divergence.json
 
 The report records the commit, the device, torch / triton / Python versions and the
 arguments; with ``--out`` it is rewritten after every row (``wall_s``: seconds so far),
@@ -142,14 +164,17 @@ def heldout_prompts(n: int, length: int) -> tuple[list[list[int]], bool]:
 
 
 def random_prompts(rng: random.Random, batch: int, length: int, vocab: int = 4096) -> list[list[int]]:
-    """Half random ids, half a repeated motif (something for the n-gram drafter): ids in
-    ``[3, vocab)``, the random ones at even indices."""
-    motif = [rng.randrange(3, vocab) for _ in range(8)]
-    return [
-        (motif * (length // 8 + 1))[:length] if i % 2 else
-        [rng.randrange(3, vocab) for _ in range(length)]
-        for i in range(batch)
-    ]
+    """Half random ids, half a repeated 8-token motif (something for the n-gram drafter),
+    each its own motif (no two prompts alike: each is a sample of the divergence
+    figures): ids in ``[3, vocab)``, the random ones at even indices."""
+    prompts = []
+    for i in range(batch):
+        if i % 2:
+            motif = [rng.randrange(3, vocab) for _ in range(8)]
+            prompts.append((motif * (length // 8 + 1))[:length])
+        else:
+            prompts.append([rng.randrange(3, vocab) for _ in range(length)])
+    return prompts
 
 
 LAYER_CODES = {"M": "M", "A": "*", "-": "-"}

@@ -180,3 +180,16 @@ def test_sampled_rows_accept_every_draft_of_the_target_itself():
                for r in rows)
     for r in rows[1::2]:
         assert r["draft_tokens"] > 0 and r["acceptance_rate"] == 1.0
+
+
+def test_random_prompts_are_distinct_and_the_motif_ones_repeat():
+    """Every prompt of the 8b set is a sample of its own (no two alike): the odd ones
+    repeat an 8-token motif each (the n-gram drafter's matches), the even ones do not."""
+    import random
+
+    bench = load_benchmark("bench_drafters")
+    prompts = bench.random_prompts(random.Random(0), 6, 20, vocab=1000)
+    assert len({tuple(p) for p in prompts}) == 6
+    for i, p in enumerate(prompts):
+        assert len(p) == 20 and all(3 <= t < 1000 for t in p)
+        assert (p[8:] == p[:12]) == bool(i % 2)
