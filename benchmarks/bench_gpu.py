@@ -687,9 +687,19 @@ def attention_kernel(model, device, batches, context, block_size=16, reps=3):
             return paged_attention.paged_attention_decode_reference(
                 x[0], x[1], x[2], x[3], ctx_host, x[4], p.scale)
 
-        def kern(x):
+        # The keys split across programs where (row, KV head) programs are too few
+        # (paged_attention.decode_splits), timed against one program per (row, KV head);
+        # the CPU smoke run forces two splits so that it runs that path too.
+        rec["splits"] = (paged_attention.decode_splits(
+            b, p.num_kv_heads, sets[0][3].shape[1] * block_size, sets[0][0].device)
+            if device.startswith("cuda") else 2)
+
+        def kern(x, splits=rec["splits"]):
             return paged_attention.paged_attention_decode_triton(
-                x[0], x[1], x[2], x[3], x[4], p.scale)
+                x[0], x[1], x[2], x[3], x[4], p.scale, splits=splits)
+
+        def unsplit(x):
+            return kern(x, splits=1)
 
         def rotate(fn, sets=sets, it={"i": 0}):  # noqa: B006 (one counter per call)
             def call():
@@ -710,6 +720,11 @@ def attention_kernel(model, device, batches, context, block_size=16, reps=3):
             rec["triton_s"] = bench_fn(rotate(kern), device)
             rec["triton_bytes_per_s"] = rec["bytes"] / rec["triton_s"]
             rec["twin_over_triton"] = rec["twin_s"] / rec["triton_s"]
+            if rec["splits"] > 1:
+                one = unsplit(sets[0]).float()
+                rec["unsplit_vs_twin_rel_err"] = float((one - want).norm() / want.norm())
+                rec["unsplit_s"] = bench_fn(rotate(unsplit), device)
+                rec["unsplit_over_triton"] = rec["unsplit_s"] / rec["triton_s"]
         out.append(rec)
         sets = None
         free_memory(device)
@@ -2620,6 +2635,11 @@ def main(argv=None) -> int:
         return r
 
     result["attention_kernel"] = section("attention_kernel", attention)
+    # Long contexts at small batches (an agent's conversation): where splitting a row's
+    # keys across programs matters.
+    result["attention_kernel_long"] = section("attention_kernel_long", lambda: [
+        r for ctx in ((40, 96) if args.smoke else (8192, 32768))
+        for r in attention_kernel(model, device, [1, 8], ctx, reps=2)])
     if "attention_kernel_disabled" in result:
         model = with_policy(model, decode_attention="reference")
     result["attention_decode_path"] = (
@@ -2795,11 +2815,12 @@ def main(argv=None) -> int:
               f"{r['roofline_tokens_per_s']:>9.1f} {r['fraction_of_roofline']:>5.2f} "
               f"{100 * r['postprocess_share']:>6.1f}% "
               f"{gr.get('timed_graph_steps_replayed')} {gr.get('capture_errors') or ''}")
-    for r in result.get("attention_kernel") or []:
-        print(f"attention b{r['batch']}: twin {1e6 * r['twin_s']:.0f} us, triton "
-              f"{1e6 * r.get('triton_s', float('nan')):.0f} us "
-              f"({r.get('triton_bytes_per_s', float('nan')) / 1e12:.2f} TB/s), rel err "
-              f"{r.get('triton_vs_twin_rel_err', float('nan')):.1e}")
+    for r in (result.get("attention_kernel") or []) + (result.get("attention_kernel_long") or []):
+        print(f"attention b{r['batch']} x {r['context']}: twin {1e6 * r['twin_s']:.0f} us, "
+              f"triton {1e6 * r.get('triton_s', float('nan')):.0f} us "
+              f"({r.get('triton_bytes_per_s', float('nan')) / 1e12:.2f} TB/s, "
+              f"{r.get('splits')} splits; unsplit {1e6 * r.get('unsplit_s', float('nan')):.0f} us), "
+              f"rel err {r.get('triton_vs_twin_rel_err', float('nan')):.1e}")
     for r in decode["ours"]:
         prof = r.get("profile")
         if not prof:

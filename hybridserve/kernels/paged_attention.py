@@ -11,8 +11,11 @@ blocks are masked out.
 
 - :func:`paged_attention_decode_triton`: one Triton launch, one program per (row, KV
   head), reading keys and values straight through the block tables with an online
-  softmax in float32. The attention layer takes it for uniform steps on CUDA (and so
-  inside the decode graphs), as the engine's ``KernelPolicy.decode_attention`` says;
+  softmax in float32; where those programs are too few to fill the GPU
+  (:func:`decode_splits`: small batches), each row's keys are split across several
+  programs whose float32 partials a second launch merges. The attention layer takes it
+  for uniform steps on CUDA (and so inside the decode graphs), as the engine's
+  ``KernelPolicy.decode_attention`` says;
 - :func:`paged_attention_decode_reference`: its torch twin, float32 (float64) scores and
   softmax over the gathered, padded keys; the path uniform steps take on the CPU, and
   the test oracle;
@@ -34,6 +37,7 @@ import triton
 import triton.language as tl
 
 __all__ = [
+    "decode_splits",
     "gather_paged_kv",
     "paged_attention_decode",
     "paged_attention_decode_reference",
@@ -176,13 +180,18 @@ def _paged_attention_decode_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     EXACT_TF32: tl.constexpr,
+    part_ptr,
+    SPLIT: tl.constexpr,
 ):
-    # One program per (row, KV head). Its BLOCK_M query lines are the GROUP query heads
+    # One program per (row, KV head, split). Its BLOCK_M query lines are the GROUP query heads
     # sharing that KV head times the row's Q tokens (line m: token m // GROUP, head
     # kv * GROUP + m % GROUP; lines past GROUP * Q repeat the last token and are never
     # stored). It walks the row's keys BLOCK_N positions at a time, looking each
     # position's block up in the row's table, with an online softmax in float32. It
     # reads only inputs and writes only its own query lines of ``out`` (the race rule).
+    # With SPLIT, split s of S walks only the s-th of S equal runs of the row's keys
+    # (whole tiles) and writes its unnormalised partial (m, l, acc) to its own slot of
+    # ``part``; _paged_attention_combine_kernel, a launch of its own, merges them.
     r = tl.program_id(0)
     kv = tl.program_id(1)
     m = tl.arange(0, BLOCK_M)
@@ -204,7 +213,14 @@ def _paged_attention_decode_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     n0 = tl.arange(0, BLOCK_N)
     table = tables_ptr + r.to(tl.int64) * table_stride
-    for start in range(0, ctx, BLOCK_N):
+    lo = 0
+    hi = ctx
+    if SPLIT:
+        split = tl.program_id(2)
+        run = tl.cdiv(tl.cdiv(ctx, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        lo = split * run
+        hi = tl.minimum(ctx, lo + run)
+    for start in range(lo, hi, BLOCK_N):
         n = start + n0
         nmask = n < ctx
         block = tl.load(table + n // BLOCK_SIZE, mask=nmask, other=0)
@@ -222,17 +238,108 @@ def _paged_attention_decode_kernel(
         s = s * scale
         visible = (n[None, :] <= q_pos[:, None]) & nmask[None, :]
         s = tl.where(visible, s, float("-inf"))
-        # Key 0 lies in the first tile and every line sees it, so m_new is finite.
+        # Unsplit, key 0 lies in the first tile and every line sees it, so m_new is
+        # finite. A later split's tile may hold no key a line sees (a verify row's
+        # earlier tokens): the line's maximum stays -inf, and it is taken as 0 there so
+        # that p and alpha are 0 rather than NaN.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + kv_off, mask=kvmask, other=0.0).to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         m_i = m_new
-    acc = acc / l_i[:, None]
+    if SPLIT:
+        # part [R, KV, S, BLOCK_M, BLOCK_D + 2]: acc, then m and l, of this program only.
+        slot = ((r * tl.num_programs(1) + kv) * tl.num_programs(2) + split).to(tl.int64)
+        line = part_ptr + (slot * BLOCK_M + m) * (BLOCK_D + 2)
+        tl.store(line[:, None] + d[None, :], acc)
+        tl.store(line + BLOCK_D, m_i)
+        tl.store(line + BLOCK_D + 1, l_i)
+    else:
+        acc = acc / l_i[:, None]
+        o_off = tok.to(tl.int64)[:, None] * out_tok_stride + head[:, None] * head_dim + d[None, :]
+        tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty),
+                 mask=live[:, None] & dmask[None, :])
+
+
+@triton.jit
+def _paged_attention_combine_kernel(
+    part_ptr,
+    out_ptr,
+    out_tok_stride,
+    head_dim,
+    splits,
+    Q: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # One program per (row, KV head): merges the S partials its splits wrote (in split
+    # order, so the result depends on nothing but the partials) and writes its query
+    # lines of ``out``. It reads only ``part`` (written by the previous launch) and
+    # writes only its own lines (the race rule). Split 0 holds key 0, which every line
+    # sees, so the merged maximum is finite.
+    r = tl.program_id(0)
+    kv = tl.program_id(1)
+    m = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    m_all = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_all = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    base = (r * tl.num_programs(1) + kv).to(tl.int64) * splits
+    for split in range(0, splits):
+        line = part_ptr + ((base + split) * BLOCK_M + m) * (BLOCK_D + 2)
+        m_s = tl.load(line + BLOCK_D)
+        l_s = tl.load(line + BLOCK_D + 1)
+        acc_s = tl.load(line[:, None] + d[None, :])
+        m_new = tl.maximum(m_all, m_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a = tl.exp(m_all - m_safe)
+        b = tl.exp(m_s - m_safe)
+        l_all = l_all * a + l_s * b
+        acc = acc * a[:, None] + acc_s * b[:, None]
+        m_all = m_new
+    acc = acc / l_all[:, None]
+    t = tl.minimum(m // GROUP, Q - 1)
+    head = kv * GROUP + m % GROUP
+    live = m < GROUP * Q
+    tok = r * Q + t
     o_off = tok.to(tl.int64)[:, None] * out_tok_stride + head[:, None] * head_dim + d[None, :]
-    tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=live[:, None] & dmask[None, :])
+    tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty),
+             mask=live[:, None] & (d < head_dim)[None, :])
+
+
+# A split walks at least this many key positions: below it the partials' extra traffic
+# and the second launch cost more than the programs they add gain.
+MIN_SPLIT_KEYS = 512
+
+
+def decode_splits(rows: int, num_kv: int, max_keys: int, device: torch.device) -> int:
+    """How many programs share each (row, KV head)'s keys in
+    :func:`paged_attention_decode_triton` when its ``splits`` is None: enough for about
+    two programs a multiprocessor, each walking at least :data:`MIN_SPLIT_KEYS` of the
+    ``max_keys`` positions the block tables can hold; 1 (no split) when the (row, KV
+    head) programs already number a multiprocessor each, and off CUDA. A function of the
+    launch's shapes only, so a replayed graph keeps its split."""
+    if device.type != "cuda":
+        return 1
+    sms = _multiprocessors(device)
+    base = rows * num_kv
+    if base >= sms:
+        return 1
+    return max(1, min(-(-2 * sms // base), max_keys // MIN_SPLIT_KEYS))
+
+
+_SMS: dict = {}
+
+
+def _multiprocessors(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
 
 
 def paged_attention_decode_triton(
@@ -244,8 +351,10 @@ def paged_attention_decode_triton(
     scale: float,
     block_n: int | None = None,
     out: torch.Tensor | None = None,
+    splits: int | None = None,
 ) -> torch.Tensor:
-    """:func:`paged_attention_decode_reference` as one Triton launch (no gathered copy).
+    """:func:`paged_attention_decode_reference` as one Triton launch (no gathered copy),
+    or two with its keys split.
 
     ``q [R * Q, H, D]`` (rows of ``Q`` tokens, token-major), ``k_cache, v_cache
     [num_blocks, block_size, KV, D]`` (the head-dim axis contiguous), ``block_tables [R,
@@ -256,6 +365,12 @@ def paged_attention_decode_triton(
     CUDA graph can replay it. Returns ``[R * Q, H, D]`` in ``q.dtype`` (written into
     ``out`` when given: contiguous, that shape and dtype). ``block_n``: key positions per
     tile (a power of two, at least 16).
+
+    ``splits``: programs per (row, KV head), each over an equal run of the row's keys,
+    merged by a second launch (flash-decoding): at small batches the unsplit launch has
+    ``rows x KV heads`` programs, too few to fill the GPU while each walks a long
+    context. None: :func:`decode_splits`. A split result differs from the unsplit one
+    by float32 summation order only (the partials are float32).
     """
     rows = block_tables.shape[0]
     tokens, heads, dim = q.shape
@@ -288,7 +403,13 @@ def paged_attention_decode_triton(
         block_n = 64 if block_m <= 32 else 32
     half = (torch.bfloat16, torch.float16)
     exact_tf32 = q.dtype in half and k_cache.dtype in half
-    _paged_attention_decode_kernel[(rows, num_kv)](
+    if splits is None:
+        splits = decode_splits(rows, num_kv, block_tables.shape[1] * block_size, q.device)
+    if not isinstance(splits, int) or splits < 1:
+        raise ValueError(f"splits must be an int >= 1, got {splits!r}")
+    part = (torch.empty((rows, num_kv, splits, block_m, block_d + 2), dtype=torch.float32,
+                        device=q.device) if splits > 1 else out)
+    _paged_attention_decode_kernel[(rows, num_kv, splits)](
         q,
         q.stride(0),
         k_cache,
@@ -312,6 +433,13 @@ def paged_attention_decode_triton(
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         EXACT_TF32=exact_tf32,
+        part_ptr=part,
+        SPLIT=splits > 1,
         num_warps=4,
     )
+    if splits > 1:
+        _paged_attention_combine_kernel[(rows, num_kv)](
+            part, out, out.stride(0), dim, splits,
+            Q=qlen, GROUP=group, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4,
+        )
     return out

@@ -88,11 +88,11 @@ def test_batched_matches_per_row_reference(rows, q, heads, num_kv, dtype):
     torch.testing.assert_close(fused, want, rtol=1e-4, atol=1e-4)
 
 
-def _triton(queries, k_cache, v_cache, batch, scale, block_n=None, dtype=None):
+def _triton(queries, k_cache, v_cache, batch, scale, block_n=None, dtype=None, splits=None):
     out = torch.full_like(queries, float("nan"))  # every element must be written
     got = paged_attention_decode_triton(
         queries, k_cache, v_cache, batch.block_tables, batch.positions, scale,
-        block_n=block_n, out=out,
+        block_n=block_n, out=out, splits=splits,
     )
     assert got is out
     assert not got.isnan().any()
@@ -199,6 +199,66 @@ def test_decode_graph_step_with_triton_attention_matches_eager(tiny_nemotron, mo
     assert results["graph_triton"] == results["eager_twin"]
 
 
+@pytest.mark.parametrize(
+    "rows,q,heads,num_kv,dim,block_size,splits",
+    [
+        (3, 1, 8, 2, 8, 4, 2),  # decode, grouped heads
+        (2, 4, 6, 3, 16, 4, 3),  # verify rows: a split's tile may hold no key a line sees
+        (4, 1, 2, 2, 8, 8, 7),  # more splits than short rows have tiles: empty splits
+    ],
+)
+def test_split_keys_match_unsplit_and_reference_race_free(
+    rows, q, heads, num_kv, dim, block_size, splits
+):
+    """Keys split across programs (flash-decoding) and merged by a second launch: the
+    same attention as one program per (row, KV head), up to float32 summation order;
+    both launches race free."""
+    from hybridserve.testing import racecheck
+
+    g = torch.Generator().manual_seed(_seed())
+    queries, k_cache, v_cache, batch = _step(
+        g, rows, q, heads, num_kv, dim, block_size, torch.float32, max_ctx=70, extra_width=1
+    )
+    scale = dim**-0.5
+    want = paged_attention_reference(queries, k_cache, v_cache, *_ref_args(batch), scale)
+    whole = _triton(queries, k_cache, v_cache, batch, scale, block_n=16, splits=1)
+    with racecheck.record_launches() as rec:
+        got = _triton(queries, k_cache, v_cache, batch, scale, block_n=16, splits=splits)
+    assert len(rec.reports) == 2 and all(r.clean for r in rec.reports), str(rec.reports)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, whole, rtol=1e-5, atol=1e-5)
+
+
+def test_split_keys_independent_of_program_order():
+    from hybridserve.testing import racecheck
+
+    g = torch.Generator().manual_seed(_seed())
+    queries, k_cache, v_cache, batch = _step(g, 3, 2, 4, 2, 8, 4, torch.float32, max_ctx=60)
+    results = []
+    for order in ("forward", "reversed", "shuffled"):
+        with racecheck.record_launches(record=False, order=order, seed=3):
+            results.append(_triton(queries, k_cache, v_cache, batch, 0.35, block_n=16, splits=3))
+    for r in results[1:]:
+        assert torch.equal(r, results[0])
+
+
+def test_decode_splits_rule(monkeypatch):
+    """Splits only where (row, KV head) programs leave multiprocessors idle, each split
+    walking at least MIN_SPLIT_KEYS keys; never off CUDA."""
+    monkeypatch.setattr(paged_attention, "_multiprocessors", lambda device: 132)
+    cuda = torch.device("cuda", 0)
+    keys = paged_attention.MIN_SPLIT_KEYS
+    assert paged_attention.decode_splits(1, 8, 32768, cuda) == 33  # two programs an SM
+    assert paged_attention.decode_splits(1, 8, 4 * keys, cuda) == 4  # short context
+    assert paged_attention.decode_splits(1, 8, keys - 1, cuda) == 1
+    assert paged_attention.decode_splits(64, 8, 32768, cuda) == 1  # the chip is full
+    assert paged_attention.decode_splits(1, 8, 32768, torch.device("cpu")) == 1
+    with pytest.raises(ValueError, match="splits"):
+        g = torch.Generator().manual_seed(0)
+        queries, k_cache, v_cache, batch = _step(g, 1, 1, 2, 2, 8, 4, torch.float32)
+        _triton(queries, k_cache, v_cache, batch, 0.3, splits=0)
+
+
 def test_triton_independent_of_program_order():
     from hybridserve.testing import racecheck
 
@@ -273,3 +333,29 @@ def test_attention_layer_triton_path_matches_twin_path(tmp_path, monkeypatch, q,
     assert len(calls) == 2  # two attention layers, one uniform step, kernel on
     assert not results[0].isnan().any()
     torch.testing.assert_close(results[0], results[1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="compiles the kernel: run with TRITON_INTERPRET=0")
+@pytest.mark.parametrize("rows,q", [(1, 1), (2, 4)])
+def test_gpu_split_keys_at_long_context(rows, q, record_property):
+    """Compiled on CUDA at the 8B attention shape (32 query heads over 8 KV heads of 128)
+    with bf16 caches and 5,000-key contexts: the automatic split count is above one, and
+    the split result is as close to a float64 evaluation as the unsplit one."""
+    g = torch.Generator().manual_seed(_seed())
+    queries, k_cache, v_cache, batch = _step(
+        g, rows, q, 32, 8, 128, 16, torch.bfloat16, max_ctx=5000)
+    args = [t.cuda() for t in (queries, k_cache, v_cache, batch.block_tables, batch.positions)]
+    splits = paged_attention.decode_splits(rows, 8, args[3].shape[1] * 16, args[0].device)
+    assert splits > 1
+    ref = paged_attention_reference(
+        queries.double(), k_cache.double(), v_cache.double(), *_ref_args(batch), 128**-0.5)
+    errs = {}
+    for name, n in (("split", None), ("unsplit", 1)):
+        got = paged_attention_decode_triton(*args[:5], 128**-0.5, splits=n).double().cpu()
+        errs[name] = ((got - ref).norm() / ref.norm()).item()
+        record_property(f"{name}_rel_err", errs[name])
+    print(f"{splits} splits: {errs}")
+    assert errs["split"] < 1e-2 and errs["split"] <= 1.5 * errs["unsplit"] + 1e-6
