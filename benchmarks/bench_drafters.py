@@ -217,13 +217,15 @@ def nemotron_8b(root: Path, args, dtype: str):
     return path, model, shape
 
 
-def make_llm(target, spec, args, batch: int, dtype: str, model=None):
+def make_llm(target, spec, args, batch: int, dtype: str, model=None, others=None):
     """An ``LLM`` over ``target`` in ``dtype`` with ``spec`` at ``max_num_seqs=batch``,
     prefix caching off. ``model``: a built model whose ``config.json`` is ``target``'s:
     the target and a draft model of that directory take its weights instead of loading
-    them (shared, not copied)."""
+    them (shared, not copied); ``others`` maps further directories to built models (a
+    draft model of its own)."""
     from hybridserve import LLM
     from hybridserve.config import KernelPolicy
+    from hybridserve.models import loader
 
     policy = KernelPolicy(drafter_graphs=args.drafter_graphs, logq_graphs=args.logq_graphs)
     build = dict(dtype=dtype, device=args.device, max_num_seqs=batch,
@@ -232,9 +234,18 @@ def make_llm(target, spec, args, batch: int, dtype: str, model=None):
         return LLM(target, **build)
     import bench_gpu
 
-    with bench_gpu.engine_with(bench_gpu.with_policy(model, drafter_graphs=args.drafter_graphs,
-                                                     logq_graphs=args.logq_graphs)):
+    def policed(m):
+        return bench_gpu.with_policy(m, drafter_graphs=args.drafter_graphs,
+                                     logq_graphs=args.logq_graphs)
+
+    by_path = {Path(target).resolve(): policed(model)}
+    by_path.update({Path(path).resolve(): policed(m) for path, m in (others or {}).items()})
+    original = loader.load_model
+    loader.load_model = lambda path, *a, **k: by_path[Path(path).resolve()]
+    try:
         return LLM(target, **build)
+    finally:
+        loader.load_model = original
 
 
 def release_memory(device: str) -> None:
@@ -250,7 +261,7 @@ def release_memory(device: str) -> None:
 
 
 def run_row(target, spec, prompts, params, args, batch: int, model=None,
-            dtype: str | None = None) -> tuple[dict, list[list[int]]]:
+            dtype: str | None = None, others=None) -> tuple[dict, list[list[int]]]:
     """One ``LLM`` (:func:`make_llm`) with ``spec`` at ``max_num_seqs=batch`` in
     ``dtype`` (default: the first of ``args.dtype``): its measurements and tokens."""
     import torch
@@ -258,7 +269,7 @@ def run_row(target, spec, prompts, params, args, batch: int, model=None,
     cuda = args.device.startswith("cuda")
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    llm = make_llm(target, spec, args, batch, dtype or args.dtype[0], model)
+    llm = make_llm(target, spec, args, batch, dtype or args.dtype[0], model, others)
     # Warm-up: the same workload once, so that kernel compiles and graph captures of this
     # (drafter, batch) land here, not in the timed run.
     if args.warm_up:
@@ -440,7 +451,7 @@ def main(argv: list[str] | None = None) -> dict:
             # checkpoints).
             torch.manual_seed(0)
             rng = random.Random(0)
-            model = None
+            model = others = None
             if args.target == "default":
                 from hybridserve.default_model import DRAFT_PATH, PATH
 
@@ -459,16 +470,26 @@ def main(argv: list[str] | None = None) -> dict:
                         "target_parameters": sum(p.numel() for p in model.parameters())}
                 drafters = {**ngram,
                             "draft_model=target": lambda k, t=target: {"method": "draft_model", "model": str(t),
-                                                             "num_speculative_tokens": k}}
+                                                                       "num_speculative_tokens": k}}
+                if args.methods and "draft_model=other" in args.methods:
+                    # Another random model of the shape (other weights): its drafts are
+                    # rejected, so every verify step rolls the target's state back.
+                    import bench_gpu
+
+                    other, other_model, _ = nemotron_8b(Path(tmp) / dtype / "other", args, dtype)
+                    bench_gpu.randomize_(other_model, seed=1)
+                    others = {other: other_model}
+                    drafters["draft_model=other"] = lambda k, o=other: {
+                        "method": "draft_model", "model": str(o), "num_speculative_tokens": k}
             else:
                 arch = "nemotron_h" if args.target == "nemotron" else "qwen3_5"
                 target, draft = _checkpoints(Path(tmp) / dtype, args.hidden, args.layers, arch)
                 drafters = {**ngram,
                             "mtp": lambda k: {"method": "mtp", "num_speculative_tokens": k},
                             "draft_model": lambda k, d=draft: {"method": "draft_model", "model": str(d),
-                                                      "num_speculative_tokens": k},
+                                                               "num_speculative_tokens": k},
                             "draft_model=target": lambda k, t=target: {"method": "draft_model", "model": str(t),
-                                                             "num_speculative_tokens": k}}
+                                                                       "num_speculative_tokens": k}}
             report.update(meta, results=results)
             if args.methods:
                 unknown = sorted(set(args.methods) - set(drafters))
@@ -491,7 +512,8 @@ def main(argv: list[str] | None = None) -> dict:
                                                   temperature=args.temperature, seed=i,
                                                   ignore_eos=True) for i in range(len(prompts))]
                                   if sampled else params)
-                    row, tokens = run_row(target, spec, prompts, row_params, args, batch, model, dtype)
+                    row, tokens = run_row(target, spec, prompts, row_params, args, batch, model, dtype,
+                                          others)
                     ref = reference if reference is not None else tokens
                     row = dict(batch=batch, method=name, k=k, dtype=dtype, requests=len(prompts), **row,
                                matches_no_speculation=None if sampled else tokens == ref,
@@ -517,6 +539,7 @@ def main(argv: list[str] | None = None) -> dict:
                 # place (its engines are gone), or the checkpoint loaded in the run's
                 # dtype and converted (the run's rounded weights, computed precisely).
                 ref_dtype = resolve_dtype(args.reference_dtype)
+                others = None
                 if model is None:
                     from hybridserve.models.loader import load_model
 
@@ -526,7 +549,7 @@ def main(argv: list[str] | None = None) -> dict:
 
                 divergence_sections(batch_runs, model_logits(model), args.reference_dtype)
                 save()
-            model = None
+            model = others = None
             release_memory(args.device)
     save()
     return report
