@@ -21,8 +21,10 @@ The targets:
   downloaded nor written but its ``config.json``; ``--smoke``: ``bench_gpu.TINY``, the
   same layer kinds at d_model 64), bf16 on CUDA, with no speculation, the n-gram
   drafter, and the target as its own draft model (``draft_model=target``: every draft
-  is accepted, the verify path's ceiling). ``LLM`` and the draft model both take the
-  built model's weights (``bench_gpu.engine_with``): one copy of the weights, the
+  is accepted, the verify path's ceiling); ``--methods draft_model=other`` adds another
+  random model of the shape (other weights) as draft model, whose drafts are rejected:
+  every verify step rolls the target's state back. ``LLM`` and the draft model both
+  take the built model's weights (:func:`make_llm`): one copy of the weights, the
   draft model's KV blocks and state pages its own. With random weights the n-gram
   drafter proposes only where the context repeats itself: ``--prompts`` prompts are
   drawn once (:func:`random_prompts`: random ids alternating with a repeated 8-token

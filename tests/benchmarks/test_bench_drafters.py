@@ -96,20 +96,26 @@ def test_8b_shape_benchmark_runs(tmp_path):
 def test_8b_target_takes_a_depth_and_several_dtypes():
     """``--layers`` (M / A / -) replaces the 8b shape's layer pattern, ``--vocab`` its
     vocabulary, and ``--dtype`` takes several: each dtype's rows in turn, each row
-    naming its dtype, each with its divergence section."""
+    naming its dtype, each with its divergence section. ``draft_model=other`` drafts
+    from another random model of the shape: its drafts are rejected (every verify step
+    rolls the target back), and in float32 the output still equals no speculation."""
     bench = load_benchmark("bench_drafters")
     gpu = load_benchmark("bench_gpu")
     report = bench.main(["--target", "8b", "--smoke", "--k", "2", "--layers", "M-A",
-                         "--vocab", "512", "--methods", "ngram",
+                         "--vocab", "512", "--methods", "ngram", "draft_model=other",
                          "--dtype", "bfloat16", "float32"])
     assert report["target_shape"] == dict(gpu.TINY, pattern="M-*", vocab_size=512)
     rows = report["results"]
     assert [(r["dtype"], r["batch"], r["method"]) for r in rows] == [
-        (dt, b, m) for dt in ("bfloat16", "float32") for b in (1, 2) for m in ("none", "ngram")]
+        (dt, b, m) for dt in ("bfloat16", "float32") for b in (1, 2)
+        for m in ("none", "ngram", "draft_model=other")]
     for r in rows:
         d = r["divergence"]
         assert 0.0 <= d["reference"]["argmax_agreement"] <= 1.0
-        if r["method"] == "ngram":
+        if r["method"] == "draft_model=other":
+            assert r["draft_weights_shared"] is False
+            assert r["draft_tokens"] > 0 and r["accepted_tokens"] < r["draft_tokens"] / 2
+        if r["method"] != "none":
             assert d["token_agreement"] == r["token_agreement"]
             assert len(d["points"]) == d["diverged_requests"] == 2 - r["sequences_identical"]
     assert all(r["matches_no_speculation"] for r in rows if r["dtype"] == "float32")
