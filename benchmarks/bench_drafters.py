@@ -64,7 +64,7 @@ defect where a row's tokens differ from no speculation's: its ``token_agreement`
 speculation row holds the full ``baseline`` comparison); and, at each request's first
 divergent position, the gap between the two tokens' logits in a precise forward of the
 same weights from the common prefix (``--reference-dtype``: float64 on the CPU, float32
-on CUDA; the built model converted in place once its dtype's rows have run), in units
+on CUDA; a converted copy of the weights, made once a batch's rows have run), in units
 of the logits' standard deviation, next to the top-1 / top-2 gap over every position
 (``reference``). Rounding parts runs at near-ties (small gaps, low ``gap_percentile``,
 the precise forward picking either run's token); a defect at any gap. ``--no-warm-up``
@@ -105,7 +105,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from divergence import agreement  # noqa: E402
+from divergence import agreement, model_logits  # noqa: E402
 from provenance import git_commit, portable_path, result_writer  # noqa: E402
 
 
@@ -433,7 +433,6 @@ def main(argv: list[str] | None = None) -> dict:
     import triton
 
     from hybridserve import SamplingParams
-    from hybridserve.config import resolve_dtype
 
     results = []
     sampled = args.temperature > 0
@@ -498,7 +497,6 @@ def main(argv: list[str] | None = None) -> dict:
                 if unknown:
                     raise SystemExit(f"--methods: unknown {unknown}; known: {sorted(drafters)}")
                 drafters = {name: make for name, make in drafters.items() if name in args.methods}
-            batch_runs = []
             for batch in args.batch:
                 if args.target == "8b":
                     prompts = prompt_set[:max(batch, 2)]
@@ -535,26 +533,41 @@ def main(argv: list[str] | None = None) -> dict:
                         run["rows"].append((row, tokens))
                     print(json.dumps(row), flush=True)
                     save()
-                batch_runs.append(run)
-            if not sampled:
-                # The precise forward of the same weights: the built model converted in
-                # place (its engines are gone), or the checkpoint loaded in the run's
-                # dtype and converted (the run's rounded weights, computed precisely).
-                ref_dtype = resolve_dtype(args.reference_dtype)
-                others = None
-                if model is None:
-                    from hybridserve.models.loader import load_model
-
-                    model = load_model(target, dtype=dtype, device=args.device)
-                model = model.to(ref_dtype)
-                from divergence import model_logits
-
-                divergence_sections(batch_runs, model_logits(model), args.reference_dtype)
-                save()
+                if not sampled:
+                    # Each batch's sections as soon as its rows have run (a later row that
+                    # fails keeps them), the engines gone.
+                    precise = precise_model(model, target, dtype, args)
+                    divergence_sections([run], model_logits(precise), args.reference_dtype)
+                    precise = None
+                    release_memory(args.device)
+                    save()
             model = others = None
             release_memory(args.device)
     save()
     return report
+
+
+def precise_model(model, target, dtype: str, args):
+    """The precise forward's model (``--reference-dtype``) of the same weights: ``model``
+    itself where it is in that dtype already, else a converted copy of it (the run's
+    rounded weights, computed precisely), or, for the checkpoint targets, the
+    checkpoint loaded in ``dtype`` and converted."""
+    import torch
+
+    from hybridserve.config import resolve_dtype
+
+    ref = resolve_dtype(args.reference_dtype)
+    if model is None:
+        from hybridserve.models.loader import load_model
+
+        return load_model(target, dtype=dtype, device=args.device).to(ref)
+    if next(model.parameters()).dtype == ref:
+        return model
+    with torch.device("meta"):
+        copy = type(model)(model.config, model.kernel_policy)
+    copy.load_state_dict({k: v.to(ref) for k, v in model.state_dict().items()},
+                         strict=True, assign=True)
+    return copy.eval().requires_grad_(False)
 
 
 def generate_once(target, prompts, params, args, batch: int, dtype: str, model=None):
