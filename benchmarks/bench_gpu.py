@@ -74,6 +74,7 @@ from hybridserve.kernels import (  # noqa: E402
     norms,
     paged_attention,
     paged_attention_prefill,
+    sampling,
     ssd_chunked,
     ssd_tails,
     ssd_two_pass,
@@ -2138,6 +2139,41 @@ def check_moe_experts(shape, step, dtype, device, seed):
     return res
 
 
+def check_sampling_draw(shape, step, dtype, device, seed):
+    """The sampled draw as one pass (``sampling.draw``) against the torch draw
+    (``sampler.draw``) at the model's vocabulary: rows at temperature 1 with a top-p-like
+    cut (``-inf`` past each row's 200 best tokens), every other row greedy. The output
+    is tokens: the check holds the kernel to the same token and the same winning key in
+    every row (the keys are float64 on both sides)."""
+    g, _ = _generators(seed, device)
+    rows, vocab = step["rows"], shape["vocab_size"]
+    logits = _randn(g, rows, vocab, device=device, scale=3.0)
+    kth = logits.topk(min(200, vocab), dim=-1).values[:, -1:]
+    logp = torch.log_softmax(logits.masked_fill(logits < kth, float("-inf")), dim=-1)
+    greedy = torch.arange(rows, device=device) % 2 == 1
+    seed_lo = torch.randint(0, 2**31 - 1, (rows,), generator=g, device=device)
+    seed_hi = torch.randint(0, 2**31 - 1, (rows,), generator=g, device=device)
+    index = torch.randint(0, 2**20, (rows,), generator=g, device=device)
+
+    def kern():
+        return sampling.draw(logp, greedy, seed_lo, seed_hi, index, return_keys=True)
+
+    got, keys = kern()
+    want = sampler.draw(logp, greedy, seed_lo, seed_hi, index, kernels="reference")
+    u = sampler.uniforms(seed_lo, seed_hi, index, vocab)
+    twin_keys = torch.where(greedy[:, None], logp.double(), logp.double() - torch.log(-torch.log(u)))
+    twin_keys = twin_keys.gather(1, want[:, None])[:, 0]
+    return {
+        "kernel": "sampling.draw", "twin": "sampler.draw",
+        "shapes": {"rows": rows, "vocab": vocab, "splits": sampling.num_splits(rows, vocab)},
+        "outputs": {"tokens": {"rel_err_vs_twin": float((got != want).float().mean()),
+                               "tolerance_vs_twin": 0.0},
+                    "keys": _compared(keys, twin_keys, 0.0)},
+        "invariants": {"tokens_in_vocab": bool(((got >= 0) & (got < vocab)).all())},
+        "kernel_s": kernel_time(kern, device),
+    }
+
+
 # (name, module of hybridserve.kernels, check, keyword arguments). Every module with a
 # Triton kernel has at least one check (the smoke test holds the script to it).
 KERNEL_CHECKS = [
@@ -2171,6 +2207,7 @@ KERNEL_CHECKS = [
     ("gdn_decode_update (verify)", "gdn_decode", check_gdn_decode, {"verify": True}),
     ("gdn_varlen_update", "gdn_varlen", check_gdn_varlen, {}),
     ("moe_experts", "moe", check_moe_experts, {}),
+    ("sampling.draw", "sampling", check_sampling_draw, {}),
 ]
 
 
@@ -2719,6 +2756,17 @@ def main(argv=None) -> int:
 
     # Sampled decode (temperature 0.8, top-p 0.95), graphs and eager alternating as above.
     result["decode_sampled"] = section(f"decode_sampled_b{args.profile_batch}", decode_sampled)
+
+    def decode_sampled_kernel():
+        b = args.profile_batch
+        return engine_decode(with_policy(model, sampler="triton"), path, device, dtype, b,
+                             args.prompt, args.warmup_steps, args.steps, vocab, seed=b,
+                             enforce_eager=graphs_mode, temperature=0.8)
+
+    # The same with the draw as one Triton pass (hybridserve.kernels.sampling; the
+    # default takes the torch draw until its gpu tests have run).
+    result["decode_sampled_kernel"] = section(
+        f"decode_sampled_kernel_b{args.profile_batch}", decode_sampled_kernel)
     result["agreement"] = section(
         "agreement", lambda: agreement(device, "bfloat16" if device == "cuda" else "float32",
                                        workdir, prompts=8 if args.smoke else 32))
@@ -2853,11 +2901,12 @@ def main(argv=None) -> int:
     if result.get("decode_torch_norms"):
         r = result["decode_torch_norms"]
         print(f"decode b{r['batch']} with torch norms: {r['tokens_per_s']:.1f} tok/s")
-    if result.get("decode_sampled"):
-        r = result["decode_sampled"]
-        e = r["modes"].get("eager", {})
-        print(f"decode b{r['batch']} sampled: {r['tokens_per_s']:.1f} tok/s ({r['mode']}), "
-              f"eager {e.get('tokens_per_s', float('nan')):.1f} tok/s")
+    for key, name in (("decode_sampled", "sampled"), ("decode_sampled_kernel", "sampled, kernel draw")):
+        if result.get(key):
+            r = result[key]
+            e = r["modes"].get("eager", {})
+            print(f"decode b{r['batch']} {name}: {r['tokens_per_s']:.1f} tok/s ({r['mode']}), "
+                  f"eager {e.get('tokens_per_s', float('nan')):.1f} tok/s")
     if result.get("ttft"):
         print_ttft(result["ttft"])
     if (result.get("model_1b") or {}).get("ttft"):

@@ -23,7 +23,14 @@ Measured in one run (benchmarks/results/INDEX.md says how), kernel medians from 
          state pass against the output pass);
   conv   ``conv_varlen`` over 8 x 4,096 tokens of the 10,240-channel conv: no window
          asked, the window mode on with no window in the step, windows at the row ends
-         (every prefill step), windows every 64 tokens; a few tiles; against its twin.
+         (every prefill step), windows every 64 tokens; a few tiles; against its twin
+         (outputs, and the written windows bit for bit). Each window mode twice:
+           ``slabs``      the planned step's writer (the step plan's ``window_tokens``:
+                          one program per window token and block of its page, no launch
+                          without a window), with the tile sweep;
+           ``full_grid``  the writer without that list, as graph steps take it (one
+                          program per conv tile: the previous default), at the default
+                          tile, the baseline.
 
 Shapes: 128 heads x 64, state 128, 8 groups, conv dim 10,240, kernel 4; bf16
 activations (views of the projection, as the mixer passes them), float32 state pages.
@@ -278,7 +285,7 @@ def _conv_case(cfg, device, reps):
     xbc = proj[:, 64 : 64 + c]  # a column slice, as the mixer passes it
     weight = torch.randn(c, kk, generator=g).to(torch.bfloat16).to(device)
     bias = torch.randn(c, generator=g).to(torch.bfloat16).to(device)
-    pages = rows + t // 64 + rows + 2
+    pages = rows + t // 64 + 2 * rows + 2
     cache = torch.randn(pages, c, kk - 1, generator=g).to(torch.bfloat16).to(device)
     qs = torch.tensor([i * length for i in range(rows + 1)], device=device)
     in_pages = torch.arange(rows, device=device)
@@ -286,27 +293,53 @@ def _conv_case(cfg, device, reps):
     none = torch.full((t,), -1, dtype=torch.int64, device=device)
     ends = none.clone()
     ends[qs[1:] - 1] = torch.arange(rows, 2 * rows, device=device)
+    # Every 64th token of each row and its last one (the prefix cache's checkpoints).
     grid = none.clone()
-    at = torch.arange(63, t, 64, device=device)
-    grid[at] = torch.arange(rows, rows + at.numel(), device=device)
+    at = sorted({r * length + o for r in range(rows)
+                 for o in [*range(63, length, 64), length - 1]})
+    grid[at] = torch.arange(rows, rows + len(at), device=device)
     modes = {"no window asked": None, "window mode, no window": none,
              "windows at row ends": ends, "windows every 64": grid}
     out = {"tokens": t, "channels": c, "modes": []}
     for name, outs in modes.items():
-        want = conv_varlen_reference(xbc, weight, bias, cache.clone(), qs, in_pages, "silu",
+        twin = cache.clone()
+        want = conv_varlen_reference(xbc, weight, bias, twin, qs, in_pages, "silu",
                                      out_pages=outs)
-        tiles = []
-        for bt, bc, warps in cfg["conv_tiles"]:
-            def run(bt=bt, bc=bc, warps=warps, outs=outs):
-                return conv_varlen(xbc, weight, bias, cache, qs, in_pages, "silu", trow,
-                                   out_pages=outs, block_t=bt, block_c=bc, num_warps=warps)
-            got = run()
-            tiles.append({"block_t": bt, "block_c": bc, "num_warps": warps,
-                          "median_ms": 1e3 * _time(run, reps, device),
-                          "rel_err": _rel(got.float(), want.float())})
-        out["modes"].append({"mode": name, "default_tile_ms": tiles[0]["median_ms"],
-                             "rel_err": tiles[0]["rel_err"], "tiles": tiles})
+        listed = None if outs is None else torch.nonzero(outs >= 0).flatten().to(torch.int32)
+        step = (xbc, weight, bias, cache, qs, in_pages, trow, outs)
+        tiles = [{"block_t": bt, "block_c": bc, "num_warps": warps,
+                  **_conv_measure(step, listed, (bt, bc, warps), want, twin, reps, device)}
+                 for bt, bc, warps in cfg["conv_tiles"]]
+        mode = {"mode": name, "windows": 0 if outs is None else int(listed.numel()),
+                "default_tile_ms": tiles[0]["median_ms"], "rel_err": tiles[0]["rel_err"],
+                "tiles": tiles}
+        if outs is not None:
+            mode["slabs"] = tiles[0]
+            mode["full_grid"] = _conv_measure(step, None, cfg["conv_tiles"][0], want, twin,
+                                              reps, device)
+        out["modes"].append(mode)
     return out
+
+
+def _conv_measure(step, window_tokens, tile, want, twin, reps, device):
+    """Median ms of one conv call (``window_tokens``: the slab writer's list, None for the
+    full-grid writer) on a copy of the pages, its error against the twin's output, and
+    whether the windows it wrote are the twin's bit for bit."""
+    xbc, weight, bias, cache, qs, in_pages, trow, outs = step
+    pages = cache.clone()
+    bt, bc, warps = tile
+
+    def run():
+        return conv_varlen(xbc, weight, bias, pages, qs, in_pages, "silu", trow,
+                           out_pages=outs, window_tokens=window_tokens,
+                           block_t=bt, block_c=bc, num_warps=warps)
+
+    got = run()
+    row = {"median_ms": 1e3 * _time(run, reps, device), "rel_err": _rel(got.float(), want.float())}
+    if outs is not None:
+        written = outs[outs >= 0]
+        row["windows_exact"] = bool(torch.equal(pages[written], twin[written]))
+    return row
 
 
 def main(argv: list[str] | None = None) -> dict:

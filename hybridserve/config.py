@@ -295,6 +295,15 @@ class KernelPolicy:
       graph, but 184 / 580 against 157 / 411 us at 64 rows and 697 / 2,326 against
       599 / 1,619 us at 256 (every program of a group recomputes the group's B and C);
       rows between 1 and 64 were not measured.
+    - ``sampler``: the sampled draws (:func:`hybridserve.runner.sampler.draw`, the
+      drafter's :func:`~hybridserve.runner.sampler.draft_draw`, the residual sample of
+      :func:`~hybridserve.runner.sampler.speculative_choices`) as one Triton pass over
+      the vocabulary each (:mod:`hybridserve.kernels.sampling`: the counter-based
+      uniforms hashed in registers, no ``[rows x vocab]`` uniform or key tables) or as
+      their torch twins; the same tokens either way. ``"auto"`` takes the twins on every
+      device until ``tests/kernels/test_sampling.py``'s `gpu` tests have run on a GPU
+      (the kernels have not yet been compiled for one, and a draw that fails would fail
+      every sampled request); ``"triton"`` takes the kernels.
     """
 
     uniform_decode: bool = True
@@ -312,6 +321,7 @@ class KernelPolicy:
     fused_decode_max_rows: int = 8
     drafter_graphs: str = "auto"
     logq_graphs: str = "auto"
+    sampler: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("short_graphs", "drafter_graphs", "logq_graphs"):
@@ -319,7 +329,7 @@ class KernelPolicy:
                 raise ValueError(
                     f"kernel_policy.{name}={getattr(self, name)!r}: choose from ('auto', 'on', 'off')"
                 )
-        for name in ("decode_attention", "prefill_attention", "norms", "moe"):
+        for name in ("decode_attention", "prefill_attention", "norms", "moe", "sampler"):
             value = getattr(self, name)
             if value not in KERNEL_MODES:
                 raise ValueError(f"kernel_policy.{name}={value!r}: choose from {KERNEL_MODES}")

@@ -463,13 +463,20 @@ class EngineCore:
         self, sched: SchedulerOutput, pending: PendingStep
     ) -> tuple[SchedulerOutput, PendingStep] | None:
         """Schedule and launch the plain decode step after ``sched`` before its tokens
-        are on the host, or None: when requests wait (they are admitted by an ordinary
-        step), when a row is not plain decode, or when the caches or the graphs cannot
-        take it. A request that ``sched`` surely finishes (its length cap) gets no row.
+        are on the host, or None: when a waiting request could take a seat (it is
+        admitted by an ordinary step), when a row is not plain decode, or when the caches
+        or the graphs cannot take it. A request that ``sched`` surely finishes (its
+        length cap) gets no row.
+
+        Waiting requests with every seat taken (a saturated engine) do not stop it: the
+        next ordinary step could not admit them either, unless ``sched`` frees a seat. A
+        length cap frees one knowably, so a step with such a row and requests waiting
+        is not launched ahead; a stop token frees one only once read back, so the
+        request it makes room for is admitted a step later than step by step would.
         A step with constrained rows goes ahead as its forward only: the masks of its
         draw follow the tokens still on the device, so the draw runs once ``sched`` is
         committed (:meth:`_draw_inflight`)."""
-        if self.scheduler.waiting or not sched.plain_decode:
+        if not sched.plain_decode or (self.scheduler.waiting and self.scheduler.free_seats):
             return None
         rows, sources = [], []
         for i, row in enumerate(sched.rows):
@@ -483,7 +490,7 @@ class EngineCore:
             ):
                 rows.append(row)
                 sources.append(i)
-        if not rows:
+        if not rows or (self.scheduler.waiting and len(rows) < len(sched.rows)):
             return None
         nxt = self.scheduler.schedule_ahead(rows)
         if nxt is None:

@@ -17,25 +17,41 @@ windows the per-row reference returns. Output pages never repeat and are never i
 pages (the page rule of docs/state-lifecycle.md), so the launch that reads the initial
 windows may write them.
 
-- :func:`conv_varlen`: three Triton launches. The conv of every token at least ``K - 1``
-  tokens into its row (one program per (token block, channel block) tile; its taps are
-  packed inputs only, so it carries no window gather and few registers); the conv of
-  each row's first ``K - 1`` tokens (one program per (row, channel block), taps from the
-  initial window); and, given ``out_pages``, the windows (one program per tile; a tile
-  with no output page stops after reading its pages). Each program writes only its own
-  entries of the output (a separate buffer, never the input) or of its tokens' output
-  pages, and reads only inputs (``xbc``, ``weight``, ``bias``, the initial windows and
-  the index tensors), so no program reads what another writes (the race rule,
-  docs/racecheck.md). A token block may span several rows: every token looks its row
-  up in ``token_row``.
+- :func:`conv_varlen`: two Triton launches for the conv, and one for the windows when a
+  window is asked for. The conv of every token at least ``K - 1`` tokens into its row
+  (one program per (token block, channel block) tile; its taps are packed inputs only, so
+  it carries no window gather and few registers) and the conv of each row's first
+  ``K - 1`` tokens (one program per (row, channel block), taps from the initial window).
+  The windows, given ``out_pages``, take one of two writers:
+
+  - the slab writer, given ``window_tokens`` (the ``[W]`` tokens that have an output
+    page, which the step plan knows on the host and uploads with its other index
+    tensors): one program per (window token, block of entries of its page), each storing
+    one contiguous run of the page's ``[C, K - 1]`` entries (flattened
+    ``c * (K - 1) + i``: consecutive addresses); no launch at all when ``W == 0``, so a
+    step asks for its windows at the cost of the windows alone;
+  - the full-grid writer, without ``window_tokens`` (a CUDA-graph step, whose pages are
+    filled into a static buffer per replay: its grid is fixed at capture, and a window
+    list's length varies per step with no bound per row): one program per conv tile,
+    which stops after reading its tokens' pages when none has one, and stores each
+    window entry of a channel at stride ``K - 1``. Graph steps are short rows, where
+    these tiles are few.
+
+  Each program writes only its own entries of the output (a separate buffer, never the
+  input) or of its tokens' output pages, and reads only inputs (``xbc``, ``weight``,
+  ``bias``, the initial windows and the index tensors), so no program reads what another
+  writes (the race rule, docs/racecheck.md). A token block may span several rows: every
+  token looks its row up in ``token_row``.
 - :func:`conv_varlen_reference`: its torch twin (the CPU path and the test oracle), the
   per-row reference loop.
 
-Index tensors (``query_start``, ``in_pages``, ``token_row``, ``out_pages``) are integer
-tensors on the device of ``xbc``.
+Index tensors (``query_start``, ``in_pages``, ``token_row``, ``out_pages``,
+``window_tokens``) are integer tensors on the device of ``xbc``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -43,7 +59,7 @@ import triton.language as tl
 
 from hybridserve.kernels.conv1d import causal_conv1d_reference
 
-__all__ = ["conv_varlen", "conv_varlen_reference", "token_rows"]
+__all__ = ["conv_varlen", "conv_varlen_reference", "token_rows", "window_token_list"]
 
 
 def _check(
@@ -55,10 +71,17 @@ def _check(
     in_pages: torch.Tensor,
     activation: str | None,
     out_pages: torch.Tensor | None = None,
+    window_tokens: torch.Tensor | None = None,
 ) -> int:
     tokens, channels = xbc.shape
     if out_pages is not None and out_pages.shape != (tokens,):
         raise ValueError(f"out_pages must be [T={tokens}], got {tuple(out_pages.shape)}")
+    if window_tokens is not None and (out_pages is None or window_tokens.dim() != 1):
+        raise ValueError(
+            "window_tokens must be a [W] list of the tokens that have an output page, and "
+            f"needs out_pages; got {tuple(window_tokens.shape)} with out_pages "
+            f"{'None' if out_pages is None else 'given'}"
+        )
     k = weight.shape[-1]
     if weight.shape != (channels, k) or conv_cache.shape[1:] != (channels, k - 1):
         raise ValueError(
@@ -88,6 +111,12 @@ def _output(xbc: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
+def window_token_list(out_pages: Sequence[int]) -> list[int]:
+    """The host list ``window_tokens`` of :func:`conv_varlen` for the host ``out_pages
+    [T]``: every token that has an output page (``>= 0``), ascending."""
+    return [t for t, page in enumerate(out_pages) if page >= 0]
+
+
 def token_rows(query_start: torch.Tensor, tokens: int) -> torch.Tensor:
     """``[T]`` int64: the row of every packed token (empty rows own none). No host sync."""
     return torch.searchsorted(
@@ -113,14 +142,22 @@ def conv_varlen_reference(
     token_row: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     out_pages: torch.Tensor | None = None,
+    window_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch twin of :func:`conv_varlen` (same arguments, same result): the per-row loop.
-    Every initial window is read before any page is written."""
-    rows = _check(xbc, weight, bias, conv_cache, query_start, in_pages, activation, out_pages)
+    Every initial window is read before any page is written. ``window_tokens``, when
+    given, must be :func:`window_token_list` of ``out_pages`` (checked here)."""
+    rows = _check(xbc, weight, bias, conv_cache, query_start, in_pages, activation, out_pages,
+                  window_tokens)
     del token_row  # the loop knows every row's tokens
     starts = query_start.tolist()
     pages = in_pages.tolist()
     outs = out_pages.tolist() if out_pages is not None else [-1] * xbc.shape[0]
+    if window_tokens is not None and window_tokens.tolist() != window_token_list(outs):
+        raise ValueError(
+            "window_tokens must list every token with an output page, ascending, each once: "
+            f"got {window_tokens.tolist()} for out_pages {outs}"
+        )
     if starts[-1] != xbc.shape[0]:
         raise ValueError(f"query_start ends at {starts[-1]}, xbc has {xbc.shape[0]} tokens")
     out = _output(xbc, out)
@@ -271,10 +308,11 @@ def _conv_windows_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    # One program per (token block, channel block) writes the window after each of its
-    # tokens that has an output page; a block without one stops after reading its pages.
-    # Entry i of the window after token t is the input K - 2 - i tokens back, from the
-    # row or from its initial window, cast as the reference casts.
+    # The full-grid writer (steps whose window tokens the host does not know: graph
+    # steps). One program per (token block, channel block) writes the window after each
+    # of its tokens that has an output page; a block without one stops after reading its
+    # pages. Entry i of the window after token t is the input K - 2 - i tokens back, from
+    # the row or from its initial window, cast as the reference casts.
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = tok < tokens
     out_page = tl.load(out_pages_ptr + tok, mask=tmask, other=-1).to(tl.int64)
@@ -296,6 +334,48 @@ def _conv_windows_kernel(
             )
 
 
+@triton.jit
+def _conv_window_slabs_kernel(
+    xbc_ptr,
+    xbc_stride,
+    conv_ptr,
+    page_stride,
+    query_start_ptr,
+    token_row_ptr,
+    in_pages_ptr,
+    out_pages_ptr,
+    window_tokens_ptr,
+    channels,
+    K: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # One program per (window token, block of BLOCK entries of its page): the page is
+    # [C, K - 1] contiguous, so entry j = c * (K - 1) + i of the flattened page is entry i
+    # of channel c's window, and a program stores BLOCK consecutive addresses (one
+    # coalesced slab) where the full-grid writer stores every entry i at stride K - 1.
+    # Entry i is the input K - 2 - i tokens back: in the row (a packed input) or entry
+    # t + 1 + i of channel c's initial window (zeros without a page), cast to the input
+    # dtype as the reference concatenates it.
+    tok = tl.load(window_tokens_ptr + tl.program_id(0)).to(tl.int64)
+    out_page = tl.load(out_pages_ptr + tok).to(tl.int64)
+    if out_page >= 0:
+        row = tl.load(token_row_ptr + tok)
+        t = tok - tl.load(query_start_ptr + row).to(tl.int64)  # offset within the row
+        j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = j < channels * (K - 1)
+        # The row's page, per entry (a mask of vectors only).
+        page = tl.load(in_pages_ptr + row + j * 0).to(tl.int64)
+        c = j // (K - 1)
+        back = K - 2 - (j - c * (K - 1))
+        in_row = t >= back
+        xv = tl.load(xbc_ptr + (tok - back) * xbc_stride + c, mask=mask & in_row, other=0.0)
+        wv = tl.load(conv_ptr + page * page_stride + j + (t + 1),
+                     mask=mask & (t < back) & (page >= 0), other=0.0)
+        v = tl.where(in_row, xv, wv.to(xbc_ptr.dtype.element_ty))
+        tl.store(conv_ptr + out_page * page_stride + j, v.to(conv_ptr.dtype.element_ty),
+                 mask=mask)
+
+
 def conv_varlen(
     xbc: torch.Tensor,
     weight: torch.Tensor,
@@ -307,10 +387,12 @@ def conv_varlen(
     token_row: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     out_pages: torch.Tensor | None = None,
+    window_tokens: torch.Tensor | None = None,
     *,
     block_t: int = 32,
     block_c: int = 128,
     num_warps: int | None = None,
+    window_block: int = 1024,
 ) -> torch.Tensor:
     """Causal depthwise conv of every row of a packed step, each from its initial window.
 
@@ -331,13 +413,22 @@ def conv_varlen(
             docstring) is written to page ``out_pages[t]`` when that is ``>= 0``. Must not
             repeat a page or name an input page (then no program reads what another
             writes).
+        window_tokens: ``[W]`` integer, :func:`window_token_list` of ``out_pages`` on the
+            device (the step plan uploads it with its other index tensors), or None when
+            the host does not know the pages (a CUDA-graph step, filled per replay). Given,
+            the windows take one program per (window token, ``window_block`` entries of
+            its page), and none at all when ``W == 0``; None, the full-grid writer (one
+            program per conv tile, module docstring). A token with a page that the list
+            leaves out gets no window; the list must not repeat a token.
         block_t, block_c: tile of one program (powers of two); num_warps: the warps
-            of the conv's program (4 when None).
+            of the conv's program (4 when None); window_block: the page entries of one
+            window program (a power of two).
 
     Returns:
         ``out [T, C]`` in ``xbc.dtype`` (accumulated in float32).
     """
-    _check(xbc, weight, bias, conv_cache, query_start, in_pages, activation, out_pages)
+    _check(xbc, weight, bias, conv_cache, query_start, in_pages, activation, out_pages,
+           window_tokens)
     tokens, channels = xbc.shape
     if xbc.stride(1) != 1 or not conv_cache.is_contiguous() or not weight.is_contiguous():
         raise ValueError("xbc rows, conv_cache and weight must be contiguous")
@@ -370,11 +461,22 @@ def conv_varlen(
             K=k, HAS_BIAS=bias is not None, SILU=activation is not None,
             BLOCK_K=triton.next_power_of_2(k - 1), BLOCK_C=block_c,
         )
-    if out_pages is not None and k > 1:
-        # A launch of its own: the window gathers would cost the conv's tiles registers.
+    if out_pages is None or k == 1:
+        return out
+    # The windows are a launch of their own: their gathers would cost the conv's tiles
+    # registers.
+    if window_tokens is None:
+        # Pages known only on the device: every conv tile looks for its tokens' pages.
         _conv_windows_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(channels, block_c))](
             xbc, xbc.stride(0), conv_cache, conv_cache.stride(0), query_start, token_row,
             in_pages, out_pages.contiguous(), tokens, channels,
             K=k, BLOCK_T=block_t, BLOCK_C=block_c,
+        )
+    elif window_tokens.numel():
+        block = min(window_block, triton.next_power_of_2(channels * (k - 1)))
+        _conv_window_slabs_kernel[(window_tokens.numel(), triton.cdiv(channels * (k - 1), block))](
+            xbc, xbc.stride(0), conv_cache, conv_cache.stride(0), query_start, token_row,
+            in_pages, out_pages.contiguous(), window_tokens.contiguous(), channels,
+            K=k, BLOCK=block,
         )
     return out

@@ -49,7 +49,10 @@ class VarlenPlan:
     longest row). ``token_out_pages_host``: the output pages on the host, which only the
     chunked prefill reads (it plans its chunk states from them); None for a step whose
     pages exist only on the device (a CUDA-graph step, filled per replay), which therefore
-    never takes the chunked prefill."""
+    never takes the chunked prefill. ``window_tokens [W]`` (int32): the tokens that have an
+    output page, for the conv's window writer
+    (:func:`~hybridserve.kernels.conv_varlen.conv_varlen`); None where the host does not
+    know them (the conv's full-grid writer)."""
 
     num_rows: int
     query_start: torch.Tensor
@@ -59,6 +62,7 @@ class VarlenPlan:
     # The same values on the host (the chunked prefill plans its chunk states from them).
     query_start_host: tuple[int, ...] = ()
     token_out_pages_host: tuple[int, ...] | None = ()
+    window_tokens: torch.Tensor | None = None
 
 
 def _check_initial(initial_states, rows, ssm_cache) -> None:

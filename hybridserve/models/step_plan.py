@@ -37,7 +37,7 @@ import torch
 
 from hybridserve.config import KernelPolicy
 from hybridserve.kernels import ssd_chunked, ssd_two_pass, ssd_varlen
-from hybridserve.kernels.conv_varlen import token_rows
+from hybridserve.kernels.conv_varlen import token_rows, window_token_list
 from hybridserve.kernels.gdn_varlen import VarlenPlan
 from hybridserve.kernels.transfer import upload_lists as upload
 
@@ -68,7 +68,11 @@ class StatePlan:
       ``token_row [T]`` int64 (the row of each token; None for ``DECODE``);
     - ``unclamped [T]`` bool or None: the tokens of one-token rows that continue from a
       stored state (the dt clamp exception of :class:`~hybridserve.models.config.MambaParams`;
-      for ``DECODE`` with ``q == 1`` every token is one, and the field is None).
+      for ``DECODE`` with ``q == 1`` every token is one, and the field is None);
+    - ``window_tokens [W]`` int32 (``SHORT`` and ``PACKED``): the tokens that have an
+      output page, ascending (:func:`~hybridserve.kernels.conv_varlen.window_token_list`),
+      so the conv writes its windows over those tokens only; None where the pages exist
+      only on the device (a CUDA-graph step: the conv's full-grid writer).
 
     ``PACKED`` only: ``init_rows`` / ``init_pages`` (int64) the non-empty rows that start
     from a stored state and their pages, ``out_pages [K]`` (int64) the state requests'
@@ -85,6 +89,7 @@ class StatePlan:
     query_start: torch.Tensor | None = None
     token_row: torch.Tensor | None = None
     unclamped: torch.Tensor | None = None
+    window_tokens: torch.Tensor | None = None
     triton: bool = False
     init_rows: torch.Tensor | None = None
     init_pages: torch.Tensor | None = None
@@ -158,19 +163,21 @@ def plan_states(
     if plan.query_start is None:
         if not batch.writes_only_unread_pages() or batch.num_tokens == 0:
             return plan
-        start, pages, outs = upload(
-            [batch.query_start, batch.state_in_page, batch.token_out_pages()], torch.int32,
-            device,
+        out_host = batch.token_out_pages()
+        start, pages, outs, windows = upload(
+            [batch.query_start, batch.state_in_page, out_host, window_token_list(out_host)],
+            torch.int32, device,
         )
         token_row = token_rows(start, batch.num_tokens)
     else:
-        start, pages, outs, token_row = (
-            plan.query_start, plan.in_pages, plan.token_out_pages, plan.token_row
+        start, pages, outs, token_row, windows = (
+            plan.query_start, plan.in_pages, plan.token_out_pages, plan.token_row,
+            plan.window_tokens,
         )
     return dataclasses.replace(plan, varlen=VarlenPlan(
         num_rows=batch.num_rows, query_start=start, in_pages=pages, token_out_pages=outs,
         token_row=token_row, query_start_host=tuple(batch.query_start),
-        token_out_pages_host=tuple(batch.token_out_pages()),
+        token_out_pages_host=tuple(batch.token_out_pages()), window_tokens=windows,
     ))
 
 
@@ -198,13 +205,14 @@ def _plan_states(
         flags = [0] * tokens
         for t in single:
             flags[t] = 1
-        start, pages, outs, unclamped = upload(
-            [qs, in_pages, batch.token_out_pages(), flags], torch.int32, device
+        out_host = batch.token_out_pages()
+        start, pages, outs, unclamped, windows = upload(
+            [qs, in_pages, out_host, flags, window_token_list(out_host)], torch.int32, device
         )
         return StatePlan(
             StepKind.SHORT, rows, in_pages=pages, token_out_pages=outs, query_start=start,
             token_row=token_rows(start, tokens),
-            unclamped=unclamped != 0 if single else None, triton=short,
+            unclamped=unclamped != 0 if single else None, window_tokens=windows, triton=short,
         )
     scan = packed_scan(policy, device, compute)
     if scan is None:
@@ -214,7 +222,10 @@ def _plan_states(
         qs, batch.state_out_row, batch.state_out_offset, device, chunk
     )
     init_rows = [i for i in range(rows) if in_pages[i] >= 0 and qs[i + 1] > qs[i]]
-    start, pages, outs = upload([qs, in_pages, batch.token_out_pages()], torch.int32, device)
+    out_host = batch.token_out_pages()
+    start, pages, outs, windows = upload(
+        [qs, in_pages, out_host, window_token_list(out_host)], torch.int32, device
+    )
     init_r, init_p, req_pages, single_t = upload(
         [init_rows, [in_pages[i] for i in init_rows], batch.state_out_page, single],
         torch.int64, device,
@@ -225,7 +236,7 @@ def _plan_states(
         unclamped[single_t] = True
     return StatePlan(
         StepKind.PACKED, rows, in_pages=pages, token_out_pages=outs, query_start=start,
-        token_row=token_rows(start, tokens), unclamped=unclamped,
+        token_row=token_rows(start, tokens), unclamped=unclamped, window_tokens=windows,
         triton=device.type == "cuda" and compute == torch.float32,
         init_rows=init_r, init_pages=init_p, out_pages=req_pages, segments=segments, scan=scan,
     )

@@ -434,6 +434,8 @@ class DecodeGraphs:
         # short-row steps run eagerly.
         mode = policy.short_graphs if policy is not None else "auto"
         self.short_enabled = mode != "off"
+        # KernelPolicy.sampler: the sampled draw of a captured step as its Triton kernel.
+        self.sampler_kernels = policy.sampler if policy is not None else "auto"
         # Gated DeltaNet layers run a short step from the plan's per-token tensors
         # (VarlenPlan), which a graph step builds over its static buffer.
         spec = getattr(model, "cache_spec", None)
@@ -900,7 +902,8 @@ class DecodeGraphs:
             logprob_k=[], max_logprobs=0, max_top_k=sm.top_k, any_sampled=sm.any_sampled,
             any_top_p=sm.any_top_p, any_min_p=sm.any_min_p,
         )
-        return sampler.sample_step(logits, plan, st.params, self._drafted(st, shape))
+        return sampler.sample_step(logits, plan, st.params, self._drafted(st, shape),
+                                   self.sampler_kernels)
 
     def _drafted(self, st: _Static, shape: StepShape) -> tuple | None:
         """The draw's ``drafted`` input of a static step (None unless ``drafted``):
@@ -1230,7 +1233,7 @@ class DecodeGraphs:
             logprob_k=[], max_logprobs=0, max_top_k=sm.top_k, any_sampled=sm.any_sampled,
             any_top_p=sm.any_top_p, any_min_p=sm.any_min_p,
         )
-        return sampler.sample_step(logits, plan, st.params)
+        return sampler.sample_step(logits, plan, st.params, kernels=self.sampler_kernels)
 
     def _capture_short(self, st: _ShortStatic, shape: ShortShape, model):
         try:

@@ -540,9 +540,14 @@ class ModelRunner:
         # The choices come first in the output, then the logprobs payload: one read.
         drafted = self._drafted_positions(sched, sampling, logits.device)
         values, decisions = self._read_back(
-            sched, sampler.sample_step(logits, plan, packed, drafted), starts
+            sched, sampler.sample_step(logits, plan, packed, drafted, self._sampler_kernels()), starts
         )
         return (*sampler.read_step(values, plan), decisions)
+
+    def _sampler_kernels(self) -> str:
+        """The model's ``KernelPolicy.sampler`` ("auto" for a model without a policy)."""
+        policy = getattr(self.model, "kernel_policy", None)
+        return policy.sampler if policy is not None else "auto"
 
     def _row_distributions(self, sched: SchedulerOutput) -> list[torch.Tensor | None] | None:
         """Per row of ``sched``: the drafter's ``log q [drafts, vocab]`` when the row is

@@ -8,7 +8,11 @@ as one float64 buffer, sent to the device in one transfer. :func:`sample_step` t
 processes and draws every position of the step at once on the logits' device and
 returns one int64 tensor: the target's token after each position, followed by the
 logprobs payload of the positions whose request asks for logprobs. The host reads it
-back once and :func:`read_step` decodes it. The same code runs on CPU and CUDA.
+back once and :func:`read_step` decodes it. The same code runs on CPU and CUDA, except
+that with ``KernelPolicy.sampler="triton"`` the sampled draw of :func:`draw` and
+:func:`draft_draw` is one Triton pass over the vocabulary
+(:func:`hybridserve.kernels.sampling.draw`, the same tokens, without the ``[positions x
+vocab]`` uniform and key tables); the torch code here is its twin.
 
 Processing: the definitions of :func:`process_logits` (the per-row reference), row by
 row with each row's own values: the logit bias, repetition penalty over the prompt and output tokens,
@@ -66,6 +70,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hybridserve.config import KERNEL_MODES, runs_triton
+from hybridserve.kernels import sampling as sampling_kernels
 from hybridserve.step import Logprob, SamplingParams
 from hybridserve.structured.backend import GrammarMatcher, bitmask_words, fill_step_bitmasks
 
@@ -145,13 +151,21 @@ def draw(
     seed_hi: torch.Tensor,
     index: torch.Tensor,
     any_sampled: bool = True,
+    kernels: str = "auto",
 ) -> torch.Tensor:
     """One token per row of processed log-probabilities ``logp [N, vocab]`` -> ``[N]``.
 
     Rows where ``greedy`` is True take the argmax; the others an exact sample by the
     Gumbel-max trick over :func:`uniforms`. ``any_sampled=False`` (the caller knows no
     row samples) skips the noise.
+
+    ``kernels`` (``KernelPolicy.sampler``): where a sampled draw runs as the one-pass
+    kernel :func:`hybridserve.kernels.sampling.draw` (same tokens, no ``[N, vocab]``
+    tables): ``"triton"`` everywhere (the CPU interpreter too), ``"auto"`` and
+    ``"reference"`` nowhere yet (``KernelPolicy.sampler`` says why). The torch code below is its twin and the CPU path.
     """
+    if any_sampled and _sampler_kernel(kernels, logp):
+        return sampling_kernels.draw(logp, greedy, seed_lo, seed_hi, index)
     choice = torch.argmax(logp, dim=-1)
     if not any_sampled:
         return choice
@@ -160,6 +174,18 @@ def draw(
     # whose exponential clock rings first, with rate p. float64 so u's 31 bits survive.
     keys = logp.double() - torch.log(-torch.log(u))
     return torch.where(greedy, choice, torch.argmax(keys, dim=-1))
+
+
+def _sampler_kernel(kernels: str, logp: torch.Tensor, *more: torch.Tensor) -> bool:
+    """Whether a draw over ``logp`` (and ``more`` rows beside it) takes the Triton
+    kernel under ``kernels``."""
+    if kernels not in KERNEL_MODES:
+        raise ValueError(f"kernel_policy.sampler={kernels!r}: choose from {KERNEL_MODES}")
+    if kernels == "auto":
+        # Not yet compiled on a GPU (KernelPolicy.sampler): the twin until its gpu tests
+        # have run there.
+        return False
+    return runs_triton(kernels, logp.device)
 
 
 # --- per-row reference definitions --------------------------------------------------
@@ -663,6 +689,7 @@ def sample_step(
     plan: DrawPlan,
     packed: torch.Tensor,
     drafted: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    kernels: str = "auto",
 ) -> torch.Tensor:
     """Sample every position of a step: ``logits [num_positions, vocab]`` (raw),
     ``packed`` the plan's buffer on the logits' device. Returns int64 on that device:
@@ -674,18 +701,22 @@ def sample_step(
     is :func:`speculative_choices` instead of the point-mass coupling of :func:`draw`.
     ``use`` (bool ``[M]``, or None for all): which of the ``M`` positions carry a
     distribution; the others keep :func:`draw`'s choice (a replayed graph passes every
-    draft slot of its static shape and flags the ones that carry ``q``)."""
+    draft slot of its static shape and flags the ones that carry ``q``).
+
+    ``kernels`` (``KernelPolicy.sampler``): where :func:`draw` runs as its Triton
+    kernel (see there); the tokens are the same either way."""
     cols = _columns(plan, packed)
     logp = process_step(logits, plan, packed)
     seed_lo, seed_hi = cols[:, _C["seed_lo"]].long(), cols[:, _C["seed_hi"]].long()
     index = cols[:, _C["index"]].long()
     choices = draw(
         logp, cols[:, _C["temperature"]] == 0, seed_lo, seed_hi, index,
-        any_sampled=plan.any_sampled,
+        any_sampled=plan.any_sampled, kernels=kernels,
     )
     if drafted is not None:
         pos, logq, drafts, use = drafted
-        spec = speculative_choices(logp[pos], logq, drafts, seed_lo[pos], seed_hi[pos], index[pos])
+        spec = speculative_choices(logp[pos], logq, drafts, seed_lo[pos], seed_hi[pos], index[pos],
+                                   kernels)
         if use is not None:
             spec = torch.where(use, spec, choices[pos])
         choices = choices.index_put((pos,), spec)
@@ -767,10 +798,17 @@ _ACCEPT_SALT = 0x5851F42D
 
 
 def draft_draw(
-    logq: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor, index: torch.Tensor
+    logq: torch.Tensor,
+    seed_lo: torch.Tensor,
+    seed_hi: torch.Tensor,
+    index: torch.Tensor,
+    kernels: str = "auto",
 ) -> torch.Tensor:
     """The drafter's sample from ``logq [N, vocab]`` (log-probabilities, any float
-    dtype; drawn in float64) -> ``[N]``."""
+    dtype; drawn in float64) -> ``[N]``. ``kernels`` as for :func:`draw`: the kernel
+    draws every row sampled, with the drafter's salted seed words."""
+    if _sampler_kernel(kernels, logq):
+        return sampling_kernels.draw(logq, None, seed_lo ^ _DRAFT_SALT, seed_hi, index)
     u = uniforms(seed_lo ^ _DRAFT_SALT, seed_hi, index, logq.shape[-1])
     return torch.argmax(logq.double() - torch.log(-torch.log(u)), dim=-1)
 
@@ -782,11 +820,23 @@ def speculative_choices(
     seed_lo: torch.Tensor,
     seed_hi: torch.Tensor,
     index: torch.Tensor,
+    kernels: str = "auto",
 ) -> torch.Tensor:
     """Per draft position: the draft ``drafts[i]`` if accepted (``u < p(x) / q(x)``), else
     a sample of the normalised residual ``max(0, p - q)``. ``logp`` / ``logq``: the
     target's processed and the drafter's log-probabilities ``[N, vocab]`` (any float
-    dtype: the test and the residual are computed in float64)."""
+    dtype: the test and the residual are computed in float64). ``kernels`` as for
+    :func:`draw`: the residual's draw then runs as one pass over both rows
+    (:func:`hybridserve.kernels.sampling.residual_draw`, the same tokens) and the
+    acceptance test reads the drafts' two values only, so no ``[N, vocab]`` table is
+    made; the torch code below is the twin."""
+    if _sampler_kernel(kernels, logp, logq):
+        x = drafts.long()[:, None]
+        u = uniforms_at(seed_lo ^ _ACCEPT_SALT, seed_hi, index, x)[:, 0]
+        # exp of the gathered values: the twin's gather of the exp'd tables, elementwise.
+        accept = u * logq.gather(1, x)[:, 0].double().exp() < logp.gather(1, x)[:, 0].double().exp()
+        choice = sampling_kernels.residual_draw(logp, logq, seed_lo, seed_hi, index)
+        return torch.where(accept, drafts.long(), choice)
     vocab = logp.shape[-1]
     p, q = logp.double().exp(), logq.double().exp()
     x = drafts.long()[:, None]

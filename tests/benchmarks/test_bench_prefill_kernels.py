@@ -37,3 +37,13 @@ def test_benchmark_smoke(tmp_path):
                      "windows every 64"]
     # bf16 outputs; the interpreter truncates where the GPU rounds: within a few ulps.
     assert all(m["rel_err"] < 1e-2 for m in record["conv"]["modes"])
+    # Each window mode through both writers (the slab writer and the full-grid baseline),
+    # the windows bit for bit the twin's.
+    windows = {m["mode"]: m["windows"] for m in record["conv"]["modes"]}
+    assert windows == {"no window asked": 0, "window mode, no window": 0,
+                       "windows at row ends": 2, "windows every 64": 4}
+    for m in record["conv"]["modes"][1:]:
+        for writer in ("slabs", "full_grid"):
+            assert m[writer]["median_ms"] > 0 and m[writer]["rel_err"] < 1e-2
+            assert m[writer]["windows_exact"] is True, (m["mode"], writer)
+    assert "full_grid" not in record["conv"]["modes"][0]

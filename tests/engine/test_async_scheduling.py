@@ -178,3 +178,58 @@ def test_abort_while_a_row_is_in_flight(tiny_granite):
     assert [o.request_id for o in outs] == ["b"] and len(outs[0].outputs[0].token_ids) == 30
     # No page is left held by the dropped row: every reference has a holder.
     eng.scheduler.check_integrity()
+
+
+def _saturated(engine: EngineCore, requests) -> tuple[dict, dict, int]:
+    """Every request arrives at once, more than the engine seats. Returns each request's
+    tokens, the step its first token came out in, and how many steps were launched
+    ahead while requests waited."""
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    done, first, ahead_waiting, step = {}, {}, 0, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.outputs[0].token_ids:
+                first.setdefault(out.request_id, step)
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        ahead_waiting += engine._inflight is not None and bool(engine.scheduler.waiting)
+        step += 1
+        assert step < 1000
+    engine.scheduler.check_integrity()
+    return done, first, ahead_waiting
+
+
+def test_saturated_engine_goes_ahead_and_admits_on_time(tiny_granite):
+    """All seats taken and requests waiting: plain decode steps still go ahead (the next
+    ordinary step could not admit a waiting request either). Length caps free seats
+    knowably, so with no stop token every request is admitted in the step the
+    step-by-step engine admits it in, and gets its tokens."""
+    rng = random.Random(7)
+    requests = [
+        (f"r{i}", [rng.randrange(3, 256) for _ in range(rng.randint(2, 20))],
+         SamplingParams(temperature=0.0, max_tokens=rng.randint(3, 14), ignore_eos=True))
+        for i in range(7)
+    ]
+    kw = dict(max_num_seqs=2, max_model_len=64)
+    sync_done, sync_first, _ = _saturated(_engine(tiny_granite, False, **kw), requests)
+    done, first, ahead_waiting = _saturated(_engine(tiny_granite, True, **kw), requests)
+    assert ahead_waiting > 5
+    assert done == sync_done and first == sync_first
+
+
+def test_saturated_engine_with_stop_tokens_gives_the_step_by_step_tokens(tiny_granite):
+    """Stop tokens free seats only once read back: the request waiting for one is
+    admitted a step later, with the same tokens."""
+    rng = random.Random(3)
+    requests = [
+        (f"r{i}", [rng.randrange(3, 256) for _ in range(rng.randint(2, 20))],
+         SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=20,
+                        ignore_eos=True, stop_token_ids=list(range(3, 40))))
+        for i in range(7)
+    ]
+    kw = dict(max_num_seqs=2, max_model_len=64)
+    sync_done, _, _ = _saturated(_engine(tiny_granite, False, **kw), requests)
+    done, _, ahead_waiting = _saturated(_engine(tiny_granite, True, **kw), requests)
+    assert ahead_waiting > 0
+    assert done == sync_done

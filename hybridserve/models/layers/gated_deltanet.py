@@ -330,6 +330,7 @@ class GatedDeltaNet(RecurrentLayer):
             self.p.activation,
             plan.token_row,
             out_pages=plan.token_out_pages,
+            window_tokens=plan.window_tokens,
         )
         q, k, v = self.split_qkv(x, compute)
         # The host row starts (a graph step's are its padded shape's): no device read.

@@ -308,8 +308,6 @@ class Mamba2Mixer(RecurrentLayer):
         ``x [T, H, P]``, ``B, C [T, G, N]``."""
         p = self.p
         conv = conv_varlen if fast else conv_varlen_reference
-        # A step that asks for no state asks for no window: the conv then skips that mode.
-        windows = plan.out_pages is None or plan.out_pages.numel() > 0
         xbc = conv(
             # The kernel takes rows at any stride (a column slice of the projection).
             xbc if fast else xbc.contiguous(),
@@ -320,7 +318,10 @@ class Mamba2Mixer(RecurrentLayer):
             plan.in_pages,
             p.activation,
             plan.token_row,
-            out_pages=plan.token_out_pages if windows else None,
+            out_pages=plan.token_out_pages,
+            # The tokens with a window (host-planned; a step that asks for no state has
+            # none, and the conv launches no writer); None on a graph step.
+            window_tokens=plan.window_tokens,
         )
         return self._split_heads(xbc)
 
