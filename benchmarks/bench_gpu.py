@@ -75,6 +75,7 @@ from hybridserve.kernels import (  # noqa: E402
     paged_attention,
     paged_attention_prefill,
     sampling,
+    ssd_chunk_states,
     ssd_chunked,
     ssd_tails,
     ssd_two_pass,
@@ -1723,13 +1724,21 @@ def check_ssd_prefill(shape, step, dtype, device, seed, chunk_states=False):
     }
 
 
-def check_ssd_fused(shape, step, dtype, device, seed, two_pass=False):
-    """``ssd_prefill`` on the fused scan (``ssd_chunked.ssd_scan_fused``, or with
-    ``two_pass`` the default ``ssd_two_pass.ssd_scan_two_pass``: bf16 x / B / C and the raw
-    dt as the mixer passes them) against the same on its torch twin, states at every grid
-    point and row end of a mixed step."""
-    scan = ssd_two_pass.ssd_scan_two_pass if two_pass else ssd_chunked.ssd_scan_fused
-    label = "two-pass scan" if two_pass else "fused scan"
+# The fused scans that check_ssd_fused takes: name -> (scan, label).
+FUSED_SCANS = {
+    "fused": (ssd_chunked.ssd_scan_fused, "fused scan"),
+    "two_pass": (ssd_two_pass.ssd_scan_two_pass, "two-pass scan"),
+    "chunk_states": (ssd_chunk_states.ssd_scan_chunk_states, "chunk-state scan"),
+}
+
+
+def check_ssd_fused(shape, step, dtype, device, seed, scan="fused"):
+    """``ssd_prefill`` on a fused scan (``FUSED_SCANS[scan]``: the one-launch
+    ``ssd_chunked.ssd_scan_fused``, the default ``ssd_two_pass.ssd_scan_two_pass`` or
+    ``ssd_chunk_states.ssd_scan_chunk_states``; bf16 x / B / C and the raw dt as the mixer
+    passes them) against the same on its torch twin, states at every grid point and row
+    end of a mixed step."""
+    scan, label = FUSED_SCANS[scan]
     g, h = _generators(seed, device)
     specs, (x, _, A, B, C, D, init), shapes = _ssd_inputs(g, h, shape, step, device)
     dt, dt_bias, _ = _mamba_raw_dt_A(g, x.shape[0], x.shape[1], device, torch.bfloat16)
@@ -2196,7 +2205,9 @@ KERNEL_CHECKS = [
     ("ssd_prefill", "ssd_varlen", check_ssd_prefill, {}),
     ("ssd_prefill (chunk states)", "ssd_varlen", check_ssd_prefill, {"chunk_states": True}),
     ("ssd_prefill (fused scan)", "ssd_chunked", check_ssd_fused, {}),
-    ("ssd_prefill (two-pass scan)", "ssd_two_pass", check_ssd_fused, {"two_pass": True}),
+    ("ssd_prefill (two-pass scan)", "ssd_two_pass", check_ssd_fused, {"scan": "two_pass"}),
+    ("ssd_prefill (chunk-state scan)", "ssd_chunk_states", check_ssd_fused,
+     {"scan": "chunk_states"}),
     ("ssd_tail_states", "ssd_tails", check_ssd_tails, {}),
     ("rms_norm", "norms", check_rms_norm, {}),
     ("add_rms_norm", "norms", check_add_rms_norm, {}),

@@ -11,6 +11,12 @@ Measured in one run (benchmarks/results/INDEX.md says how), kernel medians from 
                       states straight into their pages), its defaults, then a sweep of
                       both passes' tiles and warps and the product precisions, and of
                       output chunks of 128 tokens (``out_chunk=128``);
+           ``chunk_states``  the same through the three-launch scan
+                      (:mod:`hybridserve.kernels.ssd_chunk_states`,
+                      ``packed_prefill="chunk_states"``: every chunk's local state in
+                      parallel, an elementwise state passing, the two-pass output pass),
+                      its defaults (also by kernel), a sweep of its local-state and
+                      state-passing tiles, and output chunks of 128 tokens;
            ``fused``  the same through the one-launch scan
                       (:mod:`hybridserve.kernels.ssd_chunked`, ``packed_prefill="fused"``),
                       its defaults and a few tiles and precisions (``split``: 16-bit
@@ -62,7 +68,12 @@ import triton  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from provenance import device_label, git_commit, result_writer  # noqa: E402
 
-from hybridserve.kernels import ssd_chunked, ssd_two_pass, ssd_varlen  # noqa: E402
+from hybridserve.kernels import (  # noqa: E402
+    ssd_chunk_states,
+    ssd_chunked,
+    ssd_two_pass,
+    ssd_varlen,
+)
 from hybridserve.kernels.conv_varlen import (  # noqa: E402
     conv_varlen,
     conv_varlen_reference,
@@ -91,6 +102,27 @@ FULL = dict(heads=128, head_dim=64, groups=8, d_state=128, conv_dim=10240, d_con
             # The two-pass scan's output pass over 128-token chunks (the state pass still
             # stores every 64): (output block_p, its warps); the state pass at its default.
             two_pass_128_variants=((32, 8), (64, 8), (32, 4)),  # output 255 (8), (104), (216)
+            # Chunk-state scan: (output block_p, its warps, local-state block_p x block_n,
+            # its warps, state-passing block (entries of the flattened state), its warps,
+            # precision); the first row its defaults (guesses: none of these has run on a
+            # GPU yet). Registers a thread in sm_90 builds (Triton 3.9, none spill): local
+            # states 80 at 64 x 128 / 8, 124 at 64 x 128 / 4 and 64 x 64 / 4, 156 at
+            # 32 x 128 / 4, 80 at 32 x 64 / 4; state passing 40 at 1,024 / 4, 69 at
+            # 1,024 / 2, 71 at 2,048 / 4 and 512 / 1, 82 at 4,096 / 8.
+            chunk_states_variants=(
+                (64, 4, 64, 128, 8, 1024, 4, "split"),
+                (64, 4, 64, 128, 4, 1024, 4, "split"),
+                (64, 4, 32, 128, 4, 1024, 4, "split"),
+                (64, 4, 64, 64, 4, 1024, 4, "split"),
+                (64, 4, 32, 64, 4, 1024, 4, "split"),
+                (64, 4, 64, 128, 8, 2048, 4, "split"),
+                (64, 4, 64, 128, 8, 4096, 8, "split"),
+                (64, 4, 64, 128, 8, 512, 1, "split"),
+                (64, 4, 64, 128, 8, 1024, 2, "split"),
+                (64, 4, 64, 128, 8, 1024, 4, "tf32"),
+            ),
+            # Its output pass over 128-token chunks: (output block_p, its warps).
+            chunk_states_128_variants=((32, 8), (64, 8)),
             # One-launch scan: (block_p, warps, precision).
             ssd_variants=((64, 8, "split"), (32, 4, "split"), (64, 8, "tf32")),
             conv_tiles=((32, 128, None), (32, 128, 4), (64, 128, 8), (16, 256, 8),
@@ -100,6 +132,8 @@ SMOKE = dict(heads=4, head_dim=16, groups=2, d_state=16, conv_dim=48, d_conv=4,
                   True)),
              conv_rows=(2, 70), reps=1, check_groups=1,
              two_pass_variants=((16, 4, 16, 16, 4, "ieee"),), two_pass_128_variants=((16, 4),),
+             chunk_states_variants=((16, 4, 16, 16, 4, 64, 4, "ieee"),),
+             chunk_states_128_variants=((16, 4),),
              ssd_variants=((16, 4, "ieee"),),
              conv_tiles=((32, 64, None),))
 
@@ -250,6 +284,18 @@ def _ssd_case(cfg, name, rows, length, every64, device, reps, use_fla):
         {"out_chunk": 128, "block_p": bp, "num_warps": w,
          **measure(two_pass, out_chunk=128, block_p=bp, num_warps=w)}
         for bp, w in cfg["two_pass_128_variants"]]}
+    chunked = ssd_chunk_states.ssd_scan_chunk_states
+    out["chunk_states"] = {
+        "scan": chunked.__name__, **measure(chunked),
+        "kernels_ms": _kernel_breakdown(lambda: run(chunked), reps, device),
+        "variants": [
+            {**kw, **measure(chunked, **kw)} for kw in (
+                dict(block_p=bp, num_warps=w, local_block_p=lbp, local_block_n=lbn,
+                     local_warps=lw, pass_block=pb, pass_warps=pw, precision=pr)
+                for bp, w, lbp, lbn, lw, pb, pw, pr in cfg["chunk_states_variants"])] + [
+            {"out_chunk": 128, "block_p": bp, "num_warps": w,
+             **measure(chunked, out_chunk=128, block_p=bp, num_warps=w)}
+            for bp, w in cfg["chunk_states_128_variants"]]}
     fused = ssd_chunked.ssd_scan_fused
     out["fused"] = {"scan": fused.__name__, **measure(fused), "variants": [
         {**kw, **measure(fused, **kw)} for kw in (
@@ -355,6 +401,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = SMOKE if a.smoke or device == "cpu" else FULL
     if a.quick:
         cfg = {**cfg, "two_pass_variants": (), "two_pass_128_variants": (), "ssd_variants": (),
+               "chunk_states_variants": (), "chunk_states_128_variants": (),
                "conv_tiles": cfg["conv_tiles"][:1]}
     use_fla = device == "cuda" and ssd_varlen.fla_available()
     started = time.time()

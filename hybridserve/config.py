@@ -224,6 +224,14 @@ def runs_triton(mode: str, device: torch.device | str) -> bool:
     return mode == "triton" or (mode == "auto" and torch.device(device).type == "cuda")
 
 
+def runs_unchecked(mode: str, device: torch.device | str) -> bool:
+    """Whether a path in ``mode`` (``"auto"`` / ``"on"`` / ``"off"``) whose kernels have
+    not yet been compiled on a GPU is taken on ``device``: ``"on"`` everywhere, ``"off"``
+    nowhere, ``"auto"`` everywhere but CUDA (the CPU tests run it under the interpreter,
+    which accepts programs the compiler may not) until its ``gpu`` test has run there."""
+    return mode == "on" or (mode == "auto" and torch.device(device).type != "cuda")
+
+
 @dataclass(frozen=True, slots=True)
 class KernelPolicy:
     """Which implementation each op of a forward takes. One per engine: the model gets it
@@ -254,6 +262,10 @@ class KernelPolicy:
       :mod:`hybridserve.kernels.ssd_two_pass` (a state pass, then every chunk's outputs
       in parallel); ``"fused"`` through the one-launch scan of
       :mod:`hybridserve.kernels.ssd_chunked` (one program walks all chunks of its row);
+      ``"chunk_states"`` through the three-launch scan of
+      :mod:`hybridserve.kernels.ssd_chunk_states` (every chunk's local state in parallel,
+      an elementwise state passing, the two-pass scan's output pass; opt-in until an H200
+      run times it against the two-pass default);
       ``"reference"`` with their torch twin anywhere; ``"fla"`` on CUDA through
       fla-core's scan (groups expanded to heads, float32 copies of the inputs: the
       comparison point). Otherwise rows go one by one (the oracle).
@@ -295,6 +307,16 @@ class KernelPolicy:
       graph, but 184 / 580 against 157 / 411 us at 64 rows and 697 / 2,326 against
       599 / 1,619 us at 256 (every program of a group recomputes the group's B and C);
       rows between 1 and 64 were not measured.
+    - ``attention_splits``: the decode attention splits a row's keys across programs
+      where (row, KV head) programs are too few to fill the GPU
+      (:func:`~hybridserve.kernels.paged_attention.decode_splits`), ``"on"`` / ``"off"``;
+      ``"auto"`` as :func:`runs_unchecked` says (not yet compiled on a GPU; its `gpu`
+      test is in ``tests/kernels/test_paged_attention.py``).
+    - ``conv_window_slabs``: eager prefill steps write their conv windows with the
+      writer over the window tokens only (:mod:`hybridserve.kernels.conv_varlen`'s slab
+      writer), ``"on"`` / ``"off"`` (the full-grid writer, which CUDA-graph steps take
+      either way); ``"auto"`` as :func:`runs_unchecked` says (its `gpu` test is in
+      ``tests/kernels/test_conv_varlen.py``).
     - ``sampler``: the sampled draws (:func:`hybridserve.runner.sampler.draw`, the
       drafter's :func:`~hybridserve.runner.sampler.draft_draw`, the residual sample of
       :func:`~hybridserve.runner.sampler.speculative_choices`) as one Triton pass over
@@ -322,9 +344,12 @@ class KernelPolicy:
     drafter_graphs: str = "auto"
     logq_graphs: str = "auto"
     sampler: str = "auto"
+    attention_splits: str = "auto"
+    conv_window_slabs: str = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("short_graphs", "drafter_graphs", "logq_graphs"):
+        for name in ("short_graphs", "drafter_graphs", "logq_graphs", "attention_splits",
+                     "conv_window_slabs"):
             if getattr(self, name) not in ("auto", "on", "off"):
                 raise ValueError(
                     f"kernel_policy.{name}={getattr(self, name)!r}: choose from ('auto', 'on', 'off')"
@@ -334,7 +359,7 @@ class KernelPolicy:
             if value not in KERNEL_MODES:
                 raise ValueError(f"kernel_policy.{name}={value!r}: choose from {KERNEL_MODES}")
         for name, modes in (("short_rows", PATH_MODES),
-                            ("packed_prefill", (*PATH_MODES, "fused", "fla"))):
+                            ("packed_prefill", (*PATH_MODES, "fused", "chunk_states", "fla"))):
             value = getattr(self, name)
             if value not in modes:
                 raise ValueError(f"kernel_policy.{name}={value!r}: choose from {modes}")

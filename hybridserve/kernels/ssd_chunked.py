@@ -318,13 +318,20 @@ def _chunk_outputs(cv, bv, xv, cum, d, ST, q, SPLIT: tl.constexpr, PRECISION: tl
 
 
 @triton.jit
+def _local_state(bv, xf, cum, total, d, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+                 DOT16: tl.constexpr):
+    """The transposed state a chunk leaves from a zero state: ``B^T (x exp(total - cum)
+    dt)`` (``xf`` the chunk's x in float32)."""
+    w = tl.exp(total - cum) * d
+    return _dot_split(tl.trans(bv), xf * w[:, None], SPLIT, PRECISION, DOT16)
+
+
+@triton.jit
 def _state_step(ST, bv, xf, cum, total, d, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
                 DOT16: tl.constexpr):
     """The transposed state after a chunk: ``exp(total) ST + B^T (x exp(total - cum) dt)``
     (``xf`` the chunk's x in float32)."""
-    w = tl.exp(total - cum) * d
-    return ST * tl.exp(total) + _dot_split(tl.trans(bv), xf * w[:, None], SPLIT, PRECISION,
-                                           DOT16)
+    return ST * tl.exp(total) + _local_state(bv, xf, cum, total, d, SPLIT, PRECISION, DOT16)
 
 
 @triton.jit

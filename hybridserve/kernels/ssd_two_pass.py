@@ -36,7 +36,9 @@ is the state after the sequence's token ``CHUNK j - 1``: the checkpoint grid.
 Compared with a split into a parallel local-state kernel and a separate state-passing
 kernel, the state pass reads ``x`` and ``B`` of a chunk (24 KiB per head at bf16,
 head_dim 64, state 128) instead of writing a local float32 state (32 KiB) and reading it
-back: two trips of the state scratch through memory instead of four.
+back: two trips of the state scratch through memory instead of four
+(:mod:`~hybridserve.kernels.ssd_chunk_states` is that split, built to time against this
+scan; it shares this module's slot stores and output pass).
 
 The scratch's size comes from host-known shapes only (``chunk_slot`` has one entry per
 chunk) and the chunk -> sequence map is computed on the device, so a call makes no host
@@ -84,6 +86,32 @@ def _chunk_tile(base_ptr, tok_stride, q, cols, tm, cmask):
     0 off ``tm`` x ``cmask``. The offsets are int32 off the scalar int64 base."""
     return tl.load(base_ptr + (q[:, None] * tok_stride + cols[None, :]),
                    mask=tm[:, None] & cmask[None, :], other=0.0)
+
+
+@triton.jit
+def _store_incoming(ST, c, j, chunk_slot_ptr, states_ptr, chunk_states_ptr, start_slot_ptr,
+                    starts_ptr, heads, state_size, head_base, block, smask,
+                    HAS_STARTS: tl.constexpr, READ_SLOTS: tl.constexpr, OUT_EVERY: tl.constexpr):
+    """Store ``ST``, the incoming state of flat chunk ``c`` (its row's chunk ``j``): to its
+    slot of ``states`` when asked for, to row ``c`` of the scratch for the output pass
+    (which reads the states before every ``OUT_EVERY``-th chunk only) unless that pass
+    reads the slot (``READ_SLOTS``: float32 states, the same values), and to its row of
+    ``starts`` when asked for."""
+    slot = tl.load(chunk_slot_ptr + c).to(tl.int64)
+    if slot >= 0:
+        _store_state(states_ptr, slot, heads, state_size, head_base, block, ST, smask)
+    if j % OUT_EVERY == 0:
+        if READ_SLOTS:
+            if slot < 0:
+                _store_state(chunk_states_ptr, c, heads, state_size, head_base, block, ST,
+                             smask)
+        else:
+            _store_state(chunk_states_ptr, c, heads, state_size, head_base, block, ST, smask)
+    if HAS_STARTS:
+        start_slot = tl.load(start_slot_ptr + c).to(tl.int64)
+        if start_slot >= 0:
+            _store_state(starts_ptr, start_slot, heads, state_size, head_base, block, ST,
+                         smask)
 
 
 @triton.jit
@@ -159,24 +187,9 @@ def _ssd_state_pass_kernel(
                         HAS_INIT, BLOCK_N, BLOCK_P)
     for j in range(0, tl.cdiv(eos - bos, CHUNK)):
         c = first + j
-        # The incoming state of chunk c: to its slot when asked for, and for the output
-        # pass to the scratch, unless it reads the slot (float32 states: the same values).
-        slot = tl.load(chunk_slot_ptr + c).to(tl.int64)
-        if slot >= 0:
-            _store_state(states_ptr, slot, heads, state_size, head_base, block, ST, smask)
-        # (The output pass reads the states before every OUT_EVERY-th chunk only.)
-        if j % OUT_EVERY == 0:
-            if READ_SLOTS:
-                if slot < 0:
-                    _store_state(chunk_states_ptr, c, heads, state_size, head_base, block, ST,
-                                 smask)
-            else:
-                _store_state(chunk_states_ptr, c, heads, state_size, head_base, block, ST, smask)
-        if HAS_STARTS:
-            start_slot = tl.load(start_slot_ptr + c).to(tl.int64)
-            if start_slot >= 0:
-                _store_state(starts_ptr, start_slot, heads, state_size, head_base, block, ST,
-                             smask)
+        _store_incoming(ST, c, j, chunk_slot_ptr, states_ptr, chunk_states_ptr, start_slot_ptr,
+                        starts_ptr, heads, state_size, head_base, block, smask, HAS_STARTS,
+                        READ_SLOTS, OUT_EVERY)
         # Token offsets inside the chunk in int32 off scalar int64 bases: int64 address
         # tensors kept across the loop would take the registers the products need.
         start = bos + j * CHUNK
@@ -330,9 +343,55 @@ def ssd_scan_two_pass(
     tokens, heads, head_dim = x.shape
     groups, d_state = B.shape[1], B.shape[2]
     seqs = cu_seqlens.shape[0] - 1
-    chunks = chunk_slot.shape[0]
     if seqs == 0 or tokens == 0:
         return y, dt_out
+    first_chunk, chunk_seq, chunk_states = _scratch(x, B, cu_seqlens, chunk_slot,
+                                                    cu_seqlens_cpu, first_chunk, out_chunk)
+    width = max(16, triton.next_power_of_2(head_dim))
+    block_n = max(16, triton.next_power_of_2(d_state))
+    # Defaults timed on the H200 (``prefill_kernels.json``, 8B layer: head_dim 64, state
+    # 128, bf16 inputs). The state pass walks its row's chunks in order, so its programs
+    # are heads x tiles x rows: with many rows, small tiles at 4 warps (32 x 64: 3.90 ms
+    # for 8 x 4,096 against 5.07 at 32 x 128 / 8 warps); with few rows, one tile of the
+    # whole state at 8 warps (64 x 128: 1.30 ms for 1 x 8,192 against 1.55 at 32 x 64;
+    # it spills 232 bytes a thread and still wins).
+    many_rows = seqs * heads >= STATE_PASS_MANY_PROGRAMS
+    state_block_p = max(16, min(state_block_p or (32 if many_rows else 64), width))
+    state_block_n = max(16, min(state_block_n or (64 if many_rows else 128), block_n))
+    state_warps = state_warps or (4 if many_rows else 8)
+    unclamped, dt_min, dt_max = _dt_limits(unclamped, time_step_limit)
+    products = _products(split, precision)
+    state_blocks = triton.cdiv(head_dim, state_block_p) * triton.cdiv(d_state, state_block_n)
+    _ssd_state_pass_kernel[(heads * state_blocks, seqs)](
+        x, x.stride(0), x.stride(1), dt, dt.stride(0), dt_bias, A,
+        B, B.stride(0), B.stride(1),
+        unclamped if unclamped is not None else final_slot,
+        cu_seqlens, first_chunk,
+        initial_states if initial_states is not None else states,
+        chunk_slot, final_slot, states,
+        start_slot if start_slot is not None else chunk_slot,
+        starts if starts is not None else states, chunk_states, dt_out,
+        heads, head_dim, d_state, heads // groups, dt_min, dt_max,
+        CHUNK=CHUNK, BLOCK_P=state_block_p, BLOCK_N=state_block_n,
+        HAS_INIT=initial_states is not None, CLAMP=time_step_limit is not None,
+        HAS_UNCLAMPED=unclamped is not None, HAS_STARTS=starts is not None,
+        READ_SLOTS=_reads_slots(states), OUT_EVERY=out_chunk // CHUNK, num_warps=state_warps,
+        **products,
+    )
+    _output_pass(x, A, B, C, D, cu_seqlens, first_chunk, chunk_seq, chunk_slot, states,
+                 chunk_states, dt_out, y, out_chunk, block_p, num_warps, products)
+    return y, dt_out
+
+
+def _scratch(x, B, cu_seqlens, chunk_slot, cu_seqlens_cpu, first_chunk, out_chunk):
+    """What the passes of a chunked scan share, from host-known shapes (no host read when
+    ``first_chunk`` is given): ``(first_chunk, chunk_seq, chunk_states)``, the first flat
+    chunk of every row (computed from ``cu_seqlens_cpu`` or ``cu_seqlens`` when None), the
+    row of every flat chunk, and the uninitialised float32 scratch of chunk states
+    ``[chunks, H, P, N]`` (``chunks``: ``chunk_slot``'s length). Checks ``out_chunk`` and
+    the chunk count (at most 65,535: a grid axis)."""
+    chunks = chunk_slot.shape[0]
+    tokens, heads, head_dim = x.shape
     if out_chunk not in (CHUNK, 2 * CHUNK):
         raise ValueError(f"out_chunk must be {CHUNK} or {2 * CHUNK}, got {out_chunk}")
     if chunks > 65535:  # the output pass's grid axis 1
@@ -348,56 +407,47 @@ def ssd_scan_two_pass(
     chunk_seq = torch.searchsorted(
         first_chunk[1:], torch.arange(chunks, dtype=first_chunk.dtype, device=x.device),
         right=True)
-    chunk_states = torch.empty(chunks, heads, head_dim, d_state, dtype=torch.float32,
+    chunk_states = torch.empty(chunks, heads, head_dim, B.shape[2], dtype=torch.float32,
                                device=x.device)
-    width = max(16, triton.next_power_of_2(head_dim))
-    block_n = max(16, triton.next_power_of_2(d_state))
-    # Defaults timed on the H200 (``prefill_kernels.json``, 8B layer: head_dim 64, state
-    # 128, bf16 inputs). The state pass walks its row's chunks in order, so its programs
-    # are heads x tiles x rows: with many rows, small tiles at 4 warps (32 x 64: 3.90 ms
-    # for 8 x 4,096 against 5.07 at 32 x 128 / 8 warps); with few rows, one tile of the
-    # whole state at 8 warps (64 x 128: 1.30 ms for 1 x 8,192 against 1.55 at 32 x 64;
-    # it spills 232 bytes a thread and still wins). The output pass at 64 and 4 warps takes
-    # 255 registers and spills 40 bytes (32 wide: 194 and none, but C B^T twice; 5.37 ms).
-    many_rows = seqs * heads >= STATE_PASS_MANY_PROGRAMS
-    state_block_p = max(16, min(state_block_p or (32 if many_rows else 64), width))
-    state_block_n = max(16, min(state_block_n or (64 if many_rows else 128), block_n))
-    state_warps = state_warps or (4 if many_rows else 8)
-    block_p = max(16, min(block_p or 64, width))
-    num_warps = num_warps or 4
-    unclamped, dt_min, dt_max = _dt_limits(unclamped, time_step_limit)
-    # A float32 state stored to its slot is the chunk's incoming state exactly: the output
-    # pass reads it there, and the scratch row stays unwritten (a checkpoint every chunk
-    # then costs no state traffic beyond the pages').
-    read_slots = states.dtype == torch.float32
+    return first_chunk, chunk_seq, chunk_states
+
+
+def _reads_slots(states: torch.Tensor) -> bool:
+    """Whether the output pass reads a chunk state stored to a slot from there: a float32
+    state stored to its slot is the chunk's incoming state exactly, so the scratch row
+    stays unwritten (a checkpoint every chunk then costs no state traffic beyond the
+    pages')."""
+    return states.dtype == torch.float32
+
+
+def _products(split: bool, precision: str) -> dict:
+    """The constexprs of the products (``_prepare``'s ``split`` and ``precision``); 16-bit
+    dot operands only when compiled (the interpreter multiplies them wrongly)."""
     dot16 = os.environ.get("TRITON_INTERPRET", "0") != "1"
-    products = dict(PRECISION="tf32" if split else precision, SPLIT=split, DOT16=dot16)
-    state_blocks = triton.cdiv(head_dim, state_block_p) * triton.cdiv(d_state, state_block_n)
-    _ssd_state_pass_kernel[(heads * state_blocks, seqs)](
-        x, x.stride(0), x.stride(1), dt, dt.stride(0), dt_bias, A,
-        B, B.stride(0), B.stride(1),
-        unclamped if unclamped is not None else final_slot,
-        cu_seqlens, first_chunk,
-        initial_states if initial_states is not None else states,
-        chunk_slot, final_slot, states,
-        start_slot if start_slot is not None else chunk_slot,
-        starts if starts is not None else states, chunk_states, dt_out,
-        heads, head_dim, d_state, heads // groups, dt_min, dt_max,
-        CHUNK=CHUNK, BLOCK_P=state_block_p, BLOCK_N=state_block_n,
-        HAS_INIT=initial_states is not None, CLAMP=time_step_limit is not None,
-        HAS_UNCLAMPED=unclamped is not None, HAS_STARTS=starts is not None,
-        READ_SLOTS=read_slots, OUT_EVERY=out_chunk // CHUNK, num_warps=state_warps,
-        **products,
+    return dict(PRECISION="tf32" if split else precision, SPLIT=split, DOT16=dot16)
+
+
+def _output_pass(x, A, B, C, D, cu_seqlens, first_chunk, chunk_seq, chunk_slot, states,
+                 chunk_states, dt_out, y, out_chunk, block_p, num_warps, products):
+    """Launch the output pass (:func:`_ssd_output_kernel`) over every output chunk: it
+    writes ``y`` from the incoming states (their slots or ``chunk_states``) and
+    ``dt_out``. ``block_p`` / ``num_warps``: its tile and warps (None: 64 and 4)."""
+    tokens, heads, head_dim = x.shape
+    groups, d_state = B.shape[1], B.shape[2]
+    chunks = chunk_slot.shape[0]
+    if not chunks:
+        return
+    # 64 and 4 warps timed best on the H200 (``prefill_kernels.json``, 8B layer): 255
+    # registers, 40 bytes spilled (32 wide: 194 and none, but C B^T twice; 5.37 ms).
+    block_p = max(16, min(block_p or 64, max(16, triton.next_power_of_2(head_dim))))
+    block_n = max(16, triton.next_power_of_2(d_state))
+    _ssd_output_kernel[(heads * triton.cdiv(head_dim, block_p), chunks)](
+        x, x.stride(0), x.stride(1), A, D if D is not None else A,
+        B, B.stride(0), B.stride(1), C, C.stride(0), C.stride(1),
+        cu_seqlens, first_chunk, chunk_seq, chunk_slot, states, chunk_states, dt_out, y,
+        heads, head_dim, d_state, heads // groups,
+        CHUNK=CHUNK, OUT_EVERY=out_chunk // CHUNK, BLOCK_P=block_p, BLOCK_N=block_n,
+        HAS_D=D is not None,
+        READ_SLOTS=_reads_slots(states),
+        num_warps=num_warps or 4, **products,
     )
-    if chunks:
-        _ssd_output_kernel[(heads * triton.cdiv(head_dim, block_p), chunks)](
-            x, x.stride(0), x.stride(1), A, D if D is not None else A,
-            B, B.stride(0), B.stride(1), C, C.stride(0), C.stride(1),
-            cu_seqlens, first_chunk, chunk_seq, chunk_slot, states, chunk_states, dt_out, y,
-            heads, head_dim, d_state, heads // groups,
-            CHUNK=CHUNK, OUT_EVERY=out_chunk // CHUNK, BLOCK_P=block_p, BLOCK_N=block_n,
-            HAS_D=D is not None,
-            READ_SLOTS=read_slots,
-            num_warps=num_warps, **products,
-        )
-    return y, dt_out

@@ -54,7 +54,9 @@ inside, adds the D skip, and stores the requested row ends and chunk states itse
 the rows of a buffer or straight into their pages (``out_cache``); :func:`is_fused` tells
 it from the plain primitive above. :mod:`~hybridserve.kernels.ssd_two_pass` (the default)
 does the same in two launches, a sequential state pass and then the outputs of every
-chunk in parallel, with the same contract and the same twin. A fused scan needs a plan
+chunk in parallel, and :mod:`~hybridserve.kernels.ssd_chunk_states` in three (every
+chunk's local state in parallel, an elementwise state passing, the same output pass),
+with the same contract and the same twin. A fused scan needs a plan
 with its chunk (:data:`SCAN_CHUNK`), whose :class:`Segments` then also say where each
 state goes. The two-scan design below stays for plain primitives without chunk states.
 
@@ -78,7 +80,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hybridserve.kernels import ssd_chunked, ssd_two_pass
+from hybridserve.kernels import ssd_chunk_states, ssd_chunked, ssd_two_pass
 from hybridserve.kernels.ssd import discretize_dt, heads_from_groups, ssd_chunked_reference
 from hybridserve.kernels.ssd_tails import ssd_tail_states, ssd_tail_states_reference
 from hybridserve.kernels.transfer import upload_lists
@@ -288,10 +290,11 @@ def chunk_states_supported(scan: ScanFn) -> bool:
 
 
 def is_fused(scan: ScanFn) -> bool:
-    """Whether ``scan`` is a fused scan of :mod:`~hybridserve.kernels.ssd_chunked` or
-    :mod:`~hybridserve.kernels.ssd_two_pass` (raw dt, the D skip, states into slots)
-    rather than the plain scan primitive."""
+    """Whether ``scan`` is a fused scan of :mod:`~hybridserve.kernels.ssd_chunked`,
+    :mod:`~hybridserve.kernels.ssd_two_pass` or :mod:`~hybridserve.kernels.ssd_chunk_states`
+    (raw dt, the D skip, states into slots) rather than the plain scan primitive."""
     return getattr(scan, "func", scan) in (ssd_two_pass.ssd_scan_two_pass,
+                                           ssd_chunk_states.ssd_scan_chunk_states,
                                            ssd_chunked.ssd_scan_fused,
                                            ssd_chunked.ssd_scan_fused_reference)
 

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridserve.config import KernelPolicy
-from hybridserve.kernels import ssd_chunked, ssd_two_pass, ssd_varlen
+from hybridserve.config import KernelPolicy, runs_unchecked
+from hybridserve.kernels import ssd_chunk_states, ssd_chunked, ssd_two_pass, ssd_varlen
 from hybridserve.kernels.conv_varlen import token_rows, window_token_list
 from hybridserve.kernels.gdn_varlen import VarlenPlan
 from hybridserve.kernels.transfer import upload_lists as upload
@@ -72,7 +72,8 @@ class StatePlan:
     - ``window_tokens [W]`` int32 (``SHORT`` and ``PACKED``): the tokens that have an
       output page, ascending (:func:`~hybridserve.kernels.conv_varlen.window_token_list`),
       so the conv writes its windows over those tokens only; None where the pages exist
-      only on the device (a CUDA-graph step: the conv's full-grid writer).
+      only on the device (a CUDA-graph step) or ``KernelPolicy.conv_window_slabs`` does
+      not take that writer: the conv's full-grid writer.
 
     ``PACKED`` only: ``init_rows`` / ``init_pages`` (int64) the non-empty rows that start
     from a stored state and their pages, ``out_pages [K]`` (int64) the state requests'
@@ -118,6 +119,8 @@ def packed_scan(policy: KernelPolicy, device: torch.device, compute: torch.dtype
         return ssd_two_pass.ssd_scan_two_pass
     if mode == "fused":
         return ssd_chunked.ssd_scan_fused
+    if mode == "chunk_states":
+        return ssd_chunk_states.ssd_scan_chunk_states
     if mode == "fla" and ssd_varlen.fla_available():
         return ssd_varlen.ssd_scan_varlen_fla
     return None
@@ -164,10 +167,13 @@ def plan_states(
         if not batch.writes_only_unread_pages() or batch.num_tokens == 0:
             return plan
         out_host = batch.token_out_pages()
-        start, pages, outs, windows = upload(
-            [batch.query_start, batch.state_in_page, out_host, window_token_list(out_host)],
+        slabs = runs_unchecked(policy.conv_window_slabs, device)
+        start, pages, outs, *windows = upload(
+            [batch.query_start, batch.state_in_page, out_host]
+            + ([window_token_list(out_host)] if slabs else []),
             torch.int32, device,
         )
+        windows = windows[0] if slabs else None
         token_row = token_rows(start, batch.num_tokens)
     else:
         start, pages, outs, token_row, windows = (
@@ -206,9 +212,12 @@ def _plan_states(
         for t in single:
             flags[t] = 1
         out_host = batch.token_out_pages()
-        start, pages, outs, unclamped, windows = upload(
-            [qs, in_pages, out_host, flags, window_token_list(out_host)], torch.int32, device
+        slabs = runs_unchecked(policy.conv_window_slabs, device)
+        start, pages, outs, unclamped, *windows = upload(
+            [qs, in_pages, out_host, flags] + ([window_token_list(out_host)] if slabs else []),
+            torch.int32, device,
         )
+        windows = windows[0] if slabs else None
         return StatePlan(
             StepKind.SHORT, rows, in_pages=pages, token_out_pages=outs, query_start=start,
             token_row=token_rows(start, tokens),
@@ -223,9 +232,12 @@ def _plan_states(
     )
     init_rows = [i for i in range(rows) if in_pages[i] >= 0 and qs[i + 1] > qs[i]]
     out_host = batch.token_out_pages()
-    start, pages, outs, windows = upload(
-        [qs, in_pages, out_host, window_token_list(out_host)], torch.int32, device
+    slabs = runs_unchecked(policy.conv_window_slabs, device)
+    start, pages, outs, *windows = upload(
+        [qs, in_pages, out_host] + ([window_token_list(out_host)] if slabs else []),
+        torch.int32, device,
     )
+    windows = windows[0] if slabs else None
     init_r, init_p, req_pages, single_t = upload(
         [init_rows, [in_pages[i] for i in init_rows], batch.state_out_page, single],
         torch.int64, device,

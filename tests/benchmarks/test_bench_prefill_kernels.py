@@ -16,22 +16,26 @@ def test_benchmark_smoke(tmp_path):
     assert set(cases) == {"2x70 initial+final", "1x130 state every 64"}
     assert cases["1x130 state every 64"]["states"] == 3  # offsets 63, 127 and the end
     for case in record["ssd"]:
-        for side in ("new", "fused", "old"):
+        for side in ("new", "chunk_states", "fused", "old"):
             assert case[side]["median_ms"] > 0
             # float32 kernels against the float64 twin on the same inputs
             assert case[side]["rel_err_y"] < 1e-2 and case[side]["rel_err_states"] < 1e-2
         # The two-pass default and the one-launch scan, with their tile sweeps.
         assert case["new"]["scan"] == "ssd_scan_two_pass"
         assert case["fused"]["scan"] == "ssd_scan_fused"
-        for side in ("new", "fused"):
+        assert case["chunk_states"]["scan"] == "ssd_scan_chunk_states"
+        for side in ("new", "chunk_states", "fused"):
             assert case[side]["rel_err_y"] < 1e-5 and case[side]["rel_err_states"] < 1e-5
             variant = case[side]["variants"][0]
             assert variant["precision"] == "ieee"
             assert variant["rel_err_y"] < 1e-5 and variant["rel_err_states"] < 1e-5
         assert case["new"]["variants"][0]["state_block_p"] == 16
-        wide = case["new"]["variants"][-1]  # the 128-token output chunks
-        assert wide["out_chunk"] == 128 and wide["rel_err_y"] < 1e-5
-        assert wide["rel_err_states"] < 1e-5
+        assert case["chunk_states"]["variants"][0]["local_block_p"] == 16
+        assert case["chunk_states"]["variants"][0]["pass_block"] == 64
+        for side in ("new", "chunk_states"):
+            wide = case[side]["variants"][-1]  # the 128-token output chunks
+            assert wide["out_chunk"] == 128 and wide["rel_err_y"] < 1e-5
+            assert wide["rel_err_states"] < 1e-5
     modes = [m["mode"] for m in record["conv"]["modes"]]
     assert modes == ["no window asked", "window mode, no window", "windows at row ends",
                      "windows every 64"]

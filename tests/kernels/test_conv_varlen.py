@@ -384,6 +384,26 @@ def test_plan_uploads_the_window_tokens_with_its_index_tensors(kind):
     assert (plan.window_tokens.untyped_storage().data_ptr()
             == plan.query_start.untyped_storage().data_ptr())
     assert plan.varlen.window_tokens is plan.window_tokens
+    # With the slab writer off (KernelPolicy.conv_window_slabs; "auto" on CUDA until its
+    # gpu test has run) the plan carries no list: the conv takes the full-grid writer.
+    import dataclasses
+
+    off = plan_states(batch, dataclasses.replace(policy, conv_window_slabs="off"),
+                      torch.device("cpu"), torch.float32, varlen=True)
+    assert off.window_tokens is None and off.varlen.window_tokens is None
+    assert off.token_out_pages.tolist() == plan.token_out_pages.tolist()
+
+
+def test_unchecked_paths_stay_off_cuda_under_auto():
+    """``runs_unchecked``: "auto" takes a path whose kernels no GPU has compiled yet
+    everywhere but CUDA; "on" / "off" as they say; the policy refuses other values."""
+    from hybridserve.config import KernelPolicy, runs_unchecked
+
+    assert runs_unchecked("auto", "cpu") and not runs_unchecked("auto", "cuda")
+    assert runs_unchecked("on", "cuda") and not runs_unchecked("off", "cpu")
+    for field in ("conv_window_slabs", "attention_splits"):
+        with pytest.raises(ValueError, match=field):
+            KernelPolicy(**{field: "yes"})
 
 
 @interpreted

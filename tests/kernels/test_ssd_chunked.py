@@ -1,8 +1,8 @@
 """The fused chunked SSD scans: their torch twin against a token-by-token float64
-recurrence, both Triton scans (the one-launch ``ssd_scan_fused`` and the two-pass
-``ssd_scan_two_pass``, which share the twin) against the twin (strided grouped inputs, raw
-dt, bf16 inputs cast in registers, states of any dtype) under the race checker and in
-several program orders, and :func:`~hybridserve.kernels.ssd_varlen.ssd_prefill` through
+recurrence, the Triton scans (the one-launch ``ssd_scan_fused``, the two-pass
+``ssd_scan_two_pass`` and the three-launch ``ssd_scan_chunk_states``, which share the
+twin) against the twin (strided grouped inputs, raw dt, bf16 inputs cast in registers,
+states of any dtype) under the race checker and in several program orders, and :func:`~hybridserve.kernels.ssd_varlen.ssd_prefill` through
 them against the per-row chunked reference (chunk states, tails, repeated requests, empty
 rows).
 
@@ -17,10 +17,18 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
+from hybridserve.kernels import ssd_chunk_states
 from hybridserve.kernels.ssd import ssd_chunked_reference, ssd_recurrent_reference
+from hybridserve.kernels.ssd_chunk_states import (
+    ssd_scan_chunk_states,
+    ssd_scan_chunk_states_reference,
+)
 from hybridserve.kernels.ssd_chunked import (
     CHUNK,
+    _dot_split,
     chunk_starts,
     ssd_scan_fused,
     ssd_scan_fused_reference,
@@ -34,18 +42,23 @@ if INTERPRETED:
     from hybridserve.testing import racecheck
 
 LIMIT = (0.05, 0.9)
-# The Triton scans (one twin for all) and the launches each makes; "two_pass_128": the
-# output pass over chunks of 128 tokens (the state pass still stores every 64).
+# The Triton scans (one twin for all) and the launches each makes; "..._128": the output
+# pass over chunks of 128 tokens (the state passes still store every 64).
 SCANS = {"fused": (ssd_scan_fused, 1), "two_pass": (ssd_scan_two_pass, 2),
-         "two_pass_128": (functools.partial(ssd_scan_two_pass, out_chunk=2 * CHUNK), 2)}
-# "two_pass_128" is the two-pass kernel on another tile: it runs by default where the
-# output tile is what the test is about, ``slow`` where it repeats "two_pass"'s path.
+         "two_pass_128": (functools.partial(ssd_scan_two_pass, out_chunk=2 * CHUNK), 2),
+         "chunk_states": (ssd_scan_chunk_states, 3),
+         "chunk_states_128": (functools.partial(ssd_scan_chunk_states, out_chunk=2 * CHUNK),
+                              3)}
+# The scans with a scratch of chunk states read by the two-pass scan's output pass.
+SCRATCH_SCANS = {"two_pass": ssd_scan_two_pass, "chunk_states": ssd_scan_chunk_states}
+# The "_128" scans are their kernels on another tile: they run by default where the
+# output tile is what the test is about, ``slow`` where they repeat their path.
 slow = pytest.mark.slow
 
 
 def _scans(default_128: bool = False) -> list:
-    """SCANS' names as parameters, "two_pass_128" ``slow`` unless ``default_128``."""
-    return [pytest.param(n, marks=() if default_128 or n != "two_pass_128" else slow)
+    """SCANS' names as parameters, the "_128" ones ``slow`` unless ``default_128``."""
+    return [pytest.param(n, marks=() if default_128 or not n.endswith("_128") else slow)
             for n in SCANS]
 
 
@@ -173,15 +186,21 @@ def _run_both(case, g, dtype=torch.float32):
 
 
 def _tiles(name: str, block_p: int | None) -> dict:
-    """Tile arguments of scan ``name``: the two-pass scan's state pass takes a tile of
-    its own (16 x 16 here: several head_dim and state blocks even for tiny shapes)."""
-    state = {"state_block_p": 16, "state_block_n": 16}
-    return {"block_p": block_p, **(state if name.startswith("two_pass") else {})}
+    """Tile arguments of scan ``name``: the two-pass scan's state pass and the
+    chunk-state scan's local-state and state-passing kernels take tiles of their own
+    (16 x 16 here, and 16 entries of the flattened state: several blocks of a state even
+    for tiny shapes)."""
+    state = {}
+    if name.startswith("two_pass"):
+        state = {"state_block_p": 16, "state_block_n": 16}
+    if name.startswith("chunk_states"):
+        state = {"local_block_p": 16, "local_block_n": 16, "pass_block": 16}
+    return {"block_p": block_p, **state}
 
 
 @interpreted
 @pytest.mark.parametrize("case,dtype,name", [
-    pytest.param(c, dt, n, marks=slow if n == "two_pass_128" and (c, dt) not in
+    pytest.param(c, dt, n, marks=slow if n.endswith("_128") and (c, dt) not in
                  {(0, torch.float32), (3, torch.float32)} else (),
                  id=f"{c}-{str(dt).removeprefix('torch.')}-{n}")
     for n in SCANS
@@ -252,12 +271,13 @@ def test_kernel_independent_of_program_order(name):
 
 
 @interpreted
+@pytest.mark.parametrize("name", SCRATCH_SCANS)
 @pytest.mark.parametrize("states_dtype,out_chunk", [
     pytest.param(dt, c, marks=() if (dt, c) in {(torch.bfloat16, CHUNK),
                                                 (torch.float64, 2 * CHUNK)} else slow,
                  id=f"{str(dt).removeprefix('torch.')}-{c}")
     for dt in (torch.bfloat16, torch.float64) for c in (CHUNK, 2 * CHUNK)])
-def test_two_pass_states_of_any_dtype(states_dtype, out_chunk):
+def test_scratch_scan_states_of_any_dtype(states_dtype, out_chunk, name):
     """States that are not float32 (bf16 pages, say): the output pass cannot read the
     chunk states back from their slots, so every chunk's goes through the scratch; the
     outputs stay those of float32 and the states are the twin's, rounded to the dtype."""
@@ -266,9 +286,9 @@ def test_two_pass_states_of_any_dtype(states_dtype, out_chunk):
     args, kwargs, block_p, _, want, want_states, _ = _run_both(case, g, torch.bfloat16)
     states = torch.full(want_states.shape, float("nan"), dtype=states_dtype)
     with racecheck.record_launches() as rec:
-        y, _ = ssd_scan_two_pass(*args, states, **kwargs, out_chunk=out_chunk,
-                                 **_tiles("two_pass", block_p))
-    assert len(rec.reports) == 2 and all(r.clean for r in rec.reports)
+        y, _ = SCRATCH_SCANS[name](*args, states, **kwargs, out_chunk=out_chunk,
+                                   **_tiles(name, block_p))
+    assert len(rec.reports) == SCANS[name][1] and all(r.clean for r in rec.reports)
     torch.testing.assert_close(y.double(), want[0], rtol=1e-4, atol=_atol(want[0]))
     assert torch.equal(states.isnan(), want_states.isnan())
     rounded = want_states.to(states_dtype).double().nan_to_num(7.0)
@@ -278,10 +298,12 @@ def test_two_pass_states_of_any_dtype(states_dtype, out_chunk):
 
 
 @interpreted
+@pytest.mark.parametrize("name", SCRATCH_SCANS)
 @pytest.mark.parametrize("every,out_chunk", [
     pytest.param(e, c, marks=() if (e, c) in {(True, CHUNK), (False, 2 * CHUNK)} else slow)
     for e in (True, False) for c in (CHUNK, 2 * CHUNK)])
-def test_two_pass_reads_chunk_states_from_their_slots_or_the_scratch(every, out_chunk):
+def test_scratch_scan_reads_chunk_states_from_their_slots_or_the_scratch(every, out_chunk,
+                                                                         name):
     """Every chunk state asked for (the output pass reads each from its slot) or none
     (each from the scratch): the same outputs as the twin either way, with output chunks
     of 64 or 128 tokens (rows of 5, 63, 64 and 129 tokens: odd chunk counts too)."""
@@ -300,13 +322,45 @@ def test_two_pass_reads_chunk_states_from_their_slots_or_the_scratch(every, out_
     want = ssd_scan_fused_reference(*(a.double() if a.is_floating_point() else a for a in args),
                                     want_states, time_step_limit=LIMIT)
     states = torch.full(want_states.shape, float("nan"))
-    y, dt_out = ssd_scan_two_pass(*args, states, time_step_limit=LIMIT, out_chunk=out_chunk,
-                                  **_tiles("two_pass", 16))
+    y, dt_out = SCRATCH_SCANS[name](*args, states, time_step_limit=LIMIT, out_chunk=out_chunk,
+                                    **_tiles(name, 16))
     torch.testing.assert_close(dt_out.double(), want[1], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(y.double(), want[0], rtol=1e-4, atol=_atol(want[0]))
     assert torch.equal(states.isnan(), want_states.isnan())
     torch.testing.assert_close(states.double().nan_to_num(7.0), want_states.nan_to_num(7.0),
                                rtol=1e-4, atol=_atol(want_states))
+
+
+@triton.jit
+def _local_state_half_decay(bv, xf, cum, total, d, SPLIT: tl.constexpr,
+                            PRECISION: tl.constexpr, DOT16: tl.constexpr):
+    # A planted bug: each token's input decayed by half the exponent to the chunk's end.
+    w = tl.exp(0.5 * (total - cum)) * d
+    return _dot_split(tl.trans(bv), xf * w[:, None], SPLIT, PRECISION, DOT16)
+
+
+@interpreted
+def test_chunk_state_scan_fails_the_twin_with_a_wrong_decay_exponent(monkeypatch):
+    """The twin check that the chunk-state scan passes fails once its local states take
+    a wrong decay exponent (planted: the interpreter calls the module's helper by name),
+    in the states and the outputs after the first chunk of each row."""
+    g = torch.Generator().manual_seed(_seed())
+    args, kwargs, block_p, states, want, want_states, _ = _run_both(KERNEL_CASES[0], g)
+    tiles = _tiles("chunk_states", block_p)
+
+    def errors(got_y, got_states):
+        ok = ~want_states.isnan()
+        return (float((got_y.double() - want[0]).abs().max()),
+                float((got_states.double()[ok] - want_states[ok]).abs().max()))
+
+    y, _ = ssd_scan_chunk_states(*args, states, **kwargs, **tiles)
+    good = errors(y, states)
+    assert good[0] < _atol(want[0]) and good[1] < _atol(want_states)
+    monkeypatch.setattr(ssd_chunk_states, "_local_state", _local_state_half_decay)
+    bad_states = torch.full_like(states, float("nan"))
+    y, _ = ssd_scan_chunk_states(*args, bad_states, **kwargs, **tiles)
+    bad = errors(y, bad_states)
+    assert bad[0] > 100 * _atol(want[0]) and bad[1] > 100 * _atol(want_states), (good, bad)
 
 
 def test_rejects_bad_inputs():
@@ -316,7 +370,8 @@ def test_rejects_bad_inputs():
     slots = (torch.tensor([0, 1]), torch.tensor([2, 3]))
     states = torch.empty(4, *init.shape[1:])
     assert ssd_scan_two_pass_reference is ssd_scan_fused_reference
-    for fn in (ssd_scan_fused, ssd_scan_two_pass, ssd_scan_fused_reference):
+    assert ssd_scan_chunk_states_reference is ssd_scan_fused_reference
+    for fn in (ssd_scan_fused, *SCRATCH_SCANS.values(), ssd_scan_fused_reference):
         with pytest.raises(ValueError, match="dt must be"):
             fn(x, dt[:, :2], A, B, C, D, bias, cu, init, *slots, states)
         with pytest.raises(ValueError, match="initial_states must be"):
@@ -324,15 +379,17 @@ def test_rejects_bad_inputs():
         with pytest.raises(ValueError, match="G dividing"):
             fn(x, dt, A, B[:, :1].expand(-1, 3, -1), C[:, :1].expand(-1, 3, -1), D, bias,
                cu, init, *slots, states)
-    for fn in (ssd_scan_fused, ssd_scan_two_pass):
+    for fn in (ssd_scan_fused, *SCRATCH_SCANS.values()):
         for bad in ("bf16", "bf16x3"):  # bf16x3 was wrong on the H200: not offered
             with pytest.raises(ValueError, match="precision"):
                 fn(x, dt, A, B, C, D, bias, cu, init, *slots, states, precision=bad)
-    with pytest.raises(ValueError, match="out_chunk"):
-        ssd_scan_two_pass(x, dt, A, B, C, D, bias, cu, init, *slots, states, out_chunk=96)
-    with pytest.raises(ValueError, match="one entry per chunk"):
-        ssd_scan_two_pass(x, dt, A, B, C, D, bias, cu, init, torch.tensor([0, 1, -1]),
-                          slots[1], states)
+    for fn in SCRATCH_SCANS.values():
+        with pytest.raises(ValueError, match="out_chunk"):
+            fn(x, dt, A, B, C, D, bias, cu, init, *slots, states, out_chunk=96)
+        with pytest.raises(ValueError, match="one entry per chunk"):
+            fn(x, dt, A, B, C, D, bias, cu, init, torch.tensor([0, 1, -1]), slots[1], states)
+    with pytest.raises(ValueError, match="pass_block"):
+        ssd_scan_chunk_states(x, dt, A, B, C, D, bias, cu, init, *slots, states, pass_block=24)
 
 
 # --------------------------------------------------------------------------------------
@@ -461,10 +518,12 @@ def test_gpu_kernel_matches_float64_twin(precision, name, record_property):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.skipif(INTERPRETED, reason="compiles the kernel: run with TRITON_INTERPRET=0")
-def test_gpu_two_pass_prefill_replays_from_a_cuda_graph():
-    """The two-pass scan makes no host read inside ``ssd_prefill`` (scratch sized from
-    host shapes, the chunk -> row map on the device): the step captures in a CUDA graph,
-    and a replay on new inputs of the same plan gives the eager results."""
+@pytest.mark.parametrize("name", SCRATCH_SCANS)
+def test_gpu_scratch_scan_prefill_replays_from_a_cuda_graph(name):
+    """The two-pass and chunk-state scans make no host read inside ``ssd_prefill``
+    (scratch sized from host shapes, the chunk -> row map on the device): the step
+    captures in a CUDA graph, and a replay on new inputs of the same plan gives the eager
+    results."""
     g = torch.Generator().manual_seed(_seed())
     lens, qs, rows, offs, inputs = _prefill_case(g, torch.float32)
     x, dt, A, B, C, D, bias, init, unclamped = (t.cuda() for t in inputs)
@@ -475,7 +534,7 @@ def test_gpu_two_pass_prefill_replays_from_a_cuda_graph():
               out_pages=pages)
 
     def step():
-        return ssd_prefill(x, dt, A, B, C, D, init, segments, ssd_scan_two_pass, **kw)[0]
+        return ssd_prefill(x, dt, A, B, C, D, init, segments, SCRATCH_SCANS[name], **kw)[0]
 
     step()  # compiles
     torch.cuda.synchronize()

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from hybridserve.config import KernelPolicy
-from hybridserve.kernels import ssd_chunked, ssd_two_pass, ssd_varlen
+from hybridserve.kernels import ssd_chunk_states, ssd_chunked, ssd_two_pass, ssd_varlen
 from hybridserve.kernels.ssd import discretize_dt, ssd_chunked_reference
 from hybridserve.kernels.ssd_varlen import (
     discretize_dt_varlen,
@@ -387,21 +387,24 @@ def test_mixer_takes_the_packed_path_when_selected(tmp_path, count_calls):
 
 def test_packed_scan_modes():
     """``auto`` / ``triton`` take the two-pass scan on CUDA, ``fused`` the one-launch
-    scan, ``reference`` their twin anywhere; other devices and dtypes take none."""
+    scan, ``chunk_states`` the three-launch one, ``reference`` their twin anywhere; other
+    devices and dtypes take none."""
     cuda = torch.device("cuda")
     for mode in ("auto", "triton"):
         assert packed_scan(KernelPolicy(packed_prefill=mode), cuda, torch.float32) is (
             ssd_two_pass.ssd_scan_two_pass)
     assert packed_scan(KernelPolicy(packed_prefill="fused"), cuda, torch.float32) is (
         ssd_chunked.ssd_scan_fused)
+    assert packed_scan(KernelPolicy(packed_prefill="chunk_states"), cuda, torch.float32) is (
+        ssd_chunk_states.ssd_scan_chunk_states)
     assert packed_scan(KernelPolicy(packed_prefill="reference"), torch.device("cpu"),
                        torch.float64) is ssd_chunked.ssd_scan_fused_reference
-    for mode in ("auto", "fused"):
+    for mode in ("auto", "fused", "chunk_states"):
         assert packed_scan(KernelPolicy(packed_prefill=mode), cuda, torch.float64) is None
         assert packed_scan(KernelPolicy(packed_prefill=mode), torch.device("cpu"),
                            torch.float32) is None
     assert all(is_fused(packed_scan(KernelPolicy(packed_prefill=m), cuda, torch.float32))
-               for m in ("auto", "fused"))
+               for m in ("auto", "fused", "chunk_states"))
     with pytest.raises(ValueError, match="packed_prefill"):
         KernelPolicy(packed_prefill="two_pass")
 

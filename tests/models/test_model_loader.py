@@ -84,10 +84,20 @@ def test_low_precision_load(granite, dtype):
     assert low.dtype == torch.float32
     # Measured over 15 prompts on each of three tiny checkpoints: the largest error
     # relative to the largest logit 0.0097 (0.013 on another checkpoint) in bf16 and
-    # 0.0013 in float16; at most one of 20 argmaxes flips. Bounds about 3x those.
+    # 0.0013 in float16. Bounds about 3x those.
     bound = 0.03 if want == torch.bfloat16 else 0.004
-    assert ((low - full).abs().max() / full.abs().max()).item() < bound
-    assert (low.argmax(-1) == full.argmax(-1)).float().mean() >= 0.9
+    err = (low - full).abs().max()
+    assert (err / full.abs().max()).item() < bound
+    # A random tiny model has near-tied logits, so a few argmaxes may flip (mostly none
+    # or one of 20; a fixed share would fail now and then). Each flip must be a
+    # near-tie: the full-precision logits of the two picks no further apart than the
+    # two errors could carry them.
+    pick_low, pick_full = low.argmax(-1), full.argmax(-1)
+    rows = torch.arange(len(tokens))
+    gap = full[rows, pick_full] - full[rows, pick_low]
+    flips = pick_low != pick_full
+    assert (gap[flips] <= 2 * err).all(), (gap[flips], err)
+    assert flips.float().mean() <= 0.25
 
 
 def test_rejects_unsupported_dtype(granite):

@@ -308,6 +308,11 @@ class Mamba2Mixer(RecurrentLayer):
         ``x [T, H, P]``, ``B, C [T, G, N]``."""
         p = self.p
         conv = conv_varlen if fast else conv_varlen_reference
+        # Without the window-token list (a graph step, or the slab writer not taken) a
+        # step that asks for no state asks for no window: the conv then skips the
+        # full-grid writer. With it, an empty list launches no writer.
+        windows = (plan.window_tokens is not None or plan.out_pages is None
+                   or plan.out_pages.numel() > 0)
         xbc = conv(
             # The kernel takes rows at any stride (a column slice of the projection).
             xbc if fast else xbc.contiguous(),
@@ -318,10 +323,8 @@ class Mamba2Mixer(RecurrentLayer):
             plan.in_pages,
             p.activation,
             plan.token_row,
-            out_pages=plan.token_out_pages,
-            # The tokens with a window (host-planned; a step that asks for no state has
-            # none, and the conv launches no writer); None on a graph step.
-            window_tokens=plan.window_tokens,
+            out_pages=plan.token_out_pages if windows else None,
+            window_tokens=plan.window_tokens if windows else None,
         )
         return self._split_heads(xbc)
 
