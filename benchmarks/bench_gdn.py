@@ -32,7 +32,6 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -46,7 +45,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from graph_timing import rotating  # noqa: E402
+from graph_timing import median_us, rotating  # noqa: E402
 from provenance import git_commit  # noqa: E402
 
 from hybridserve.kernels import gdn_chunked  # noqa: E402
@@ -69,18 +68,6 @@ SMOKE = dict(hk=2, hv=4, dk=8, dv=8, batches=(1, 4), prefill=((2, 40),), interva
              variants=2)
 
 
-def time_us(fn, device: str) -> float:
-    if device == "cuda":
-        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
-    fn()
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
-
-
 def inputs(g, tokens, s, device):
     """``[q, k, v, a, b]`` (a, b the projections' raw gate inputs) and the gate parameters
     ``{A_log, dt_bias}`` the kernels take by keyword."""
@@ -101,7 +88,7 @@ def rel_err(got, want) -> float:
 def copy_us(nbytes: int, device: str) -> float:
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    return time_us(lambda: dst.copy_(src), device)
+    return median_us(lambda: dst.copy_(src), device)
 
 
 def bench_decode(s, device, g) -> list[dict]:
@@ -115,7 +102,7 @@ def bench_decode(s, device, g) -> list[dict]:
             sets = [(p[:rows].to(device), p[rows:].view(rows, q).to(device)) for p in perm]
             x, gate = inputs(g, rows * q, s, device)
             nxt = rotating(sets)
-            us = time_us(lambda x=x, c=cache, n=nxt, k=gate: gdn_decode_update(*x, c, *n(), **k),
+            us = median_us(lambda x=x, c=cache, n=nxt, k=gate: gdn_decode_update(*x, c, *n(), **k),
                          device)
             moved = rows * (q + 1) * state_bytes  # one page read, q pages written per row
             ref = copy_us(moved // 2, device)  # a copy reads and writes: half the bytes each
@@ -210,13 +197,13 @@ def bench_fla(x, gate, cache, plan, token_out, token_args, device) -> dict:
     out = {"fla_layout_host_us_once_per_step": (time.perf_counter() - t0) * 1e6}
     for name, dtype in (("f32", torch.float32), ("bf16", torch.bfloat16)):
         scan = functools.partial(gdn_chunked.chunk_scan_fla, dtype=dtype)
-        out[f"fla_scan_{name}_us"] = time_us(
+        out[f"fla_scan_{name}_us"] = median_us(
             lambda scan=scan: scan(q, k, v, g, beta, starts, init, 64), device)
 
         def prefill(scan=scan, c=cache):
             return gdn_chunked.gdn_prefill(*x, c, plan, scan, gdn_varlen_update, 64, **gate)
 
-        out[f"fla_chunked_{name}_us"] = time_us(prefill, device)
+        out[f"fla_chunked_{name}_us"] = median_us(prefill, device)
         fla_cache = cache.clone()
         o = prefill(c=fla_cache)
         out[f"fla_chunked_{name}_rel_err_vs_token_kernel"] = max(
@@ -235,7 +222,7 @@ def bench_prefill(s, device, g) -> list[dict]:
         x, gate = inputs(g, rows * length, s, device)
         args = (cache, plan.query_start, plan.in_pages, plan.token_out_pages)
         entry = dict(rows=rows, length=length, states_per_row=per_row - 1,
-                     token_kernel_us=time_us(
+                     token_kernel_us=median_us(
                          lambda x=x, a=args, k=gate: gdn_varlen_update(*x, *a, **k), device))
         got = gdn_varlen_update(*x, *args, **gate)
         if rows * length <= 4096:  # the twin is a host loop per token: check one row's worth

@@ -57,7 +57,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import triton  # noqa: E402
-from graph_timing import capture, rotating  # noqa: E402
+from graph_timing import capture, median_us, rotating  # noqa: E402
 from provenance import git_commit  # noqa: E402
 
 from hybridserve.kernels import moe  # noqa: E402
@@ -109,15 +109,7 @@ def sync(device: str) -> None:
 
 def timed(fn, device: str) -> float:
     """Median seconds of ``fn``: do_bench on CUDA, else the median of 3 wall-clock calls."""
-    if device.startswith("cuda"):
-        return triton.testing.do_bench(fn, warmup=5, rep=50, return_mode="median") / 1e3
-    fn()
-    times = []
-    for _ in range(3):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return median_us(fn, device, warmup_ms=5, rep_ms=50) / 1e6
 
 
 def in_turn(fns):

@@ -31,9 +31,7 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -45,7 +43,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from graph_timing import capture, rotating  # noqa: E402
+from graph_timing import capture, median_us, rotating  # noqa: E402
 from provenance import device_label, git_commit  # noqa: E402
 
 from hybridserve.kernels import sampling  # noqa: E402
@@ -57,33 +55,21 @@ FULL = dict(vocab=131072, batches=(1, 16, 64, 256), temperature=0.8, top_p=0.95,
 SMOKE = dict(vocab=300, batches=(1, 4), temperature=0.8, top_p=0.95, variants=2)
 
 
-def time_us(fn, device: str) -> float:
-    if device == "cuda":
-        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
-    fn()
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
-
-
 def replayed_us(fn, sets, device: str) -> float:
     """Median microseconds of ``fn(*s)`` over the rotated input ``sets``: on CUDA each
     set's call captured in a graph of its own and the graphs replayed in turn."""
     if device == "cuda":
         graphs = [capture(functools.partial(fn, *s)) for s in sets]
         nxt = rotating(graphs)
-        return time_us(lambda: nxt().replay(), device)
+        return median_us(lambda: nxt().replay(), device)
     nxt = rotating(sets)
-    return time_us(lambda: fn(*nxt()), device)
+    return median_us(lambda: fn(*nxt()), device)
 
 
 def copy_us(nbytes: int, device: str) -> float:
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    return time_us(lambda: dst.copy_(src), device)
+    return median_us(lambda: dst.copy_(src), device)
 
 
 def step_inputs(g, rows: int, s: dict, device: str):

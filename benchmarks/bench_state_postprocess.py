@@ -24,10 +24,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -40,7 +38,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from graph_timing import capture, rotating  # noqa: E402
+from graph_timing import capture, median_us, rotating  # noqa: E402
 
 from hybridserve.kernels.state_postprocess import (  # noqa: E402
     PostprocessResult,
@@ -158,17 +156,7 @@ def _make_step(cfg: Config, num_crossing: int, g: torch.Generator, device: str) 
 
 def _time_us(fn, cfg: Config, device: str) -> float:
     """Median time of ``fn()`` in microseconds."""
-    if device == "cuda":
-        ms = triton.testing.do_bench(fn, warmup=cfg.warmup_ms, rep=cfg.rep_ms,
-                                     return_mode="median")
-        return ms * 1e3
-    fn()
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
+    return median_us(fn, device, cfg.warmup_ms, cfg.rep_ms)
 
 
 def _graph_time_us(launches: list, cfg: Config) -> float:

@@ -1,4 +1,5 @@
-"""What the benchmarks share to time work replayed from CUDA graphs, and to rotate inputs.
+"""What the benchmarks share to time work (replayed from CUDA graphs or not), and to
+rotate inputs.
 
 Importable as ``graph_timing`` by the benchmark scripts (run as ``python
 benchmarks/<script>.py``), like ``provenance``.
@@ -7,9 +8,12 @@ benchmarks/<script>.py``), like ``provenance``.
 from __future__ import annotations
 
 import itertools
+import statistics
+import time
 from collections.abc import Callable, Sequence
 
 import torch
+import triton
 
 
 def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
@@ -31,3 +35,20 @@ def rotating(items: Sequence):
     """A callable returning ``items`` in turn, round and round: each timed call takes
     another input set, so no iteration reads what the one before left in L2."""
     return itertools.cycle(items).__next__
+
+
+def median_us(fn: Callable[[], object], device: str, warmup_ms: float = 25,
+              rep_ms: float = 200) -> float:
+    """Median microseconds of one call of ``fn``: ``triton.testing.do_bench`` on CUDA
+    (``warmup_ms`` / ``rep_ms`` of calls); elsewhere (a smoke run) the median of three
+    wall-clock calls after one, the interpreter's time and not a kernel's."""
+    if str(device).startswith("cuda"):
+        return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms,
+                                       return_mode="median") * 1e3
+    fn()
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
