@@ -355,7 +355,10 @@ def test_chunk_state_scan_fails_the_twin_with_a_wrong_decay_exponent(monkeypatch
 
     y, _ = ssd_scan_chunk_states(*args, states, **kwargs, **tiles)
     good = errors(y, states)
-    assert good[0] < _atol(want[0]) and good[1] < _atol(want_states)
+    # The real scan passes the tolerances every scan of this file is held to.
+    torch.testing.assert_close(y.double(), want[0], rtol=1e-4, atol=_atol(want[0]))
+    torch.testing.assert_close(states.double().nan_to_num(7.0), want_states.nan_to_num(7.0),
+                               rtol=1e-4, atol=_atol(want_states))
     monkeypatch.setattr(ssd_chunk_states, "_local_state", _local_state_half_decay)
     bad_states = torch.full_like(states, float("nan"))
     y, _ = ssd_scan_chunk_states(*args, bad_states, **kwargs, **tiles)
