@@ -2768,16 +2768,17 @@ def main(argv=None) -> int:
     # Sampled decode (temperature 0.8, top-p 0.95), graphs and eager alternating as above.
     result["decode_sampled"] = section(f"decode_sampled_b{args.profile_batch}", decode_sampled)
 
-    def decode_sampled_kernel():
+    def decode_sampled_twin():
         b = args.profile_batch
-        return engine_decode(with_policy(model, sampler="triton"), path, device, dtype, b,
+        return engine_decode(with_policy(model, sampler="reference"), path, device, dtype, b,
                              args.prompt, args.warmup_steps, args.steps, vocab, seed=b,
                              enforce_eager=graphs_mode, temperature=0.8)
 
-    # The same with the draw as one Triton pass (hybridserve.kernels.sampling; the
-    # default takes the torch draw until its gpu tests have run).
-    result["decode_sampled_kernel"] = section(
-        f"decode_sampled_kernel_b{args.profile_batch}", decode_sampled_kernel)
+    # The same with the torch twin's draw (the default on CUDA is one Triton pass over
+    # the vocabulary, hybridserve.kernels.sampling; files before 28159ac have the
+    # opposite pair: decode_sampled the twin, decode_sampled_kernel the pass).
+    result["decode_sampled_twin"] = section(
+        f"decode_sampled_twin_b{args.profile_batch}", decode_sampled_twin)
     result["agreement"] = section(
         "agreement", lambda: agreement(device, "bfloat16" if device == "cuda" else "float32",
                                        workdir, prompts=8 if args.smoke else 32))
@@ -2912,7 +2913,7 @@ def main(argv=None) -> int:
     if result.get("decode_torch_norms"):
         r = result["decode_torch_norms"]
         print(f"decode b{r['batch']} with torch norms: {r['tokens_per_s']:.1f} tok/s")
-    for key, name in (("decode_sampled", "sampled"), ("decode_sampled_kernel", "sampled, kernel draw")):
+    for key, name in (("decode_sampled", "sampled"), ("decode_sampled_twin", "sampled, torch draw")):
         if result.get(key):
             r = result[key]
             e = r["modes"].get("eager", {})
