@@ -727,6 +727,9 @@ def attention_kernel(model, device, batches, context, block_size=16, reps=3):
                 rec["unsplit_vs_twin_rel_err"] = float((one - want).norm() / want.norm())
                 rec["unsplit_s"] = bench_fn(rotate(unsplit), device)
                 rec["unsplit_over_triton"] = rec["unsplit_s"] / rec["triton_s"]
+            else:  # what the rule gives up where it does not split: two splits' time
+                rec["split2_s"] = bench_fn(rotate(lambda x: kern(x, splits=2)), device)
+                rec["split2_over_triton"] = rec["split2_s"] / rec["triton_s"]
         out.append(rec)
         sets = None
         free_memory(device)
@@ -2688,7 +2691,8 @@ def main(argv=None) -> int:
     # (The CPU smoke run: one small case, the same code; the interpreter is slow.)
     result["attention_kernel_long"] = section("attention_kernel_long", lambda: [
         r for ctx in ((40,) if args.smoke else (8192, 32768))
-        for r in attention_kernel(model, device, [2] if args.smoke else [1, 8], ctx, reps=2)])
+        for r in attention_kernel(model, device, [2] if args.smoke else [1, 8, 16, 32], ctx,
+                                  reps=2)])
     if "attention_kernel_disabled" in result:
         model = with_policy(model, decode_attention="reference")
     result["attention_decode_path"] = (
