@@ -178,11 +178,8 @@ class EngineCore:
             # A drafter that samples drafts from a distribution of its own (draft model,
             # MTP head: it keeps their log q) gets the graphs' static log q buffer, so
             # sampled verify steps of its drafts replay too; n-gram drafts need none.
-            # KernelPolicy.logq_graphs: "auto" keeps such steps eager under real CUDA
-            # capture until the path's gpu test has run.
-            captured = torch.device(config.device).type == "cuda"
-            distributions = hasattr(self.drafter, "draft_logq") and (
-                policy.logq_graphs == "on" or (policy.logq_graphs == "auto" and not captured))
+            distributions = (hasattr(self.drafter, "draft_logq")
+                             and policy.logq_graphs != "off")
             self.runner.enable_decode_graphs(
                 max_blocks=max_blocks,
                 scratch_block=cc.num_kv_blocks,

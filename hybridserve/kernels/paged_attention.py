@@ -321,13 +321,19 @@ def decode_splits(rows: int, num_kv: int, max_keys: int, device: torch.device) -
     :func:`paged_attention_decode_triton` when its ``splits`` is None: enough for about
     two programs a multiprocessor, each walking at least :data:`MIN_SPLIT_KEYS` of the
     ``max_keys`` positions the block tables can hold; 1 (no split) when the (row, KV
-    head) programs already number a multiprocessor each, and off CUDA. A function of the
-    launch's shapes only, so a replayed graph keeps its split."""
+    head) programs already fill half the multiprocessors, and off CUDA. A function of the
+    launch's shapes only, so a replayed graph keeps its split.
+
+    The half: on the H200 (132 multiprocessors, 8B decode, ``gpu_bench.json`` and
+    ``gpu_bench_run2.json``) splitting 64 programs (8 rows x 8 KV heads) took 0.19 ms
+    against 0.49 ms unsplit at 8,192 keys, but splitting 128 programs (16 rows) in two
+    took 56-94 us against 49-62 us unsplit at 535 keys: at one program a multiprocessor
+    the second launch and the partials' traffic cost more than the programs gain."""
     if device.type != "cuda":
         return 1
     sms = _multiprocessors(device)
     base = rows * num_kv
-    if base >= sms:
+    if 2 * base > sms:
         return 1
     return max(1, min(-(-2 * sms // base), max_keys // MIN_SPLIT_KEYS))
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridserve.config import KernelPolicy, runs_unchecked
+from hybridserve.config import KernelPolicy
 from hybridserve.kernels import ssd_chunk_states, ssd_chunked, ssd_two_pass, ssd_varlen
 from hybridserve.kernels.conv_varlen import token_rows, window_token_list
 from hybridserve.kernels.gdn_varlen import VarlenPlan
@@ -167,7 +167,7 @@ def plan_states(
         if not batch.writes_only_unread_pages() or batch.num_tokens == 0:
             return plan
         out_host = batch.token_out_pages()
-        slabs = runs_unchecked(policy.conv_window_slabs, device)
+        slabs = policy.conv_window_slabs != "off"
         start, pages, outs, *windows = upload(
             [batch.query_start, batch.state_in_page, out_host]
             + ([window_token_list(out_host)] if slabs else []),
@@ -212,7 +212,7 @@ def _plan_states(
         for t in single:
             flags[t] = 1
         out_host = batch.token_out_pages()
-        slabs = runs_unchecked(policy.conv_window_slabs, device)
+        slabs = policy.conv_window_slabs != "off"
         start, pages, outs, unclamped, *windows = upload(
             [qs, in_pages, out_host, flags] + ([window_token_list(out_host)] if slabs else []),
             torch.int32, device,
@@ -232,7 +232,7 @@ def _plan_states(
     )
     init_rows = [i for i in range(rows) if in_pages[i] >= 0 and qs[i + 1] > qs[i]]
     out_host = batch.token_out_pages()
-    slabs = runs_unchecked(policy.conv_window_slabs, device)
+    slabs = policy.conv_window_slabs != "off"
     start, pages, outs, *windows = upload(
         [qs, in_pages, out_host] + ([window_token_list(out_host)] if slabs else []),
         torch.int32, device,

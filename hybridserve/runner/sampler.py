@@ -9,7 +9,7 @@ processes and draws every position of the step at once on the logits' device and
 returns one int64 tensor: the target's token after each position, followed by the
 logprobs payload of the positions whose request asks for logprobs. The host reads it
 back once and :func:`read_step` decodes it. The same code runs on CPU and CUDA, except
-that with ``KernelPolicy.sampler="triton"`` the sampled draw of :func:`draw` and
+that on CUDA (``KernelPolicy.sampler`` "auto"; "triton" on any device) the sampled draw of :func:`draw` and
 :func:`draft_draw` is one Triton pass over the vocabulary
 (:func:`hybridserve.kernels.sampling.draw`, the same tokens, without the ``[positions x
 vocab]`` uniform and key tables); the torch code here is its twin.
@@ -161,8 +161,8 @@ def draw(
 
     ``kernels`` (``KernelPolicy.sampler``): where a sampled draw runs as the one-pass
     kernel :func:`hybridserve.kernels.sampling.draw` (same tokens, no ``[N, vocab]``
-    tables): ``"triton"`` everywhere (the CPU interpreter too), ``"auto"`` and
-    ``"reference"`` nowhere yet (``KernelPolicy.sampler`` says why). The torch code below is its twin and the CPU path.
+    tables): ``"triton"`` everywhere (the CPU interpreter too), ``"auto"`` on CUDA,
+    ``"reference"`` nowhere. The torch code below is its twin and the CPU path.
     """
     if any_sampled and _sampler_kernel(kernels, logp):
         return sampling_kernels.draw(logp, greedy, seed_lo, seed_hi, index)
@@ -181,10 +181,6 @@ def _sampler_kernel(kernels: str, logp: torch.Tensor, *more: torch.Tensor) -> bo
     kernel under ``kernels``."""
     if kernels not in KERNEL_MODES:
         raise ValueError(f"kernel_policy.sampler={kernels!r}: choose from {KERNEL_MODES}")
-    if kernels == "auto":
-        # Not yet compiled on a GPU (KernelPolicy.sampler): the twin until its gpu tests
-        # have run there.
-        return False
     return runs_triton(kernels, logp.device)
 
 

@@ -50,8 +50,8 @@ def _engine(path, mode: str, device: str = "cpu", **kw) -> LLM:
     """An LLM whose engine runs ``mode``: "eager" (no graphs at all), "fallback" (graphs,
     but the target's without a log q buffer: its distribution-draft steps run eagerly,
     the rule before the buffer existed) or "graphs"; every step read back before the
-    next. "graphs" sets ``KernelPolicy.logq_graphs="on"`` (its "auto" is off under real
-    CUDA capture)."""
+    next. "graphs" sets ``KernelPolicy.logq_graphs="on"`` (the same as its default,
+    "auto")."""
     if mode == "graphs":
         kw.setdefault("kernel_policy", KernelPolicy(logq_graphs="on"))
     llm = LLM(path, device=device, **kw)

@@ -384,8 +384,8 @@ def test_plan_uploads_the_window_tokens_with_its_index_tensors(kind):
     assert (plan.window_tokens.untyped_storage().data_ptr()
             == plan.query_start.untyped_storage().data_ptr())
     assert plan.varlen.window_tokens is plan.window_tokens
-    # With the slab writer off (KernelPolicy.conv_window_slabs; "auto" on CUDA until its
-    # gpu test has run) the plan carries no list: the conv takes the full-grid writer.
+    # With the slab writer off (KernelPolicy.conv_window_slabs="off") the plan carries no
+    # list: the conv takes the full-grid writer.
     import dataclasses
 
     off = plan_states(batch, dataclasses.replace(policy, conv_window_slabs="off"),
@@ -394,14 +394,15 @@ def test_plan_uploads_the_window_tokens_with_its_index_tensors(kind):
     assert off.token_out_pages.tolist() == plan.token_out_pages.tolist()
 
 
-def test_unchecked_paths_stay_off_cuda_under_auto():
-    """``runs_unchecked``: "auto" takes a path whose kernels no GPU has compiled yet
-    everywhere but CUDA; "on" / "off" as they say; the policy refuses other values."""
-    from hybridserve.config import KernelPolicy, runs_unchecked
+def test_path_fields_default_to_their_path():
+    """``conv_window_slabs`` / ``attention_splits`` default to "auto", which takes the
+    path on every device, CUDA included (its kernels passed their `gpu` tests: the plan
+    test above takes the slab writer under the default policy); the policy refuses
+    values other than "auto" / "on" / "off"."""
+    from hybridserve.config import KernelPolicy
 
-    assert runs_unchecked("auto", "cpu") and not runs_unchecked("auto", "cuda")
-    assert runs_unchecked("on", "cuda") and not runs_unchecked("off", "cpu")
     for field in ("conv_window_slabs", "attention_splits"):
+        assert getattr(KernelPolicy(), field) == "auto"
         with pytest.raises(ValueError, match=field):
             KernelPolicy(**{field: "yes"})
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridserve.config import KernelPolicy, runs_triton, runs_unchecked
+from hybridserve.config import KernelPolicy, runs_triton
 from hybridserve.kernels import paged_attention, paged_attention_prefill
 from hybridserve.kernels.paged_attention_prefill import paged_attention_reference
 from hybridserve.models.batch import ForwardBatch
@@ -113,7 +113,7 @@ class Attention(nn.Module):
                 batch.block_tables.to(device=q.device, non_blocking=True),
                 batch.positions.to(device=q.device, non_blocking=True), p.scale,
                 # None: split the keys where the shapes call for it (decode_splits).
-                splits=None if runs_unchecked(self.policy.attention_splits, q.device) else 1,
+                splits=None if self.policy.attention_splits != "off" else 1,
             )
         elif uniform:
             out = paged_attention.paged_attention_decode_reference(
