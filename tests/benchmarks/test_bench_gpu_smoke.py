@@ -73,6 +73,11 @@ def test_bench_gpu_smoke(tmp_path):
     assert split["wall_s"] == result["ttft"]["cached_s"]
     assert split["host_s"] == split["wall_s"] - split["kernel_s"]
     assert split["cached_runs"] == len(result["ttft"]["cached_runs"])
+    # A cached run right after a cold run, profiled, and cached runs after an idle gap.
+    first = result["ttft"]["first_cached_profile"]
+    assert first["wall_s"] > 0 and split["first_run_kernel_s"] == first["kernel_s_total"]
+    idle = result["ttft"]["cached_after_idle"]
+    assert idle and all(hit == result["ttft"]["cached_len"] for r in idle for _, hit in r["runs"])
     assert result["ttft"]["meets_target"] == (result["ttft"]["speedup"] >= 20.0)
     assert result["agreement"]["positional_agreement"] == 1.0
     for k in ("device", "torch", "triton", "commit"):
