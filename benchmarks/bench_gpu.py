@@ -1603,9 +1603,11 @@ def check_conv_varlen_windows(shape, step, dtype, device, seed):
     }
 
 
-def check_ssm_short(shape, step, dtype, device, seed):
+def check_ssm_short(shape, step, dtype, device, seed, prefetch=False):
     """``ssm_update`` (rows of any length) against its twin on a step of short rows (a cached prompt's
-    tail, decode rows, fresh short prompts): outputs and float32 states."""
+    tail, decode rows, fresh short prompts): outputs and float32 states. ``prefetch``:
+    the loop that loads each token's operands one token ahead
+    (``KernelPolicy.short_rows_prefetch``)."""
     g, h = _generators(seed, device)
     m = _mamba_shapes(shape)
     heads, head_dim, groups, d_state = m["heads"], m["head_dim"], m["groups"], m["d_state"]
@@ -1629,9 +1631,9 @@ def check_ssm_short(shape, step, dtype, device, seed):
         *(t.double() for t in (x, dt, A, B, C, D)), cache64, in_pages, out_pages, qs,
         dt_bias=dt_bias.double())
     args = (x, dt, A, B, C, D, cache, in_pages, out_pages, qs)
-    got = mamba_decode.ssm_update(*args, dt_bias=dt_bias)
+    got = mamba_decode.ssm_update(*args, dt_bias=dt_bias, prefetch=prefetch)
     return {
-        "kernel": "ssm_update", "twin": "ssm_update_reference",
+        "kernel": "ssm_update", "twin": "ssm_update_reference", "prefetch": prefetch,
         "shapes": {"rows": lens, "heads": heads, "head_dim": head_dim, "groups": groups,
                    "d_state": d_state, "states_written": int(written.numel()),
                    "state_dtype": "torch.float32"},
@@ -1641,8 +1643,8 @@ def check_ssm_short(shape, step, dtype, device, seed):
         "invariants": {"states_written": not bool(cache[written].isnan().any()),
                        "other_pages_unchanged": torch.equal(cache[others].nan_to_num(7.0),
                                                             twin_cache[others].nan_to_num(7.0))},
-        "kernel_s": kernel_time(lambda: mamba_decode.ssm_update(*args, dt_bias=dt_bias),
-                                device),
+        "kernel_s": kernel_time(
+            lambda: mamba_decode.ssm_update(*args, dt_bias=dt_bias, prefetch=prefetch), device),
     }
 
 
@@ -2231,6 +2233,7 @@ KERNEL_CHECKS = [
     ("conv_varlen", "conv_varlen", check_conv_varlen, {}),
     ("conv_varlen (windows)", "conv_varlen", check_conv_varlen_windows, {}),
     ("ssm_update (short rows)", "mamba_decode", check_ssm_short, {}),
+    ("ssm_update (short rows, prefetch)", "mamba_decode", check_ssm_short, {"prefetch": True}),
     ("ssd_scan_varlen_fla", "ssd_varlen", check_ssd_scan, {}),
     ("ssd_prefill", "ssd_varlen", check_ssd_prefill, {}),
     ("ssd_prefill (chunk states)", "ssd_varlen", check_ssd_prefill, {"chunk_states": True}),

@@ -224,6 +224,14 @@ def runs_triton(mode: str, device: torch.device | str) -> bool:
     return mode == "triton" or (mode == "auto" and torch.device(device).type == "cuda")
 
 
+def runs_unchecked(mode: str, device: torch.device | str) -> bool:
+    """Whether a path in ``mode`` (``"auto"`` / ``"on"`` / ``"off"``) whose kernels have
+    not yet been compiled on a GPU is taken on ``device``: ``"on"`` everywhere, ``"off"``
+    nowhere, ``"auto"`` everywhere but CUDA (the CPU tests run it under the interpreter,
+    which accepts programs the compiler may not) until its ``gpu`` test has run there."""
+    return mode == "on" or (mode == "auto" and torch.device(device).type != "cuda")
+
+
 @dataclass(frozen=True, slots=True)
 class KernelPolicy:
     """Which implementation each op of a forward takes. One per engine: the model gets it
@@ -325,6 +333,15 @@ class KernelPolicy:
       373 us against the twin's 181 / 1,748 / 6,349 us at batch 1 / 64 / 256, and the
       whole sampled step (temperature 0.8, top-p 0.95) 175 / 1,335 / 4,406 us against
       341 / 2,971 / 10,380 (``sampler.json``).
+    - ``short_rows_prefetch``: the short-row recurrence
+      (:func:`~hybridserve.kernels.mamba_decode.ssm_update` over rows of any length)
+      loads each token's operands one token ahead, so their memory latency overlaps the
+      previous token's update (the same values bit for bit): ``"on"`` / ``"off"``;
+      ``"auto"`` as :func:`runs_unchecked` says (not yet compiled on a GPU; its `gpu`
+      test is in ``tests/kernels/test_mamba_short.py``). The kernel it speeds up took
+      3.6-4.0 ms of the 10 ms of kernels of the 8B shape's cached first token
+      (``gpu_ttft_ab_851c208_28159ac.json``); without the prefetch each token pays its
+      loads' memory latency in series with its update.
     """
 
     uniform_decode: bool = True
@@ -345,10 +362,11 @@ class KernelPolicy:
     sampler: str = "auto"
     attention_splits: str = "auto"
     conv_window_slabs: str = "auto"
+    short_rows_prefetch: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("short_graphs", "drafter_graphs", "logq_graphs", "attention_splits",
-                     "conv_window_slabs"):
+                     "conv_window_slabs", "short_rows_prefetch"):
             if getattr(self, name) not in ("auto", "on", "off"):
                 raise ValueError(
                     f"kernel_policy.{name}={getattr(self, name)!r}: choose from ('auto', 'on', 'off')"

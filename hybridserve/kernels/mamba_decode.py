@@ -199,8 +199,10 @@ def ssm_update_reference(
     dt_bias: torch.Tensor,
     time_step_limit: tuple[float, float] | None = NO_CLAMP_LIMIT,
     unclamped: torch.Tensor | None = None,
+    prefetch: bool = False,
 ) -> torch.Tensor:
-    """Torch twin of :func:`ssm_update` (same arguments, same result): token index by
+    """Torch twin of :func:`ssm_update` (same arguments, same result; ``prefetch``, a load
+    order of the kernel's, changes nothing here): token index by
     token index, every row that has a token there at once. Every input state is read
     before any page is written."""
     tokens, heads, head_dim = x.shape
@@ -645,6 +647,22 @@ def ssm_token_step(
 
 
 @triton.jit
+def _ssm_operands(tok, end, h, g, p, n, pmask, nmask, x_ptr, x_stride, dt_ptr, dt_stride,
+                  B_ptr, B_stride, C_ptr, C_stride, head_dim, d_state):
+    """Packed token ``tok``'s float32 ``x [BLOCK_P]``, ``b, c [BLOCK_N]`` and raw dt for a
+    program's (head ``h``, group ``g``, head-dim rows ``p``) slice; zeros where ``tok``
+    is not below ``end`` (the token past a row's end: nothing is read)."""
+    x = tl.load(x_ptr + tok * x_stride + h * head_dim + p, mask=pmask & (p * 0 + tok < end),
+                other=0.0).to(tl.float32)
+    b = tl.load(B_ptr + tok * B_stride + g * d_state + n, mask=nmask & (n * 0 + tok < end),
+                other=0.0).to(tl.float32)
+    c = tl.load(C_ptr + tok * C_stride + g * d_state + n, mask=nmask & (n * 0 + tok < end),
+                other=0.0).to(tl.float32)
+    dt_raw = tl.load(dt_ptr + tok * dt_stride + h, mask=tok < end, other=0.0).to(tl.float32)
+    return x, b, c, dt_raw
+
+
+@triton.jit
 def _ssm_kernel(
     x_ptr,
     x_stride,
@@ -676,6 +694,7 @@ def _ssm_kernel(
     HAS_UNCLAMPED: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     # One program per (row, head, head-dim block): it owns rows p of the [P, N] state of
     # one head in the row's input page (read) and output pages (written).
@@ -709,6 +728,26 @@ def _ssm_kernel(
                 B_ptr, B_stride, C_ptr, C_stride, ssm_ptr, page_stride, out_pages_ptr, y_ptr,
                 heads, head_dim, d_state, CLAMP, HAS_UNCLAMPED,
             )
+    elif PREFETCH:
+        # Rows of any length, software-pipelined: token i + 1's operands are loaded
+        # before token i's update, so their memory latency overlaps its arithmetic and
+        # stores instead of following them (the loads read only the step's inputs, never
+        # a state page, so moving them ahead changes no value: same tokens, same order).
+        start = tl.load(query_start_ptr + r).to(tl.int64)
+        end = tl.load(query_start_ptr + r + 1).to(tl.int64)
+        x, b, c, dt_raw = _ssm_operands(start, end, h, g, p, n, pmask, nmask, x_ptr,
+                                        x_stride, dt_ptr, dt_stride, B_ptr, B_stride, C_ptr,
+                                        C_stride, head_dim, d_state)
+        for i in range(0, end - start):
+            x_n, b_n, c_n, dt_n = _ssm_operands(
+                start + i + 1, end, h, g, p, n, pmask, nmask, x_ptr, x_stride, dt_ptr,
+                dt_stride, B_ptr, B_stride, C_ptr, C_stride, head_dim, d_state)
+            state = ssm_token_update(
+                state, x, b, c, dt_raw, start + i, h, p, pmask, smask, offs, a, d_skip,
+                dt_bias, dt_min, dt_max, unclamped_ptr, ssm_ptr, page_stride, out_pages_ptr,
+                y_ptr, heads, head_dim, CLAMP, HAS_UNCLAMPED,
+            )
+            x, b, c, dt_raw = x_n, b_n, c_n, dt_n
     else:
         start = tl.load(query_start_ptr + r)
         end = tl.load(query_start_ptr + r + 1)
@@ -736,6 +775,7 @@ def ssm_update(
     dt_bias: torch.Tensor,
     time_step_limit: tuple[float, float] | None = NO_CLAMP_LIMIT,
     unclamped: torch.Tensor | None = None,
+    prefetch: bool = False,
 ) -> torch.Tensor:
     """Selective-state recurrence of every row of a step, from and to state pages.
 
@@ -761,6 +801,9 @@ def ssm_update(
         time_step_limit: ``(min, max)`` clamp of the discretised dt, None for none.
         unclamped: ``[T]`` bool or None: tokens whose dt skips the clamp (the
             single-token step's exception, :class:`~hybridserve.models.config.MambaParams`).
+        prefetch: rows of any length (``query_start`` given) load each token's operands
+            one token ahead (``KernelPolicy.short_rows_prefetch``); the same result bit
+            for bit. Uniform rows are unrolled and ignore it.
 
     Returns:
         ``y [T, H, P]`` float32 (the D skip included, before the gated norm).
@@ -812,6 +855,7 @@ def ssm_update(
         HAS_UNCLAMPED=clamp and unclamped is not None,
         BLOCK_P=block_p,
         BLOCK_N=block_n,
+        PREFETCH=bool(prefetch) and q == 0,
     )
     return y
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridserve.config import KernelPolicy
+from hybridserve.config import KernelPolicy, runs_unchecked
 from hybridserve.kernels import ssd_chunk_states, ssd_chunked, ssd_two_pass, ssd_varlen
 from hybridserve.kernels.conv_varlen import token_rows, window_token_list
 from hybridserve.kernels.gdn_varlen import VarlenPlan
@@ -79,7 +79,9 @@ class StatePlan:
     from a stored state and their pages, ``out_pages [K]`` (int64) the state requests'
     pages in the batch's order, ``segments`` the scan's cut of the rows, ``scan`` the
     scan primitive. ``triton``: the step's conv and recurrence launches take the Triton
-    kernels (else the torch twins).
+    kernels (else the torch twins). ``prefetch`` (``SHORT`` with ``triton``): the
+    recurrence loads each token's operands one token ahead
+    (``KernelPolicy.short_rows_prefetch``).
     """
 
     kind: StepKind
@@ -92,6 +94,7 @@ class StatePlan:
     unclamped: torch.Tensor | None = None
     window_tokens: torch.Tensor | None = None
     triton: bool = False
+    prefetch: bool = False
     init_rows: torch.Tensor | None = None
     init_pages: torch.Tensor | None = None
     out_pages: torch.Tensor | None = None
@@ -222,6 +225,7 @@ def _plan_states(
             StepKind.SHORT, rows, in_pages=pages, token_out_pages=outs, query_start=start,
             token_row=token_rows(start, tokens),
             unclamped=unclamped != 0 if single else None, window_tokens=windows, triton=short,
+            prefetch=short and runs_unchecked(policy.short_rows_prefetch, device),
         )
     scan = packed_scan(policy, device, compute)
     if scan is None:

@@ -108,11 +108,12 @@ def test_twin_matches_per_token_reference_float64(lens):
 
 
 @interpreted
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize(
     "lens,heads,head_dim,groups,d_state",
     [(LENS[0], 4, 8, 2, 16), (LENS[1], 2, 12, 1, 8), (LENS[3], 6, 5, 3, 12), (LENS[2], 4, 4, 4, 4)],
 )
-def test_kernel_matches_twin_race_free(lens, heads, head_dim, groups, d_state):
+def test_kernel_matches_twin_race_free(lens, heads, head_dim, groups, d_state, prefetch):
     g = torch.Generator().manual_seed(_seed())
     x, dt, A, B, C, D, cache, qs, in_pages, out_pages, kw = _step(
         g, lens, heads, head_dim, groups, d_state, torch.float32
@@ -120,7 +121,8 @@ def test_kernel_matches_twin_race_free(lens, heads, head_dim, groups, d_state):
     want_cache = cache.clone()
     want = ssm_update_reference(x, dt, A, B, C, D, want_cache, in_pages, out_pages, qs, **kw)
     with racecheck.record_launches() as rec:
-        got = ssm_update(x, dt, A, B, C, D, cache, in_pages, out_pages, qs, **kw)
+        got = ssm_update(x, dt, A, B, C, D, cache, in_pages, out_pages, qs, **kw,
+                         prefetch=prefetch)
     assert len(rec.reports) == 1 and rec.reports[0].clean, str(rec.reports[0])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # Written pages equal the twin's; every other page keeps its (NaN or random) contents.
@@ -143,14 +145,16 @@ def test_kernel_bf16_state_pages_and_no_d():
 
 
 @interpreted
-def test_kernel_independent_of_program_order():
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_kernel_independent_of_program_order(prefetch):
     g = torch.Generator().manual_seed(_seed())
     x, dt, A, B, C, D, cache, qs, in_pages, out_pages, kw = _step(
         g, [4, 0, 2, 6], 4, 8, 2, 8, torch.float32
     )
 
     def launch(x, dt, A, B, C, D, ssm_cache, query_start, in_pages, out_pages):
-        return ssm_update(x, dt, A, B, C, D, ssm_cache, in_pages, out_pages, query_start, **kw)
+        return ssm_update(x, dt, A, B, C, D, ssm_cache, in_pages, out_pages, query_start, **kw,
+                          prefetch=prefetch)
 
     report = racecheck.run_launcher_in_orders(
         launch,
@@ -158,6 +162,49 @@ def test_kernel_independent_of_program_order():
                      in_pages=in_pages, out_pages=out_pages),
     )
     assert report.consistent, str(report)
+
+
+@interpreted
+def test_prefetch_gives_the_same_bits():
+    """Loading a token's operands one token ahead moves loads, not arithmetic: outputs
+    and written pages equal the plain loop's bit for bit, over rows of 0, 1 and many
+    tokens (the prefetch past a row's end reads nothing), with bf16 pages, no D, and
+    single-token rows that skip the clamp."""
+    g = torch.Generator().manual_seed(_seed())
+    x, dt, A, B, C, _, cache, qs, in_pages, out_pages, kw = _step(
+        g, [5, 0, 1, 9, 1, 2], 4, 8, 2, 16, torch.float32, cache_dtype=torch.bfloat16
+    )
+    lens = (qs[1:] - qs[:-1]).tolist()
+    kw["unclamped"] = torch.tensor([n == 1 for n in lens for _ in range(n)])
+    runs = []
+    for prefetch in (False, True):
+        pages = cache.clone()
+        y = ssm_update(x, dt, A, B, C, None, pages, in_pages, out_pages, qs, **kw,
+                       prefetch=prefetch)
+        runs.append((y, pages))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert torch.equal(runs[0][1].nan_to_num(7.0), runs[1][1].nan_to_num(7.0))
+
+
+def test_prefetch_waits_for_its_gpu_test_under_auto():
+    """``KernelPolicy.short_rows_prefetch`` "auto" takes the prefetching loop everywhere
+    but CUDA (``runs_unchecked``: not yet compiled on a GPU); a short step's plan carries
+    the choice; the policy refuses other values."""
+    from hybridserve.config import KernelPolicy, runs_unchecked
+    from hybridserve.models.step_plan import StepKind, plan_states
+
+    assert runs_unchecked("auto", "cpu") and not runs_unchecked("auto", "cuda")
+    assert runs_unchecked("on", "cuda") and not runs_unchecked("off", "cpu")
+    with pytest.raises(ValueError, match="short_rows_prefetch"):
+        KernelPolicy(short_rows_prefetch="yes")
+    batch = _batch([3, 1], [4, -1], [[(2, 6)], [(0, 7)]])
+    for mode, want in (("auto", True), ("on", True), ("off", False)):
+        policy = KernelPolicy(short_rows="triton", short_rows_prefetch=mode)
+        plan = plan_states(batch, policy, torch.device("cpu"), torch.float32)
+        assert plan.kind is StepKind.SHORT and plan.prefetch is want
+    plan = plan_states(batch, KernelPolicy(short_rows="reference"), torch.device("cpu"),
+                       torch.float32)
+    assert plan.kind is StepKind.SHORT and not plan.prefetch  # the twin loads nothing ahead
 
 
 def _batch(lens, in_pages, outs):
@@ -263,7 +310,8 @@ def test_mixer_short_rows_match_per_row_path(tmp_path, kernels, mixer_paths):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.skipif(INTERPRETED, reason="compiles the kernel: run with TRITON_INTERPRET=0")
-def test_gpu_kernel_matches_twin(record_property):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_gpu_kernel_matches_twin(record_property, prefetch):
     """8B shapes: a 128-token row from a page (the tail after a cached prefix) beside decode
     rows and a fresh short prompt."""
     g = torch.Generator().manual_seed(_seed())
@@ -272,7 +320,7 @@ def test_gpu_kernel_matches_twin(record_property):
     kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
     want_cache = args[6].clone()
     want = ssm_update_reference(*args[:6], want_cache, *args[8:], args[7], **kw)
-    got = ssm_update(*args[:7], *args[8:], args[7], **kw)
+    got = ssm_update(*args[:7], *args[8:], args[7], **kw, prefetch=prefetch)
     rel = ((got - want).norm() / want.norm()).item()
     written = args[9][args[9] >= 0].long()
     rel_state = ((args[6][written] - want_cache[written]).norm()

@@ -293,6 +293,7 @@ class Mamba2Mixer(RecurrentLayer):
             dt_bias=self.dt_bias,
             time_step_limit=p.time_step_limit,
             unclamped=None if p.clamp_dt_in_single_token_step else plan.unclamped,
+            prefetch=plan.prefetch,
         )
         return y.reshape(t, p.intermediate_size).to(A.dtype)
 
