@@ -67,15 +67,19 @@ SMOKE = dict(heads=2, head_dim=4, groups=1, d_state=8, conv_dim=24, d_conv=4,
              fused_tiles=((2, 4), (4, 2)))
 
 
-def _time(fn, device: str) -> float:
+def _time(fn, device: str) -> tuple[float, object]:
     """Median seconds of one call of ``fn``: ``do_bench`` on CUDA; the host clock of one
     call on the CPU (the interpreter's time, not the kernel's: the smoke mode's check that
-    every form runs)."""
+    every form runs). With what a call returned: the callers check that output, so the
+    smoke run calls each form once, not once to check and again to time (every call of a
+    form writes the same pages from the same inputs, so the pages checked after the timing
+    calls are the first call's)."""
     if device == "cuda":
-        return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median") / 1e3
+        got = fn()
+        return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median") / 1e3, got
     t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
+    got = fn()
+    return time.perf_counter() - t, got
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -182,8 +186,8 @@ def _sweep(fn, tiles, want, device) -> list[dict]:
     """Each tile's median and its output's relative error against ``want``."""
     out = []
     for tile in tiles:
-        out.append({"tile": list(tile), "rel_err_vs_twin": _rel(fn(tile), want),
-                    "us": _time(lambda tile=tile: fn(tile), device) * 1e6})
+        seconds, got = _time(lambda tile=tile: fn(tile), device)
+        out.append({"tile": list(tile), "rel_err_vs_twin": _rel(got, want), "us": seconds * 1e6})
     return out
 
 
@@ -191,25 +195,26 @@ def _case(cfg, rows, q, device, sweep: bool) -> dict:
     layer = Layer(cfg, rows, q, device, seed=1000 * rows + q)
     conv_want, y_want, conv_pages_want, ssm_pages_want = layer.twin()
     pages = layer.written_pages()
-    check = {}
+    check, measured = {}, {}
+    # Each form's timed call is the one checked (the pages it writes NaN before it).
     for name, registers in (("old", False), ("new", True)):
         layer.conv_cache[pages] = float("nan")
-        got = layer.conv(registers)
+        measured[f"conv_{name}"], got = _time(lambda r=registers: layer.conv(r), device)
         check[f"conv_{name}"] = {
             "out_rel_err_vs_twin": _rel(got, conv_want),
             "windows_equal_twin": bool(torch.equal(layer.conv_cache[pages],
                                                    conv_pages_want[pages])),
         }
-    conv_out = layer.conv(True)
+    conv_out = got  # the register form's output: the ssm's input in the two launches
     layer.ssm_cache[pages] = float("nan")
-    y_two = layer.ssm(conv_out)
+    measured["ssm"], y_two = _time(lambda: layer.ssm(conv_out), device)
     check["two_launches"] = {
         "y_rel_err_vs_twin": _rel(y_two, y_want),
         "states_rel_err_vs_twin": _rel(layer.ssm_cache[pages], ssm_pages_want[pages]),
     }
     layer.conv_cache[pages] = float("nan")
     layer.ssm_cache[pages] = float("nan")
-    y_fused = layer.fused()
+    measured["ops_fused"], y_fused = _time(layer.fused, device)
     check["fused"] = {
         "y_rel_err_vs_twin": _rel(y_fused, y_want),
         "y_rel_err_vs_two_launches": _rel(y_fused, y_two),
@@ -217,14 +222,10 @@ def _case(cfg, rows, q, device, sweep: bool) -> dict:
         "windows_equal_twin": bool(torch.equal(layer.conv_cache[pages],
                                                conv_pages_want[pages])),
     }
-    times = {
-        "conv_old": _time(lambda: layer.conv(False), device),
-        "conv_new": _time(lambda: layer.conv(True), device),
-        "ssm": _time(lambda: layer.ssm(conv_out), device),
-        "ops_old": _time(lambda: layer.ssm(layer.conv(False)), device),
-        "ops_two": _time(lambda: layer.ssm(layer.conv(True)), device),
-        "ops_fused": _time(layer.fused, device),
-    }
+    measured["ops_old"] = _time(lambda: layer.ssm(layer.conv(False)), device)[0]
+    measured["ops_two"] = _time(lambda: layer.ssm(layer.conv(True)), device)[0]
+    times = {key: measured[key] for key in ("conv_old", "conv_new", "ssm", "ops_old",
+                                            "ops_two", "ops_fused")}
     need = layer.bytes()
     use = {"conv_old": "conv", "conv_new": "conv", "ssm": "ssm", "ops_old": "two_launches",
            "ops_two": "two_launches", "ops_fused": "fused"}
@@ -260,7 +261,7 @@ def _graph_layers(cfg, device, layers: int) -> dict:
     out = {"layers": layers}
     for name, fn in forms.items():
         if device != "cuda":
-            out[f"{name}_us"] = _time(fn, device) * 1e6
+            out[f"{name}_us"] = _time(fn, device)[0] * 1e6
             continue
         graph = capture(fn)
         graph.replay()

@@ -252,13 +252,15 @@ def make_llm(target, spec, args, batch: int, dtype: str, model=None, others=None
 
 def release_memory(device: str) -> None:
     """Free a dropped engine's caches and graph pools before the next one allocates
-    its own (at the 8B shape a row's state pages alone are tens of GiB)."""
+    its own (at the 8B shape a row's state pages alone are tens of GiB). On CUDA only:
+    the CPU runs (the smoke's tiny models) leave the collector to its own schedule, where
+    a full collection a row cost more than the row's decode."""
     import gc
 
     import torch
 
-    gc.collect()
     if device.startswith("cuda"):
+        gc.collect()
         torch.cuda.empty_cache()
 
 

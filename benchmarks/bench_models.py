@@ -499,11 +499,13 @@ def run_shape(name: str, args, env: dict, result: dict, save, workdir: Path) -> 
         args.prefill_max_s), needs(15))
     model = built = None  # noqa: F841
     bg.free_memory(device)
-    # GPU bf16 against CPU float32 greedy tokens on a tiny model of the same family.
+    # GPU bf16 against CPU float32 greedy tokens on a tiny model of the same family (the
+    # smoke run: two prompts of eight tokens, still a batched step through every form).
     arch, layers, overrides = SHAPES[name]["tiny_family"]
+    size = {"prompts": 2, "new_tokens": 8} if args.smoke else {"prompts": 32}
     out["agreement"] = section("agreement", lambda: bg.agreement(
         device, "bfloat16" if device == "cuda" else "float32", workdir / name, arch=arch,
-        layers=layers, prompts=8 if args.smoke else 32, **overrides), needs(20))
+        layers=layers, **size, **overrides), needs(20))
 
     # transformers' baseline and the checkpoint load, on the truncated shape.
     layers = SHAPES[name]["truncated_layers"]

@@ -108,7 +108,7 @@ def sync(device: str) -> None:
 
 
 def timed(fn, device: str) -> float:
-    """Median seconds of ``fn``: do_bench on CUDA, else the median of 3 wall-clock calls."""
+    """Median seconds of ``fn``: do_bench on CUDA, else the wall clock of one call."""
     return median_us(fn, device, warmup_ms=5, rep_ms=50) / 1e6
 
 

@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
         device=device_label(device), torch=torch.__version__, triton=triton.__version__,
         commit=git_commit(), smoke=shapes is SMOKE, config=dict(shapes),
         timing=("each call replayed from a CUDA graph, do_bench median" if device == "cuda"
-                else "eager calls on the CPU interpreter, median of 3 (not a speed)"),
+                else "one eager call on the CPU interpreter (not a speed)"),
         results=[bench_batch(rows, shapes, device, g) for rows in shapes["batches"]],
     )
     name = "sampler_smoke.json" if shapes is SMOKE else "sampler.json"

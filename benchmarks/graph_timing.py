@@ -8,7 +8,6 @@ benchmarks/<script>.py``), like ``provenance``.
 from __future__ import annotations
 
 import itertools
-import statistics
 import time
 from collections.abc import Callable, Sequence
 
@@ -40,15 +39,12 @@ def rotating(items: Sequence):
 def median_us(fn: Callable[[], object], device: str, warmup_ms: float = 25,
               rep_ms: float = 200) -> float:
     """Median microseconds of one call of ``fn``: ``triton.testing.do_bench`` on CUDA
-    (``warmup_ms`` / ``rep_ms`` of calls); elsewhere (a smoke run) the median of three
-    wall-clock calls after one, the interpreter's time and not a kernel's."""
+    (``warmup_ms`` / ``rep_ms`` of calls); elsewhere (a smoke run) the wall clock of one
+    call, the interpreter's time and not a kernel's: it compiles nothing to warm up, and
+    more calls would only run the same code again, slowly."""
     if str(device).startswith("cuda"):
         return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms,
                                        return_mode="median") * 1e3
+    t0 = time.perf_counter()
     fn()
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
+    return (time.perf_counter() - t0) * 1e6
