@@ -7,6 +7,7 @@ Measured in the same run (benchmarks/results/INDEX.md says how):
             ``q = 1`` (decode) and ``q = 4`` (verify of 3 drafts), against the bytes it
             must move and a device-to-device copy of the same bytes;
   prefill   the token-by-token ``gdn_varlen_update`` over 1 x 4,096 and 8 x 4,096 tokens
+            (also with its operands loaded one token ahead, ``prefetch=True``)
             with a state every 64 tokens (checkpoints), and, where fla-core's pieces are
             importable (CUDA), fla-core's chunked scan alone (``chunk_scan_fla``, q, k, v
             in float32 and in bfloat16) and the chunked ``gdn_prefill`` on it, the
@@ -228,6 +229,12 @@ def bench_prefill(s, device, g) -> list[dict]:
                      token_kernel_us=median_us(
                          lambda x=x, a=args, k=gate: gdn_varlen_update(*x, *a, **k), device))
         got = gdn_varlen_update(*x, *args, **gate)
+        # The same kernel loading each token's operands one token ahead
+        # (KernelPolicy.token_prefetch): its time, and its values against the plain loop's.
+        entry["token_kernel_prefetch_us"] = median_us(
+            lambda x=x, a=args, k=gate: gdn_varlen_update(*x, *a, **k, prefetch=True), device)
+        entry["prefetch_equal"] = bool(torch.equal(
+            gdn_varlen_update(*x, *args, **gate, prefetch=True), got))
         if rows * length <= 4096:  # the twin is a host loop per token: check one row's worth
             want = gdn_varlen_update_reference(*x, cache.clone(), *args[1:], **gate)
             entry["token_kernel_rel_err_vs_twin"] = rel_err(got, want)

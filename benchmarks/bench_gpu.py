@@ -1607,7 +1607,7 @@ def check_ssm_short(shape, step, dtype, device, seed, prefetch=False):
     """``ssm_update`` (rows of any length) against its twin on a step of short rows (a cached prompt's
     tail, decode rows, fresh short prompts): outputs and float32 states. ``prefetch``:
     the loop that loads each token's operands one token ahead
-    (``KernelPolicy.short_rows_prefetch``)."""
+    (``KernelPolicy.token_prefetch``)."""
     g, h = _generators(seed, device)
     m = _mamba_shapes(shape)
     heads, head_dim, groups, d_state = m["heads"], m["head_dim"], m["groups"], m["d_state"]

@@ -333,15 +333,18 @@ class KernelPolicy:
       373 us against the twin's 181 / 1,748 / 6,349 us at batch 1 / 64 / 256, and the
       whole sampled step (temperature 0.8, top-p 0.95) 175 / 1,335 / 4,406 us against
       341 / 2,971 / 10,380 (``sampler.json``).
-    - ``short_rows_prefetch``: the short-row recurrence
-      (:func:`~hybridserve.kernels.mamba_decode.ssm_update` over rows of any length)
-      loads each token's operands one token ahead, so their memory latency overlaps the
-      previous token's update (the same values bit for bit): ``"on"`` / ``"off"``;
-      ``"auto"`` as :func:`runs_unchecked` says (not yet compiled on a GPU; its `gpu`
-      test is in ``tests/kernels/test_mamba_short.py``). The kernel it speeds up took
-      3.6-4.0 ms of the 10 ms of kernels of the 8B shape's cached first token
-      (``gpu_ttft_ab_851c208_28159ac.json``); without the prefetch each token pays its
-      loads' memory latency in series with its update.
+    - ``token_prefetch``: the token-serial recurrence kernels (Mamba2's short rows,
+      :func:`~hybridserve.kernels.mamba_decode.ssm_update` over rows of any length, and
+      Gated DeltaNet's :func:`~hybridserve.kernels.gdn_varlen.gdn_varlen_update`, its
+      prefill by default) load each token's operands one token ahead, so their memory
+      latency overlaps the previous token's update (the same values bit for bit):
+      ``"on"`` / ``"off"``; ``"auto"`` as :func:`runs_unchecked` says (not yet compiled
+      on a GPU; its `gpu` tests are in ``tests/kernels/test_mamba_short.py`` and
+      ``tests/kernels/test_gdn_varlen_gpu.py``). The Mamba2 kernel took 3.6-4.0 ms of the
+      10 ms of kernels of the 8B shape's cached first token
+      (``gpu_ttft_ab_851c208_28159ac.json``), the Gated DeltaNet one 6.2 ms a layer for
+      a 4,096-token prefill (``gdn_kernels.json``): without the prefetch each token pays
+      its loads' memory latency in series with its update.
     """
 
     uniform_decode: bool = True
@@ -362,11 +365,11 @@ class KernelPolicy:
     sampler: str = "auto"
     attention_splits: str = "auto"
     conv_window_slabs: str = "auto"
-    short_rows_prefetch: str = "auto"
+    token_prefetch: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("short_graphs", "drafter_graphs", "logq_graphs", "attention_splits",
-                     "conv_window_slabs", "short_rows_prefetch"):
+                     "conv_window_slabs", "token_prefetch"):
             if getattr(self, name) not in ("auto", "on", "off"):
                 raise ValueError(
                     f"kernel_policy.{name}={getattr(self, name)!r}: choose from ('auto', 'on', 'off')"

@@ -121,6 +121,46 @@ def gdn_decode_update_reference(
 
 
 @triton.jit
+def gdn_token_operands(tok, end, h, hk, kk, vv, kmask, vmask, q_ptr, k_ptr, v_ptr, a_ptr,
+                       b_ptr, key_heads, value_heads, key_dim, value_dim):
+    """Packed token ``tok``'s float32 ``q, k [BLOCK_K]``, ``v [BLOCK_V]`` and raw gate
+    inputs ``a, b`` for a program's (value head ``h``, key head ``hk``, value columns
+    ``vv``) slice; zeros where ``tok`` is not below ``end`` (nothing is read there: the
+    token past a row's end, when the next token's operands are loaded ahead)."""
+    qk_off = tok * key_heads * key_dim + hk * key_dim + kk
+    kin = kmask & (kk * 0 + tok < end)
+    qt = tl.load(q_ptr + qk_off, mask=kin, other=0.0).to(tl.float32)
+    kt = tl.load(k_ptr + qk_off, mask=kin, other=0.0).to(tl.float32)
+    v_off = tok * value_heads * value_dim + h * value_dim + vv
+    vt = tl.load(v_ptr + v_off, mask=vmask & (vv * 0 + tok < end), other=0.0).to(tl.float32)
+    at = tl.load(a_ptr + tok * value_heads + h, mask=tok < end, other=0.0).to(tl.float32)
+    bt = tl.load(b_ptr + tok * value_heads + h, mask=tok < end, other=0.0).to(tl.float32)
+    return qt, kt, vt, at, bt
+
+
+@triton.jit
+def gdn_token_update(state, qt, kt, vt, at, bt, tok, h, vv, vmask, smask, offs, neg_a,
+                     dt_bias, ssm_ptr, page_stride, out_pages_ptr, o_ptr, value_heads,
+                     value_dim, ROUND: tl.constexpr):
+    """One token of the gated delta rule from its operands in registers
+    (:func:`gdn_token_operands`): the gates in float32 from the raw ``a, b``
+    (``neg_a = -exp(A_log[h])``), the decay, the delta-rule update; stores ``o`` and, when
+    ``out_pages[tok] >= 0``, the new state to that page. Returns the state."""
+    gt = neg_a * softplus(at + dt_bias)
+    beta = tl.sigmoid(bt)
+    state = state * tl.exp(gt)
+    predicted = tl.sum(state * kt[:, None], axis=0)
+    delta = (vt - predicted) * beta
+    state = state + kt[:, None] * delta[None, :]
+    if ROUND:
+        state = state.to(ssm_ptr.dtype.element_ty).to(tl.float32)
+    v_off = tok * value_heads * value_dim + h * value_dim + vv
+    tl.store(o_ptr + v_off, tl.sum(state * qt[:, None], axis=0), mask=vmask)
+    store_state_page(state, tok, offs, smask, ssm_ptr, page_stride, out_pages_ptr)
+    return state
+
+
+@triton.jit
 def gdn_token_step(
     state,
     tok,
@@ -150,26 +190,15 @@ def gdn_token_step(
     ROUND: tl.constexpr,
 ):
     """One token of the gated delta rule for a program's (value head ``h``, value columns
-    ``vv``) slice of the ``[Dk, Dv]`` state: the gates from the raw ``a, b`` of packed token
-    ``tok`` in float32 (``neg_a = -exp(A_log[h])``), the decay, the delta-rule update;
-    stores ``o`` and, when ``out_pages[tok] >= 0``, the new state to that page. Returns the
-    state. Inlined into the decode kernel (unrolled rows) and the variable-length one."""
-    qk_off = tok * key_heads * key_dim + hk * key_dim + kk
-    qt = tl.load(q_ptr + qk_off, mask=kmask, other=0.0).to(tl.float32)
-    kt = tl.load(k_ptr + qk_off, mask=kmask, other=0.0).to(tl.float32)
-    v_off = tok * value_heads * value_dim + h * value_dim + vv
-    vt = tl.load(v_ptr + v_off, mask=vmask, other=0.0).to(tl.float32)
-    gt = neg_a * softplus(tl.load(a_ptr + tok * value_heads + h).to(tl.float32) + dt_bias)
-    bt = tl.sigmoid(tl.load(b_ptr + tok * value_heads + h).to(tl.float32))
-    state = state * tl.exp(gt)
-    predicted = tl.sum(state * kt[:, None], axis=0)
-    delta = (vt - predicted) * bt
-    state = state + kt[:, None] * delta[None, :]
-    if ROUND:
-        state = state.to(ssm_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(o_ptr + v_off, tl.sum(state * qt[:, None], axis=0), mask=vmask)
-    store_state_page(state, tok, offs, smask, ssm_ptr, page_stride, out_pages_ptr)
-    return state
+    ``vv``) slice of the ``[Dk, Dv]`` state: loads packed token ``tok``'s operands
+    (:func:`gdn_token_operands`) and applies :func:`gdn_token_update`. Returns the state.
+    Inlined into the decode kernel (unrolled rows) and the variable-length one."""
+    qt, kt, vt, at, bt = gdn_token_operands(
+        tok, tok + 1, h, hk, kk, vv, kmask, vmask, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
+        key_heads, value_heads, key_dim, value_dim)
+    return gdn_token_update(state, qt, kt, vt, at, bt, tok, h, vv, vmask, smask, offs, neg_a,
+                            dt_bias, ssm_ptr, page_stride, out_pages_ptr, o_ptr, value_heads,
+                            value_dim, ROUND)
 
 
 @triton.jit

@@ -34,7 +34,12 @@ import triton
 import triton.language as tl
 
 from hybridserve.kernels.gdn import gated_delta_rule_reference, gdn_gates
-from hybridserve.kernels.gdn_decode import _check_operands, gdn_token_step
+from hybridserve.kernels.gdn_decode import (
+    _check_operands,
+    gdn_token_operands,
+    gdn_token_step,
+    gdn_token_update,
+)
 
 __all__ = ["VarlenPlan", "gdn_varlen_update", "gdn_varlen_update_reference"]
 
@@ -98,10 +103,12 @@ def gdn_varlen_update_reference(
     *,
     A_log: torch.Tensor,
     dt_bias: torch.Tensor,
+    prefetch: bool = False,
 ) -> torch.Tensor:
-    """Torch twin of :func:`gdn_varlen_update` (same arguments, same result): the per-row
-    recurrence of :mod:`hybridserve.kernels.gdn`. Every input state is read before any
-    page is written."""
+    """Torch twin of :func:`gdn_varlen_update` (same arguments, same result; ``prefetch``,
+    a load order of the kernel's, changes nothing here): the per-row recurrence of
+    :mod:`hybridserve.kernels.gdn`. Every input state is read before any page is
+    written."""
     _check_operands(q, k, v, a, b, ssm_cache, A_log, dt_bias)
     tokens = q.shape[0]
     rows = _check_pages(query_start, in_pages, token_out_pages, tokens)
@@ -157,6 +164,7 @@ def _gdn_varlen_kernel(
     DENSE_INIT: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -182,12 +190,30 @@ def _gdn_varlen_kernel(
         ).to(tl.float32)
     neg_a = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-    for i in range(0, end - start):
-        state = gdn_token_step(
-            state, start.to(tl.int64) + i, h, hk, kk, vv, kmask, vmask, smask, offs, neg_a,
-            dt_bias, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, ssm_ptr, page_stride, out_pages_ptr,
-            o_ptr, key_heads, value_heads, key_dim, value_dim, ROUND,
-        )
+    if PREFETCH:
+        # Token i + 1's operands loaded before token i's update (inputs only, never a
+        # state page: the same values in the same order, their latency hidden).
+        first = start.to(tl.int64)
+        last = end.to(tl.int64)
+        qt, kt, vt, at, bt = gdn_token_operands(
+            first, last, h, hk, kk, vv, kmask, vmask, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
+            key_heads, value_heads, key_dim, value_dim)
+        for i in range(0, end - start):
+            q_n, k_n, v_n, a_n, b_n = gdn_token_operands(
+                first + i + 1, last, h, hk, kk, vv, kmask, vmask, q_ptr, k_ptr, v_ptr, a_ptr,
+                b_ptr, key_heads, value_heads, key_dim, value_dim)
+            state = gdn_token_update(
+                state, qt, kt, vt, at, bt, first + i, h, vv, vmask, smask, offs, neg_a,
+                dt_bias, ssm_ptr, page_stride, out_pages_ptr, o_ptr, value_heads, value_dim,
+                ROUND)
+            qt, kt, vt, at, bt = q_n, k_n, v_n, a_n, b_n
+    else:
+        for i in range(0, end - start):
+            state = gdn_token_step(
+                state, start.to(tl.int64) + i, h, hk, kk, vv, kmask, vmask, smask, offs,
+                neg_a, dt_bias, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, ssm_ptr, page_stride,
+                out_pages_ptr, o_ptr, key_heads, value_heads, key_dim, value_dim, ROUND,
+            )
 
 
 def gdn_varlen_update(
@@ -205,6 +231,7 @@ def gdn_varlen_update(
     *,
     A_log: torch.Tensor,
     dt_bias: torch.Tensor,
+    prefetch: bool = False,
 ) -> torch.Tensor:
     """Gated delta rule of every row of a packed step, from and to state pages.
 
@@ -226,6 +253,8 @@ def gdn_varlen_update(
             tails of the chunked prefill start from chunk states
             (:mod:`hybridserve.kernels.gdn_chunked`).
         A_log, dt_bias: ``[Hv]`` the layer's decay parameters.
+        prefetch: load each token's operands one token ahead
+            (``KernelPolicy.token_prefetch``); the same result bit for bit.
 
     Returns:
         ``o [T, Hv, Dv]`` float32.
@@ -268,5 +297,6 @@ def gdn_varlen_update(
         DENSE_INIT=init is not None,
         BLOCK_K=block_k,
         BLOCK_V=block_v,
+        PREFETCH=bool(prefetch),
     )
     return o

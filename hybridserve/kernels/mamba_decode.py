@@ -802,7 +802,7 @@ def ssm_update(
         unclamped: ``[T]`` bool or None: tokens whose dt skips the clamp (the
             single-token step's exception, :class:`~hybridserve.models.config.MambaParams`).
         prefetch: rows of any length (``query_start`` given) load each token's operands
-            one token ahead (``KernelPolicy.short_rows_prefetch``); the same result bit
+            one token ahead (``KernelPolicy.token_prefetch``); the same result bit
             for bit. Uniform rows are unrolled and ignore it.
 
     Returns:

@@ -81,7 +81,7 @@ class StatePlan:
     scan primitive. ``triton``: the step's conv and recurrence launches take the Triton
     kernels (else the torch twins). ``prefetch`` (``SHORT`` with ``triton``): the
     recurrence loads each token's operands one token ahead
-    (``KernelPolicy.short_rows_prefetch``).
+    (``KernelPolicy.token_prefetch``).
     """
 
     kind: StepKind
@@ -225,7 +225,7 @@ def _plan_states(
             StepKind.SHORT, rows, in_pages=pages, token_out_pages=outs, query_start=start,
             token_row=token_rows(start, tokens),
             unclamped=unclamped != 0 if single else None, window_tokens=windows, triton=short,
-            prefetch=short and runs_unchecked(policy.short_rows_prefetch, device),
+            prefetch=short and runs_unchecked(policy.token_prefetch, device),
         )
     scan = packed_scan(policy, device, compute)
     if scan is None:

@@ -10,6 +10,7 @@ def test_gdn_benchmark_smoke(tmp_path):
     assert {"device", "torch", "triton", "commit", "config"} <= set(record)
     assert record["decode"] and all(r["rel_err_vs_twin"] < 1e-5 for r in record["decode"])
     assert all(r["token_kernel_rel_err_vs_twin"] < 1e-5 for r in record["prefill"])
+    assert all(r["prefetch_equal"] and r["token_kernel_prefetch_us"] > 0 for r in record["prefill"])
     n = record["numerics"]
     assert n["steps"] == 8 and n["reference"] == "float64 twin"
     # float32 pages against float64: rounding only, no bfloat16-sized drift.

@@ -55,21 +55,43 @@ def _inputs(g, lengths, hk, hv, dk, dv, dtype=torch.float32):
     return q, k, v, a, b, cache, query_start, in_pages, out_pages, kw
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize(
     "lengths,hk,hv,dk,dv",
     [([1, 5, 0, 9], 2, 4, 8, 8), ([13], 1, 3, 12, 5), ([2, 2, 7], 2, 2, 16, 40)],
 )
-def test_kernel_matches_twin_race_free(lengths, hk, hv, dk, dv):
+def test_kernel_matches_twin_race_free(lengths, hk, hv, dk, dv, prefetch):
     g = torch.Generator().manual_seed(_seed())
     q, k, v, a, b, cache, qs, in_pages, out_pages, kw = _inputs(g, lengths, hk, hv, dk, dv)
     want_cache = cache.clone()
     want = gdn_varlen_update_reference(q, k, v, a, b, want_cache, qs, in_pages, out_pages, **kw)
     with racecheck.record_launches() as rec:
-        got = gdn_varlen_update(q, k, v, a, b, cache, qs, in_pages, out_pages, **kw)
+        got = gdn_varlen_update(q, k, v, a, b, cache, qs, in_pages, out_pages, **kw,
+                                prefetch=prefetch)
     assert len(rec.reports) == 1 and rec.reports[0].clean, str(rec.reports[0])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(cache, want_cache, rtol=1e-5, atol=1e-5, equal_nan=True)
     assert not cache[out_pages[out_pages >= 0].long()].isnan().any()
+
+
+def test_prefetch_gives_the_same_bits():
+    """Loading each token's operands one token ahead (``KernelPolicy.token_prefetch``)
+    moves loads, not arithmetic: outputs and pages equal the plain loop's bit for bit,
+    from pages and from dense initial states, with the state rounded to bf16 pages, over
+    rows of 0, 1 and many tokens (nothing is read past a row's end)."""
+    g = torch.Generator().manual_seed(_seed())
+    q, k, v, a, b, cache, qs, in_pages, out_pages, kw = _inputs(g, [4, 0, 1, 11], 2, 4, 8, 16)
+    cache = cache.to(torch.bfloat16)
+    init = torch.randn(4, 4, 8, 16, generator=g)
+    for extra in ((True,), (False, init)):
+        runs = []
+        for prefetch in (False, True):
+            c = cache.clone()
+            o = gdn_varlen_update(q, k, v, a, b, c, qs, in_pages, out_pages, *extra, **kw,
+                                  prefetch=prefetch)
+            runs.append((o, c))
+        assert torch.equal(runs[0][0], runs[1][0])
+        assert torch.equal(runs[0][1].float().nan_to_num(7.0), runs[1][1].float().nan_to_num(7.0))
 
 
 def test_kernel_bfloat16_pages_and_program_orders():

@@ -187,7 +187,7 @@ def test_prefetch_gives_the_same_bits():
 
 
 def test_prefetch_waits_for_its_gpu_test_under_auto():
-    """``KernelPolicy.short_rows_prefetch`` "auto" takes the prefetching loop everywhere
+    """``KernelPolicy.token_prefetch`` "auto" takes the prefetching loop everywhere
     but CUDA (``runs_unchecked``: not yet compiled on a GPU); a short step's plan carries
     the choice; the policy refuses other values."""
     from hybridserve.config import KernelPolicy, runs_unchecked
@@ -195,11 +195,11 @@ def test_prefetch_waits_for_its_gpu_test_under_auto():
 
     assert runs_unchecked("auto", "cpu") and not runs_unchecked("auto", "cuda")
     assert runs_unchecked("on", "cuda") and not runs_unchecked("off", "cpu")
-    with pytest.raises(ValueError, match="short_rows_prefetch"):
-        KernelPolicy(short_rows_prefetch="yes")
+    with pytest.raises(ValueError, match="token_prefetch"):
+        KernelPolicy(token_prefetch="yes")
     batch = _batch([3, 1], [4, -1], [[(2, 6)], [(0, 7)]])
     for mode, want in (("auto", True), ("on", True), ("off", False)):
-        policy = KernelPolicy(short_rows="triton", short_rows_prefetch=mode)
+        policy = KernelPolicy(short_rows="triton", token_prefetch=mode)
         plan = plan_states(batch, policy, torch.device("cpu"), torch.float32)
         assert plan.kind is StepKind.SHORT and plan.prefetch is want
     plan = plan_states(batch, KernelPolicy(short_rows="reference"), torch.device("cpu"),

@@ -45,11 +45,13 @@ heads of key head ``j``, and ``[b_j, a_j]``); both have ``conv1d``, ``dt_bias``,
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridserve.config import KernelPolicy
+from hybridserve.config import KernelPolicy, runs_unchecked
 from hybridserve.kernels import gdn_chunked, gdn_decode, gdn_varlen, mamba_decode
 from hybridserve.kernels.conv1d import causal_conv1d_reference
 from hybridserve.kernels.conv_varlen import conv_varlen, conv_varlen_reference
@@ -319,7 +321,9 @@ class GatedDeltaNet(RecurrentLayer):
         is an input page (the plan)."""
         fast = mode in ("kernel", "fla")
         conv = conv_varlen if fast else conv_varlen_reference
-        rule = gdn_varlen.gdn_varlen_update if fast else gdn_varlen.gdn_varlen_update_reference
+        rule = functools.partial(
+            gdn_varlen.gdn_varlen_update if fast else gdn_varlen.gdn_varlen_update_reference,
+            prefetch=runs_unchecked(self.policy.token_prefetch, qkv.device))
         x = conv(
             qkv if fast else qkv.contiguous(),
             self.conv1d.weight[:, 0, :].contiguous(),
