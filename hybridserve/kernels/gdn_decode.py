@@ -122,19 +122,28 @@ def gdn_decode_update_reference(
 
 @triton.jit
 def gdn_token_operands(tok, end, h, hk, kk, vv, kmask, vmask, q_ptr, k_ptr, v_ptr, a_ptr,
-                       b_ptr, key_heads, value_heads, key_dim, value_dim):
+                       b_ptr, key_heads, value_heads, key_dim, value_dim,
+                       BOUNDED: tl.constexpr):
     """Packed token ``tok``'s float32 ``q, k [BLOCK_K]``, ``v [BLOCK_V]`` and raw gate
     inputs ``a, b`` for a program's (value head ``h``, key head ``hk``, value columns
-    ``vv``) slice; zeros where ``tok`` is not below ``end`` (nothing is read there: the
-    token past a row's end, when the next token's operands are loaded ahead)."""
+    ``vv``) slice. ``BOUNDED``: zeros where ``tok`` is not below ``end`` (nothing is read
+    there: the token past a row's end, when the next token's operands are loaded ahead);
+    without it ``tok`` is a token of the row (the loads of before, unmasked)."""
     qk_off = tok * key_heads * key_dim + hk * key_dim + kk
-    kin = kmask & (kk * 0 + tok < end)
-    qt = tl.load(q_ptr + qk_off, mask=kin, other=0.0).to(tl.float32)
-    kt = tl.load(k_ptr + qk_off, mask=kin, other=0.0).to(tl.float32)
     v_off = tok * value_heads * value_dim + h * value_dim + vv
-    vt = tl.load(v_ptr + v_off, mask=vmask & (vv * 0 + tok < end), other=0.0).to(tl.float32)
-    at = tl.load(a_ptr + tok * value_heads + h, mask=tok < end, other=0.0).to(tl.float32)
-    bt = tl.load(b_ptr + tok * value_heads + h, mask=tok < end, other=0.0).to(tl.float32)
+    km, vm = kmask, vmask
+    if BOUNDED:
+        km = km & (kk * 0 + tok < end)
+        vm = vm & (vv * 0 + tok < end)
+    qt = tl.load(q_ptr + qk_off, mask=km, other=0.0).to(tl.float32)
+    kt = tl.load(k_ptr + qk_off, mask=km, other=0.0).to(tl.float32)
+    vt = tl.load(v_ptr + v_off, mask=vm, other=0.0).to(tl.float32)
+    if BOUNDED:
+        at = tl.load(a_ptr + tok * value_heads + h, mask=tok < end, other=0.0).to(tl.float32)
+        bt = tl.load(b_ptr + tok * value_heads + h, mask=tok < end, other=0.0).to(tl.float32)
+    else:
+        at = tl.load(a_ptr + tok * value_heads + h).to(tl.float32)
+        bt = tl.load(b_ptr + tok * value_heads + h).to(tl.float32)
     return qt, kt, vt, at, bt
 
 
@@ -195,7 +204,7 @@ def gdn_token_step(
     Inlined into the decode kernel (unrolled rows) and the variable-length one."""
     qt, kt, vt, at, bt = gdn_token_operands(
         tok, tok + 1, h, hk, kk, vv, kmask, vmask, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
-        key_heads, value_heads, key_dim, value_dim)
+        key_heads, value_heads, key_dim, value_dim, False)
     return gdn_token_update(state, qt, kt, vt, at, bt, tok, h, vv, vmask, smask, offs, neg_a,
                             dt_bias, ssm_ptr, page_stride, out_pages_ptr, o_ptr, value_heads,
                             value_dim, ROUND)

@@ -197,11 +197,11 @@ def _gdn_varlen_kernel(
         last = end.to(tl.int64)
         qt, kt, vt, at, bt = gdn_token_operands(
             first, last, h, hk, kk, vv, kmask, vmask, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
-            key_heads, value_heads, key_dim, value_dim)
+            key_heads, value_heads, key_dim, value_dim, True)
         for i in range(0, end - start):
             q_n, k_n, v_n, a_n, b_n = gdn_token_operands(
                 first + i + 1, last, h, hk, kk, vv, kmask, vmask, q_ptr, k_ptr, v_ptr, a_ptr,
-                b_ptr, key_heads, value_heads, key_dim, value_dim)
+                b_ptr, key_heads, value_heads, key_dim, value_dim, True)
             state = gdn_token_update(
                 state, qt, kt, vt, at, bt, first + i, h, vv, vmask, smask, offs, neg_a,
                 dt_bias, ssm_ptr, page_stride, out_pages_ptr, o_ptr, value_heads, value_dim,

@@ -635,10 +635,9 @@ def ssm_token_step(
     loads the token's operands and applies :func:`ssm_token_update` (returns the state).
     Inlined into both loops of :func:`_ssm_kernel` (unrolled uniform rows, rows of any
     length)."""
-    x = tl.load(x_ptr + tok * x_stride + h * head_dim + p, mask=pmask, other=0.0).to(tl.float32)
-    b = tl.load(B_ptr + tok * B_stride + g * d_state + n, mask=nmask, other=0.0).to(tl.float32)
-    c = tl.load(C_ptr + tok * C_stride + g * d_state + n, mask=nmask, other=0.0).to(tl.float32)
-    dt_raw = tl.load(dt_ptr + tok * dt_stride + h).to(tl.float32)
+    x, b, c, dt_raw = _ssm_operands(tok, tok + 1, h, g, p, n, pmask, nmask, x_ptr, x_stride,
+                                    dt_ptr, dt_stride, B_ptr, B_stride, C_ptr, C_stride,
+                                    head_dim, d_state, False)
     return ssm_token_update(
         state, x, b, c, dt_raw, tok, h, p, pmask, smask, offs, a, d_skip, dt_bias, dt_min,
         dt_max, unclamped_ptr, ssm_ptr, page_stride, out_pages_ptr, y_ptr, heads, head_dim,
@@ -648,17 +647,22 @@ def ssm_token_step(
 
 @triton.jit
 def _ssm_operands(tok, end, h, g, p, n, pmask, nmask, x_ptr, x_stride, dt_ptr, dt_stride,
-                  B_ptr, B_stride, C_ptr, C_stride, head_dim, d_state):
+                  B_ptr, B_stride, C_ptr, C_stride, head_dim, d_state, BOUNDED: tl.constexpr):
     """Packed token ``tok``'s float32 ``x [BLOCK_P]``, ``b, c [BLOCK_N]`` and raw dt for a
-    program's (head ``h``, group ``g``, head-dim rows ``p``) slice; zeros where ``tok``
-    is not below ``end`` (the token past a row's end: nothing is read)."""
-    x = tl.load(x_ptr + tok * x_stride + h * head_dim + p, mask=pmask & (p * 0 + tok < end),
-                other=0.0).to(tl.float32)
-    b = tl.load(B_ptr + tok * B_stride + g * d_state + n, mask=nmask & (n * 0 + tok < end),
-                other=0.0).to(tl.float32)
-    c = tl.load(C_ptr + tok * C_stride + g * d_state + n, mask=nmask & (n * 0 + tok < end),
-                other=0.0).to(tl.float32)
-    dt_raw = tl.load(dt_ptr + tok * dt_stride + h, mask=tok < end, other=0.0).to(tl.float32)
+    program's (head ``h``, group ``g``, head-dim rows ``p``) slice. ``BOUNDED``: zeros
+    where ``tok`` is not below ``end`` (the token past a row's end, loaded ahead: nothing
+    is read); without it ``tok`` is a token of the row (the loads of before, unmasked)."""
+    pm, nm = pmask, nmask
+    if BOUNDED:
+        pm = pm & (p * 0 + tok < end)
+        nm = nm & (n * 0 + tok < end)
+    x = tl.load(x_ptr + tok * x_stride + h * head_dim + p, mask=pm, other=0.0).to(tl.float32)
+    b = tl.load(B_ptr + tok * B_stride + g * d_state + n, mask=nm, other=0.0).to(tl.float32)
+    c = tl.load(C_ptr + tok * C_stride + g * d_state + n, mask=nm, other=0.0).to(tl.float32)
+    if BOUNDED:
+        dt_raw = tl.load(dt_ptr + tok * dt_stride + h, mask=tok < end, other=0.0).to(tl.float32)
+    else:
+        dt_raw = tl.load(dt_ptr + tok * dt_stride + h).to(tl.float32)
     return x, b, c, dt_raw
 
 
@@ -737,11 +741,11 @@ def _ssm_kernel(
         end = tl.load(query_start_ptr + r + 1).to(tl.int64)
         x, b, c, dt_raw = _ssm_operands(start, end, h, g, p, n, pmask, nmask, x_ptr,
                                         x_stride, dt_ptr, dt_stride, B_ptr, B_stride, C_ptr,
-                                        C_stride, head_dim, d_state)
+                                        C_stride, head_dim, d_state, True)
         for i in range(0, end - start):
             x_n, b_n, c_n, dt_n = _ssm_operands(
                 start + i + 1, end, h, g, p, n, pmask, nmask, x_ptr, x_stride, dt_ptr,
-                dt_stride, B_ptr, B_stride, C_ptr, C_stride, head_dim, d_state)
+                dt_stride, B_ptr, B_stride, C_ptr, C_stride, head_dim, d_state, True)
             state = ssm_token_update(
                 state, x, b, c, dt_raw, start + i, h, p, pmask, smask, offs, a, d_skip,
                 dt_bias, dt_min, dt_max, unclamped_ptr, ssm_ptr, page_stride, out_pages_ptr,
