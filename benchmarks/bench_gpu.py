@@ -230,6 +230,34 @@ def build_models(shape: dict, device: str, dtype: torch.dtype, workdir: Path, wi
     return ours, hf, mcfg, path
 
 
+def policy_overrides(pairs: list[str]) -> dict:
+    """``--policy FIELD=VALUE ...`` as :class:`KernelPolicy` fields, each value parsed as
+    its field's type (``true`` / ``false`` for flags); a clear error on an unknown field
+    or a value the policy refuses."""
+    defaults = KernelPolicy()
+    out = {}
+    for pair in pairs:
+        name, sep, raw = pair.partition("=")
+        if not sep or not hasattr(defaults, name):
+            known = ", ".join(f.name for f in dataclasses.fields(KernelPolicy))
+            raise SystemExit(f"--policy {pair!r}: give FIELD=VALUE, FIELD one of {known}")
+        kind = type(getattr(defaults, name))
+        if kind is bool:
+            if raw.lower() not in ("true", "false"):
+                raise SystemExit(f"--policy {pair!r}: {name} takes true or false")
+            out[name] = raw.lower() == "true"
+        else:
+            try:
+                out[name] = kind(raw)
+            except ValueError:
+                raise SystemExit(f"--policy {pair!r}: {name} takes a {kind.__name__}") from None
+    try:
+        dataclasses.replace(defaults, **out)
+    except ValueError as e:
+        raise SystemExit(f"--policy: {e}") from None
+    return out
+
+
 @contextlib.contextmanager
 def engine_with(model):
     """Make ``LLM(...)`` use ``model`` instead of loading weights from the directory."""
@@ -2635,7 +2663,11 @@ def main(argv=None) -> int:
                     help="comma-separated section names (or name prefixes) not to run")
     ap.add_argument("--kernel-seed", type=int, default=None,
                     help="seed of the kernel checks' inputs (default: a fresh one, recorded)")
+    ap.add_argument("--policy", nargs="*", default=[], metavar="FIELD=VALUE",
+                    help="KernelPolicy fields changed for every engine section (a path "
+                         "not yet the default, e.g. token_prefetch=on); recorded in config")
     args = ap.parse_args(argv)
+    overrides = policy_overrides(args.policy)
 
     start = time.perf_counter()
     if args.smoke:
@@ -2710,6 +2742,8 @@ def main(argv=None) -> int:
         save()
         return 1
     model, hf, mcfg, path = built
+    if overrides:
+        model = with_policy(model, **overrides)
     result["model"]["bytes"] = model_bytes(model)
     result["model"]["state_page_bytes"] = model.cache_spec.state_page_bytes(dtype, torch.float32)
     vocab = mcfg.vocab_size
@@ -2872,6 +2906,8 @@ def main(argv=None) -> int:
         # The second configuration: decode, prefill and the cached first token, each a
         # section of its own so that one failing keeps the others.
         m, _, c, pth = built_1b
+        if overrides:
+            m = with_policy(m, **overrides)
 
         def decode_1b():
             rows = []

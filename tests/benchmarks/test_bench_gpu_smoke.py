@@ -122,3 +122,21 @@ def _check_kernel_checks(kc: dict, stdout: str) -> None:
                                     for o in c["outputs"].values())
         assert c["name"] in stdout  # the table at the end of the console output
     assert {c["module"] for c in checks if c["status"] == "pass"} >= set(modules)
+
+
+def test_policy_overrides_parse_each_field_as_its_type():
+    """``bench_gpu.py --policy``: values take their field's type; an unknown field, a
+    malformed pair or a value the policy refuses stops the run before anything is built."""
+    import pytest
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_gpu
+
+    got = bench_gpu.policy_overrides(
+        ["token_prefetch=on", "fused_decode=false", "max_short_tokens=256"])
+    assert got == {"token_prefetch": "on", "fused_decode": False, "max_short_tokens": 256}
+    assert bench_gpu.policy_overrides([]) == {}
+    for bad in (["no_such_field=1"], ["token_prefetch"], ["fused_decode=maybe"],
+                ["max_short_tokens=many"], ["token_prefetch=yes"]):
+        with pytest.raises(SystemExit, match="--policy"):
+            bench_gpu.policy_overrides(bad)
