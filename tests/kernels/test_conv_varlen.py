@@ -581,7 +581,9 @@ def test_engine_checkpoints_on_the_64_token_grid_are_exact(tmp_path, monkeypatch
         for layer in conv:
             torch.testing.assert_close(caches.conv[layer][ckpt.page], conv[layer],
                                        rtol=0, atol=1e-5)
+            # Two float32 recurrences in different orders (token by token, the per-row
+            # path): states reach ~20, so the bound is relative too (the file's 1e-5).
             torch.testing.assert_close(caches.ssm[layer][ckpt.page], ssm[layer],
-                                       rtol=0, atol=1e-5)
+                                       rtol=1e-5, atol=1e-5)
         lengths.add(ckpt.length)
     assert {64, 128} <= lengths, lengths
