@@ -1571,19 +1571,24 @@ def check_conv_varlen(shape, step, dtype, device, seed):
     }
 
 
-def _short_step(h, device, lens):
+def _short_step(h, device, lens, interval=None):
     """The rows of a step of short rows of lengths ``lens`` (a cached prompt's tail, two
     decode rows, a fresh short prompt, an empty row, a continuation) and its pages:
     ``(lens, query_start, in_pages, out_pages, pages)``. Rows 0 and 3 start from zeros;
-    about a third of the tokens, and every row's last one, request their state on a page
-    of their own."""
+    every row's last token requests its state on a page of its own, and so do about a
+    third of the others, or with ``interval`` every ``interval``-th token of a row (the
+    engine's checkpoint grid)."""
     lens = list(lens)
     qs = [0, *torch.tensor(lens).cumsum(0).tolist()]
     tokens = qs[-1]
     pages = len(lens) + tokens + 2
     perm = torch.randperm(pages, generator=h).tolist()
     in_pages = [perm.pop() if i % 3 else -1 for i in range(len(lens))]
-    want_page = (torch.rand(tokens, generator=h) < 0.3).tolist()
+    if interval is None:
+        want_page = (torch.rand(tokens, generator=h) < 0.3).tolist()
+    else:
+        want_page = [(t - qs[r] + 1) % interval == 0
+                     for r in range(len(lens)) for t in range(qs[r], qs[r + 1])]
     for e in qs[1:]:
         if e:
             want_page[e - 1] = True
@@ -1631,15 +1636,17 @@ def check_conv_varlen_windows(shape, step, dtype, device, seed):
     }
 
 
-def check_ssm_short(shape, step, dtype, device, seed, prefetch=False):
+def check_ssm_short(shape, step, dtype, device, seed, prefetch=False, chunk=0, interval=None):
     """``ssm_update`` (rows of any length) against its twin on a step of short rows (a cached prompt's
     tail, decode rows, fresh short prompts): outputs and float32 states. ``prefetch``:
     the loop that loads each token's operands one token ahead
-    (``KernelPolicy.token_prefetch``)."""
+    (``KernelPolicy.token_prefetch``); ``chunk``: the walk in chunks of that many tokens
+    (``KernelPolicy.short_row_chunks``); ``interval``: states on the engine's grid (else
+    a third of the tokens', which cut the chunks short)."""
     g, h = _generators(seed, device)
     m = _mamba_shapes(shape)
     heads, head_dim, groups, d_state = m["heads"], m["head_dim"], m["groups"], m["d_state"]
-    lens, qs, in_pages, out_pages, pages = _short_step(h, device, step["short_rows"])
+    lens, qs, in_pages, out_pages, pages = _short_step(h, device, step["short_rows"], interval)
     tokens = int(qs[-1])
     x = _randn(g, tokens, heads, head_dim, device=device, dtype=dtype)
     dt, dt_bias, A = _mamba_raw_dt_A(g, tokens, heads, device, dtype)
@@ -1659,9 +1666,11 @@ def check_ssm_short(shape, step, dtype, device, seed, prefetch=False):
         *(t.double() for t in (x, dt, A, B, C, D)), cache64, in_pages, out_pages, qs,
         dt_bias=dt_bias.double())
     args = (x, dt, A, B, C, D, cache, in_pages, out_pages, qs)
-    got = mamba_decode.ssm_update(*args, dt_bias=dt_bias, prefetch=prefetch)
+    walk = {"prefetch": prefetch, "chunk": chunk}
+    got = mamba_decode.ssm_update(*args, dt_bias=dt_bias, **walk)
     return {
-        "kernel": "ssm_update", "twin": "ssm_update_reference", "prefetch": prefetch,
+        "kernel": "ssm_update", "twin": "ssm_update_reference", **walk,
+        "state_interval": interval,
         "shapes": {"rows": lens, "heads": heads, "head_dim": head_dim, "groups": groups,
                    "d_state": d_state, "states_written": int(written.numel()),
                    "state_dtype": "torch.float32"},
@@ -1672,7 +1681,7 @@ def check_ssm_short(shape, step, dtype, device, seed, prefetch=False):
                        "other_pages_unchanged": torch.equal(cache[others].nan_to_num(7.0),
                                                             twin_cache[others].nan_to_num(7.0))},
         "kernel_s": kernel_time(
-            lambda: mamba_decode.ssm_update(*args, dt_bias=dt_bias, prefetch=prefetch), device),
+            lambda: mamba_decode.ssm_update(*args, dt_bias=dt_bias, **walk), device),
     }
 
 
@@ -2262,6 +2271,14 @@ KERNEL_CHECKS = [
     ("conv_varlen (windows)", "conv_varlen", check_conv_varlen_windows, {}),
     ("ssm_update (short rows)", "mamba_decode", check_ssm_short, {}),
     ("ssm_update (short rows, prefetch)", "mamba_decode", check_ssm_short, {"prefetch": True}),
+    ("ssm_update (short rows, chunks of 16)", "ssm_chunks", check_ssm_short, {"chunk": 16}),
+    # States on the engine's 64-token grid (and at row ends), where chunks are full.
+    ("ssm_update (short rows, grid)", "mamba_decode", check_ssm_short,
+     {"prefetch": True, "interval": 64}),
+    ("ssm_update (short rows, grid, chunks of 16)", "ssm_chunks", check_ssm_short,
+     {"chunk": 16, "interval": 64}),
+    ("ssm_update (short rows, grid, chunks of 32)", "ssm_chunks", check_ssm_short,
+     {"chunk": 32, "interval": 64}),
     ("ssd_scan_varlen_fla", "ssd_varlen", check_ssd_scan, {}),
     ("ssd_prefill", "ssd_varlen", check_ssd_prefill, {}),
     ("ssd_prefill (chunk states)", "ssd_varlen", check_ssd_prefill, {"chunk_states": True}),
@@ -2665,7 +2682,7 @@ def main(argv=None) -> int:
                     help="seed of the kernel checks' inputs (default: a fresh one, recorded)")
     ap.add_argument("--policy", nargs="*", default=[], metavar="FIELD=VALUE",
                     help="KernelPolicy fields changed for every engine section (a path "
-                         "not yet the default, e.g. token_prefetch=on); recorded in config")
+                         "not yet the default, e.g. short_row_chunks=on); recorded in config")
     args = ap.parse_args(argv)
     overrides = policy_overrides(args.policy)
 

@@ -338,13 +338,20 @@ class KernelPolicy:
       Gated DeltaNet's :func:`~hybridserve.kernels.gdn_varlen.gdn_varlen_update`, its
       prefill by default) load each token's operands one token ahead, so their memory
       latency overlaps the previous token's update (the same values bit for bit):
-      ``"on"`` / ``"off"``; ``"auto"`` as :func:`runs_unchecked` says (not yet compiled
-      on a GPU; its `gpu` tests are in ``tests/kernels/test_mamba_short.py`` and
-      ``tests/kernels/test_gdn_varlen_gpu.py``). The Mamba2 kernel took 3.6-4.0 ms of the
-      10 ms of kernels of the 8B shape's cached first token
-      (``gpu_ttft_ab_851c208_28159ac.json``), the Gated DeltaNet one 6.2 ms a layer for
-      a 4,096-token prefill (``gdn_kernels.json``): without the prefetch each token pays
-      its loads' memory latency in series with its update.
+      ``"on"`` (``"auto"`` is the same) or ``"off"``. On the H200 (010469a, its `gpu`
+      tests in ``gpu_tests_010469a.txt``) the Gated DeltaNet kernel took 4.13 against
+      6.15 ms for a 4,096-token prefill of one Qwen3.6-27B layer and 16.4 against 22.6 ms
+      for 8 x 4,096 (``gdn_prefill_h200.json``), and the Mamba2 one 205-206 against
+      258-261 us on a 128-token tail beside decode rows at the 8B shape (``kernel_checks``
+      of ``gpu_bench.json`` and ``gpu_bench_prefetch_on.json``).
+    - ``short_row_chunks``: Mamba2's short rows walk their tokens in chunks of
+      :data:`~hybridserve.kernels.ssm_chunks.SHORT_ROW_CHUNK` as matrix products
+      (:mod:`hybridserve.kernels.ssm_chunks`), so a tail of T tokens costs T / 16
+      dependent rounds instead of T (the token walk's values to float32 rounding):
+      ``"on"`` / ``"off"``; ``"auto"`` as :func:`runs_unchecked` says (its `gpu` test is
+      in ``tests/kernels/test_mamba_short.py``). The token walk took 3.9 ms of the 10.2 ms
+      of kernels of the 8B shape's cached first token, a 128-token tail
+      (``gpu_bench.json``, 010469a).
     """
 
     uniform_decode: bool = True
@@ -366,10 +373,11 @@ class KernelPolicy:
     attention_splits: str = "auto"
     conv_window_slabs: str = "auto"
     token_prefetch: str = "auto"
+    short_row_chunks: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("short_graphs", "drafter_graphs", "logq_graphs", "attention_splits",
-                     "conv_window_slabs", "token_prefetch"):
+                     "conv_window_slabs", "token_prefetch", "short_row_chunks"):
             if getattr(self, name) not in ("auto", "on", "off"):
                 raise ValueError(
                     f"kernel_policy.{name}={getattr(self, name)!r}: choose from ('auto', 'on', 'off')"

@@ -200,9 +200,10 @@ def ssm_update_reference(
     time_step_limit: tuple[float, float] | None = NO_CLAMP_LIMIT,
     unclamped: torch.Tensor | None = None,
     prefetch: bool = False,
+    chunk: int = 0,
 ) -> torch.Tensor:
-    """Torch twin of :func:`ssm_update` (same arguments, same result; ``prefetch``, a load
-    order of the kernel's, changes nothing here): token index by
+    """Torch twin of :func:`ssm_update` (same arguments, same result; ``prefetch`` and
+    ``chunk``, the kernel's load order and walk, change nothing here): token index by
     token index, every row that has a token there at once. Every input state is read
     before any page is written."""
     tokens, heads, head_dim = x.shape
@@ -780,6 +781,7 @@ def ssm_update(
     time_step_limit: tuple[float, float] | None = NO_CLAMP_LIMIT,
     unclamped: torch.Tensor | None = None,
     prefetch: bool = False,
+    chunk: int = 0,
 ) -> torch.Tensor:
     """Selective-state recurrence of every row of a step, from and to state pages.
 
@@ -808,6 +810,10 @@ def ssm_update(
         prefetch: rows of any length (``query_start`` given) load each token's operands
             one token ahead (``KernelPolicy.token_prefetch``); the same result bit
             for bit. Uniform rows are unrolled and ignore it.
+        chunk: rows of any length walk their tokens in chunks of this many (a power of
+            two >= 16) as matrix products (:mod:`~hybridserve.kernels.ssm_chunks`,
+            ``KernelPolicy.short_row_chunks``): the token walk's values to float32
+            rounding; 0 (the default) walks token by token. Uniform rows ignore it.
 
     Returns:
         ``y [T, H, P]`` float32 (the D skip included, before the gated norm).
@@ -820,14 +826,22 @@ def ssm_update(
     y = torch.empty(tokens, heads, head_dim, dtype=torch.float32, device=x.device)
     if rows == 0 or tokens == 0:
         return y
+    in_pages = in_pages.to(torch.int32).contiguous()
+    clamp = time_step_limit is not None
+    dt_min, dt_max = time_step_limit if clamp else NO_CLAMP_LIMIT
+    if chunk and not q:
+        # Imported here: that module builds on this one's jitted helpers.
+        from hybridserve.kernels import ssm_chunks
+
+        return ssm_chunks.launch(x, dt, dt_bias, dt_min, dt_max, unclamped, A, B, C, D,
+                                 ssm_cache, query_start, in_pages,
+                                 outs.to(torch.int32).contiguous(), y, groups, d_state,
+                                 clamp, chunk)
     block_n = triton.next_power_of_2(d_state)
     # State elements per program: about 2K for uniform rows (enough programs to fill the
     # chip at batch 1), 1K for rows of any length (a single long row still spreads).
     block_p = max(1, min(triton.next_power_of_2(head_dim), (2048 if q else 1024) // block_n))
     grid = (rows, heads, triton.cdiv(head_dim, block_p))
-    in_pages = in_pages.to(torch.int32).contiguous()
-    clamp = time_step_limit is not None
-    dt_min, dt_max = time_step_limit if clamp else NO_CLAMP_LIMIT
     _ssm_kernel[grid](
         x,
         x.stride(0),

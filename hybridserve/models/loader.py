@@ -133,12 +133,22 @@ def _keys(file: Path) -> list[str]:
         raise CheckpointError(f"{file}: unreadable or truncated safetensors file ({e})") from e
 
 
+# Bytes: the CPU allocator's alignment.
+WEIGHT_ALIGNMENT = 64
+
+
 def _finite(
     file: Path, name: str, raw: torch.Tensor, device: torch.device | str, dtype: torch.dtype
 ) -> torch.Tensor:
     """``raw`` on ``device`` in ``dtype``, or CheckpointError if a value is NaN or Inf
     there: such weights load silently and make every output empty."""
     t = raw.to(device=device, dtype=dtype)
+    if t.data_ptr() % WEIGHT_ALIGNMENT:
+        # A tensor read in place sits wherever the file put it. The CPU's matmul kernels
+        # round differently on differently aligned operands, so the same weights written
+        # in another layout (stacked names, other shards) gave other logits in the last
+        # bits; a fresh allocation is aligned the same whatever the file.
+        t = t.clone()
     # One reduction: NaN and Inf propagate into the sum. A finite sum that overflows
     # is a false alarm, settled by the exact count.
     if not t.is_floating_point() or bool(torch.isfinite(t.sum())):

@@ -39,6 +39,7 @@ from hybridserve.config import KernelPolicy, runs_unchecked
 from hybridserve.kernels import ssd_chunk_states, ssd_chunked, ssd_two_pass, ssd_varlen
 from hybridserve.kernels.conv_varlen import token_rows, window_token_list
 from hybridserve.kernels.gdn_varlen import VarlenPlan
+from hybridserve.kernels.ssm_chunks import SHORT_ROW_CHUNK
 from hybridserve.kernels.transfer import upload_lists as upload
 
 __all__ = ["MAX_DECODE_TOKENS", "StatePlan", "StepKind", "plan_states", "short_triton", "uniform_q"]
@@ -81,7 +82,9 @@ class StatePlan:
     scan primitive. ``triton``: the step's conv and recurrence launches take the Triton
     kernels (else the torch twins). ``prefetch`` (``SHORT`` with ``triton``): the
     recurrence loads each token's operands one token ahead
-    (``KernelPolicy.token_prefetch``).
+    (``KernelPolicy.token_prefetch``); ``chunk`` (``SHORT`` with ``triton``): it walks
+    the rows in chunks of that many tokens (``KernelPolicy.short_row_chunks``), 0 token
+    by token.
     """
 
     kind: StepKind
@@ -95,6 +98,7 @@ class StatePlan:
     window_tokens: torch.Tensor | None = None
     triton: bool = False
     prefetch: bool = False
+    chunk: int = 0
     init_rows: torch.Tensor | None = None
     init_pages: torch.Tensor | None = None
     out_pages: torch.Tensor | None = None
@@ -225,7 +229,9 @@ def _plan_states(
             StepKind.SHORT, rows, in_pages=pages, token_out_pages=outs, query_start=start,
             token_row=token_rows(start, tokens),
             unclamped=unclamped != 0 if single else None, window_tokens=windows, triton=short,
-            prefetch=short and runs_unchecked(policy.token_prefetch, device),
+            prefetch=short and policy.token_prefetch != "off",
+            chunk=SHORT_ROW_CHUNK if short and runs_unchecked(policy.short_row_chunks, device)
+            else 0,
         )
     scan = packed_scan(policy, device, compute)
     if scan is None:

@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridserve.config import KernelPolicy, runs_unchecked
+from hybridserve.config import KernelPolicy
 from hybridserve.kernels import gdn_chunked, gdn_decode, gdn_varlen, mamba_decode
 from hybridserve.kernels.conv1d import causal_conv1d_reference
 from hybridserve.kernels.conv_varlen import conv_varlen, conv_varlen_reference
@@ -323,7 +323,7 @@ class GatedDeltaNet(RecurrentLayer):
         conv = conv_varlen if fast else conv_varlen_reference
         rule = functools.partial(
             gdn_varlen.gdn_varlen_update if fast else gdn_varlen.gdn_varlen_update_reference,
-            prefetch=runs_unchecked(self.policy.token_prefetch, qkv.device))
+            prefetch=self.policy.token_prefetch != "off")
         x = conv(
             qkv if fast else qkv.contiguous(),
             self.conv1d.weight[:, 0, :].contiguous(),

@@ -294,6 +294,7 @@ class Mamba2Mixer(RecurrentLayer):
             time_step_limit=p.time_step_limit,
             unclamped=None if p.clamp_dt_in_single_token_step else plan.unclamped,
             prefetch=plan.prefetch,
+            chunk=plan.chunk,
         )
         return y.reshape(t, p.intermediate_size).to(A.dtype)
 
