@@ -34,6 +34,9 @@ from hybridserve.kernels.mamba_decode import softplus, store_state_page
 # Tokens a chunk holds at most: tl.dot needs every dimension >= 16.
 SHORT_ROW_CHUNK = 16
 MIN_BLOCK = 16
+# The chunk's products: float32 FMA (no TF32 rounding). "tf32x3" (three TF32 tensor-core
+# products a dot, about float32's accuracy) is the faster form the benchmark weighs.
+DOTS = "ieee"
 
 
 @triton.jit
@@ -68,6 +71,7 @@ def _ssm_chunks_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CHUNK: tl.constexpr,
+    DOTS: tl.constexpr,
 ):
     # One program per (row, head, head-dim block), as the token walk.
     r = tl.program_id(0)
@@ -131,31 +135,33 @@ def _ssm_chunks_kernel(
         # Each token's decay to the chunk's end: the last row of seg (la is 0 past it).
         to_end = tl.sum(tl.where(j[:, None] == CHUNK - 1, seg, 0.0), axis=0)
         total = tl.sum(la, axis=0)
-        cb = tl.dot(c, tl.trans(b), input_precision="ieee")
-        y = tl.dot(c, tl.trans(state), input_precision="ieee") * tl.exp(cum)[:, None]
-        y += tl.dot(cb * decay * dt[None, :], x, input_precision="ieee")
+        cb = tl.dot(c, tl.trans(b), input_precision=DOTS)
+        y = tl.dot(c, tl.trans(state), input_precision=DOTS) * tl.exp(cum)[:, None]
+        y += tl.dot(cb * decay * dt[None, :], x, input_precision=DOTS)
         y += d_skip * x
         tl.store(y_ptr + t[:, None] * heads * head_dim + h * head_dim + p[None, :], y, mask=pm)
         w = tl.exp(to_end) * dt
         state = state * tl.exp(total) + tl.dot(tl.trans(x * w[:, None]), b,
-                                               input_precision="ieee")
+                                               input_precision=DOTS)
         store_state_page(state, tok + last, offs, smask, ssm_ptr, page_stride, out_pages_ptr)
         tok += last + 1
 
 
 def launch(x, dt, dt_bias, dt_min, dt_max, unclamped, A, B, C, D, ssm_cache, query_start,
-           in_pages, out_pages, y, groups, d_state, clamp, chunk):
+           in_pages, out_pages, y, groups, d_state, clamp, chunk, dots=DOTS,
+           block_p=MIN_BLOCK, num_warps=4):
     """Launch :func:`_ssm_chunks_kernel` on operands that
     :func:`~hybridserve.kernels.mamba_decode.ssm_update` has checked (rows of any length:
-    ``query_start`` given; ``y`` float32 ``[T, H, P]`` to fill)."""
+    ``query_start`` given; ``y`` float32 ``[T, H, P]`` to fill). ``dots``, ``block_p``
+    (head-dim rows a program, a power of two >= 16) and ``num_warps``: what
+    ``benchmarks/bench_short_rows.py`` sweeps; the defaults are the engine's."""
     if chunk < MIN_BLOCK or chunk & (chunk - 1):
         raise ValueError(f"chunk must be a power of two >= {MIN_BLOCK}, got {chunk}")
     tokens, heads, head_dim = x.shape
     rows = in_pages.shape[0]
     block_n = max(MIN_BLOCK, triton.next_power_of_2(d_state))
-    # 16 head-dim rows a program (the dots' least), so a single row still spreads over
-    # heads x head_dim / 16 programs.
-    block_p = MIN_BLOCK
+    if dots not in ("ieee", "tf32x3"):
+        raise ValueError(f"dots must be 'ieee' or 'tf32x3' (float32-exact), got {dots!r}")
     grid = (rows, heads, triton.cdiv(head_dim, block_p))
     _ssm_chunks_kernel[grid](
         x, x.stride(0), dt, dt.stride(0), dt_bias.contiguous(), float(dt_min), float(dt_max),
@@ -164,6 +170,6 @@ def launch(x, dt, dt_bias, dt_min, dt_max, unclamped, A, B, C, D, ssm_cache, que
         ssm_cache.stride(0), query_start.to(torch.int32).contiguous(), in_pages, out_pages,
         y, heads, head_dim, d_state, heads // groups,
         HAS_D=D is not None, CLAMP=clamp, HAS_UNCLAMPED=clamp and unclamped is not None,
-        BLOCK_P=block_p, BLOCK_N=block_n, CHUNK=chunk,
+        BLOCK_P=block_p, BLOCK_N=block_n, CHUNK=chunk, DOTS=dots, num_warps=num_warps,
     )
     return y

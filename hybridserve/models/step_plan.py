@@ -42,7 +42,8 @@ from hybridserve.kernels.gdn_varlen import VarlenPlan
 from hybridserve.kernels.ssm_chunks import SHORT_ROW_CHUNK
 from hybridserve.kernels.transfer import upload_lists as upload
 
-__all__ = ["MAX_DECODE_TOKENS", "StatePlan", "StepKind", "plan_states", "short_triton", "uniform_q"]
+__all__ = ["MAX_DECODE_TOKENS", "StatePlan", "StepKind", "plan_states", "short_triton", "short_walk",
+           "uniform_q"]
 
 # Rows longer than this are prefill chunks: the chunked scan serves them better, and the
 # decode ops unroll their row length.
@@ -144,6 +145,17 @@ def short_triton(policy: KernelPolicy, device: torch.device, compute: torch.dtyp
     return None
 
 
+def short_walk(policy: KernelPolicy, device: torch.device, triton: bool) -> dict:
+    """How a short step's recurrence kernel walks its rows, as :class:`StatePlan` fields
+    (``prefetch``, ``chunk``); the twins (``triton`` False) walk token by token. One rule
+    for eager short steps and captured ones."""
+    return {
+        "prefetch": triton and policy.token_prefetch != "off",
+        "chunk": SHORT_ROW_CHUNK if triton and runs_unchecked(policy.short_row_chunks, device)
+        else 0,
+    }
+
+
 def uniform_q(query_start: Sequence[int]) -> int:
     """``q`` when every row runs the same ``1 <= q <= MAX_DECODE_TOKENS`` tokens, else 0."""
     rows = len(query_start) - 1
@@ -229,9 +241,7 @@ def _plan_states(
             StepKind.SHORT, rows, in_pages=pages, token_out_pages=outs, query_start=start,
             token_row=token_rows(start, tokens),
             unclamped=unclamped != 0 if single else None, window_tokens=windows, triton=short,
-            prefetch=short and policy.token_prefetch != "off",
-            chunk=SHORT_ROW_CHUNK if short and runs_unchecked(policy.short_row_chunks, device)
-            else 0,
+            **short_walk(policy, device, short),
         )
     scan = packed_scan(policy, device, compute)
     if scan is None:

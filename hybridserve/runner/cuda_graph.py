@@ -120,6 +120,7 @@ from hybridserve.models.step_plan import (
     StatePlan,
     StepKind,
     short_triton,
+    short_walk,
     uniform_q,
 )
 from hybridserve.runner import sampler
@@ -1226,11 +1227,11 @@ class DecodeGraphs:
                     query_start_host=tuple(range(0, (b + 1) * q, q)),
                     token_out_pages_host=None,
                 )
+            triton = bool(short_triton(shape.policy, self.device, compute))
             states = StatePlan(
                 StepKind.SHORT, b, in_pages=in_pages, token_out_pages=out_pages,
-                query_start=query_start, token_row=token_row,
-                triton=bool(short_triton(shape.policy, self.device, compute)),
-                varlen=varlen,
+                query_start=query_start, token_row=token_row, triton=triton, varlen=varlen,
+                **short_walk(shape.policy, self.device, triton),
             )
         batch = ForwardBatch(
             # Host row starts of the padded rows (static); the attention's tile map

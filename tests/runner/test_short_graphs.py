@@ -199,12 +199,29 @@ def test_fill_pads_tokens_and_rows(tiny_nemotron):
     assert st.context_lens == [60, 34, 1, 1]
 
 
-@pytest.mark.parametrize("fixture,policy", MODELS, ids=[m[0] for m in MODELS])
-def test_static_step_matches_the_eager_step(request, fixture, policy):
+# Mamba2's short rows on the Triton kernels (the interpreter): the recurrence's walk
+# (prefetch, chunks) comes from the policy in eager and captured steps alike.
+KERNELS = ("tiny_nemotron", KernelPolicy(short_rows="triton"))
+
+
+@pytest.mark.parametrize("fixture,policy", [*MODELS, KERNELS],
+                         ids=[m[0] for m in MODELS] + ["tiny_nemotron_kernels"])
+def test_static_step_matches_the_eager_step(request, fixture, policy, monkeypatch):
     """One short-row step over random caches (three rows with cached prefixes, one a cold
     start; a bucket of 4 with a padding row; rows padded from 37, 20 and 50 tokens to 64):
-    the static-buffer step gives the eager step's tokens and writes the same entries.
-    Mamba2, Gated DeltaNet and mixture-of-experts models."""
+    the static-buffer step gives the eager step's tokens and writes the same entries, and
+    its Mamba2 recurrence walks the rows as the eager step's does (the policy's
+    prefetch and chunks). Mamba2, Gated DeltaNet and mixture-of-experts models."""
+    from hybridserve.kernels import mamba_decode
+
+    walks = []
+    ssm_update = mamba_decode.ssm_update
+
+    def recorded(*args, **kw):
+        walks.append((kw.get("prefetch", False), kw.get("chunk", 0)))
+        return ssm_update(*args, **kw)
+
+    monkeypatch.setattr(mamba_decode, "ssm_update", recorded)
     g = torch.Generator().manual_seed(_seed())
     path = request.getfixturevalue(fixture)
     runner = LLM(path, kernel_policy=policy, max_num_seqs=8).engine.runner
@@ -238,10 +255,14 @@ def test_static_step_matches_the_eager_step(request, fixture, policy):
     before = snapshot()
     want = [r.new_tokens for r in runner.execute(sched).rows]
     eager = snapshot()
+    eager_walks, walks[:] = list(walks), []
     for (t, _), s in zip(tensors, start):
         t.copy_(s)
     graphs = runner.enable_decode_graphs(8, scratch_block, scratch_page)
     got = [r.new_tokens for r in runner.execute(sched).rows]
+    assert set(walks) == set(eager_walks)
+    if policy.short_rows == "triton":
+        assert eager_walks and set(eager_walks) == {(True, 16)}
     assert graphs.counters["short_graph_steps"] == 1 and graphs.counters["eager_steps"] == 0
     assert got == want and got[1] == [] and len(got[0]) == 1
     for a, b, s in zip(snapshot(), eager, before):
