@@ -12,8 +12,9 @@ one head), with ``c_i`` the cumulative log decay ``sum_{k<=i} dt_k A``:
 - ``y_i = exp(c_i) C_i S^T + sum_{j<=i} exp(c_i - c_j) dt_j (C_i . B_j) x_j + D x_i``;
 - ``S' = exp(c_{L-1}) S + sum_j exp(c_{L-1} - c_j) dt_j x_j B_j^T``.
 
-The token walk's values up to float32 rounding: the products are float32 with IEEE dots
-(no TF32), and each span's decay ``c_i - c_j`` is summed from its own terms (a
+The token walk's values up to float32 rounding: the products are float32-exact (IEEE
+FMA, or three TF32 tensor-core products a dot where the GPU has them: no plain TF32),
+and each span's decay ``c_i - c_j`` is summed from its own terms (a
 difference of two long cumulative sums would carry their rounding into every decay). A chunk ends at
 ``CHUNK`` tokens, at its row's end, or at the first token whose state is asked for
 (``out_pages[t] >= 0``), so every requested state is a chunk's end state, stored as the
@@ -34,9 +35,19 @@ from hybridserve.kernels.mamba_decode import softplus, store_state_page
 # Tokens a chunk holds at most: tl.dot needs every dimension >= 16.
 SHORT_ROW_CHUNK = 16
 MIN_BLOCK = 16
-# The chunk's products: float32 FMA (no TF32 rounding). "tf32x3" (three TF32 tensor-core
-# products a dot, about float32's accuracy) is the faster form the benchmark weighs.
-DOTS = "ieee"
+# Head-dim rows a program: on the H200 32 beat 16 and 64 (``short_rows.json``).
+BLOCK_P = 32
+
+
+def chunk_dots(device: torch.device) -> str:
+    """The chunk's products on ``device``: "tf32x3" (three TF32 tensor-core products a
+    dot, float32's accuracy) where tensor cores take TF32 (compute capability 8.0 on),
+    else IEEE float32 FMA. On the H200 (8B tail, ``short_rows.json``) "tf32x3" took 128
+    against 272 us for a 128-token tail and 556 against 1,245 us for 1,024 tokens, with
+    a relative error against float64 of 2.3e-7 (IEEE 1.2e-7, the token walk 1.2e-7)."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0):
+        return "tf32x3"
+    return "ieee"
 
 
 @triton.jit
@@ -148,18 +159,22 @@ def _ssm_chunks_kernel(
 
 
 def launch(x, dt, dt_bias, dt_min, dt_max, unclamped, A, B, C, D, ssm_cache, query_start,
-           in_pages, out_pages, y, groups, d_state, clamp, chunk, dots=DOTS,
-           block_p=MIN_BLOCK, num_warps=4):
+           in_pages, out_pages, y, groups, d_state, clamp, chunk, dots=None,
+           block_p=BLOCK_P, num_warps=4):
     """Launch :func:`_ssm_chunks_kernel` on operands that
     :func:`~hybridserve.kernels.mamba_decode.ssm_update` has checked (rows of any length:
-    ``query_start`` given; ``y`` float32 ``[T, H, P]`` to fill). ``dots``, ``block_p``
-    (head-dim rows a program, a power of two >= 16) and ``num_warps``: what
-    ``benchmarks/bench_short_rows.py`` sweeps; the defaults are the engine's."""
+    ``query_start`` given; ``y`` float32 ``[T, H, P]`` to fill). ``dots`` (None:
+    :func:`chunk_dots`), ``block_p`` (head-dim rows a program, a power of two >= 16) and
+    ``num_warps``: what ``benchmarks/bench_short_rows.py`` sweeps; the defaults are the
+    engine's."""
+    dots = dots or chunk_dots(x.device)
     if chunk < MIN_BLOCK or chunk & (chunk - 1):
         raise ValueError(f"chunk must be a power of two >= {MIN_BLOCK}, got {chunk}")
     tokens, heads, head_dim = x.shape
     rows = in_pages.shape[0]
     block_n = max(MIN_BLOCK, triton.next_power_of_2(d_state))
+    if block_p < MIN_BLOCK or block_p & (block_p - 1):
+        raise ValueError(f"block_p must be a power of two >= {MIN_BLOCK}, got {block_p}")
     if dots not in ("ieee", "tf32x3"):
         raise ValueError(f"dots must be 'ieee' or 'tf32x3' (float32-exact), got {dots!r}")
     grid = (rows, heads, triton.cdiv(head_dim, block_p))
