@@ -668,6 +668,40 @@ def _ssm_operands(tok, end, h, g, p, n, pmask, nmask, x_ptr, x_stride, dt_ptr, d
 
 
 @triton.jit
+def ssm_program(in_pages_ptr, ssm_ptr, page_stride, A_ptr, dt_bias_ptr, D_ptr, head_dim,
+                d_state, heads_per_group, HAS_D: tl.constexpr, BLOCK_P: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """What a program of the recurrence over rows owns, and its start: one program per
+    (row ``r``, head ``h``, head-dim block) of the grid holds rows ``p`` of head ``h``'s
+    ``[P, N]`` state, read from the row's input page (zeros for -1; page 0 is never
+    dereferenced for it) as float32, with the head's ``A``, dt bias and D skip. Returns
+    ``(r, h, g, p, n, pmask, nmask, smask, offs, state, a, dt_bias, d_skip)``; shared by
+    the token walk (:func:`_ssm_kernel`) and the chunked walk
+    (:mod:`hybridserve.kernels.ssm_chunks`)."""
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    n = tl.arange(0, BLOCK_N)
+    pmask = p < head_dim
+    nmask = n < d_state
+    smask = pmask[:, None] & nmask[None, :]
+    g = h // heads_per_group
+    in_page = tl.load(in_pages_ptr + r)
+    offs = h * head_dim * d_state + p[:, None] * d_state + n[None, :]
+    state = tl.load(
+        ssm_ptr + tl.maximum(in_page, 0).to(tl.int64) * page_stride + offs,
+        mask=smask & ((offs * 0 + in_page) >= 0),
+        other=0.0,
+    ).to(tl.float32)
+    a = tl.load(A_ptr + h).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    d_skip = 0.0
+    if HAS_D:
+        d_skip = tl.load(D_ptr + h).to(tl.float32)
+    return r, h, g, p, n, pmask, nmask, smask, offs, state, a, dt_bias, d_skip
+
+
+@triton.jit
 def _ssm_kernel(
     x_ptr,
     x_stride,
@@ -701,29 +735,9 @@ def _ssm_kernel(
     BLOCK_N: tl.constexpr,
     PREFETCH: tl.constexpr,
 ):
-    # One program per (row, head, head-dim block): it owns rows p of the [P, N] state of
-    # one head in the row's input page (read) and output pages (written).
-    r = tl.program_id(0)
-    h = tl.program_id(1)
-    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
-    n = tl.arange(0, BLOCK_N)
-    pmask = p < head_dim
-    nmask = n < d_state
-    smask = pmask[:, None] & nmask[None, :]
-    g = h // heads_per_group
-    in_page = tl.load(in_pages_ptr + r)
-    offs = h * head_dim * d_state + p[:, None] * d_state + n[None, :]
-    # A row without a page starts from zeros (page 0 is never dereferenced for it).
-    state = tl.load(
-        ssm_ptr + tl.maximum(in_page, 0).to(tl.int64) * page_stride + offs,
-        mask=smask & ((offs * 0 + in_page) >= 0),
-        other=0.0,
-    ).to(tl.float32)
-    a = tl.load(A_ptr + h).to(tl.float32)
-    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-    d_skip = 0.0
-    if HAS_D:
-        d_skip = tl.load(D_ptr + h).to(tl.float32)
+    r, h, g, p, n, pmask, nmask, smask, offs, state, a, dt_bias, d_skip = ssm_program(
+        in_pages_ptr, ssm_ptr, page_stride, A_ptr, dt_bias_ptr, D_ptr, head_dim, d_state,
+        heads_per_group, HAS_D, BLOCK_P, BLOCK_N)
     if Q > 0:
         # Uniform rows: the row length is unrolled (what a CUDA graph captures).
         for t in tl.static_range(Q):

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridserve.kernels.mamba_decode import softplus, store_state_page
+from hybridserve.kernels.mamba_decode import softplus, ssm_program, store_state_page
 
 # Tokens a chunk holds at most: tl.dot needs every dimension >= 16.
 SHORT_ROW_CHUNK = 16
@@ -85,27 +85,10 @@ def _ssm_chunks_kernel(
     DOTS: tl.constexpr,
 ):
     # One program per (row, head, head-dim block), as the token walk.
-    r = tl.program_id(0)
-    h = tl.program_id(1)
-    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
-    n = tl.arange(0, BLOCK_N)
+    r, h, g, p, n, pmask, nmask, smask, offs, state, a, dt_bias, d_skip = ssm_program(
+        in_pages_ptr, ssm_ptr, page_stride, A_ptr, dt_bias_ptr, D_ptr, head_dim, d_state,
+        heads_per_group, HAS_D, BLOCK_P, BLOCK_N)
     j = tl.arange(0, CHUNK)
-    pmask = p < head_dim
-    nmask = n < d_state
-    smask = pmask[:, None] & nmask[None, :]
-    g = h // heads_per_group
-    in_page = tl.load(in_pages_ptr + r)
-    offs = h * head_dim * d_state + p[:, None] * d_state + n[None, :]
-    state = tl.load(
-        ssm_ptr + tl.maximum(in_page, 0).to(tl.int64) * page_stride + offs,
-        mask=smask & ((offs * 0 + in_page) >= 0),
-        other=0.0,
-    ).to(tl.float32)
-    a = tl.load(A_ptr + h).to(tl.float32)
-    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-    d_skip = 0.0
-    if HAS_D:
-        d_skip = tl.load(D_ptr + h).to(tl.float32)
     causal = j[None, :] <= j[:, None]
     tok = tl.load(query_start_ptr + r).to(tl.int64)
     end = tl.load(query_start_ptr + r + 1).to(tl.int64)
