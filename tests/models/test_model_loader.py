@@ -49,6 +49,33 @@ def test_loads_with_checkpoint_names(granite):
     assert not any(p.requires_grad for p in model.parameters()) and not model.training
 
 
+def test_weights_are_aligned_whatever_the_file_layout(granite, tmp_path):
+    """Every parameter sits on the allocator's alignment, also where the file put a
+    tensor at an odd offset (a one-element tensor ahead of each weight shifts the rest by
+    4 bytes): the CPU's matrix kernels round differently on differently aligned operands,
+    so the same weights must give the same logits whichever file they came from."""
+    from hybridserve.models.loader import WEIGHT_ALIGNMENT
+
+    weights = load_file(str(granite / "model.safetensors"))
+    shifted = {}
+    for name in sorted(weights):
+        shifted[f"{name}.pad"] = torch.zeros(1)
+        shifted[name] = weights[name]
+    out = tmp_path / "shifted"
+    out.mkdir()
+    (out / "config.json").write_text((granite / "config.json").read_text())
+    save_file(shifted, str(out / "model.safetensors"))
+    # The index names the weights only: the loader reads what it lists.
+    index = {"weight_map": {name: "model.safetensors" for name in weights}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    model = load_model(out)
+    for name, t in model.state_dict().items():
+        assert t.data_ptr() % WEIGHT_ALIGNMENT == 0, name
+    tokens = list(range(3, 13))
+    torch.testing.assert_close(_logits(model, tokens), _logits(load_model(granite), tokens),
+                               rtol=0, atol=0)
+
+
 def test_sharded_checkpoint_loads_the_same(granite, tmp_path):
     weights = load_file(str(granite / "model.safetensors"))
     names = sorted(weights)
