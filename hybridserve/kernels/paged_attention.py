@@ -320,21 +320,26 @@ def decode_splits(rows: int, num_kv: int, max_keys: int, device: torch.device) -
     """How many programs share each (row, KV head)'s keys in
     :func:`paged_attention_decode_triton` when its ``splits`` is None: enough for about
     two programs a multiprocessor, each walking at least :data:`MIN_SPLIT_KEYS` of the
-    ``max_keys`` positions the block tables can hold; 1 (no split) when the (row, KV
-    head) programs already fill half the multiprocessors, and off CUDA. A function of the
-    launch's shapes only, so a replayed graph keeps its split.
+    ``max_keys`` positions the block tables can hold, where the (row, KV head) programs
+    fill less than half the multiprocessors; two where they fill half or more but not
+    all; 1 (no split) where they fill them all, and off CUDA. A function of the launch's
+    shapes only, so a replayed graph keeps its split.
 
-    The half: on the H200 (132 multiprocessors, 8B decode, ``gpu_bench.json`` and
-    ``gpu_bench_run2.json``) splitting 64 programs (8 rows x 8 KV heads) took 0.19 ms
-    against 0.49 ms unsplit at 8,192 keys, but splitting 128 programs (16 rows) in two
-    took 56-94 us against 49-62 us unsplit at 535 keys: at one program a multiprocessor
-    the second launch and the partials' traffic cost more than the programs gain."""
+    On the H200 (132 multiprocessors, 8B decode, 8 KV heads, ``gpu_bench.json``):
+    splitting 64 programs (8 rows) took 0.19 ms against 0.49 ms unsplit at 8,192 keys;
+    128 programs (16 rows) split in two took 319 against 486 us at 8,192 keys and 1,237
+    against 1,886 us at 32,768, and over the decode's 535 keys 35-66 against 42-43 us
+    (noisy both ways, and 56-94 against 49-62 us in an earlier run): the long contexts an
+    agent's rows reach are where a step's attention costs, so 16 rows split. 256 programs
+    (32 rows) gained 6-8% from a split, within the runs' spread: not split."""
     if device.type != "cuda":
         return 1
     sms = _multiprocessors(device)
     base = rows * num_kv
-    if 2 * base > sms:
+    if base > sms:
         return 1
+    if 2 * base > sms:
+        return max(1, min(2, max_keys // MIN_SPLIT_KEYS))
     return max(1, min(-(-2 * sms // base), max_keys // MIN_SPLIT_KEYS))
 
 

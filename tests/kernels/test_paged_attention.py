@@ -252,7 +252,9 @@ def test_decode_splits_rule(monkeypatch):
     assert paged_attention.decode_splits(1, 8, 4 * keys, cuda) == 4  # short context
     assert paged_attention.decode_splits(1, 8, keys - 1, cuda) == 1
     assert paged_attention.decode_splits(64, 8, 32768, cuda) == 1  # the chip is full
-    assert paged_attention.decode_splits(16, 8, 32768, cuda) == 1  # half full or more
+    assert paged_attention.decode_splits(16, 8, 32768, cuda) == 2  # half full or more
+    assert paged_attention.decode_splits(16, 8, keys - 1, cuda) == 1
+    assert paged_attention.decode_splits(17, 8, 32768, cuda) == 1  # full
     assert paged_attention.decode_splits(8, 8, 32768, cuda) == 5  # 64 of 132: splits
     assert paged_attention.decode_splits(1, 8, 32768, torch.device("cpu")) == 1
     with pytest.raises(ValueError, match="splits"):
