@@ -1,6 +1,6 @@
 """The one-pass draws (:mod:`hybridserve.kernels.sampling`) against their torch twins
 :func:`hybridserve.runner.sampler.draw` on fresh random inputs: identical tokens and
-bit-identical winning keys over many seeds and indices, vocabularies that are not a
+winning keys to the float64 logs' few ulp over many seeds and indices, vocabularies that are not a
 multiple of the block, one and several splits, greedy and sampled rows mixed, rows with
 ``-inf`` tokens (top-p / top-k masked, all but one, all), exact ties, NaN; the uniform
 table bit-identical to :func:`~hybridserve.runner.sampler.uniforms`; the sampler's
@@ -93,14 +93,20 @@ def _twin_keys(logp, greedy, lo, hi, index):
     return torch.where(greedy[:, None], logp.double(), logp.double() - torch.log(-torch.log(u)))
 
 
+# Float64 logs of the interpreter (NumPy's) against torch's (its own vectorised log):
+# a few ulp apart on some CPUs (up to 5 on an AMD EPYC host; bit for bit on others), so
+# keys computed from bit-identical uniforms are held to that, and tokens exactly.
+LOG_ULPS = dict(rtol=2e-15, atol=2e-15)
+
+
 def _assert_matches_twin(logp, greedy, lo, hi, index, **launch):
     want = sampler.draw(logp, greedy, lo, hi, index, kernels="reference")
     got, keys = sampling.draw(logp, greedy, lo, hi, index, return_keys=True, **launch)
     assert got.dtype == torch.int64 and got.shape == want.shape
     assert torch.equal(got, want), (got, want)
-    # The winning key itself, bit for bit (float64 logs of the interpreter vs torch).
+    # The winning key itself, to the two libraries' float64 logs (LOG_ULPS).
     twin = _twin_keys(logp, greedy, lo, hi, index)
-    torch.testing.assert_close(keys, twin.gather(1, want[:, None])[:, 0], rtol=0, atol=0,
+    torch.testing.assert_close(keys, twin.gather(1, want[:, None])[:, 0], **LOG_ULPS,
                                equal_nan=True)
 
 
@@ -181,7 +187,7 @@ def test_uniforms_bit_identical():
     assert got.dtype == torch.float64 and torch.equal(got, want)
     assert ((got > 0) & (got < 1)).all()
     gumbel = sampling.uniforms(lo, hi, index, vocab, gumbel=True, block=128)
-    assert torch.equal(gumbel, torch.log(-torch.log(want)))
+    torch.testing.assert_close(gumbel, torch.log(-torch.log(want)), **LOG_ULPS)
 
 
 def test_bad_input_names_the_field():
