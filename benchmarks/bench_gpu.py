@@ -800,8 +800,9 @@ def ttft(model, path, device, dtype, prompt_len, cached_len, interval, vocab, se
          tails=(64, 128, 256, 512), target=20.0):
     """First token of a ``prompt_len`` prompt, cold and with ``cached_len`` tokens cached,
     then, over the same cached prefix, tails of ``tails`` new tokens through the short-row
-    path and through the chunked scan (``KernelPolicy.short_rows`` "auto" / "off"), each warmed
-    once first.
+    path, walked token by token and in 16-token chunks (``KernelPolicy.short_row_chunks``),
+    and through the chunked scan (``KernelPolicy.short_rows`` "off"), each warmed once
+    first.
 
     ``cached_split``: where the cached first token's time goes: the device time of its
     kernels (``torch.profiler``, one profiled run) against its wall time, unprofiled
@@ -865,13 +866,16 @@ def ttft(model, path, device, dtype, prompt_len, cached_len, interval, vocab, se
     cached_syncs = _sync_sites(lambda: run(prompt(prefix)), device)
     by_tail = []
     # "short": every tail on the short-row path (its length limit lifted for the sweep);
-    # "off": every tail on the chunked scan.
+    # "chunks": the same with the recurrence walking 16-token chunks
+    # (KernelPolicy.short_row_chunks "on"); "off": every tail on the chunked scan.
     runner = llm.engine.runner
     base = runner.model
     limit = max(base.kernel_policy.max_short_tokens, *tails)
-    for mode in ("short", "off"):
-        runner.model = with_policy(base, short_rows="auto" if mode == "short" else "off",
-                                   max_short_tokens=limit)
+    modes = {"short": dict(short_rows="auto"),
+             "chunks": dict(short_rows="auto", short_row_chunks="on"),
+             "off": dict(short_rows="off")}
+    for mode, fields in modes.items():
+        runner.model = with_policy(base, **fields, max_short_tokens=limit)
         try:
             for tail in tails:
                 run(prompt(prefix, tail))  # warm-up: first use of this shape and path
@@ -2667,7 +2671,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ttft-cached", type=int, default=8064)
     ap.add_argument("--ttft-tails", type=str, default="64,128,256,512,1024",
                     help="new-token counts after the cached prefix, each timed on the "
-                         "short-row path and on the chunked scan")
+                         "short-row path (token walk and 16-token chunks) and on the chunked scan")
     ap.add_argument("--prefill-prompts", type=int, default=8)
     ap.add_argument("--prefill-len", type=int, default=4096)
     ap.add_argument("--prefill-max-s", type=float, default=60.0,

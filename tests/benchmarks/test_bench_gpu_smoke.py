@@ -65,7 +65,7 @@ def test_bench_gpu_smoke(tmp_path):
     assert result["agreement"]["graph_counters"]["graph_steps"] > 0
     assert result["ttft"]["cached_runs"][0][1] == result["ttft"]["cached_len"]
     by_tail = result["ttft"]["cached_by_tail"]
-    assert {r["short_rows"] for r in by_tail} == {"short", "off"}
+    assert {r["short_rows"] for r in by_tail} == {"short", "chunks", "off"}
     assert all(hit == result["ttft"]["cached_len"] for r in by_tail for _, hit in r["runs"])
     profile = result["ttft"]["cached_profile"]
     assert profile["wall_s"] > 0 and profile["top_host_ops"]
