@@ -35,8 +35,8 @@ Contract (bit-for-bit with the twin):
   GPU. ``u = (2h + 1) * 2^-32`` in float64 (exact, as in the twin).
 - Keys are ``float64(logp) - log(-log(u))`` in float64, the twin's operations in its
   order (no fused multiply-add is involved). ``log`` is the device's float64 log: NumPy's
-  under the CPU interpreter (torch's CPU log agrees with it bit for bit on some CPUs
-  and to a few ulp on others, so tests there hold keys to that and tokens exactly),
+  under the CPU interpreter (torch's CPU log is a few ulp from it on some hosts, so
+  the tests take the twin's keys with NumPy's log there and compare them bit for bit),
   libdevice's ``__nv_log`` on CUDA, which is what torch's CUDA ``log`` of a double calls.
 - The argmax follows ``torch.argmax``: the lowest index among equal maxima; NaN counts
   as larger than everything and the first NaN wins; a row that is all ``-inf`` gives
