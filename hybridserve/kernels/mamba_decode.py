@@ -668,16 +668,12 @@ def _ssm_operands(tok, end, h, g, p, n, pmask, nmask, x_ptr, x_stride, dt_ptr, d
 
 
 @triton.jit
-def ssm_program(in_pages_ptr, ssm_ptr, page_stride, A_ptr, dt_bias_ptr, D_ptr, head_dim,
-                d_state, heads_per_group, HAS_D: tl.constexpr, BLOCK_P: tl.constexpr,
-                BLOCK_N: tl.constexpr):
-    """What a program of the recurrence over rows owns, and its start: one program per
-    (row ``r``, head ``h``, head-dim block) of the grid holds rows ``p`` of head ``h``'s
-    ``[P, N]`` state, read from the row's input page (zeros for -1; page 0 is never
-    dereferenced for it) as float32, with the head's ``A``, dt bias and D skip. Returns
-    ``(r, h, g, p, n, pmask, nmask, smask, offs, state, a, dt_bias, d_skip)``; shared by
-    the token walk (:func:`_ssm_kernel`) and the chunked walk
-    (:mod:`hybridserve.kernels.ssm_chunks`)."""
+def ssm_slice(in_pages_ptr, head_dim, d_state, heads_per_group, BLOCK_P: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    """What a program of the recurrence over rows owns: one program per (row ``r``, head
+    ``h``, head-dim block) of the grid holds rows ``p`` of head ``h``'s ``[P, N]`` state
+    (group ``g``), starting from the row's input page ``in_page`` (-1: zeros). Returns
+    ``(r, h, g, p, n, pmask, nmask, smask, in_page)``."""
     r = tl.program_id(0)
     h = tl.program_id(1)
     p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -687,6 +683,15 @@ def ssm_program(in_pages_ptr, ssm_ptr, page_stride, A_ptr, dt_bias_ptr, D_ptr, h
     smask = pmask[:, None] & nmask[None, :]
     g = h // heads_per_group
     in_page = tl.load(in_pages_ptr + r)
+    return r, h, g, p, n, pmask, nmask, smask, in_page
+
+
+@triton.jit
+def ssm_start(in_page, h, p, n, smask, ssm_ptr, page_stride, A_ptr, dt_bias_ptr, D_ptr,
+              head_dim, d_state, HAS_D: tl.constexpr):
+    """A program's slice of its row's state before the row (float32; zeros for page -1,
+    and page 0 is never dereferenced for it) and its head's ``A``, dt bias and D skip:
+    ``(offs, state, a, dt_bias, d_skip)``, ``offs`` the slice's offsets in a page."""
     offs = h * head_dim * d_state + p[:, None] * d_state + n[None, :]
     state = tl.load(
         ssm_ptr + tl.maximum(in_page, 0).to(tl.int64) * page_stride + offs,
@@ -698,6 +703,22 @@ def ssm_program(in_pages_ptr, ssm_ptr, page_stride, A_ptr, dt_bias_ptr, D_ptr, h
     d_skip = 0.0
     if HAS_D:
         d_skip = tl.load(D_ptr + h).to(tl.float32)
+    return offs, state, a, dt_bias, d_skip
+
+
+@triton.jit
+def ssm_program(in_pages_ptr, ssm_ptr, page_stride, A_ptr, dt_bias_ptr, D_ptr, head_dim,
+                d_state, heads_per_group, HAS_D: tl.constexpr, BLOCK_P: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """:func:`ssm_slice` then :func:`ssm_start`: ``(r, h, g, p, n, pmask, nmask, smask,
+    offs, state, a, dt_bias, d_skip)``. The token walk (:func:`_ssm_kernel`) and the
+    chunked walk (:mod:`hybridserve.kernels.ssm_chunks`) start so; the fused conv +
+    recurrence loads its conv windows between the two."""
+    r, h, g, p, n, pmask, nmask, smask, in_page = ssm_slice(
+        in_pages_ptr, head_dim, d_state, heads_per_group, BLOCK_P, BLOCK_N)
+    offs, state, a, dt_bias, d_skip = ssm_start(
+        in_page, h, p, n, smask, ssm_ptr, page_stride, A_ptr, dt_bias_ptr, D_ptr, head_dim,
+        d_state, HAS_D)
     return r, h, g, p, n, pmask, nmask, smask, offs, state, a, dt_bias, d_skip
 
 
@@ -933,22 +954,15 @@ def _conv_ssm_kernel(
     # channels, a few percent of its state arithmetic; the inputs are L2-resident); only
     # the group's first program (first head of the group, first head-dim block) writes
     # their windows, so every window element has exactly one writer.
-    r = tl.program_id(0)
-    h = tl.program_id(1)
+    r, h, g, p, n, pmask, nmask, smask, in_page = ssm_slice(
+        in_pages_ptr, head_dim, d_state, heads_per_group, BLOCK_P, BLOCK_N)
     pb = tl.program_id(2)
-    p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
-    n = tl.arange(0, BLOCK_N)
-    pmask = p < head_dim
-    nmask = n < d_state
-    smask = pmask[:, None] & nmask[None, :]
-    g = h // heads_per_group
     inter = heads * head_dim
     cx = h * head_dim + p
     cb = inter + g * d_state + n
     cc = inter + (groups + g) * d_state + n
     owner = ((h % heads_per_group) == 0) & (pb == 0)
     bcmask = nmask & ((n * 0 + owner.to(tl.int32)) != 0)
-    in_page = tl.load(in_pages_ptr + r)
     conv_in = conv_ptr + tl.maximum(in_page, 0).to(tl.int64) * conv_page_stride
     ty = xbc_ptr.dtype.element_ty
     # Taps and windows (a row without a page starts from zeros).
@@ -967,17 +981,9 @@ def _conv_ssm_kernel(
     k0 = k0.to(ty).to(tl.float32)
     k1 = k1.to(ty).to(tl.float32)
     k2 = k2.to(ty).to(tl.float32)
-    offs = h * head_dim * d_state + p[:, None] * d_state + n[None, :]
-    state = tl.load(
-        ssm_ptr + tl.maximum(in_page, 0).to(tl.int64) * page_stride + offs,
-        mask=smask & ((offs * 0 + in_page) >= 0),
-        other=0.0,
-    ).to(tl.float32)
-    a = tl.load(A_ptr + h).to(tl.float32)
-    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-    d_skip = 0.0
-    if HAS_D:
-        d_skip = tl.load(D_ptr + h).to(tl.float32)
+    offs, state, a, dt_bias, d_skip = ssm_start(
+        in_page, h, p, n, smask, ssm_ptr, page_stride, A_ptr, dt_bias_ptr, D_ptr, head_dim,
+        d_state, HAS_D)
     for t in tl.static_range(Q):
         tok = r * Q + t
         row = xbc_ptr + tok * xbc_stride
