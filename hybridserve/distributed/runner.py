@@ -188,11 +188,11 @@ class TensorParallelRunner(ModelRunner):
         raise ValueError("decode graphs do not run under tensor_parallel_size > 1 yet "
                          "(leave enforce_eager unset or True)")
 
-    def execute(self, sched: SchedulerOutput) -> StepResult:
+    def execute(self, sched: SchedulerOutput, overlap=None) -> StepResult:
         self._send(("step", encode_step(sched)))
         self._in_step = True
         try:
-            return super().execute(sched)
+            return super().execute(sched, overlap)
         finally:
             self._in_step = False
 

@@ -7,7 +7,9 @@ nothing: a bad request never disturbs the others.
 
 Failures: if the forward of a step raises, nothing is committed, the step's pages are
 given back and :meth:`EngineCore.step` raises (every request keeps its caches and runs
-again next step). If committing a step raises for one request (appending its tokens,
+again next step). A step's prefill rows are committed once its launches are queued,
+while the device computes; if the read-back after that raises (a device fault), those
+rows' groups fail, every cached prefix is dropped, and the step raises. If committing a step raises for one request (appending its tokens,
 its stop checks, its page bookkeeping, detokenizing its output), that request's whole
 group fails alone: its caches and the step's pages of its rows are freed, it is
 reported finished with reason ``"error"`` (:attr:`RequestOutput.error` says why), and
@@ -376,10 +378,53 @@ class EngineCore:
             pending = self._guarded(sched, lambda: self.runner.launch(sched))
             if pending is not None:
                 return self._advance(sched, pending)
-        results = self._guarded(sched, lambda: self.runner.execute(sched))
-        outputs = self._process(sched, results)
+        # The prefill rows' commit needs none of the step's results: it runs while the
+        # device computes (their blocks and checkpoints are only read by later steps,
+        # which the device runs after this one).
+        failed: dict[str, Exception] = {}
+        early: list[ScheduledRow] = []
+        try:
+            results = self._guarded(sched, lambda: self.runner.execute(
+                sched, lambda: self._commit_prefill_rows(sched, failed, early)))
+        except BaseException as exc:
+            self._undo_early_commits(sched, early, exc)
+            raise
+        outputs = self._process(sched, results, failed)
         self._check_integrity()
         return outputs
+
+    def _commit_prefill_rows(
+        self, sched: SchedulerOutput, failed: dict[str, Exception], committed: list[ScheduledRow]
+    ) -> None:
+        """Commit ``sched``'s prefill rows (their state pages, checkpoints and full
+        blocks) before its read-back, listing them in ``committed``; a row whose commit
+        raises records its group in ``failed`` (:meth:`_process` fails it) and the rest
+        commit."""
+        for row in sched.rows:
+            if row.is_decode:
+                continue
+            req = row.request
+            gid = req.parent_id or req.request_id
+            if gid in failed:
+                continue
+            try:
+                self.scheduler.commit_prefill_row(row)
+                committed.append(row)
+            except Exception as e:
+                failed[gid] = e
+
+    def _undo_early_commits(
+        self, sched: SchedulerOutput, committed: list[ScheduledRow], exc: BaseException
+    ) -> None:
+        """The step raised after its prefill rows were committed (its read-back: a device
+        fault): their blocks and checkpoints may hold what the device never wrote. Their
+        groups fail and every cached prefix is dropped, so no later step reads them."""
+        if not committed:
+            return
+        error = exc if isinstance(exc, Exception) else RuntimeError(type(exc).__name__)
+        for gid in dict.fromkeys(self.group_id(row.request) for row in committed):
+            self._fail(gid, error, sched)
+        self.scheduler.clear_prefix_cache()
 
     def _stamp_scheduled(self, sched: SchedulerOutput) -> None:
         """Record the first scheduling of the step's sequences (their queue time ends)."""
@@ -510,17 +555,21 @@ class EngineCore:
         self.counters["steps"] += 1
         return nxt, launched
 
-    def _process(self, sched: SchedulerOutput, step: StepResult) -> list[RequestOutput]:
+    def _process(
+        self, sched: SchedulerOutput, step: StepResult, failed: dict[str, Exception] | None = None
+    ) -> list[RequestOutput]:
         """Commit a step that ran: its tokens, state pages, finished requests; outputs.
 
         A request whose commit raises fails with its group (:meth:`_fail`); the others
-        are committed as if it had not been in the step.
+        are committed as if it had not been in the step. Prefill rows committed during
+        the step (:meth:`_commit_prefill_rows`) are not committed again; ``failed``
+        holds the groups whose commit raised there.
         """
         results = step.rows
         # One clock read per step for the statistics: the step's commit time.
         committed = time.monotonic() if self._step_stats is not None else 0.0
         touched: dict[str, _Group] = {}
-        failed: dict[str, Exception] = {}
+        failed = {} if failed is None else failed
         dropped: set[int] = set()
         groups = self.groups
         stats = self._step_stats
@@ -541,7 +590,7 @@ class EngineCore:
                         self._stamp_tokens(req, committed)
                 if res.prompt_logprobs:
                     self._store_prompt_logprobs(req, row.num_computed, res.prompt_logprobs)
-                if not row.is_decode:
+                if not row.is_decode and not row.settled:
                     self.scheduler.commit_prefill_row(row)
             except Exception as e:
                 failed[gid] = e

@@ -35,7 +35,7 @@ the logprobs payload). The host then walks each row's drafts.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -302,15 +302,25 @@ class ModelRunner:
         return StepResult(results, self._decisions(pending.sched, host[n:]))
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> StepResult:
+    def execute(self, sched: SchedulerOutput, overlap: Callable[[], None] | None = None) -> StepResult:
         """Run the forward of a step, then sample (and verify drafts) for every row, and
-        decide the verify rows' state pages."""
+        decide the verify rows' state pages.
+
+        ``overlap``: host work that needs none of the step's results, called once every
+        launch of the step is queued and before its read-back waits for the device (the
+        engine commits the step's prefill rows there), so it runs while the device
+        computes. Called exactly once when the step's launches succeed, never when one
+        of them raises."""
         pending = self.launch(sched)
         if pending is not None:
+            if overlap is not None:
+                overlap()
             return self.collect(pending)
         if self.graphs is not None:
             short = self.graphs.replay_short(sched, self.model)
             if short is not None:
+                if overlap is not None:
+                    overlap()
                 # One read-back: every row's choice (rows that do not sample drop theirs).
                 host = short.tolist()
                 return StepResult([
@@ -320,16 +330,20 @@ class ModelRunner:
             self.graphs.counters["eager_steps"] += 1
         spans, logits, prompt_lps = self.forward_logits(sched)
         if logits is None:
+            # Nothing to read back: the device still computes when the overlap runs.
+            if overlap is not None:
+                overlap()
             return StepResult([RowResult([], [], prompt_lps.get(i)) for i in range(len(sched.rows))])
         sampling = [i for i, (_, k) in enumerate(spans) if k > 0]
         starts = [start for start, _ in spans]
         if all(sampler.samples_by_argmax(sched.rows[i].request.params) for i in sampling):
             # Only plain greedy rows: the choice is the argmax of the raw logits, one id
             # per position read back, no parameters to send.
-            choices, decisions = self._read_back(sched, sampler.argmax_ids(logits), starts)
+            choices, decisions = self._read_back(sched, sampler.argmax_ids(logits), starts,
+                                                 overlap)
             lps: dict[int, dict[int, Logprob]] = {}
         else:
-            choices, lps, decisions = self._sample(sched, sampling, logits, starts)
+            choices, lps, decisions = self._sample(sched, sampling, logits, starts, overlap)
         results = []
         for i, (row, (start, k)) in enumerate(zip(sched.rows, spans)):
             if k == 0:
@@ -436,13 +450,20 @@ class ModelRunner:
         return out
 
     def _read_back(
-        self, sched: SchedulerOutput, values: torch.Tensor, starts: Sequence[int]
+        self,
+        sched: SchedulerOutput,
+        values: torch.Tensor,
+        starts: Sequence[int],
+        overlap: Callable[[], None] | None = None,
     ) -> tuple[list[int], dict[int, PostprocessDecision]]:
         """The step's one device-to-host read: ``values`` (int64; the choices first,
         row ``i``'s from ``starts[i]``, then anything else the step reads), followed by
-        the state postprocess's decisions for the step's verify rows."""
+        the state postprocess's decisions for the step's verify rows. ``overlap`` runs
+        once the last launch is queued, before the read waits (:meth:`execute`)."""
         n = values.numel()
         tail = self._postprocess(sched, values, starts)
+        if overlap is not None:
+            overlap()
         if tail is None:
             return values.tolist(), {}
         host = torch.cat([values, tail]).tolist()
@@ -566,17 +587,19 @@ class ModelRunner:
         sampling: list[int],
         logits: torch.Tensor,
         starts: Sequence[int],
+        overlap: Callable[[], None] | None = None,
     ) -> tuple[list[int], dict[int, dict[int, Logprob]], dict[int, PostprocessDecision]]:
         """Every sampling row of the step through the batched sampler: parameters up in
         one transfer, the chosen tokens (and the logprobs payload, and the decisions)
-        back in one."""
+        back in one (``overlap`` as :meth:`_read_back` runs it)."""
         rows = [sampler.SampleRow.of(sched.rows[i]) for i in sampling]
         plan = sampler.plan_draw(rows, logits.shape[-1])
         packed = upload(plan.packed, logits.device)
         # The choices come first in the output, then the logprobs payload: one read.
         drafted = self._drafted_positions(sched, sampling, logits.device)
         values, decisions = self._read_back(
-            sched, sampler.sample_step(logits, plan, packed, drafted, self._sampler_kernels()), starts
+            sched, sampler.sample_step(logits, plan, packed, drafted, self._sampler_kernels()), starts,
+            overlap,
         )
         return (*sampler.read_step(values, plan), decisions)
 

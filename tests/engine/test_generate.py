@@ -193,11 +193,11 @@ def test_failed_forward_leaks_nothing_and_engine_recovers(tiny_granite, monkeypa
     real = runner.execute
     calls = {"n": 0}
 
-    def flaky(sched):
+    def flaky(sched, *args):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("injected failure")
-        return real(sched)
+        return real(sched, *args)
 
     monkeypatch.setattr(runner, "execute", flaky)
     llm.engine.add_request("r", prompt, GREEDY)

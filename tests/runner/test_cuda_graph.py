@@ -101,7 +101,7 @@ def test_padding_rows_write_only_the_scratch_block(tiny_granite):
     checked = []
     original = runner.execute
 
-    def spy(sched):
+    def spy(sched, *args):
         pages = {p for row in sched.rows for p in row.state_outputs.values()}
         # The step's output pages are fresh: poison them, so a write shows even where it
         # stores the bits the page held (a repeated token gives the first layer's conv
@@ -120,7 +120,7 @@ def test_padding_rows_write_only_the_scratch_block(tiny_granite):
             for pos in range(row.num_computed, row.num_computed + row.num_tokens)
         }
         steps = graphs.counters["graph_steps"]
-        out = original(sched)
+        out = original(sched, *args)
         if graphs.counters["graph_steps"] == steps:
             return out
         assert len(sched.rows) == 3

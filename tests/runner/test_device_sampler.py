@@ -356,7 +356,7 @@ def test_one_read_back_per_step(tiny_granite, monkeypatch):
         monkeypatch.setattr(torch.Tensor, name, counting(name))
     execute = ModelRunner.execute
 
-    def counted_execute(self, sched):
+    def counted_execute(self, sched, *args):
         compute_logits = self.model.compute_logits
 
         def spy(hidden):
@@ -367,7 +367,7 @@ def test_one_read_back_per_step(tiny_granite, monkeypatch):
         self.model.compute_logits = spy
         reads.clear()
         try:
-            return execute(self, sched)
+            return execute(self, sched, *args)
         finally:
             self.model.compute_logits = compute_logits
             if state["after_logits"]:

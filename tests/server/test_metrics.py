@@ -161,9 +161,9 @@ def test_latency_histograms_follow_the_requests(chat_model, server_factory) -> N
     runner = srv.engine.engine.runner
     execute = runner.execute
 
-    def slow_execute(sched):
+    def slow_execute(sched, *args):
         time.sleep(STEP_DELAY)
-        return execute(sched)
+        return execute(sched, *args)
 
     runner.execute = slow_execute
     k = 4
