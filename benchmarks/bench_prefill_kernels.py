@@ -126,7 +126,11 @@ FULL = dict(heads=128, head_dim=64, groups=8, d_state=128, conv_dim=10240, d_con
             # One-launch scan: (block_p, warps, precision).
             ssd_variants=((64, 8, "split"), (32, 4, "split"), (64, 8, "tf32")),
             conv_tiles=((32, 128, None), (32, 128, 4), (64, 128, 8), (16, 256, 8),
-                        (32, 256, 8), (64, 256, 8), (128, 128, 8)))
+                        (32, 256, 8), (64, 256, 8), (128, 128, 8)),
+            # The token walk (conv_varlen's walk="tokens"): (span, channels, warps).
+            conv_token_walks=((64, 256, 4), (32, 256, 4), (128, 256, 4), (256, 256, 4),
+                              (64, 128, 4), (64, 512, 4), (128, 512, 8), (64, 256, 2),
+                              (128, 128, 2), (256, 512, 4)))
 SMOKE = dict(heads=4, head_dim=16, groups=2, d_state=16, conv_dim=48, d_conv=4,
              ssd=(("2x70 initial+final", 2, 70, False), ("1x130 state every 64", 1, 130,
                   True)),
@@ -135,7 +139,7 @@ SMOKE = dict(heads=4, head_dim=16, groups=2, d_state=16, conv_dim=48, d_conv=4,
              chunk_states_variants=((16, 4, 16, 16, 4, 64, 4, "ieee"),),
              chunk_states_128_variants=((16, 4),),
              ssd_variants=((16, 4, "ieee"),),
-             conv_tiles=((32, 64, None),))
+             conv_tiles=((32, 64, None),), conv_token_walks=((16, 32, 4),))
 
 
 def _time(fn, reps: int, device: str) -> tuple[float, object]:
@@ -359,6 +363,11 @@ def _conv_case(cfg, device, reps):
         tiles = [{"block_t": bt, "block_c": bc, "num_warps": warps,
                   **_conv_measure(step, listed, (bt, bc, warps), want, twin, reps, device)}
                  for bt, bc, warps in cfg["conv_tiles"]]
+        # The token walk (span, channels, warps), against the tiles' outputs bit for bit.
+        tiles += [{"walk": "tokens", "block_t": bt, "block_c": bc, "num_warps": warps,
+                   **_conv_measure(step, listed, (bt, bc, warps), want, twin, reps, device,
+                                   walk="tokens")}
+                  for bt, bc, warps in cfg.get("conv_token_walks", ())]
         mode = {"mode": name, "windows": 0 if outs is None else int(listed.numel()),
                 "default_tile_ms": tiles[0]["median_ms"], "rel_err": tiles[0]["rel_err"],
                 "tiles": tiles}
@@ -370,7 +379,7 @@ def _conv_case(cfg, device, reps):
     return out
 
 
-def _conv_measure(step, window_tokens, tile, want, twin, reps, device):
+def _conv_measure(step, window_tokens, tile, want, twin, reps, device, walk="tiles"):
     """Median ms of one conv call (``window_tokens``: the slab writer's list, None for the
     full-grid writer) on a copy of the pages, its error against the twin's output, and
     whether the windows it wrote are the twin's bit for bit."""
@@ -381,10 +390,14 @@ def _conv_measure(step, window_tokens, tile, want, twin, reps, device):
     def run():
         return conv_varlen(xbc, weight, bias, pages, qs, in_pages, "silu", trow,
                            out_pages=outs, window_tokens=window_tokens,
-                           block_t=bt, block_c=bc, num_warps=warps)
+                           block_t=bt, block_c=bc, num_warps=warps, walk=walk)
 
     median, got = _time(run, reps, device)
     row = {"median_ms": 1e3 * median, "rel_err": _rel(got.float(), want.float())}
+    if walk != "tiles":
+        tiles = conv_varlen(xbc, weight, bias, cache.clone(), qs, in_pages, "silu", trow,
+                            out_pages=outs, window_tokens=window_tokens, walk="tiles")
+        row["tiles_bits"] = bool(torch.equal(got, tiles))
     if outs is not None:
         written = outs[outs >= 0]
         row["windows_exact"] = bool(torch.equal(pages[written], twin[written]))
@@ -398,6 +411,7 @@ def main(argv: list[str] | None = None) -> dict:
                     help="skip the previous path (fla-core's autotuning takes a while)")
     ap.add_argument("--quick", action="store_true",
                     help="defaults only: no sweep of tiles and precisions (fewer compiles)")
+    ap.add_argument("--conv-only", action="store_true", help="the conv cases only")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -405,7 +419,8 @@ def main(argv: list[str] | None = None) -> dict:
     if a.quick:
         cfg = {**cfg, "two_pass_variants": (), "two_pass_128_variants": (), "ssd_variants": (),
                "chunk_states_variants": (), "chunk_states_128_variants": (),
-               "conv_tiles": cfg["conv_tiles"][:1]}
+               "conv_tiles": cfg["conv_tiles"][:1],
+               "conv_token_walks": cfg["conv_token_walks"][:1]}
     use_fla = device == "cuda" and ssd_varlen.fla_available()
     started = time.time()
     smoke = a.smoke or device == "cpu"
@@ -424,7 +439,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     save = result_writer(result, out, started)
 
-    for name, rows, length, every in cfg["ssd"]:
+    for name, rows, length, every in () if a.conv_only else cfg["ssd"]:
         case = _ssd_case(cfg, name, rows, length, every, device, cfg["reps"],
                          use_fla and not a.no_old)
         if a.no_old:

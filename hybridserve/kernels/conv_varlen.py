@@ -61,6 +61,14 @@ from hybridserve.kernels.conv1d import causal_conv1d_reference
 
 __all__ = ["conv_varlen", "conv_varlen_reference", "token_rows", "window_token_list"]
 
+# The conv's walk of a row's inner tokens (conv_varlen's ``walk``): "tiles" until the
+# token walk has run on a GPU (its kernel is new; the interpreter accepts programs the
+# compiler may reject).
+CONV_WALK = "tiles"
+# The token walk's span (tokens a program) and channels a program.
+TOKEN_WALK_SPAN = 64
+TOKEN_WALK_CHANNELS = 256
+
 
 def _check(
     xbc: torch.Tensor,
@@ -227,6 +235,70 @@ def _conv_varlen_kernel(
 
 
 @triton.jit
+def _conv_token_walk_kernel(
+    xbc_ptr,
+    xbc_stride,
+    weight_ptr,
+    bias_ptr,
+    query_start_ptr,
+    token_row_ptr,
+    out_ptr,
+    tokens,
+    channels,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    # _conv_varlen_kernel's outputs (K = 4), one program per (span of BLOCK_T tokens,
+    # channel block) walking its span token by token with the last three inputs in
+    # registers: each input is loaded once (a tile loads each of its rows K times,
+    # shifted), plus three before the span. The taps are summed in the tile kernel's
+    # order, so every output has its bits. Tokens fewer than three into their row are
+    # computed here from other rows' inputs and never stored (_conv_row_start_kernel's).
+    t0 = tl.program_id(0) * BLOCK_T
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = c < channels
+    col = xbc_ptr + c
+    w0 = tl.load(weight_ptr + c * 4, mask=cmask, other=0.0).to(tl.float32)
+    w1 = tl.load(weight_ptr + c * 4 + 1, mask=cmask, other=0.0).to(tl.float32)
+    w2 = tl.load(weight_ptr + c * 4 + 2, mask=cmask, other=0.0).to(tl.float32)
+    w3 = tl.load(weight_ptr + c * 4 + 3, mask=cmask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + c, mask=cmask, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros([BLOCK_C], dtype=tl.float32)
+    # Inputs t0 - 3, t0 - 2, t0 - 1 (oldest first); before the first token: zeros, never
+    # used by a stored output.
+    base = t0.to(tl.int64)
+    first = c * 0 + t0  # the span's first token, per lane
+    a = tl.load(col + (base - 3) * xbc_stride, mask=cmask & (first >= 3), other=0.0)
+    b = tl.load(col + (base - 2) * xbc_stride, mask=cmask & (first >= 2), other=0.0)
+    d = tl.load(col + (base - 1) * xbc_stride, mask=cmask & (first >= 1), other=0.0)
+    a, b, d = a.to(tl.float32), b.to(tl.float32), d.to(tl.float32)
+    for i in range(0, BLOCK_T):
+        tok64 = base + i
+        live = tok64 < tokens
+        lanes = cmask & (first + i < tokens)  # the same test, per lane
+        x = tl.load(col + tok64 * xbc_stride, mask=lanes, other=0.0).to(tl.float32)
+        row = tl.load(token_row_ptr + tok64, mask=live, other=0)
+        offset = tok64 - tl.load(query_start_ptr + row, mask=live, other=0)
+        inner = lanes & (c * 0 + offset >= 3)
+        acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+        acc += bias
+        acc += a * w0
+        acc += b * w1
+        acc += d * w2
+        acc += x * w3
+        if SILU:
+            acc = acc * tl.sigmoid(acc)
+        tl.store(out_ptr + tok64 * channels + c, acc.to(out_ptr.dtype.element_ty), mask=inner)
+        a = b
+        b = d
+        d = x
+
+
+@triton.jit
 def _conv_tap(xbc_ptr, xbc_stride, conv_ptr, page_stride, tok64, c, mask, t, page, back,
               K: tl.constexpr):
     """The conv input ``back`` tokens before each token of the tile, in the input dtype:
@@ -389,10 +461,11 @@ def conv_varlen(
     out_pages: torch.Tensor | None = None,
     window_tokens: torch.Tensor | None = None,
     *,
-    block_t: int = 32,
-    block_c: int = 128,
+    block_t: int | None = None,
+    block_c: int | None = None,
     num_warps: int | None = None,
     window_block: int = 1024,
+    walk: str | None = None,
 ) -> torch.Tensor:
     """Causal depthwise conv of every row of a packed step, each from its initial window.
 
@@ -420,9 +493,14 @@ def conv_varlen(
             its page), and none at all when ``W == 0``; None, the full-grid writer (one
             program per conv tile, module docstring). A token with a page that the list
             leaves out gets no window; the list must not repeat a token.
-        block_t, block_c: tile of one program (powers of two); num_warps: the warps
-            of the conv's program (4 when None); window_block: the page entries of one
-            window program (a power of two).
+        block_t, block_c: tile of one program (powers of two; None: the walk's
+            default); num_warps: the warps of the conv's program (4 when None);
+            window_block: the page entries of one window program (a power of two).
+        walk: how the conv's programs cover the tokens at least ``K - 1`` into their
+            row: ``"tiles"`` (a ``block_t x block_c`` tile, each tap a shifted load) or
+            ``"tokens"`` (``K == 4`` only: a span of ``block_t`` tokens walked one by
+            one, the last inputs in registers, each input loaded once); the same bits
+            either way. None: :data:`CONV_WALK`.
 
     Returns:
         ``out [T, C]`` in ``xbc.dtype`` (accumulated in float32).
@@ -437,9 +515,17 @@ def conv_varlen(
         return out
     if token_row is None:
         token_row = token_rows(query_start, tokens)
-    block_c = min(block_c, triton.next_power_of_2(channels))
-    block_t = min(block_t, triton.next_power_of_2(tokens))
     k = weight.shape[-1]
+    walk = CONV_WALK if walk is None else walk
+    if walk not in ("tiles", "tokens"):
+        raise ValueError(f"walk must be 'tiles' or 'tokens', got {walk!r}")
+    if k != 4:
+        walk = "tiles"
+    # The token walk's span is the tile kernel's token block; the window writers keep
+    # the tile kernel's tile.
+    span, walk_c = (block_t or TOKEN_WALK_SPAN, block_c or TOKEN_WALK_CHANNELS)
+    block_c = min(block_c or 128, triton.next_power_of_2(channels))
+    block_t = min(block_t or 32, triton.next_power_of_2(tokens))
     bias_arg = bias if bias is not None else weight
     # 4 warps: on the H200 a 32 x 128 tile took 0.68 ms over 8 x 4,096 tokens of the
     # 10,240-channel conv against 1.03 ms with 8 (prefill_kernels.json); the extra
@@ -448,11 +534,19 @@ def conv_varlen(
     query_start = query_start.contiguous()
     token_row = token_row.contiguous()
     in_pages = in_pages.contiguous()
-    _conv_varlen_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(channels, block_c))](
-        xbc, xbc.stride(0), weight, bias_arg, query_start, token_row, out, tokens, channels,
-        K=k, HAS_BIAS=bias is not None, SILU=activation is not None,
-        BLOCK_T=block_t, BLOCK_C=block_c, **warps,
-    )
+    if walk == "tokens":
+        walk_c = min(walk_c, triton.next_power_of_2(channels))
+        _conv_token_walk_kernel[(triton.cdiv(tokens, span), triton.cdiv(channels, walk_c))](
+            xbc, xbc.stride(0), weight, bias_arg, query_start, token_row, out, tokens,
+            channels, HAS_BIAS=bias is not None, SILU=activation is not None,
+            BLOCK_T=span, BLOCK_C=walk_c, **warps,
+        )
+    else:
+        _conv_varlen_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(channels, block_c))](
+            xbc, xbc.stride(0), weight, bias_arg, query_start, token_row, out, tokens,
+            channels, K=k, HAS_BIAS=bias is not None, SILU=activation is not None,
+            BLOCK_T=block_t, BLOCK_C=block_c, **warps,
+        )
     rows = in_pages.shape[0]
     if k > 1 and rows:
         _conv_row_start_kernel[(rows, triton.cdiv(channels, block_c))](

@@ -324,6 +324,44 @@ def test_kernel_independent_of_program_order(windows):
     assert not report.outputs["forward"]["return"].isnan().any()
 
 
+@interpreted
+@pytest.mark.parametrize("lens,channels,span,block_c,bias", [
+    (LENS[0], 10, 4, 8, True),  # spans across rows, rows shorter than K - 1
+    (LENS[3], 20, 8, 16, False),  # a partial last channel block, no bias
+    ([13], 7, 64, 256, True),  # one span for the step, blocks wider than the channels
+])
+def test_token_walk_gives_the_tiles_bits_race_free(lens, channels, span, block_c, bias):
+    """``walk="tokens"``: every output bit for bit the tile walk's (the taps summed in
+    the same order), every output written, the windows untouched, race-free."""
+    g = torch.Generator().manual_seed(_seed())
+    xbc, weight, b, cache, qs, in_pages = _step(g, lens, channels, 4, torch.float32)
+    b = b if bias else None
+    before = cache.clone()
+    want = conv_varlen(xbc, weight, b, cache, qs, in_pages, "silu", walk="tiles",
+                       block_t=4, block_c=4)
+    out = torch.full_like(xbc, float("nan"))
+    with racecheck.record_launches() as rec:
+        got = conv_varlen(xbc, weight, b, cache, qs, in_pages, "silu", out=out,
+                          walk="tokens", block_t=span, block_c=block_c)
+    assert len(rec.reports) == 2 and all(r.clean for r in rec.reports), rec.reports
+    assert got is out and not got.isnan().any()
+    assert torch.equal(got, want)
+    assert torch.equal(cache.nan_to_num(7.0), before.nan_to_num(7.0))
+    twin = conv_varlen_reference(xbc, weight, b, cache, qs, in_pages, "silu")
+    torch.testing.assert_close(got, twin, rtol=1e-5, atol=1e-5)
+
+
+def test_token_walk_takes_k_4_only_and_refuses_other_walks():
+    """Another kernel width falls back to the tiles; an unknown walk is refused."""
+    g = torch.Generator().manual_seed(_seed())
+    xbc, weight, bias, cache, qs, in_pages = _step(g, [5, 3], 6, 3, torch.float32)
+    want = conv_varlen(xbc, weight, bias, cache, qs, in_pages, "silu", walk="tiles")
+    got = conv_varlen(xbc, weight, bias, cache, qs, in_pages, "silu", walk="tokens")
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="walk"):
+        conv_varlen(xbc, weight, bias, cache, qs, in_pages, "silu", walk="rows")
+
+
 def test_rejects_in_place_output():
     g = torch.Generator().manual_seed(_seed())
     xbc, weight, bias, cache, qs, in_pages = _step(g, [3, 2], 4, 4, torch.float32)
@@ -349,6 +387,10 @@ def test_gpu_kernel_matches_twin(dtype, record_property):
     record_property("conv_varlen_rel_err", rel)
     print(f"conv_varlen {dtype}: relative error {rel:.3e}")
     assert rel < (1e-6 if dtype == torch.float32 else 1e-2)
+    # The token walk, compiled: the tiles' bits.
+    for walk in ("tiles", "tokens"):
+        tiles = conv_varlen(*args, "silu", walk="tiles")
+        assert torch.equal(conv_varlen(*args, "silu", walk=walk), tiles), walk
 
 
 @pytest.mark.parametrize("kind", ["short", "packed", "packed, no state asked"])
