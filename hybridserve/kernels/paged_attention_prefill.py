@@ -31,6 +31,18 @@ mask; the rest are masked by position, and keys past the tile's last position (o
 tokens' keys, unwritten slots, other rows' blocks) are never loaded. A program reads
 only inputs and writes only its own query lines of the output (the race rule,
 docs/racecheck.md).
+
+Split keys (flash-decoding): where the (tile, KV head) programs are too few to fill the
+GPU (on CUDA, fewer than half the multiprocessors: a step of one or a few short rows,
+such as the engine's cached first-token step, 4 tiles x 8 KV heads on 132
+multiprocessors, each walking a long cached prefix), a third grid axis cuts every
+program's keys ``0 .. hi - 1`` into equal runs of whole key tiles
+(:func:`prefill_splits` says how many). Each split walks its run as the unsplit program
+would (the same unmasked and masked tiles, stopping at the tile's last position) and
+writes its unnormalised float32 partial to its own slot of a scratch buffer; a second
+launch, one program per (tile, KV head), merges the partials in split order and writes
+the tile's lines of the output. A split result differs from the unsplit one by float32
+summation order only; the unsplit kernel is compiled without any of the split's code.
 """
 
 from __future__ import annotations
@@ -41,12 +53,15 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridserve.kernels import paged_attention
+from hybridserve.kernels.paged_attention import MIN_SPLIT_KEYS
 from hybridserve.kernels.transfer import upload
 
 __all__ = [
     "PV_PRECISIONS",
     "paged_attention_prefill_triton",
     "paged_attention_reference",
+    "prefill_splits",
     "prefill_tiles",
 ]
 
@@ -135,6 +150,7 @@ def _prefill_key_tile(
     QK_TF32: tl.constexpr,
     PV_MODE: tl.constexpr,
     MASKED: tl.constexpr,
+    SAFE: tl.constexpr,
 ):
     # One step of the online softmax over the keys at positions start .. start+BLOCK_N-1.
     # MASKED=False: every line sees every one of these keys (they lie below the tile's
@@ -170,11 +186,18 @@ def _prefill_key_tile(
     if MASKED:
         visible = (n[None, :] <= q_pos[:, None]) & nmask[None, :]
         s = tl.where(visible, s, float("-inf"))
-    # Key 0 lies in the first key tile a program walks and every line sees it, so m_new
-    # is finite from the first tile on.
+    # Unsplit, key 0 lies in the first key tile a program walks and every line sees it,
+    # so m_new is finite from the first tile on. SAFE (a split's masked tiles): a split
+    # that starts past a line's position leaves the line's maximum at -inf, taken as 0
+    # there so that p and alpha are 0 rather than NaN.
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    if SAFE:
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+    else:
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     # Values masked like the keys: a masked-out probability is 0, but 0 * NaN is NaN.
     if MASKED or HEAD_DIM != BLOCK_D:
@@ -224,9 +247,11 @@ def _paged_attention_prefill_kernel(
     DOT_16BIT: tl.constexpr,
     QK_TF32: tl.constexpr,
     PV_MODE: tl.constexpr,
+    part_ptr,
+    SPLIT: tl.constexpr,
 ):
-    # One program per (tile, KV head); tile = (row, first token, end token) from the
-    # host's map. Lines past the tile's tokens repeat its last token and are never
+    # One program per (tile, KV head, split); tile = (row, first token, end token) from
+    # the host's map. Lines past the tile's tokens repeat its last token and are never
     # stored, so every line has a real position and a finite softmax.
     tile = tl.program_id(0)
     kv = tl.program_id(1)
@@ -254,21 +279,109 @@ def _paged_attention_prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     table = tables_ptr + row.to(tl.int64) * table_stride
     kv_head_off = kv.to(tl.int64) * kv_head_stride
-    for start in range(0, full, BLOCK_N):
+    # Unmasked tiles [open_lo, open_hi), masked ones [causal_lo, causal_hi).
+    open_lo = 0
+    open_hi = full
+    causal_lo = full
+    causal_hi = hi
+    if SPLIT:
+        # Split s of S walks the s-th of S equal runs of whole key tiles of [0, hi); the
+        # tile boundaries stay where the unsplit walk has them (run and full are
+        # multiples of BLOCK_N), so the masked tiles' bound stays hi.
+        split = tl.program_id(2)
+        run = tl.cdiv(tl.cdiv(hi, BLOCK_N), tl.num_programs(2)) * BLOCK_N
+        lo = split * run
+        end = tl.minimum(hi, lo + run)
+        open_lo = lo
+        open_hi = tl.minimum(full, end)
+        causal_lo = tl.maximum(full, lo)
+        causal_hi = end
+    for start in range(open_lo, open_hi, BLOCK_N):
+        # Every line sees every key of these tiles: the maximum is finite after the
+        # first, so no guard even in a split.
         acc, m_i, l_i = _prefill_key_tile(
             acc, m_i, l_i, q, q_pos, start, hi, table, k_ptr, v_ptr, kv_head_off,
             kv_block_stride, kv_slot_stride, qk_scale,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, DOT_16BIT, QK_TF32, PV_MODE, False,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, DOT_16BIT, QK_TF32, PV_MODE, False, False,
         )
-    for start in range(full, hi, BLOCK_N):
+    for start in range(causal_lo, causal_hi, BLOCK_N):
         acc, m_i, l_i = _prefill_key_tile(
             acc, m_i, l_i, q, q_pos, start, hi, table, k_ptr, v_ptr, kv_head_off,
             kv_block_stride, kv_slot_stride, qk_scale,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, DOT_16BIT, QK_TF32, PV_MODE, True,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, DOT_16BIT, QK_TF32, PV_MODE, True, SPLIT,
         )
-    acc = acc / l_i[:, None]
+    if SPLIT:
+        # part [tiles, KV, S, BLOCK_M, BLOCK_D + 2]: acc, then m and l, of this program
+        # only. A line that saw no key (an empty run: the later splits of a short tile)
+        # stores m = -inf and l = 0 but not its acc, which the merge weighs as 0 and does
+        # not read: the tables' capacity sets the split count, so a short row's later
+        # splits are empty, and their accumulators would be most of its traffic.
+        slot = ((tile * tl.num_programs(1) + kv) * tl.num_programs(2) + split).to(tl.int64)
+        line = part_ptr + (slot * BLOCK_M + m) * (BLOCK_D + 2)
+        seen = m_i > float("-inf")
+        tl.store(line[:, None] + d[None, :], acc, mask=seen[:, None])
+        tl.store(line + BLOCK_D, m_i)
+        tl.store(line + BLOCK_D + 1, l_i)
+    else:
+        acc = acc / l_i[:, None]
+        o_off = tok[:, None] * out_tok_stride + head[:, None] * out_head_stride + d[None, :]
+        tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty),
+                 mask=live[:, None] & dmask[None, :])
+
+
+@triton.jit
+def _paged_attention_prefill_combine_kernel(
+    part_ptr,
+    tiles_ptr,
+    out_ptr,
+    out_tok_stride,
+    out_head_stride,
+    splits,
+    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    LINES: tl.constexpr,
+):
+    # One program per (tile, KV head): merges the S partials its splits wrote, in split
+    # order (so the result depends on nothing but the partials), and writes the tile's
+    # live query lines of ``out`` (the main kernel's line -> (token, head) map). It
+    # reads only ``part`` (written by the previous launch) and the tile map, and writes
+    # only its own lines (the race rule). The maxima are base 2 like the main kernel's.
+    # Split 0 holds key 0, which every line sees, so its maximum is finite and every
+    # merged l positive.
+    tile = tl.program_id(0)
+    kv = tl.program_id(1)
+    first = tl.load(tiles_ptr + tile * 3 + 1)
+    end = tl.load(tiles_ptr + tile * 3 + 2)
+    m = tl.program_id(2) * LINES + tl.arange(0, LINES)
+    d = tl.arange(0, BLOCK_D)
+    m_all = tl.full([LINES], float("-inf"), dtype=tl.float32)
+    l_all = tl.zeros([LINES], dtype=tl.float32)
+    acc = tl.zeros([LINES, BLOCK_D], dtype=tl.float32)
+    base = (tile * tl.num_programs(1) + kv).to(tl.int64) * splits
+    for split in range(0, splits):
+        line = part_ptr + ((base + split) * BLOCK_M + m) * (BLOCK_D + 2)
+        m_s = tl.load(line + BLOCK_D)
+        l_s = tl.load(line + BLOCK_D + 1)
+        # A line's acc is there only where it saw a key (m finite).
+        acc_s = tl.load(line[:, None] + d[None, :], mask=(m_s > float("-inf"))[:, None],
+                        other=0.0)
+        # Split 0 comes first, so m_new is finite from it on (no -inf - -inf), and a
+        # later split's -inf (an empty run, a line that saw none of its keys) weighs 0.
+        m_new = tl.maximum(m_all, m_s)
+        a = tl.exp2(m_all - m_new)
+        b = tl.exp2(m_s - m_new)
+        l_all = l_all * a + l_s * b
+        acc = acc * a[:, None] + acc_s * b[:, None]
+        m_all = m_new
+    acc = acc / l_all[:, None]
+    live = first + m // GROUP < end
+    tok = tl.minimum(first + m // GROUP, end - 1).to(tl.int64)
+    head = kv * GROUP + m % GROUP
     o_off = tok[:, None] * out_tok_stride + head[:, None] * out_head_stride + d[None, :]
-    tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=live[:, None] & dmask[None, :])
+    tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty),
+             mask=live[:, None] & (d < HEAD_DIM)[None, :])
 
 
 def prefill_tiles(
@@ -317,6 +430,41 @@ def _default_tiles(block_d: int, dot_16bit: bool, pv_half: bool) -> tuple[int, i
     return (32, 16, 8, 2) if block_d <= 128 else (16, 16, 8, 2)
 
 
+_COMBINE_LINES = 128
+
+
+def prefill_splits(programs: int, max_keys: int, device: torch.device) -> int:
+    """How many programs share each (tile, KV head)'s keys in
+    :func:`paged_attention_prefill_triton` when its ``splits`` is None: as many as fit
+    the ``programs`` (tiles x KV heads) into one wave, one program a multiprocessor,
+    each split walking at least
+    :data:`~hybridserve.kernels.paged_attention.MIN_SPLIT_KEYS` of the ``max_keys``
+    positions the block tables can hold; 1 (no split) where the programs fill more than
+    half the multiprocessors, and off CUDA.
+
+    One a multiprocessor, not the decode split's two: the times step up as soon as a
+    grid passes one such wave, as if a prefill program (128 lines of 8 warps at the 8B
+    shape) held a multiprocessor alone and the rest ran as a second, mostly idle wave.
+    On the H200 (132 multiprocessors; 8B shape, one row
+    of 128 tokens after 8,064 cached keys, 32 programs; each launch in a CUDA graph):
+    230 us unsplit, 132 / 97 / 81 us at 2 / 3 / 4 splits, then 120 / 112 / 100 / 117 us
+    at 5 / 6 / 8 / 9 (two waves); two such rows (64 programs) 240 us unsplit, 138 at 2
+    splits, 152-181 at 3-5; one row of 512 tokens (128 programs) 258 us unsplit, 268 at
+    2 splits; the ~1B shape (16 programs) 196 us unsplit, 56 us at 8 splits, 74-86 at
+    9-16.
+
+    A function of the launch's shapes only (never of ``num_computed``), so a CUDA graph
+    that replays the launch keeps its split: the engine's captured short steps pass
+    tables ``max_model_len`` wide with nothing computed yet, and a replay then runs rows
+    with long cached prefixes, the case the split is for. The price is paid by short
+    rows without a prefix in such steps: one fresh row of 128 tokens took 20 us at 4
+    splits against 9 us unsplit."""
+    if device.type != "cuda" or programs < 1:
+        return 1
+    sms = paged_attention._multiprocessors(device)
+    return max(1, min(sms // programs, max_keys // MIN_SPLIT_KEYS))
+
+
 def paged_attention_prefill_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -334,8 +482,10 @@ def paged_attention_prefill_triton(
     pv_precision: str | None = None,
     out: torch.Tensor | None = None,
     tile_cache: dict[int, torch.Tensor] | None = None,
+    splits: int | None = None,
 ) -> torch.Tensor:
-    """:func:`paged_attention_reference` as one Triton launch over every row of the step.
+    """:func:`paged_attention_reference` as one Triton launch over every row of the step,
+    or two with its keys split.
 
     ``q [T, H, D]`` (packed as ``query_start`` says; the head-dim axis contiguous),
     ``k_cache, v_cache [num_blocks, block_size, KV, D]`` of one dtype and layout (the
@@ -368,6 +518,15 @@ def paged_attention_prefill_triton(
     choice and the default for float32 caches; on CUDA the matrix units cannot run it,
     several times slower at prefill sizes). On the CPU interpreter bf16 operands are
     always widened (it cannot multiply bf16), with the same roundings.
+
+    ``splits``: programs per (tile, KV head), each over an equal run of whole key tiles
+    of the tile's keys, their float32 partials merged by a second launch
+    (flash-decoding): a step of few short rows over long cached prefixes has too few
+    (tile, KV head) programs to fill the GPU while each walks the whole prefix. None:
+    :func:`prefill_splits` (a function of the shapes: the tile count, the KV heads and
+    the tables' capacity); an int forces that count. A split result differs from the
+    unsplit one by float32 summation order only. The split path, too, uploads and reads
+    back nothing (a CUDA graph captures it): its scratch is allocated on the device.
     """
     tokens, heads, dim = q.shape
     num_blocks, block_size, num_kv, kdim = k_cache.shape
@@ -389,6 +548,8 @@ def paged_attention_prefill_triton(
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError("out must have q's shape and dtype and a contiguous head-dim axis")
+    if splits is not None and (not isinstance(splits, int) or splits < 1):
+        raise ValueError(f"splits must be an int >= 1, got {splits!r}")
     if tokens == 0 or rows == 0:
         return out
     if q.stride(-1) != 1:
@@ -436,8 +597,13 @@ def paged_attention_prefill_triton(
     if tables.stride(-1) != 1:
         tables = tables.contiguous()
     positions = positions.to(device=device, non_blocking=True).reshape(-1)
+    num_tiles = tiles.shape[0]
+    if splits is None:
+        splits = prefill_splits(num_tiles * num_kv, block_tables.shape[1] * block_size, device)
+    part = (torch.empty((num_tiles, num_kv, splits, block_m, block_d + 2),
+                        dtype=torch.float32, device=device) if splits > 1 else out)
     log2e = 1.4426950408889634
-    _paged_attention_prefill_kernel[(tiles.shape[0], num_kv)](
+    _paged_attention_prefill_kernel[(num_tiles, num_kv, splits)](
         q,
         q.stride(0),
         q.stride(1),
@@ -465,7 +631,16 @@ def paged_attention_prefill_triton(
         DOT_16BIT=dot_16bit,
         QK_TF32=qk_tf32,
         PV_MODE=PV_PRECISIONS.index(pv_precision),
+        part_ptr=part,
+        SPLIT=splits > 1,
         num_warps=d_warps if num_warps is None else num_warps,
         num_stages=d_stages if num_stages is None else num_stages,
     )
+    if splits > 1:
+        lines = min(block_m, _COMBINE_LINES)
+        _paged_attention_prefill_combine_kernel[(num_tiles, num_kv, block_m // lines)](
+            part, tiles, out, out.stride(0), out.stride(1), splits,
+            HEAD_DIM=dim, GROUP=group, BLOCK_M=block_m, BLOCK_D=block_d, LINES=lines,
+            num_warps=4,
+        )
     return out

@@ -124,6 +124,8 @@ class Attention(nn.Module):
             out = paged_attention_prefill.paged_attention_prefill_triton(
                 q, k_cache, v_cache, batch.query_start, batch.num_computed,
                 batch.block_tables, batch.positions, p.scale, tile_cache=batch.attention_tiles,
+                # None: split the keys where the shapes call for it (prefill_splits).
+                splits=None if self.policy.attention_splits != "off" else 1,
             )
         else:
             out = paged_attention_reference(
