@@ -865,13 +865,14 @@ def ttft(model, path, device, dtype, prompt_len, cached_len, interval, vocab, se
     # And once more with CUDA's sync debug mode: which lines still make the host wait.
     cached_syncs = _sync_sites(lambda: run(prompt(prefix)), device)
     by_tail = []
-    # "short": every tail on the short-row path (its length limit lifted for the sweep);
-    # "chunks": the same with the recurrence walking 16-token chunks
-    # (KernelPolicy.short_row_chunks "on"); "off": every tail on the chunked scan.
+    # "short": every tail on the short-row path (its length limit lifted for the sweep),
+    # the recurrence walking token by token (KernelPolicy.short_row_chunks "off");
+    # "chunks": the same walking 16-token chunks ("on"); "off": every tail on the
+    # chunked scan. The headline runs above take the defaults.
     runner = llm.engine.runner
     base = runner.model
     limit = max(base.kernel_policy.max_short_tokens, *tails)
-    modes = {"short": dict(short_rows="auto"),
+    modes = {"short": dict(short_rows="auto", short_row_chunks="off"),
              "chunks": dict(short_rows="auto", short_row_chunks="on"),
              "off": dict(short_rows="off")}
     for mode, fields in modes.items():
