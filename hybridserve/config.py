@@ -348,17 +348,18 @@ class KernelPolicy:
       :data:`~hybridserve.kernels.ssm_chunks.SHORT_ROW_CHUNK` as matrix products
       (:mod:`hybridserve.kernels.ssm_chunks`), so a tail of T tokens costs T / 16
       dependent rounds instead of T (the token walk's values to float32 rounding):
-      ``"on"`` (always) / ``"off"``; ``"auto"``: off CUDA always, on CUDA where the
-      chunked launch has a program for every multiprocessor (fewer, and the token walk's
-      eight times more programs win). Its `gpu` test passed in the engine's form
-      (``gpu_tests_b632ad1.txt``). On the H200 (8B tail beside two decode rows, states
-      on the 64-token grid, ``short_rows.json``) the chunks took 128 us against the
-      prefetching token walk's 145 for a 128-token tail and 556 against 1,100 us for
-      1,024 tokens, at a relative error against float64 of 2.3e-7 (the walk 1.2e-7). The
-      engine's cached first token (``gpu_bench_ttft_chunks.json``): at the 8B shape (256
-      programs for one row) 12.1 against 13.7 ms at a 128-token tail and 44.8 against
-      54.9 ms at 1,024; at the ~1B shape (128 programs, fewer than the 132
-      multiprocessors) 6.2 against 5.9 ms, a loss, which the rule leaves to the walk.
+      ``"on"`` (``"auto"`` is the same; its `gpu` test passed in the engine's form,
+      ``gpu_tests_b632ad1.txt``) or ``"off"``. On the H200 (8B tail beside two decode
+      rows, states on the 64-token grid, ``short_rows.json``) the chunks took 128 us
+      against the prefetching token walk's 145 for a 128-token tail and 556 against
+      1,100 us for 1,024 tokens, at a relative error against float64 of 2.3e-7 (the walk
+      1.2e-7). The engine's cached first token over 8,064 cached tokens, chunks against
+      the token walk in one process (``cached_by_tail``): at the 8B shape 9.5-12.1
+      against 11.3-13.7 ms for a 128-token tail and 39-45 against 50-55 ms for 1,024, in
+      four runs (three machine starts); at the ~1B shape 4.0-5.2 against 4.4-5.5 ms in three
+      of those runs and 6.2 against 5.9 ms in the fourth (``gpu_bench_ttft_chunks.json``,
+      ``gpu_bench.json``, ``gpu_bench_ttft_chunks_on.json``,
+      ``gpu_bench_ttft_splits_off.json``).
     """
 
     uniform_decode: bool = True

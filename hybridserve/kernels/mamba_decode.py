@@ -201,11 +201,9 @@ def ssm_update_reference(
     unclamped: torch.Tensor | None = None,
     prefetch: bool = False,
     chunk: int = 0,
-    chunk_min_programs: int = 0,
 ) -> torch.Tensor:
-    """Torch twin of :func:`ssm_update` (same arguments, same result; ``prefetch``,
-    ``chunk`` and ``chunk_min_programs``, the kernel's load order and walk, change nothing
-    here): token index by
+    """Torch twin of :func:`ssm_update` (same arguments, same result; ``prefetch`` and
+    ``chunk``, the kernel's load order and walk, change nothing here): token index by
     token index, every row that has a token there at once. Every input state is read
     before any page is written."""
     tokens, heads, head_dim = x.shape
@@ -819,7 +817,6 @@ def ssm_update(
     unclamped: torch.Tensor | None = None,
     prefetch: bool = False,
     chunk: int = 0,
-    chunk_min_programs: int = 0,
 ) -> torch.Tensor:
     """Selective-state recurrence of every row of a step, from and to state pages.
 
@@ -852,10 +849,6 @@ def ssm_update(
             two >= 16) as matrix products (:mod:`~hybridserve.kernels.ssm_chunks`,
             ``KernelPolicy.short_row_chunks``): the token walk's values to float32
             rounding; 0 (the default) walks token by token. Uniform rows ignore it.
-        chunk_min_programs: with ``chunk``, walk in chunks only when the chunked launch
-            has at least this many programs (:func:`~hybridserve.kernels.ssm_chunks.programs`;
-            fewer leave multiprocessors idle while each walks its chain of chunks, and
-            the token walk's eight times more programs win); 0: whenever ``chunk`` asks.
 
     Returns:
         ``y [T, H, P]`` float32 (the D skip included, before the gated norm).
@@ -871,10 +864,10 @@ def ssm_update(
     in_pages = in_pages.to(torch.int32).contiguous()
     clamp = time_step_limit is not None
     dt_min, dt_max = time_step_limit if clamp else NO_CLAMP_LIMIT
-    # Imported here: that module builds on this one's jitted helpers.
-    from hybridserve.kernels import ssm_chunks
+    if chunk and not q:
+        # Imported here: that module builds on this one's jitted helpers.
+        from hybridserve.kernels import ssm_chunks
 
-    if chunk and not q and ssm_chunks.programs(rows, heads, head_dim) >= chunk_min_programs:
         return ssm_chunks.launch(x, dt, dt_bias, dt_min, dt_max, unclamped, A, B, C, D,
                                  ssm_cache, query_start, in_pages,
                                  outs.to(torch.int32).contiguous(), y, groups, d_state,

@@ -141,11 +141,6 @@ def _ssm_chunks_kernel(
         tok += last + 1
 
 
-def programs(rows: int, heads: int, head_dim: int, block_p: int = BLOCK_P) -> int:
-    """The programs of :func:`launch` over ``rows`` rows of ``heads x head_dim``."""
-    return rows * heads * triton.cdiv(head_dim, block_p)
-
-
 def launch(x, dt, dt_bias, dt_min, dt_max, unclamped, A, B, C, D, ssm_cache, query_start,
            in_pages, out_pages, y, groups, d_state, clamp, chunk, dots=None,
            block_p=BLOCK_P, num_warps=4):
@@ -166,7 +161,6 @@ def launch(x, dt, dt_bias, dt_min, dt_max, unclamped, A, B, C, D, ssm_cache, que
     if dots not in ("ieee", "tf32x3"):
         raise ValueError(f"dots must be 'ieee' or 'tf32x3' (float32-exact), got {dots!r}")
     grid = (rows, heads, triton.cdiv(head_dim, block_p))
-    assert grid[0] * grid[1] * grid[2] == programs(rows, heads, head_dim, block_p)
     _ssm_chunks_kernel[grid](
         x, x.stride(0), dt, dt.stride(0), dt_bias.contiguous(), float(dt_min), float(dt_max),
         unclamped.contiguous() if unclamped is not None else in_pages, A.contiguous(), B,

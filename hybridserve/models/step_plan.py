@@ -36,13 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridserve.config import KernelPolicy
-from hybridserve.kernels import (
-    paged_attention,
-    ssd_chunk_states,
-    ssd_chunked,
-    ssd_two_pass,
-    ssd_varlen,
-)
+from hybridserve.kernels import ssd_chunk_states, ssd_chunked, ssd_two_pass, ssd_varlen
 from hybridserve.kernels.conv_varlen import token_rows, window_token_list
 from hybridserve.kernels.gdn_varlen import VarlenPlan
 from hybridserve.kernels.ssm_chunks import SHORT_ROW_CHUNK
@@ -91,8 +85,7 @@ class StatePlan:
     recurrence loads each token's operands one token ahead
     (``KernelPolicy.token_prefetch``); ``chunk`` (``SHORT`` with ``triton``): it walks
     the rows in chunks of that many tokens (``KernelPolicy.short_row_chunks``), 0 token
-    by token; ``chunk_min_programs``: only where the chunked launch has that many
-    programs (the multiprocessors under "auto" on CUDA, else 0: always).
+    by token.
     """
 
     kind: StepKind
@@ -107,7 +100,6 @@ class StatePlan:
     triton: bool = False
     prefetch: bool = False
     chunk: int = 0
-    chunk_min_programs: int = 0
     init_rows: torch.Tensor | None = None
     init_pages: torch.Tensor | None = None
     out_pages: torch.Tensor | None = None
@@ -155,19 +147,11 @@ def short_triton(policy: KernelPolicy, device: torch.device, compute: torch.dtyp
 
 def short_walk(policy: KernelPolicy, device: torch.device, triton: bool) -> dict:
     """How a short step's recurrence kernel walks its rows, as :class:`StatePlan` fields
-    (``prefetch``, ``chunk``, ``chunk_min_programs``); the twins (``triton`` False) walk
-    token by token. One rule for eager short steps and captured ones (a function of the
-    policy and device: the launch's shape then decides, the same at capture and replay).
-
-    ``short_row_chunks`` "auto" walks in chunks where the chunked launch has a program
-    for every multiprocessor, on CUDA, and everywhere off it (the interpreter)."""
-    mode = policy.short_row_chunks
-    chunked = triton and mode != "off"
-    fill = chunked and mode == "auto" and device.type == "cuda"
+    (``prefetch``, ``chunk``); the twins (``triton`` False) walk token by token. One rule
+    for eager short steps and captured ones."""
     return {
         "prefetch": triton and policy.token_prefetch != "off",
-        "chunk": SHORT_ROW_CHUNK if chunked else 0,
-        "chunk_min_programs": paged_attention._multiprocessors(device) if fill else 0,
+        "chunk": SHORT_ROW_CHUNK if triton and policy.short_row_chunks != "off" else 0,
     }
 
 

@@ -22,7 +22,7 @@ from hybridserve.kernels.mamba_decode import ssm_update, ssm_update_reference
 from hybridserve.kernels.ssd import ssd_recurrent_reference
 from hybridserve.kernels.ssd_varlen import discretize_dt_varlen
 from hybridserve.models.batch import ForwardBatch
-from hybridserve.models.step_plan import StepKind, plan_states
+from hybridserve.models.step_plan import StepKind, plan_states, short_walk
 
 INTERPRETED = os.environ["TRITON_INTERPRET"] == "1"
 
@@ -224,14 +224,10 @@ def test_chunk_must_be_a_power_of_two_of_at_least_16():
             ssm_update(x, dt, A, B, C, D, cache, in_pages, out_pages, qs, **kw, chunk=bad)
 
 
-def test_short_row_chunks_policy_and_plan(monkeypatch):
-    """``KernelPolicy.short_row_chunks``: "auto" walks short rows in chunks off CUDA and,
-    on CUDA, where the chunked launch has a program for every multiprocessor
-    (``chunk_min_programs``), "on" always, "off" never; a short step's plan carries the
-    walk; the twin walks token by token; the policy refuses other values."""
-    from hybridserve.kernels import paged_attention
-    from hybridserve.models.step_plan import short_walk
-
+def test_short_row_chunks_policy_and_plan():
+    """``KernelPolicy.short_row_chunks`` "auto" and "on" walk short rows in chunks (on
+    CUDA too: its `gpu` test has passed), "off" token by token; a short step's plan
+    carries the chunk; the twin walks token by token; the policy refuses other values."""
     with pytest.raises(ValueError, match="short_row_chunks"):
         KernelPolicy(short_row_chunks="16")
     batch = _batch([3, 1], [4, -1], [[(2, 6)], [(0, 7)]])
@@ -239,44 +235,13 @@ def test_short_row_chunks_policy_and_plan(monkeypatch):
         policy = KernelPolicy(short_rows="triton", short_row_chunks=mode)
         plan = plan_states(batch, policy, torch.device("cpu"), torch.float32)
         assert plan.kind is StepKind.SHORT and plan.chunk == want
-        assert plan.chunk_min_programs == 0
     plan = plan_states(batch, KernelPolicy(short_rows="reference"), torch.device("cpu"),
                        torch.float32)
     assert plan.kind is StepKind.SHORT and plan.chunk == 0
-    monkeypatch.setattr(paged_attention, "_multiprocessors", lambda device: 132)
     cuda = torch.device("cuda")
-    walks = {mode: short_walk(KernelPolicy(short_row_chunks=mode), cuda, True)
-             for mode in ("auto", "on", "off")}
-    assert walks["auto"] == {"prefetch": True, "chunk": 16, "chunk_min_programs": 132}
-    assert walks["on"] == {"prefetch": True, "chunk": 16, "chunk_min_programs": 0}
-    assert walks["off"]["chunk"] == 0
+    for mode, want in (("auto", 16), ("on", 16), ("off", 0)):
+        assert short_walk(KernelPolicy(short_row_chunks=mode), cuda, True)["chunk"] == want
     assert short_walk(KernelPolicy(), cuda, False)["chunk"] == 0
-
-
-@interpreted
-def test_chunks_only_where_their_launch_fills_the_chip():
-    """``chunk_min_programs``: a launch with fewer chunked programs than that walks token
-    by token (the token walk's bits), one with at least as many walks in chunks (the
-    chunked walk's bits, which differ from the token walk's here)."""
-    from hybridserve.kernels import ssm_chunks
-
-    g = torch.Generator().manual_seed(_seed())
-    x, dt, A, B, C, D, cache, qs, in_pages, out_pages, kw = _step(
-        g, [37, 5], 2, 64, 1, 16, torch.float32)
-    programs = ssm_chunks.programs(2, 2, 64)
-    assert programs == 2 * 2 * 2
-
-    def run(**walk):
-        pages = cache.clone()
-        y = ssm_update(x, dt, A, B, C, D, pages, in_pages, out_pages, qs, **kw, **walk)
-        return y, pages
-
-    tokens, chunks = run(), run(chunk=16)
-    assert not torch.equal(tokens[0], chunks[0])
-    for limit, want in ((programs + 1, tokens), (programs, chunks), (0, chunks)):
-        got = run(chunk=16, chunk_min_programs=limit)
-        assert torch.equal(got[0], want[0]), limit
-        assert torch.equal(got[1].nan_to_num(7.0), want[1].nan_to_num(7.0)), limit
 
 
 @interpreted
@@ -306,7 +271,7 @@ def test_prefetch_is_the_default_and_rides_on_the_plan():
     (its `gpu` test passed on the H200); a short step's plan carries the choice; the policy
     refuses other values."""
     from hybridserve.config import KernelPolicy
-    from hybridserve.models.step_plan import StepKind, plan_states
+    from hybridserve.models.step_plan import StepKind, plan_states, short_walk
 
     with pytest.raises(ValueError, match="token_prefetch"):
         KernelPolicy(token_prefetch="yes")

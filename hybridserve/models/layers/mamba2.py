@@ -295,7 +295,6 @@ class Mamba2Mixer(RecurrentLayer):
             unclamped=None if p.clamp_dt_in_single_token_step else plan.unclamped,
             prefetch=plan.prefetch,
             chunk=plan.chunk,
-            chunk_min_programs=plan.chunk_min_programs,
         )
         return y.reshape(t, p.intermediate_size).to(A.dtype)
 
