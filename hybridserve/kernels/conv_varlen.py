@@ -20,8 +20,11 @@ windows may write them.
 - :func:`conv_varlen`: two Triton launches for the conv, and one for the windows when a
   window is asked for. The conv of every token at least ``K - 1`` tokens into its row
   (one program per (token block, channel block) tile; its taps are packed inputs only, so
-  it carries no window gather and few registers) and the conv of each row's first
-  ``K - 1`` tokens (one program per (row, channel block), taps from the initial window).
+  it carries no window gather and few registers; on CUDA, for ``K == 4``, one program per
+  (span of tokens, channel block) instead, walking its span token by token with the last
+  three inputs in registers, so each input is loaded once: the tiles' bits) and the conv
+  of each row's first ``K - 1`` tokens (one program per (row, channel block), taps from
+  the initial window).
   The windows, given ``out_pages``, take one of two writers:
 
   - the slab writer, given ``window_tokens`` (the ``[W]`` tokens that have an output
@@ -61,13 +64,17 @@ from hybridserve.kernels.conv1d import causal_conv1d_reference
 
 __all__ = ["conv_varlen", "conv_varlen_reference", "token_rows", "window_token_list"]
 
-# The conv's walk of a row's inner tokens (conv_varlen's ``walk``): "tiles" until the
-# token walk has run on a GPU (its kernel is new; the interpreter accepts programs the
-# compiler may reject).
-CONV_WALK = "tiles"
-# The token walk's span (tokens a program) and channels a program.
+# The conv's walk of a row's inner tokens on CUDA (conv_varlen's ``walk``; elsewhere,
+# the interpreter, "tiles", many times faster there). On the H200 (8 x 4,096 tokens of
+# the 8B conv, ``prefill_conv_walks.json``) the token walk with these defaults took
+# 0.608 / 0.674 / 0.640 / 0.701 ms against the tiles' 0.623 / 0.693 / 0.676 / 0.715 ms
+# (no window asked, the window mode with none, windows at row ends, every 64 tokens);
+# its `gpu` test holds it to the tiles' bits.
+CONV_WALK = "tokens"
+# The token walk's span (tokens a program), channels a program and warps.
 TOKEN_WALK_SPAN = 64
 TOKEN_WALK_CHANNELS = 256
+TOKEN_WALK_WARPS = 2
 
 
 def _check(
@@ -494,13 +501,14 @@ def conv_varlen(
             program per conv tile, module docstring). A token with a page that the list
             leaves out gets no window; the list must not repeat a token.
         block_t, block_c: tile of one program (powers of two; None: the walk's
-            default); num_warps: the warps of the conv's program (4 when None);
+            default); num_warps: the warps of the conv's program (None: 4 for the
+            tiles, :data:`TOKEN_WALK_WARPS` for the token walk);
             window_block: the page entries of one window program (a power of two).
         walk: how the conv's programs cover the tokens at least ``K - 1`` into their
             row: ``"tiles"`` (a ``block_t x block_c`` tile, each tap a shifted load) or
             ``"tokens"`` (``K == 4`` only: a span of ``block_t`` tokens walked one by
             one, the last inputs in registers, each input loaded once); the same bits
-            either way. None: :data:`CONV_WALK`.
+            either way. None: :data:`CONV_WALK` on CUDA, ``"tiles"`` elsewhere.
 
     Returns:
         ``out [T, C]`` in ``xbc.dtype`` (accumulated in float32).
@@ -516,7 +524,8 @@ def conv_varlen(
     if token_row is None:
         token_row = token_rows(query_start, tokens)
     k = weight.shape[-1]
-    walk = CONV_WALK if walk is None else walk
+    if walk is None:
+        walk = CONV_WALK if xbc.is_cuda else "tiles"
     if walk not in ("tiles", "tokens"):
         raise ValueError(f"walk must be 'tiles' or 'tokens', got {walk!r}")
     if k != 4:
@@ -530,7 +539,8 @@ def conv_varlen(
     # 4 warps: on the H200 a 32 x 128 tile took 0.68 ms over 8 x 4,096 tokens of the
     # 10,240-channel conv against 1.03 ms with 8 (prefill_kernels.json); the extra
     # registers a thread (122 against 70) cost less than the halved occupancy.
-    warps = {"num_warps": 4 if num_warps is None else num_warps}
+    default_warps = TOKEN_WALK_WARPS if walk == "tokens" else 4
+    warps = {"num_warps": default_warps if num_warps is None else num_warps}
     query_start = query_start.contiguous()
     token_row = token_row.contiguous()
     in_pages = in_pages.contiguous()
