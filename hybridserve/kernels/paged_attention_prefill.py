@@ -341,7 +341,6 @@ def _paged_attention_prefill_combine_kernel(
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    LINES: tl.constexpr,
 ):
     # One program per (tile, KV head): merges the S partials its splits wrote, in split
     # order (so the result depends on nothing but the partials), and writes the tile's
@@ -354,11 +353,11 @@ def _paged_attention_prefill_combine_kernel(
     kv = tl.program_id(1)
     first = tl.load(tiles_ptr + tile * 3 + 1)
     end = tl.load(tiles_ptr + tile * 3 + 2)
-    m = tl.program_id(2) * LINES + tl.arange(0, LINES)
+    m = tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
-    m_all = tl.full([LINES], float("-inf"), dtype=tl.float32)
-    l_all = tl.zeros([LINES], dtype=tl.float32)
-    acc = tl.zeros([LINES, BLOCK_D], dtype=tl.float32)
+    m_all = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_all = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     base = (tile * tl.num_programs(1) + kv).to(tl.int64) * splits
     for split in range(0, splits):
         line = part_ptr + ((base + split) * BLOCK_M + m) * (BLOCK_D + 2)
@@ -430,9 +429,6 @@ def _default_tiles(block_d: int, dot_16bit: bool, pv_half: bool) -> tuple[int, i
     return (32, 16, 8, 2) if block_d <= 128 else (16, 16, 8, 2)
 
 
-_COMBINE_LINES = 128
-
-
 def prefill_splits(programs: int, max_keys: int, device: torch.device) -> int:
     """How many programs share each (tile, KV head)'s keys in
     :func:`paged_attention_prefill_triton` when its ``splits`` is None: as many as fit
@@ -449,7 +445,7 @@ def prefill_splits(programs: int, max_keys: int, device: torch.device) -> int:
     of 128 tokens after 8,064 cached keys, 32 programs; each launch in a CUDA graph):
     230 us unsplit, 132 / 97 / 81 us at 2 / 3 / 4 splits, then 120 / 112 / 100 / 117 us
     at 5 / 6 / 8 / 9 (two waves); two such rows (64 programs) 240 us unsplit, 138 at 2
-    splits, 152-181 at 3-5; one row of 512 tokens (128 programs) 258 us unsplit, 268 at
+    splits, 152-185 at 3-5; one row of 512 tokens (128 programs) 258 us unsplit, 268 at
     2 splits; the ~1B shape (16 programs) 196 us unsplit, 56 us at 8 splits, 74-86 at
     9-16.
 
@@ -637,10 +633,8 @@ def paged_attention_prefill_triton(
         num_stages=d_stages if num_stages is None else num_stages,
     )
     if splits > 1:
-        lines = min(block_m, _COMBINE_LINES)
-        _paged_attention_prefill_combine_kernel[(num_tiles, num_kv, block_m // lines)](
+        _paged_attention_prefill_combine_kernel[(num_tiles, num_kv)](
             part, tiles, out, out.stride(0), out.stride(1), splits,
-            HEAD_DIM=dim, GROUP=group, BLOCK_M=block_m, BLOCK_D=block_d, LINES=lines,
-            num_warps=4,
+            HEAD_DIM=dim, GROUP=group, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4,
         )
     return out
