@@ -301,8 +301,9 @@ def test_kernel_without_bias_int32_indices_and_bf16():
 
 
 @interpreted
-@pytest.mark.parametrize("windows", [None, "grid", "slabs"])
-def test_kernel_independent_of_program_order(windows):
+@pytest.mark.parametrize("windows,walk", [(None, "tiles"), ("grid", "tiles"),
+                                          ("slabs", "tiles"), ("slabs", "tokens")])
+def test_kernel_independent_of_program_order(windows, walk):
     g = torch.Generator().manual_seed(_seed())
     lens = [5, 0, 1, 9, 2]
     xbc, weight, bias, cache, qs, in_pages = _step(g, lens, 10, 4, torch.float32,
@@ -313,7 +314,7 @@ def test_kernel_independent_of_program_order(windows):
     def launch(xbc, weight, bias, conv_cache, query_start, in_pages, out):
         return conv_varlen(xbc, weight, bias, conv_cache, query_start, in_pages, "silu",
                            out=out, out_pages=out_pages, window_tokens=listed,
-                           block_t=4, block_c=4, window_block=8)
+                           block_t=4, block_c=4, window_block=8, walk=walk)
 
     report = racecheck.run_launcher_in_orders(
         launch,

@@ -271,7 +271,7 @@ def test_prefetch_is_the_default_and_rides_on_the_plan():
     (its `gpu` test passed on the H200); a short step's plan carries the choice; the policy
     refuses other values."""
     from hybridserve.config import KernelPolicy
-    from hybridserve.models.step_plan import StepKind, plan_states, short_walk
+    from hybridserve.models.step_plan import StepKind, plan_states
 
     with pytest.raises(ValueError, match="token_prefetch"):
         KernelPolicy(token_prefetch="yes")
