@@ -20,9 +20,9 @@ windows may write them.
 - :func:`conv_varlen`: two Triton launches for the conv, and one for the windows when a
   window is asked for. The conv of every token at least ``K - 1`` tokens into its row
   (one program per (token block, channel block) tile; its taps are packed inputs only, so
-  it carries no window gather and few registers; on CUDA, for ``K == 4``, one program per
-  (span of tokens, channel block) instead, walking its span token by token with the last
-  three inputs in registers, so each input is loaded once: the tiles' bits) and the conv
+  it carries no window gather and few registers; or, asked for and ``K == 4``, one
+  program per (span of tokens, channel block), walking its span token by token with the
+  last three inputs in registers, so each input is loaded once: the tiles' bits) and the conv
   of each row's first ``K - 1`` tokens (one program per (row, channel block), taps from
   the initial window).
   The windows, given ``out_pages``, take one of two writers:
@@ -68,9 +68,12 @@ __all__ = ["conv_varlen", "conv_varlen_reference", "token_rows", "window_token_l
 # the interpreter, "tiles", many times faster there). On the H200 (8 x 4,096 tokens of
 # the 8B conv, ``prefill_conv_walks.json``) the token walk with these defaults took
 # 0.608 / 0.674 / 0.640 / 0.701 ms against the tiles' 0.623 / 0.693 / 0.676 / 0.715 ms
-# (no window asked, the window mode with none, windows at row ends, every 64 tokens);
-# its `gpu` test holds it to the tiles' bits.
-CONV_WALK = "tokens"
+# (no window asked, the window mode with none, windows at row ends, every 64 tokens),
+# and its `gpu` test holds it to the tiles' bits; but on a 128-token tail its few long
+# programs took 0.76 ms over the 8B shape's 24 layers against the tiles' 0.11 ms
+# (``gpu_bench_ttft_2c9bc15.json``). The tiles stay the default until a rule by the
+# step's size is measured.
+CONV_WALK = "tiles"
 # The token walk's span (tokens a program), channels a program and warps.
 TOKEN_WALK_SPAN = 64
 TOKEN_WALK_CHANNELS = 256

@@ -432,6 +432,40 @@ def test_a_repeated_static_step_uploads_no_tile_map(tiny_nemotron, monkeypatch):
     assert len(calls) == 2
 
 
+@pytest.mark.parametrize("splits_policy", ["auto", "off"])
+def test_only_graph_steps_split_the_prefill_attention(tiny_nemotron, monkeypatch, splits_policy):
+    """The prefill attention's key split (``prefill_splits``) is asked for in the static
+    short-row step (a captured step's launch) and never in the eager step of the same
+    rows, whose attention stays unsplit; ``attention_splits="off"`` turns it off in
+    both. Both give the same token."""
+    from hybridserve.kernels import paged_attention_prefill
+
+    policy = KernelPolicy(short_rows="reference", prefill_attention="triton",
+                          attention_splits=splits_policy)
+    graphs = _graphs(tiny_nemotron, policy)
+    asked = []
+    real = paged_attention_prefill.paged_attention_prefill_triton
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs.get("splits"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(paged_attention_prefill, "paged_attention_prefill_triton", spy)
+    toks = torch.randint(3, 256, (40,)).tolist()
+    row = _prefill_row(20, 20, 3, {40: 5}, (1, 2, 3), toks)
+    sched = SchedulerOutput([row], [])
+    shape = graphs.short_shape_of(sched, graphs.model)
+    st = _ShortStatic(32, graphs.max_batch, graphs.max_blocks, 60, 90, 16, torch.device("cpu"))
+    graphs.fill_short(st, sched, shape)
+    token = graphs._short_forward(st, shape, graphs.model)[:1].tolist()
+    layers = len(graphs.caches.kv)
+    assert asked == [None if splits_policy == "auto" else 1] * layers
+    asked.clear()
+    runner = ModelRunner(graphs.model, graphs.caches, 16, 8)
+    assert runner.execute(sched).rows[0].new_tokens == token
+    assert asked == [1] * layers
+
+
 def test_short_graphs_policy_turns_short_graphs_on_and_off(tiny_nemotron):
     """``short_graphs``: "auto" and "on" replay short steps from graphs, captured or
     not; "off" turns them off."""

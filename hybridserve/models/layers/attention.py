@@ -124,8 +124,15 @@ class Attention(nn.Module):
             out = paged_attention_prefill.paged_attention_prefill_triton(
                 q, k_cache, v_cache, batch.query_start, batch.num_computed,
                 batch.block_tables, batch.positions, p.scale, tile_cache=batch.attention_tiles,
-                # None: split the keys where the shapes call for it (prefill_splits).
-                splits=None if self.policy.attention_splits != "off" else 1,
+                # Captured short-row steps (max_context set) split the keys where the
+                # shapes call for it (prefill_splits): on the H200 the cached first
+                # token's attention took 0.28 against 0.97 ms over 4 layers at the 8B
+                # shape. Eager steps stay unsplit: with splits the 8B packed path over a
+                # cached prefix took 50-77 against 38-46 ms on one machine
+                # (gpu_bench_ttft_chunks_on.json, gpu_bench_ttft_splits_off.json), a cost
+                # not yet explained.
+                splits=None if self.policy.attention_splits != "off" and batch.max_context
+                else 1,
             )
         else:
             out = paged_attention_reference(
