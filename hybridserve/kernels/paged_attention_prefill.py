@@ -464,23 +464,21 @@ def prefill_splits(programs: int, max_keys: int, device: torch.device) -> int:
     positions the block tables can hold; 1 (no split) where the programs fill more than
     half the multiprocessors, and off CUDA.
 
-    One a multiprocessor, not the decode split's two: the times step up as soon as a
-    grid passes one such wave, as if a prefill program (128 lines of 8 warps at the 8B
-    shape) held a multiprocessor alone and the rest ran as a second, mostly idle wave.
-    On the H200 (132 multiprocessors; 8B shape, one row
-    of 128 tokens after 8,064 cached keys, 32 programs; each launch in a CUDA graph):
-    230 us unsplit, 132 / 97 / 81 us at 2 / 3 / 4 splits, then 120 / 112 / 100 / 117 us
-    at 5 / 6 / 8 / 9 (two waves); two such rows (64 programs) 240 us unsplit, 138 at 2
-    splits, 152-185 at 3-5; one row of 512 tokens (128 programs) 258 us unsplit, 268 at
-    2 splits; the ~1B shape (16 programs) 196 us unsplit, 56 us at 8 splits, 74-86 at
-    9-16.
+    One a multiprocessor, not the decode split's two: in a sweep of 2-16 splits on the
+    H200 (not kept as a result file) the times stepped up as soon as a grid passed one
+    such wave, as if a prefill program (128 lines of 8 warps at the 8B shape) held a
+    multiprocessor alone. Kept: at the 8B shape's cached first token (one row of 128
+    tokens after 8,064 cached keys, 32 programs, 4 splits) the launch took 81 against
+    233 us unsplit inside a CUDA graph, at 2.25e-3 against 2.29e-3 from float64
+    (``gpu_tests_e797882.txt``), and the engine's 4 attention layers 0.28-0.29 against
+    0.97 ms (``gpu_bench_ttft_chunks_on.json``, ``gpu_bench_ttft_splits_off.json``).
 
     A function of the launch's shapes only (never of ``num_computed``), so a CUDA graph
     that replays the launch keeps its split: the engine's captured short steps pass
     tables ``max_model_len`` wide with nothing computed yet, and a replay then runs rows
     with long cached prefixes, the case the split is for. The price is paid by short
-    rows without a prefix in such steps: one fresh row of 128 tokens took 20 us at 4
-    splits against 9 us unsplit."""
+    rows without a prefix in such steps (their later splits are empty), and eager steps
+    do not split (:class:`~hybridserve.models.layers.attention.Attention`)."""
     if device.type != "cuda" or programs < 1:
         return 1
     sms = paged_attention._multiprocessors(device)
