@@ -875,6 +875,7 @@ def ttft(model, path, device, dtype, prompt_len, cached_len, interval, vocab, se
     modes = {"short": dict(short_rows="auto", short_row_chunks="off"),
              "chunks": dict(short_rows="auto", short_row_chunks="on"),
              "off": dict(short_rows="off")}
+    off_profile = None
     for mode, fields in modes.items():
         runner.model = with_policy(base, **fields, max_short_tokens=limit)
         try:
@@ -883,6 +884,11 @@ def ttft(model, path, device, dtype, prompt_len, cached_len, interval, vocab, se
                 runs = [run(prompt(prefix, tail)) for _ in range(3)]
                 by_tail.append({"short_rows": mode, "tail": tail, "runs": runs,
                                 "s": statistics.median(t for t, _ in runs)})
+            if mode == "off":
+                # Where an eager packed step's time goes (kernels, host ops, syncs).
+                at = 128 if 128 in tails else tails[0]
+                off_profile = {"tail": at, **_profile_call(lambda: run(prompt(prefix, at)),
+                                                           device)}
         finally:
             runner.model = base
     # The headline's pair (a cold run, then a cached run at once), with the cached run
@@ -926,6 +932,7 @@ def ttft(model, path, device, dtype, prompt_len, cached_len, interval, vocab, se
             "cached_split": split,
             "cold_runs": cold, "cached_runs": warm, "cached_profile": cached_profile,
             "cached_syncs": cached_syncs, "cached_by_tail": by_tail,
+            "off_profile": off_profile,
             "first_cached_profile": first_profile, "cached_after_idle": after_idle}
 
 

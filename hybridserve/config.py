@@ -312,15 +312,16 @@ class KernelPolicy:
       rows between 1 and 64 were not measured.
     - ``attention_splits``: the decode attention splits a row's keys across programs
       where (row, KV head) programs are too few to fill the GPU
-      (:func:`~hybridserve.kernels.paged_attention.decode_splits`): ``"on"`` (``"auto"``
-      is the same) or ``"off"``. On the H200 (8B decode, ``gpu_bench.json``) one row
+      (:func:`~hybridserve.kernels.paged_attention.decode_splits`): ``"auto"`` / ``"on"``
+      or ``"off"``. On the H200 (8B decode, ``gpu_bench.json``) one row
       took 43-44 us against 485 us unsplit at 8,192 keys and 104-105 us against 1.92 ms
       at 32,768; eight rows 0.19 against 0.49 ms and 0.74-0.75 against 1.94 ms. The
       prefill attention of captured short-row steps (a cached prompt's tail) splits too
       (:func:`~hybridserve.kernels.paged_attention_prefill.prefill_splits`): its 4
       layers took 0.28 against 0.97 ms in the 8B shape's cached first token, 0.08
       against 0.47 ms at the ~1B shape (``gpu_bench_ttft_chunks_on.json`` against
-      ``gpu_bench_ttft_splits_off.json``); eager prefill steps do not split (see
+      ``gpu_bench_ttft_splits_off.json``). Eager prefill steps split only under ``"on"``
+      (an unexplained cost in the packed path: see
       :class:`~hybridserve.models.layers.attention.Attention`).
     - ``conv_window_slabs``: eager prefill steps write their conv windows with the
       writer over the window tokens only (:mod:`hybridserve.kernels.conv_varlen`'s slab

@@ -432,12 +432,12 @@ def test_a_repeated_static_step_uploads_no_tile_map(tiny_nemotron, monkeypatch):
     assert len(calls) == 2
 
 
-@pytest.mark.parametrize("splits_policy", ["auto", "off"])
+@pytest.mark.parametrize("splits_policy", ["auto", "on", "off"])
 def test_only_graph_steps_split_the_prefill_attention(tiny_nemotron, monkeypatch, splits_policy):
     """The prefill attention's key split (``prefill_splits``) is asked for in the static
-    short-row step (a captured step's launch) and never in the eager step of the same
-    rows, whose attention stays unsplit; ``attention_splits="off"`` turns it off in
-    both. Both give the same token."""
+    short-row step (a captured step's launch) and, under ``attention_splits="auto"``,
+    never in the eager step of the same rows, whose attention stays unsplit; "on" asks
+    for it in both, "off" in neither. Every mode gives the same token."""
     from hybridserve.kernels import paged_attention_prefill
 
     policy = KernelPolicy(short_rows="reference", prefill_attention="triton",
@@ -459,11 +459,11 @@ def test_only_graph_steps_split_the_prefill_attention(tiny_nemotron, monkeypatch
     graphs.fill_short(st, sched, shape)
     token = graphs._short_forward(st, shape, graphs.model)[:1].tolist()
     layers = len(graphs.caches.kv)
-    assert asked == [None if splits_policy == "auto" else 1] * layers
+    assert asked == [1 if splits_policy == "off" else None] * layers
     asked.clear()
     runner = ModelRunner(graphs.model, graphs.caches, 16, 8)
     assert runner.execute(sched).rows[0].new_tokens == token
-    assert asked == [1] * layers
+    assert asked == [None if splits_policy == "on" else 1] * layers
 
 
 def test_short_graphs_policy_turns_short_graphs_on_and_off(tiny_nemotron):

@@ -68,6 +68,13 @@ class Attention(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
+    def _prefill_splits(self, batch: ForwardBatch) -> bool:
+        """Whether this step's prefill attention may split its keys
+        (``KernelPolicy.attention_splits``): "auto" in captured short-row steps only (a
+        graph step sets ``max_context``), "on" in every step, "off" never."""
+        mode = self.policy.attention_splits
+        return mode == "on" or (mode == "auto" and bool(batch.max_context))
+
     def forward(
         self,
         h: torch.Tensor,
@@ -127,12 +134,11 @@ class Attention(nn.Module):
                 # Captured short-row steps (max_context set) split the keys where the
                 # shapes call for it (prefill_splits): on the H200 the cached first
                 # token's attention took 0.28 against 0.97 ms over 4 layers at the 8B
-                # shape. Eager steps stay unsplit: with splits the 8B packed path over a
-                # cached prefix took 50-77 against 38-46 ms on one machine
-                # (gpu_bench_ttft_chunks_on.json, gpu_bench_ttft_splits_off.json), a cost
-                # not yet explained.
-                splits=None if self.policy.attention_splits != "off" and batch.max_context
-                else 1,
+                # shape. Eager steps split only under "on": with splits the 8B packed
+                # path over a cached prefix took 50-77 against 38-46 ms on one machine
+                # (gpu_bench_ttft_chunks_on.json, gpu_bench_ttft_splits_off.json), a
+                # cost not yet explained ("on" is there to measure it).
+                splits=None if self._prefill_splits(batch) else 1,
             )
         else:
             out = paged_attention_reference(
