@@ -9,11 +9,12 @@ Failures: if the forward of a step raises, nothing is committed, the step's page
 given back and :meth:`EngineCore.step` raises (every request keeps its caches and runs
 again next step). A step's prefill rows are committed once its launches are queued,
 while the device computes; if the read-back after that raises (a device fault), those
-rows' groups fail, every cached prefix is dropped, and the step raises. If committing a step raises for one request (appending its tokens,
-its stop checks, its page bookkeeping, detokenizing its output), that request's whole
-group fails alone: its caches and the step's pages of its rows are freed, it is
-reported finished with reason ``"error"`` (:attr:`RequestOutput.error` says why), and
-the step commits every other request as usual.
+rows' groups fail, every cached prefix is dropped, and the step raises. If committing a
+step raises for one request (appending its tokens, its stop checks, its page
+bookkeeping, detokenizing its output), that request's whole group fails alone: its
+caches and the step's pages of its rows are freed, it is reported finished with reason
+``"error"`` (:attr:`RequestOutput.error` says why), and the step commits every other
+request as usual.
 """
 
 from __future__ import annotations
