@@ -887,7 +887,7 @@ def ttft(model, path, device, dtype, prompt_len, cached_len, interval, vocab, se
             if mode == "off":
                 # Where an eager packed step's time goes (kernels, host ops, syncs).
                 at = 128 if 128 in tails else tails[0]
-                off_profile = {"tail": at, **_profile_call(lambda: run(prompt(prefix, at)),
+                off_profile = {"tail": at, **_profile_call(lambda at=at: run(prompt(prefix, at)),
                                                            device)}
         finally:
             runner.model = base
