@@ -64,8 +64,7 @@ from hybridserve.kernels.conv1d import causal_conv1d_reference
 
 __all__ = ["conv_varlen", "conv_varlen_reference", "token_rows", "window_token_list"]
 
-# The conv's walk of a row's inner tokens on CUDA (conv_varlen's ``walk``; elsewhere,
-# the interpreter, "tiles", many times faster there). On the H200 (8 x 4,096 tokens of
+# The conv's walk of a row's inner tokens (conv_varlen's ``walk``). On the H200 (8 x 4,096 tokens of
 # the 8B conv, ``prefill_conv_walks.json``) the token walk with these defaults took
 # 0.608 / 0.674 / 0.640 / 0.701 ms against the tiles' 0.623 / 0.693 / 0.676 / 0.715 ms
 # (no window asked, the window mode with none, windows at row ends, every 64 tokens),
@@ -511,7 +510,7 @@ def conv_varlen(
             row: ``"tiles"`` (a ``block_t x block_c`` tile, each tap a shifted load) or
             ``"tokens"`` (``K == 4`` only: a span of ``block_t`` tokens walked one by
             one, the last inputs in registers, each input loaded once); the same bits
-            either way. None: :data:`CONV_WALK` on CUDA, ``"tiles"`` elsewhere.
+            either way. None: :data:`CONV_WALK`.
 
     Returns:
         ``out [T, C]`` in ``xbc.dtype`` (accumulated in float32).
@@ -527,8 +526,7 @@ def conv_varlen(
     if token_row is None:
         token_row = token_rows(query_start, tokens)
     k = weight.shape[-1]
-    if walk is None:
-        walk = CONV_WALK if xbc.is_cuda else "tiles"
+    walk = CONV_WALK if walk is None else walk
     if walk not in ("tiles", "tokens"):
         raise ValueError(f"walk must be 'tiles' or 'tokens', got {walk!r}")
     if k != 4:

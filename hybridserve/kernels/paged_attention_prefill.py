@@ -429,32 +429,6 @@ def _default_tiles(block_d: int, dot_16bit: bool, pv_half: bool) -> tuple[int, i
     return (32, 16, 8, 2) if block_d <= 128 else (16, 16, 8, 2)
 
 
-# Per CUDA device: the split launches' float32 partials, grown to the largest asked for.
-_SCRATCH: dict[int, torch.Tensor] = {}
-
-
-def _split_scratch(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """The split launch's partials buffer of ``shape`` (float32). Outside a CUDA-graph
-    capture, a view of one buffer per device that every call reuses: an eager step
-    would otherwise allocate it in each attention layer, where the engine has given
-    the GPU's memory to its caches and the allocator may have to free and allocate
-    again (synchronising the device). Launches on one stream use it in turn: a layer's
-    merge has read it before the next layer's splits write it. Inside a capture (and
-    off CUDA), a tensor of its own, from the graph's pool. Under the default rule it
-    holds at most one partial a multiprocessor (``tiles x KV x splits <= SMs``)."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return torch.empty(shape, dtype=torch.float32, device=device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    buf = _SCRATCH.get(index)
-    if buf is None or buf.numel() < numel:
-        buf = torch.empty(numel, dtype=torch.float32, device=device)
-        _SCRATCH[index] = buf
-    return buf[:numel].view(shape)
-
-
 def prefill_splits(programs: int, max_keys: int, device: torch.device) -> int:
     """How many programs share each (tile, KV head)'s keys in
     :func:`paged_attention_prefill_triton` when its ``splits`` is None: as many as fit
@@ -620,8 +594,8 @@ def paged_attention_prefill_triton(
     num_tiles = tiles.shape[0]
     if splits is None:
         splits = prefill_splits(num_tiles * num_kv, block_tables.shape[1] * block_size, device)
-    part = (_split_scratch((num_tiles, num_kv, splits, block_m, block_d + 2), device)
-            if splits > 1 else out)
+    part = (torch.empty((num_tiles, num_kv, splits, block_m, block_d + 2),
+                        dtype=torch.float32, device=device) if splits > 1 else out)
     log2e = 1.4426950408889634
     _paged_attention_prefill_kernel[(num_tiles, num_kv, splits)](
         q,
