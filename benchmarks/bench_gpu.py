@@ -17,7 +17,8 @@ One run measures, on a random-weight Nemotron-H-8B-shaped model (52 layers: 24 M
 (c) the share of a decode step spent in the state postprocess;
 (d) prefill throughput (``--prefill-prompts`` prompts of ``--prefill-len`` tokens in one
     ``generate``) against the FLOP roofline: 2 x weights x tokens plus the attention
-    products, over the bf16 matrix-product rate measured here;
+    products, over the bf16 matrix-product rate measured here, and the same batch once
+    more under ``torch.profiler`` (``profile``: its 30 costliest kernels);
 (e) where the time of one graph-replayed decode step goes (``--profile-batch``): the
     replay alone timed with CUDA events against the engine's whole ``step()``, and the
     GPU time of the step's kernels by kind (Mamba state update, conv, attention, matrix
@@ -969,10 +970,10 @@ def _sync_sites(fn, device: str) -> list[dict]:
             for (w, m), c in sorted(sites.items(), key=lambda kv: -kv[1])]
 
 
-def _profile_call(fn, device: str) -> dict:
+def _profile_call(fn, device: str, top: int = 15) -> dict:
     """One call of ``fn`` under ``torch.profiler``: its wall time, the device time of its
-    kernels (the CPU operators' time on the CPU), the top kernels and host operators, and
-    how many host-device synchronisations and copies it made."""
+    kernels (the CPU operators' time on the CPU), the ``top`` kernels and host operators,
+    and how many host-device synchronisations and copies it made."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU]
@@ -1010,8 +1011,8 @@ def _profile_call(fn, device: str) -> dict:
         "kernel_s_total": sum(k[0] for k in kernels),
         "host_op_s_total": sum(h[0] for h in host),
         "counts": counts,
-        "top_kernels": [{"s": t, "calls": c, "name": k} for t, c, k in kernels[:15]],
-        "top_host_ops": [{"s": t, "calls": c, "name": k} for t, c, k in host[:15]],
+        "top_kernels": [{"s": t, "calls": c, "name": k} for t, c, k in kernels[:top]],
+        "top_host_ops": [{"s": t, "calls": c, "name": k} for t, c, k in host[:top]],
     }
 
 
@@ -1060,6 +1061,10 @@ def prefill_throughput(model, path, device, dtype, prompts, prompt_len, vocab, s
     # see the timed batch's shapes once before it is timed.
     llm.generate(batch(run), one, use_tqdm=False)
     t = wall(lambda: llm.generate(batch(run), one, use_tqdm=False), device)
+    # Where the time goes: the same batch once more under the profiler, its kernels by
+    # name (the matrix products against the scan, the conv, the norms and the rest).
+    profiled = _profile_call(lambda: llm.generate(batch(run), one, use_tqdm=False), device,
+                             top=30)
     llm = None  # noqa: F841
     free_memory(device)
     flops = run * prefill_flops(model)(prompt_len)
@@ -1069,7 +1074,7 @@ def prefill_throughput(model, path, device, dtype, prompts, prompt_len, vocab, s
             "tokens_per_s": run * prompt_len / t, "flops": flops,
             "achieved_flops_per_s": flops / t, "matmul_flops_per_s": flops_per_s,
             "roofline_s": roof, "roofline_tokens_per_s": run * prompt_len / roof,
-            "fraction_of_roofline": roof / t}
+            "fraction_of_roofline": roof / t, "profile": profiled}
 
 
 # --------------------------------------------------------------------------------------

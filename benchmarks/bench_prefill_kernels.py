@@ -43,7 +43,14 @@ activations (views of the projection, as the mixer passes them), float32 state p
 Writes ``benchmarks/results/prefill_kernels.json``; ``--smoke`` runs tiny shapes (on the
 CPU through Triton's interpreter when there is no GPU) and writes
 ``prefill_kernels_smoke.json``; ``--quick`` times the defaults only (fewer compiles);
-``--no-old`` skips the previous path (fla-core's autotuning).
+``--no-old`` skips the previous path (fla-core's autotuning); ``--forms`` times only the
+two-pass scan in the forms of its arithmetic listed in ``two_pass_forms`` (``forms``
+in each SSD case; no conv), each also by kernel.
+
+Every SSD time is given twice: ``median_ms``, synchronised calls (the host's launch work
+of each call is in it), and ``pipelined_ms``, back-to-back calls (the host queues the next
+call while the device runs this one, as in a prefill step, so what shows is the device's
+time where it is the slower).
 """
 
 from __future__ import annotations
@@ -123,6 +130,21 @@ FULL = dict(heads=128, head_dim=64, groups=8, d_state=128, conv_dim=10240, d_con
             ),
             # Its output pass over 128-token chunks: (output block_p, its warps).
             chunk_states_128_variants=((32, 8), (64, 8)),
+            # The two-pass scan's other forms of the same arithmetic (its keywords;
+            # ``--forms`` times these alone): operands one chunk ahead in the state
+            # pass, the group's scores in a pass of their own (then no C B^T per head
+            # and head_dim block: 32-wide output tiles cost no second one), the state's
+            # part first, outputs stored as bf16 (the peer's output dtype: what float32
+            # outputs cost), the state pass's pipelining depth.
+            two_pass_forms=(
+                {}, {"prefetch": True}, {"state_stages": 1}, {"prefetch": True, "state_stages": 1},
+                {"scores": True}, {"scores": True, "block_p": 32},
+                {"scores": True, "block_p": 32, "num_warps": 8}, {"state_first": True},
+                {"scores": True, "state_first": True}, {"y_dtype": "bfloat16"},
+                {"prefetch": True, "scores": True, "state_first": True},
+                {"prefetch": True, "scores": True, "out_chunk": 128, "block_p": 32,
+                 "num_warps": 8},
+            ),
             # One-launch scan: (block_p, warps, precision).
             ssd_variants=((64, 8, "split"), (32, 4, "split"), (64, 8, "tf32")),
             conv_tiles=((32, 128, None), (32, 128, 4), (64, 128, 8), (16, 256, 8),
@@ -138,6 +160,8 @@ SMOKE = dict(heads=4, head_dim=16, groups=2, d_state=16, conv_dim=48, d_conv=4,
              two_pass_variants=((16, 4, 16, 16, 4, "ieee"),), two_pass_128_variants=((16, 4),),
              chunk_states_variants=((16, 4, 16, 16, 4, 64, 4, "ieee"),),
              chunk_states_128_variants=((16, 4),),
+             two_pass_forms=({}, {"prefetch": True, "scores": True, "state_first": True},
+                             {"y_dtype": "bfloat16"}),
              ssd_variants=((16, 4, "ieee"),),
              conv_tiles=((32, 64, None),), conv_token_walks=((16, 32, 4),))
 
@@ -165,6 +189,27 @@ def _time(fn, reps: int, device: str) -> tuple[float, object]:
             got = fn()
             times.append(time.perf_counter() - t)
     return statistics.median(times), got
+
+
+def _time_pipelined(fn, device: str, calls: int = 8, rounds: int = 5) -> float | None:
+    """Median seconds a call of ``fn`` over ``rounds`` runs of ``calls`` back-to-back
+    calls between two CUDA events: the host queues the next call while the device runs
+    this one, as in a prefill step, so the host's launch work between calls (which
+    :func:`_time`'s synchronised calls count) is hidden where the device is the slower.
+    None off CUDA."""
+    if device != "cuda":
+        return None
+    fn()
+    times = []
+    for _ in range(rounds):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(calls):
+            fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3 / calls)
+    return statistics.median(times)
 
 
 def _kernel_breakdown(fn, reps: int, device: str) -> dict | None:
@@ -244,7 +289,7 @@ class Layer:
                     heads=hs)
 
 
-def _ssd_case(cfg, name, rows, length, every64, device, reps, use_fla):
+def _ssd_case(cfg, name, rows, length, every64, device, reps, use_fla, forms_only=False):
     lay = Layer(cfg, rows, length, device)
     req_rows, req_offs = lay.requests(64 if every64 else None)
     k = len(req_rows)
@@ -279,9 +324,21 @@ def _ssd_case(cfg, name, rows, length, every64, device, reps, use_fla):
         median, y = _time(lambda: run(fn, **kw), reps, device)
         got = check(y, pages[out_pages])
         del y
-        return {"median_ms": 1e3 * median, **got}
+        piped = _time_pipelined(lambda: run(fn, **kw), device)
+        return {"median_ms": 1e3 * median,
+                "pipelined_ms": None if piped is None else 1e3 * piped, **got}
 
     two_pass = ssd_two_pass.ssd_scan_two_pass
+    if forms_only:
+        out["forms"] = []
+        for form in cfg["two_pass_forms"]:
+            kw = {k: getattr(torch, v) if k == "y_dtype" else v for k, v in form.items()}
+            out["forms"].append({"form": form, **measure(two_pass, **kw),
+                                 "kernels_ms": _kernel_breakdown(
+                                     lambda kw=kw: run(two_pass, **kw), reps, device)})
+            print(json.dumps(out["forms"][-1])[:300], flush=True)
+        return out
+
     out["new"] = {"scan": two_pass.__name__, **measure(two_pass),
                   "kernels_ms": _kernel_breakdown(lambda: run(two_pass), reps, device),
                   "variants": [
@@ -393,7 +450,9 @@ def _conv_measure(step, window_tokens, tile, want, twin, reps, device, walk="til
                            block_t=bt, block_c=bc, num_warps=warps, walk=walk)
 
     median, got = _time(run, reps, device)
-    row = {"median_ms": 1e3 * median, "rel_err": _rel(got.float(), want.float())}
+    piped = _time_pipelined(run, device)
+    row = {"median_ms": 1e3 * median, "pipelined_ms": None if piped is None else 1e3 * piped,
+           "rel_err": _rel(got.float(), want.float())}
     if walk != "tiles":
         tiles = conv_varlen(xbc, weight, bias, cache.clone(), qs, in_pages, "silu", trow,
                             out_pages=outs, window_tokens=window_tokens, walk="tiles")
@@ -412,6 +471,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true",
                     help="defaults only: no sweep of tiles and precisions (fewer compiles)")
     ap.add_argument("--conv-only", action="store_true", help="the conv cases only")
+    ap.add_argument("--forms", action="store_true",
+                    help="the SSD cases through the two-pass scan's forms only (no conv)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -441,7 +502,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     for name, rows, length, every in () if a.conv_only else cfg["ssd"]:
         case = _ssd_case(cfg, name, rows, length, every, device, cfg["reps"],
-                         use_fla and not a.no_old)
+                         use_fla and not a.no_old, forms_only=a.forms)
         if a.no_old:
             case.pop("old", None)
         result["ssd"].append(case)
@@ -449,8 +510,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(case)[:400], flush=True)
         if device == "cuda":
             torch.cuda.empty_cache()
-    result["conv"] = _conv_case(cfg, device, cfg["reps"])
-    print(json.dumps(result["conv"])[:400], flush=True)
+    if not a.forms:
+        result["conv"] = _conv_case(cfg, device, cfg["reps"])
+        print(json.dumps(result["conv"])[:400], flush=True)
     result["complete"] = True
     save()
     print(f"wrote {out} in {result['wall_s']:.0f} s")

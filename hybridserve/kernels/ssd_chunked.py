@@ -296,24 +296,37 @@ def _store_state(ptr, row, heads, state_size, head_base, block, ST, smask):
 
 
 @triton.jit
-def _chunk_outputs(cv, bv, xv, cum, d, ST, q, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-                   DOT16: tl.constexpr):
-    """The outputs of one chunk without the D skip, ``[Q, BLOCK_P]`` float32: the part
-    from inside the chunk plus the incoming state's (``ST``, transposed) decayed to each
-    token. Inputs ``cv``, ``bv``, ``xv`` stay in their dtype (C B^T multiplies them as
-    they are: exact products for bf16, float32 accumulation)."""
-    # Inside the chunk: y_l += sum_{s <= l} (C_l . B_s) exp(cum_l - cum_s) dt_s x_s.
+def _chunk_scores(cv, bv, SPLIT: tl.constexpr, PRECISION: tl.constexpr, DOT16: tl.constexpr):
+    """A chunk's ``C B^T`` scores, ``[Q, Q]`` float32: bf16 inputs multiply as they are
+    (exact products, float32 accumulation)."""
     if SPLIT:
-        cb = _dot16(cv, tl.trans(bv), None, DOT16)  # [Q, Q], exact products
+        return _dot16(cv, tl.trans(bv), None, DOT16)
     else:
-        cb = tl.dot(cv.to(tl.float32), tl.trans(bv.to(tl.float32)), input_precision=PRECISION)
+        return tl.dot(cv.to(tl.float32), tl.trans(bv.to(tl.float32)), input_precision=PRECISION)
+
+
+@triton.jit
+def _chunk_outputs(cv, cb, xv, cum, d, ST, q, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+                   DOT16: tl.constexpr, STATE_FIRST: tl.constexpr):
+    """The outputs of one chunk without the D skip, ``[Q, BLOCK_P]`` float32: the part
+    from inside the chunk (from its scores ``cb``, :func:`_chunk_scores`) plus the
+    incoming state's (``ST``, transposed) decayed to each token. Inputs ``cv`` and ``xv``
+    stay in their dtype. ``STATE_FIRST``: the state's part is computed first, so the
+    float32 state block is dead before the scores are weighted (fewer registers live at
+    once; the same sum, in the other order)."""
+    if STATE_FIRST:
+        y = tl.exp(cum)[:, None] * _dot_split(cv, ST, SPLIT, PRECISION, DOT16)
     causal = q[:, None] >= q[None, :]
+    # Inside the chunk: y_l += sum_{s <= l} (C_l . B_s) exp(cum_l - cum_s) dt_s x_s.
     seg = tl.where(causal, cum[:, None] - cum[None, :], 0.0)
     mix = tl.where(causal, cb * tl.exp(seg) * d[None, :], 0.0)
     # [Q, BLOCK_P]; x is the exact operand, the float32 weights are split.
-    y = _dot_split_left(mix, xv, SPLIT, PRECISION, DOT16)
-    # From the state before the chunk, decayed to token l.
-    y += tl.exp(cum)[:, None] * _dot_split(cv, ST, SPLIT, PRECISION, DOT16)
+    if STATE_FIRST:
+        y += _dot_split_left(mix, xv, SPLIT, PRECISION, DOT16)
+    else:
+        y = _dot_split_left(mix, xv, SPLIT, PRECISION, DOT16)
+        # From the state before the chunk, decayed to token l.
+        y += tl.exp(cum)[:, None] * _dot_split(cv, ST, SPLIT, PRECISION, DOT16)
     return y
 
 
@@ -436,7 +449,8 @@ def _ssd_scan_kernel(
                      mask=tm[:, None] & nmask[None, :], other=0.0)
         cv = tl.load(C_ptr + tok[:, None] * C_tok_stride + g * C_group_stride + n[None, :],
                      mask=tm[:, None] & nmask[None, :], other=0.0)
-        y = _chunk_outputs(cv, bv, xv, cum, d, ST, q, SPLIT, PRECISION, DOT16)
+        y = _chunk_outputs(cv, _chunk_scores(cv, bv, SPLIT, PRECISION, DOT16), xv, cum, d,
+                           ST, q, SPLIT, PRECISION, DOT16, False)
         xf = xv.to(tl.float32)
         if HAS_D:
             y += skip * xf

@@ -57,6 +57,7 @@ import triton.language as tl
 from hybridserve.kernels.ssd_chunked import (
     CHUNK,
     _chunk_outputs,
+    _chunk_scores,
     _discretize_dt,
     _dt_limits,
     _initial_state,
@@ -115,6 +116,17 @@ def _store_incoming(ST, c, j, chunk_slot_ptr, states_ptr, chunk_states_ptr, star
 
 
 @triton.jit
+def _state_pass_operands(dt_ptr, dt_tok_stride, h, x_base, x_tok_stride, b_base, B_tok_stride,
+                         start, q, tm, p, n, pmask, nmask):
+    """The raw dt, x and B of the chunk from token ``start`` (``tm``: its tokens inside the
+    row; 0 elsewhere), in their dtypes."""
+    d = tl.load(dt_ptr + start * dt_tok_stride + h + q * dt_tok_stride, mask=tm, other=0.0)
+    xv = _chunk_tile(x_base + start * x_tok_stride, x_tok_stride, q, p, tm, pmask)
+    bv = _chunk_tile(b_base + start * B_tok_stride, B_tok_stride, q, n, tm, nmask)
+    return d, xv, bv
+
+
+@triton.jit
 def _ssd_state_pass_kernel(
     x_ptr,
     x_tok_stride,
@@ -155,6 +167,7 @@ def _ssd_state_pass_kernel(
     PRECISION: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT16: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     # Axis 0: (head, state block: head_dim block x state block), so the programs that run
     # together read one group's B through L2; axis 1: the sequence. The update is
@@ -185,6 +198,14 @@ def _ssd_state_pass_kernel(
     block = p[None, :] * d_state + n[:, None]
     ST = _initial_state(init_ptr, s, heads, state_size, head_base, block, smask,
                         HAS_INIT, BLOCK_N, BLOCK_P)
+    x_base = x_ptr + h * x_head_stride
+    b_base = B_ptr + g * B_group_stride
+    if PREFETCH:
+        # Chunk 0's operands; each iteration loads the next chunk's before it computes,
+        # so their latency hides behind the product and the stores.
+        dv, xv, bv = _state_pass_operands(dt_ptr, dt_tok_stride, h, x_base, x_tok_stride,
+                                          b_base, B_tok_stride, bos, q, q < eos - bos, p, n,
+                                          pmask, nmask)
     for j in range(0, tl.cdiv(eos - bos, CHUNK)):
         c = first + j
         _store_incoming(ST, c, j, chunk_slot_ptr, states_ptr, chunk_states_ptr, start_slot_ptr,
@@ -194,8 +215,17 @@ def _ssd_state_pass_kernel(
         # tensors kept across the loop would take the registers the products need.
         start = bos + j * CHUNK
         tm = q < eos - start
+        if PREFETCH:
+            d, xc, bc = dv, xv, bv
+            nxt = start + CHUNK  # past the row: every lane masked, nothing read
+            dv, xv, bv = _state_pass_operands(dt_ptr, dt_tok_stride, h, x_base, x_tok_stride,
+                                              b_base, B_tok_stride, nxt, q, q < eos - nxt, p,
+                                              n, pmask, nmask)
+        else:
+            d, xc, bc = _state_pass_operands(dt_ptr, dt_tok_stride, h, x_base, x_tok_stride,
+                                             b_base, B_tok_stride, start, q, tm, p, n, pmask,
+                                             nmask)
         # dt in float32, discretised here; 0 past the sequence (no decay, no input).
-        d = tl.load(dt_ptr + start * dt_tok_stride + h + q * dt_tok_stride, mask=tm, other=0.0)
         d = _discretize_dt(d, bias, unclamped_ptr + start + q, tm, dt_min, dt_max, CLAMP,
                            HAS_UNCLAMPED)
         if pb == 0 and nb == 0:
@@ -203,11 +233,7 @@ def _ssd_state_pass_kernel(
         a = d * a_rate
         cum = tl.cumsum(a, 0)
         total = tl.sum(a, 0)
-        xv = _chunk_tile(x_ptr + start * x_tok_stride + h * x_head_stride, x_tok_stride, q, p,
-                         tm, pmask)
-        bv = _chunk_tile(B_ptr + start * B_tok_stride + g * B_group_stride, B_tok_stride, q, n,
-                         tm, nmask)
-        ST = _state_step(ST, bv, xv.to(tl.float32), cum, total, d, SPLIT, PRECISION, DOT16)
+        ST = _state_step(ST, bc, xc.to(tl.float32), cum, total, d, SPLIT, PRECISION, DOT16)
     fslot = tl.load(final_slot_ptr + s).to(tl.int64)
     if fslot >= 0:
         _store_state(states_ptr, fslot, heads, state_size, head_base, block, ST, smask)
@@ -232,18 +258,22 @@ def _ssd_output_kernel(
     chunk_slot_ptr,
     states_ptr,
     chunk_states_ptr,
+    scores_ptr,
     dt_out_ptr,
     y_ptr,
     heads,
     head_dim,
     d_state,
     heads_per_group,
+    groups,
     CHUNK: tl.constexpr,
     OUT_EVERY: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_D: tl.constexpr,
     READ_SLOTS: tl.constexpr,
+    SCORES: tl.constexpr,
+    STATE_FIRST: tl.constexpr,
     PRECISION: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT16: tl.constexpr,
@@ -288,15 +318,68 @@ def _ssd_output_kernel(
         ST = _load_state(chunk_states_ptr, c, heads, state_size, head_base, block, smask)
     xv = _chunk_tile(x_ptr + start * x_tok_stride + h * x_head_stride, x_tok_stride, q, p, tm,
                      pmask)
-    bv = _chunk_tile(B_ptr + start * B_tok_stride + g * B_group_stride, B_tok_stride, q, n, tm,
-                     nmask)
     cv = _chunk_tile(C_ptr + start * C_tok_stride + g * C_group_stride, C_tok_stride, q, n, tm,
                      nmask)
-    y = _chunk_outputs(cv, bv, xv, cum, d, ST, q, SPLIT, PRECISION, DOT16)
+    if SCORES:
+        # The group's scores of this chunk, from the scores pass (its 16-bit inputs'
+        # exact products, the same values as computed here).
+        qq = CHUNK * OUT_EVERY
+        cb = tl.load(scores_ptr + (c * groups + g) * (qq * qq) + (q[:, None] * qq + q[None, :]))
+    else:
+        bv = _chunk_tile(B_ptr + start * B_tok_stride + g * B_group_stride, B_tok_stride, q,
+                         n, tm, nmask)
+        cb = _chunk_scores(cv, bv, SPLIT, PRECISION, DOT16)
+    y = _chunk_outputs(cv, cb, xv, cum, d, ST, q, SPLIT, PRECISION, DOT16, STATE_FIRST)
     if HAS_D:
         y += tl.load(D_ptr + h).to(tl.float32) * xv.to(tl.float32)
     tl.store(y_ptr + (start * heads + h) * head_dim + (q[:, None] * (heads * head_dim) + p[None, :]),
              y, mask=tm[:, None] & pmask[None, :])
+
+
+@triton.jit
+def _ssd_chunk_scores_kernel(
+    B_ptr,
+    B_tok_stride,
+    B_group_stride,
+    C_ptr,
+    C_tok_stride,
+    C_group_stride,
+    cu_ptr,
+    first_chunk_ptr,
+    chunk_seq_ptr,
+    scores_ptr,
+    groups,
+    d_state,
+    CHUNK: tl.constexpr,
+    OUT_EVERY: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT16: tl.constexpr,
+):
+    # One program per (group, output chunk): the chunk's C B^T, which every head of the
+    # group needs, to its own row of the scores scratch [chunks, G, Q, Q] (0 past the
+    # row's end; the output pass stores none of those lines).
+    g = tl.program_id(0)
+    c = tl.program_id(1).to(tl.int64)
+    s = tl.load(chunk_seq_ptr + c)
+    bos = tl.load(cu_ptr + s).to(tl.int64)
+    eos = tl.load(cu_ptr + s + 1).to(tl.int64)
+    j = c - tl.load(first_chunk_ptr + s).to(tl.int64)
+    if j % OUT_EVERY != 0:
+        return
+    qq = CHUNK * OUT_EVERY
+    q = tl.arange(0, CHUNK * OUT_EVERY)
+    n = tl.arange(0, BLOCK_N)
+    nmask = n < d_state
+    start = bos + j * CHUNK
+    tm = q < eos - start
+    bv = _chunk_tile(B_ptr + start * B_tok_stride + g * B_group_stride, B_tok_stride, q, n, tm,
+                     nmask)
+    cv = _chunk_tile(C_ptr + start * C_tok_stride + g * C_group_stride, C_tok_stride, q, n, tm,
+                     nmask)
+    cb = _chunk_scores(cv, bv, SPLIT, PRECISION, DOT16)
+    tl.store(scores_ptr + (c * groups + g) * (qq * qq) + (q[:, None] * qq + q[None, :]), cb)
 
 
 def ssd_scan_two_pass(
@@ -326,6 +409,12 @@ def ssd_scan_two_pass(
     state_block_p: int | None = None,
     state_block_n: int | None = None,
     state_warps: int | None = None,
+    prefetch: bool = False,
+    scores: bool = False,
+    state_first: bool = False,
+    y_dtype: torch.dtype | None = None,
+    stages: int | None = None,
+    state_stages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The scan in two launches (module docstring); arguments and results as
     :func:`~hybridserve.kernels.ssd_chunked.ssd_scan_fused`, whose docstring has them.
@@ -336,10 +425,22 @@ def ssd_scan_two_pass(
     tile (head_dim block) and warps, ``out_chunk`` its chunk (:data:`CHUNK` or twice that:
     half the incoming states to store and read, a larger ``C B^T``); ``state_block_p`` x ``state_block_n`` (head_dim x
     state) / ``state_warps``: the state pass's.
+
+    Forms of the same arithmetic, to time against each other (the same values):
+    ``prefetch``: the state pass loads a chunk's operands one chunk ahead; ``scores``: a
+    third launch, before the output pass, computes each group's ``C B^T`` of every output
+    chunk once (a float32 scratch ``[chunks, G, Q, Q]``) for the group's heads to read,
+    instead of each (head, head_dim block) program computing it; ``state_first``: the
+    output pass computes the incoming state's part first. ``y_dtype``: the outputs'
+    dtype (float32 when None; a 16-bit one rounds them as the store casts).
+    ``stages`` / ``state_stages``: the passes' software-pipelining depth (Triton's
+    ``num_stages``; its default when None).
     """
     split, precision, y, dt_out = _prepare(
         x, dt, A, B, C, D, dt_bias, cu_seqlens, initial_states, chunk_slot, final_slot,
         states, unclamped, start_slot, starts, precision)
+    if y_dtype is not None:
+        y = torch.empty(y.shape, dtype=y_dtype, device=y.device)
     tokens, heads, head_dim = x.shape
     groups, d_state = B.shape[1], B.shape[2]
     seqs = cu_seqlens.shape[0] - 1
@@ -376,11 +477,17 @@ def ssd_scan_two_pass(
         HAS_INIT=initial_states is not None, CLAMP=time_step_limit is not None,
         HAS_UNCLAMPED=unclamped is not None, HAS_STARTS=starts is not None,
         READ_SLOTS=_reads_slots(states), OUT_EVERY=out_chunk // CHUNK, num_warps=state_warps,
-        **products,
+        PREFETCH=prefetch, **_stages(state_stages), **products,
     )
     _output_pass(x, A, B, C, D, cu_seqlens, first_chunk, chunk_seq, chunk_slot, states,
-                 chunk_states, dt_out, y, out_chunk, block_p, num_warps, products)
+                 chunk_states, dt_out, y, out_chunk, block_p, num_warps, products,
+                 scores=scores, state_first=state_first, stages=stages)
     return y, dt_out
+
+
+def _stages(stages: int | None) -> dict:
+    """A launch's ``num_stages`` keyword, or none (Triton's default)."""
+    return {} if stages is None else {"num_stages": stages}
 
 
 def _scratch(x, B, cu_seqlens, chunk_slot, cu_seqlens_cpu, first_chunk, out_chunk):
@@ -428,10 +535,13 @@ def _products(split: bool, precision: str) -> dict:
 
 
 def _output_pass(x, A, B, C, D, cu_seqlens, first_chunk, chunk_seq, chunk_slot, states,
-                 chunk_states, dt_out, y, out_chunk, block_p, num_warps, products):
+                 chunk_states, dt_out, y, out_chunk, block_p, num_warps, products, *,
+                 scores=False, state_first=False, stages=None):
     """Launch the output pass (:func:`_ssd_output_kernel`) over every output chunk: it
     writes ``y`` from the incoming states (their slots or ``chunk_states``) and
-    ``dt_out``. ``block_p`` / ``num_warps``: its tile and warps (None: 64 and 4)."""
+    ``dt_out``. ``block_p`` / ``num_warps``: its tile and warps (None: 64 and 4);
+    ``scores``, ``state_first``, ``stages``: as :func:`ssd_scan_two_pass` has them (the
+    scores pass launched first when asked)."""
     tokens, heads, head_dim = x.shape
     groups, d_state = B.shape[1], B.shape[2]
     chunks = chunk_slot.shape[0]
@@ -441,13 +551,23 @@ def _output_pass(x, A, B, C, D, cu_seqlens, first_chunk, chunk_seq, chunk_slot, 
     # registers, 40 bytes spilled (32 wide: 194 and none, but C B^T twice; 5.37 ms).
     block_p = max(16, min(block_p or 64, max(16, triton.next_power_of_2(head_dim))))
     block_n = max(16, triton.next_power_of_2(d_state))
+    every = out_chunk // CHUNK
+    cb = chunk_states  # a placeholder pointer where no scores pass runs
+    if scores:
+        q = out_chunk
+        cb = torch.empty(chunks, groups, q, q, dtype=torch.float32, device=x.device)
+        _ssd_chunk_scores_kernel[(groups, chunks)](
+            B, B.stride(0), B.stride(1), C, C.stride(0), C.stride(1),
+            cu_seqlens, first_chunk, chunk_seq, cb, groups, d_state,
+            CHUNK=CHUNK, OUT_EVERY=every, BLOCK_N=block_n, num_warps=4, **products,
+        )
     _ssd_output_kernel[(heads * triton.cdiv(head_dim, block_p), chunks)](
         x, x.stride(0), x.stride(1), A, D if D is not None else A,
         B, B.stride(0), B.stride(1), C, C.stride(0), C.stride(1),
-        cu_seqlens, first_chunk, chunk_seq, chunk_slot, states, chunk_states, dt_out, y,
-        heads, head_dim, d_state, heads // groups,
-        CHUNK=CHUNK, OUT_EVERY=out_chunk // CHUNK, BLOCK_P=block_p, BLOCK_N=block_n,
+        cu_seqlens, first_chunk, chunk_seq, chunk_slot, states, chunk_states, cb, dt_out, y,
+        heads, head_dim, d_state, heads // groups, groups,
+        CHUNK=CHUNK, OUT_EVERY=every, BLOCK_P=block_p, BLOCK_N=block_n,
         HAS_D=D is not None,
-        READ_SLOTS=_reads_slots(states),
-        num_warps=num_warps or 4, **products,
+        READ_SLOTS=_reads_slots(states), SCORES=scores, STATE_FIRST=state_first,
+        num_warps=num_warps or 4, **_stages(stages), **products,
     )

@@ -46,11 +46,19 @@ LIMIT = (0.05, 0.9)
 # pass over chunks of 128 tokens (the state passes still store every 64).
 SCANS = {"fused": (ssd_scan_fused, 1), "two_pass": (ssd_scan_two_pass, 2),
          "two_pass_128": (functools.partial(ssd_scan_two_pass, out_chunk=2 * CHUNK), 2),
+         # The same arithmetic in its other forms: operands one chunk ahead, the group's
+         # scores in a pass of their own, the state's part first (one more launch).
+         "two_pass_forms": (functools.partial(ssd_scan_two_pass, prefetch=True, scores=True,
+                                              state_first=True), 3),
+         "two_pass_forms_128": (functools.partial(ssd_scan_two_pass, prefetch=True,
+                                                  scores=True, state_first=True,
+                                                  out_chunk=2 * CHUNK), 3),
          "chunk_states": (ssd_scan_chunk_states, 3),
          "chunk_states_128": (functools.partial(ssd_scan_chunk_states, out_chunk=2 * CHUNK),
                               3)}
 # The scans with a scratch of chunk states read by the two-pass scan's output pass.
-SCRATCH_SCANS = {"two_pass": ssd_scan_two_pass, "chunk_states": ssd_scan_chunk_states}
+SCRATCH_SCANS = {"two_pass": ssd_scan_two_pass, "chunk_states": ssd_scan_chunk_states,
+                 "two_pass_forms": SCANS["two_pass_forms"][0]}
 # The "_128" scans are their kernels on another tile: they run by default where the
 # output tile is what the test is about, ``slow`` where they repeat their path.
 slow = pytest.mark.slow
@@ -245,6 +253,23 @@ def test_kernel_casts_bf16_inputs_in_registers(name):
     torch.testing.assert_close(y.double(), want[0], rtol=1e-4, atol=_atol(want[0]))
     torch.testing.assert_close(states.double().nan_to_num(7.0), want_states.nan_to_num(7.0),
                                rtol=1e-4, atol=_atol(want_states))
+
+
+@interpreted
+def test_two_pass_outputs_in_a_16_bit_dtype_are_the_float32_outputs_cast():
+    """``y_dtype``: the store casts the float32 outputs, nothing else changes."""
+    g = torch.Generator().manual_seed(_seed())
+    case = ([70, 3], 4, 16, 2, 16, True, True, LIMIT, True, 16)
+    args, kwargs, block_p, states, _, _, _ = _run_both(case, g, torch.bfloat16)
+    tiles = _tiles("two_pass", block_p)
+    y32, dt32 = ssd_scan_two_pass(*args, states, **kwargs, **tiles)
+    s32 = states.clone()
+    y16, dt16 = ssd_scan_two_pass(*args, states, **kwargs, **tiles, y_dtype=torch.bfloat16)
+    assert y16.dtype == torch.bfloat16
+    # Within one bf16 step of the float32 outputs (the interpreter's cast truncates, the
+    # GPU's rounds to nearest).
+    torch.testing.assert_close(y16.float(), y32, rtol=2.0**-7, atol=0.0)
+    assert torch.equal(dt16, dt32) and torch.equal(states.nan_to_num(7.0), s32.nan_to_num(7.0))
 
 
 @interpreted
