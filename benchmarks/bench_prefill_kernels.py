@@ -130,20 +130,15 @@ FULL = dict(heads=128, head_dim=64, groups=8, d_state=128, conv_dim=10240, d_con
             ),
             # Its output pass over 128-token chunks: (output block_p, its warps).
             chunk_states_128_variants=((32, 8), (64, 8)),
-            # The two-pass scan's other forms of the same arithmetic (its keywords;
-            # ``--forms`` times these alone): operands one chunk ahead in the state
-            # pass, the group's scores in a pass of their own (then no C B^T per head
-            # and head_dim block: 32-wide output tiles cost no second one), the state's
-            # part first, outputs stored as bf16 (the peer's output dtype: what float32
-            # outputs cost), the state pass's pipelining depth.
+            # The two-pass scan in its forms (its keywords; ``--forms`` times these
+            # alone): the default (operands one chunk ahead, the scratch as halves),
+            # the scratch in float32, both off (the form before), and the output pass's
+            # tiles and chunks again with the halves' fewer registers.
             two_pass_forms=(
-                {}, {"prefetch": True}, {"state_stages": 1}, {"prefetch": True, "state_stages": 1},
-                {"scores": True}, {"scores": True, "block_p": 32},
-                {"scores": True, "block_p": 32, "num_warps": 8}, {"state_first": True},
-                {"scores": True, "state_first": True}, {"y_dtype": "bfloat16"},
-                {"prefetch": True, "scores": True, "state_first": True},
-                {"prefetch": True, "scores": True, "out_chunk": 128, "block_p": 32,
-                 "num_warps": 8},
+                {}, {"halves": False}, {"prefetch": False, "halves": False},
+                {"num_warps": 8}, {"block_p": 32}, {"block_p": 32, "num_warps": 8},
+                {"out_chunk": 128, "block_p": 32, "num_warps": 8},
+                {"out_chunk": 128, "num_warps": 8},
             ),
             # One-launch scan: (block_p, warps, precision).
             ssd_variants=((64, 8, "split"), (32, 4, "split"), (64, 8, "tf32")),
@@ -160,8 +155,7 @@ SMOKE = dict(heads=4, head_dim=16, groups=2, d_state=16, conv_dim=48, d_conv=4,
              two_pass_variants=((16, 4, 16, 16, 4, "ieee"),), two_pass_128_variants=((16, 4),),
              chunk_states_variants=((16, 4, 16, 16, 4, 64, 4, "ieee"),),
              chunk_states_128_variants=((16, 4),),
-             two_pass_forms=({}, {"prefetch": True, "scores": True, "state_first": True},
-                             {"y_dtype": "bfloat16"}),
+             two_pass_forms=({}, {"prefetch": False, "halves": False}),
              ssd_variants=((16, 4, "ieee"),),
              conv_tiles=((32, 64, None),), conv_token_walks=((16, 32, 4),))
 
@@ -332,10 +326,9 @@ def _ssd_case(cfg, name, rows, length, every64, device, reps, use_fla, forms_onl
     if forms_only:
         out["forms"] = []
         for form in cfg["two_pass_forms"]:
-            kw = {k: getattr(torch, v) if k == "y_dtype" else v for k, v in form.items()}
-            out["forms"].append({"form": form, **measure(two_pass, **kw),
+            out["forms"].append({"form": form, **measure(two_pass, **form),
                                  "kernels_ms": _kernel_breakdown(
-                                     lambda kw=kw: run(two_pass, **kw), reps, device)})
+                                     lambda form=form: run(two_pass, **form), reps, device)})
             print(json.dumps(out["forms"][-1])[:300], flush=True)
         return out
 

@@ -204,7 +204,7 @@ def _ssd_state_passing_kernel(
         tl.debug_barrier()
         _store_incoming(ST, c, j, chunk_slot_ptr, states_ptr, chunk_states_ptr, start_slot_ptr,
                         starts_ptr, heads, state_size, head_base, block, smask, HAS_STARTS,
-                        READ_SLOTS, OUT_EVERY)
+                        READ_SLOTS, OUT_EVERY, False)  # float32: S_c over L_c, entry for entry
         ST = ST * tl.exp(total) + LT
     fslot = tl.load(final_slot_ptr + s).to(tl.int64)
     if fslot >= 0:

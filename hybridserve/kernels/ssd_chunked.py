@@ -227,15 +227,29 @@ def _dot16(a, b, acc, DOT16: tl.constexpr):
 
 
 @triton.jit
+def _halves(b, like):
+    """float32 ``b`` as two halves in ``like``'s 16-bit dtype, ``hi + lo`` (``b`` to
+    about 2^-16)."""
+    hi = b.to(like.dtype)
+    return hi, (b - hi.to(tl.float32)).to(like.dtype)
+
+
+@triton.jit
+def _dot_halves(a, hi, lo, DOT16: tl.constexpr):
+    """``a @ (hi + lo)`` of 16-bit ``a`` and the halves of a float32 operand
+    (:func:`_halves`), float32 accumulation."""
+    return _dot16(a, lo, _dot16(a, hi, None, DOT16), DOT16)
+
+
+@triton.jit
 def _dot_split(a, b, SPLIT: tl.constexpr, PRECISION: tl.constexpr, DOT16: tl.constexpr):
     """``a @ b`` accumulated in float32. ``SPLIT``: ``a`` is exact in its 16-bit input
     dtype and ``b`` (float32) goes in as two 16-bit halves, ``hi + lo``: two 16-bit
     products carry ``b`` to about 2^-16 (tf32 carries 2^-11). Otherwise both in float32
     at ``PRECISION``."""
     if SPLIT:
-        hi = b.to(a.dtype)
-        lo = (b - hi.to(tl.float32)).to(a.dtype)
-        return _dot16(a, lo, _dot16(a, hi, None, DOT16), DOT16)
+        hi, lo = _halves(b, a)
+        return _dot_halves(a, hi, lo, DOT16)
     else:
         return tl.dot(a.to(tl.float32), b, input_precision=PRECISION)
 
@@ -296,37 +310,31 @@ def _store_state(ptr, row, heads, state_size, head_base, block, ST, smask):
 
 
 @triton.jit
-def _chunk_scores(cv, bv, SPLIT: tl.constexpr, PRECISION: tl.constexpr, DOT16: tl.constexpr):
-    """A chunk's ``C B^T`` scores, ``[Q, Q]`` float32: bf16 inputs multiply as they are
-    (exact products, float32 accumulation)."""
+def _inner_outputs(cv, bv, xv, cum, d, q, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+                   DOT16: tl.constexpr):
+    """The part of one chunk's outputs from inside it, ``[Q, BLOCK_P]`` float32. Inputs
+    ``cv``, ``bv``, ``xv`` stay in their dtype (C B^T multiplies them as they are: exact
+    products for bf16, float32 accumulation)."""
+    # y_l = sum_{s <= l} (C_l . B_s) exp(cum_l - cum_s) dt_s x_s.
     if SPLIT:
-        return _dot16(cv, tl.trans(bv), None, DOT16)
+        cb = _dot16(cv, tl.trans(bv), None, DOT16)  # [Q, Q], exact products
     else:
-        return tl.dot(cv.to(tl.float32), tl.trans(bv.to(tl.float32)), input_precision=PRECISION)
+        cb = tl.dot(cv.to(tl.float32), tl.trans(bv.to(tl.float32)), input_precision=PRECISION)
+    causal = q[:, None] >= q[None, :]
+    seg = tl.where(causal, cum[:, None] - cum[None, :], 0.0)
+    mix = tl.where(causal, cb * tl.exp(seg) * d[None, :], 0.0)
+    # x is the exact operand, the float32 weights are split.
+    return _dot_split_left(mix, xv, SPLIT, PRECISION, DOT16)
 
 
 @triton.jit
-def _chunk_outputs(cv, cb, xv, cum, d, ST, q, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-                   DOT16: tl.constexpr, STATE_FIRST: tl.constexpr):
+def _chunk_outputs(cv, bv, xv, cum, d, ST, q, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+                   DOT16: tl.constexpr):
     """The outputs of one chunk without the D skip, ``[Q, BLOCK_P]`` float32: the part
-    from inside the chunk (from its scores ``cb``, :func:`_chunk_scores`) plus the
-    incoming state's (``ST``, transposed) decayed to each token. Inputs ``cv`` and ``xv``
-    stay in their dtype. ``STATE_FIRST``: the state's part is computed first, so the
-    float32 state block is dead before the scores are weighted (fewer registers live at
-    once; the same sum, in the other order)."""
-    if STATE_FIRST:
-        y = tl.exp(cum)[:, None] * _dot_split(cv, ST, SPLIT, PRECISION, DOT16)
-    causal = q[:, None] >= q[None, :]
-    # Inside the chunk: y_l += sum_{s <= l} (C_l . B_s) exp(cum_l - cum_s) dt_s x_s.
-    seg = tl.where(causal, cum[:, None] - cum[None, :], 0.0)
-    mix = tl.where(causal, cb * tl.exp(seg) * d[None, :], 0.0)
-    # [Q, BLOCK_P]; x is the exact operand, the float32 weights are split.
-    if STATE_FIRST:
-        y += _dot_split_left(mix, xv, SPLIT, PRECISION, DOT16)
-    else:
-        y = _dot_split_left(mix, xv, SPLIT, PRECISION, DOT16)
-        # From the state before the chunk, decayed to token l.
-        y += tl.exp(cum)[:, None] * _dot_split(cv, ST, SPLIT, PRECISION, DOT16)
+    from inside the chunk (:func:`_inner_outputs`) plus the incoming state's (``ST``,
+    transposed) decayed to each token."""
+    y = _inner_outputs(cv, bv, xv, cum, d, q, SPLIT, PRECISION, DOT16)
+    y += tl.exp(cum)[:, None] * _dot_split(cv, ST, SPLIT, PRECISION, DOT16)
     return y
 
 
@@ -449,8 +457,7 @@ def _ssd_scan_kernel(
                      mask=tm[:, None] & nmask[None, :], other=0.0)
         cv = tl.load(C_ptr + tok[:, None] * C_tok_stride + g * C_group_stride + n[None, :],
                      mask=tm[:, None] & nmask[None, :], other=0.0)
-        y = _chunk_outputs(cv, _chunk_scores(cv, bv, SPLIT, PRECISION, DOT16), xv, cum, d,
-                           ST, q, SPLIT, PRECISION, DOT16, False)
+        y = _chunk_outputs(cv, bv, xv, cum, d, ST, q, SPLIT, PRECISION, DOT16)
         xf = xv.to(tl.float32)
         if HAS_D:
             y += skip * xf

@@ -56,11 +56,13 @@ import triton.language as tl
 
 from hybridserve.kernels.ssd_chunked import (
     CHUNK,
-    _chunk_outputs,
-    _chunk_scores,
     _discretize_dt,
+    _dot_halves,
+    _dot_split,
     _dt_limits,
+    _halves,
     _initial_state,
+    _inner_outputs,
     _load_state,
     _prepare,
     _state_step,
@@ -92,27 +94,51 @@ def _chunk_tile(base_ptr, tok_stride, q, cols, tm, cmask):
 @triton.jit
 def _store_incoming(ST, c, j, chunk_slot_ptr, states_ptr, chunk_states_ptr, start_slot_ptr,
                     starts_ptr, heads, state_size, head_base, block, smask,
-                    HAS_STARTS: tl.constexpr, READ_SLOTS: tl.constexpr, OUT_EVERY: tl.constexpr):
+                    HAS_STARTS: tl.constexpr, READ_SLOTS: tl.constexpr, OUT_EVERY: tl.constexpr,
+                    HALVES: tl.constexpr):
     """Store ``ST``, the incoming state of flat chunk ``c`` (its row's chunk ``j``): to its
-    slot of ``states`` when asked for, to row ``c`` of the scratch for the output pass
-    (which reads the states before every ``OUT_EVERY``-th chunk only) unless that pass
-    reads the slot (``READ_SLOTS``: float32 states, the same values), and to its row of
-    ``starts`` when asked for."""
+    slot of ``states`` when asked for, to the scratch for the output pass (which reads the
+    states before every ``OUT_EVERY``-th chunk only; :func:`_store_scratch`) unless that
+    pass reads the slot (``READ_SLOTS``: float32 states, the same values), and to its row
+    of ``starts`` when asked for."""
     slot = tl.load(chunk_slot_ptr + c).to(tl.int64)
     if slot >= 0:
         _store_state(states_ptr, slot, heads, state_size, head_base, block, ST, smask)
     if j % OUT_EVERY == 0:
         if READ_SLOTS:
             if slot < 0:
-                _store_state(chunk_states_ptr, c, heads, state_size, head_base, block, ST,
-                             smask)
+                _store_scratch(chunk_states_ptr, c, heads, state_size, head_base, block, ST,
+                               smask, HALVES)
         else:
-            _store_state(chunk_states_ptr, c, heads, state_size, head_base, block, ST, smask)
+            _store_scratch(chunk_states_ptr, c, heads, state_size, head_base, block, ST, smask,
+                           HALVES)
     if HAS_STARTS:
         start_slot = tl.load(start_slot_ptr + c).to(tl.int64)
         if start_slot >= 0:
             _store_state(starts_ptr, start_slot, heads, state_size, head_base, block, ST,
                          smask)
+
+
+@triton.jit
+def _store_scratch(ptr, c, heads, state_size, head_base, block, ST, smask, HALVES: tl.constexpr):
+    """Chunk ``c``'s incoming state to the scratch: in float32 to row ``c``, or
+    (``HALVES``) as the two 16-bit halves the output pass's product takes, ``hi`` to row
+    ``2 c`` and ``lo`` to row ``2 c + 1`` (the same four bytes an entry)."""
+    if HALVES:
+        hi = ST.to(ptr.dtype.element_ty)
+        _store_state(ptr, 2 * c, heads, state_size, head_base, block, hi, smask)
+        _store_state(ptr, 2 * c + 1, heads, state_size, head_base, block,
+                     ST - hi.to(tl.float32), smask)
+    else:
+        _store_state(ptr, c, heads, state_size, head_base, block, ST, smask)
+
+
+@triton.jit
+def _load_halves(ptr, c, heads, state_size, head_base, block, smask):
+    """Chunk ``c``'s incoming state from a scratch of halves (:func:`_store_scratch`):
+    ``(hi, lo)``, transposed blocks in the scratch's 16-bit dtype."""
+    return (_load_state(ptr, 2 * c, heads, state_size, head_base, block, smask),
+            _load_state(ptr, 2 * c + 1, heads, state_size, head_base, block, smask))
 
 
 @triton.jit
@@ -168,6 +194,7 @@ def _ssd_state_pass_kernel(
     SPLIT: tl.constexpr,
     DOT16: tl.constexpr,
     PREFETCH: tl.constexpr,
+    HALVES: tl.constexpr,
 ):
     # Axis 0: (head, state block: head_dim block x state block), so the programs that run
     # together read one group's B through L2; axis 1: the sequence. The update is
@@ -210,7 +237,7 @@ def _ssd_state_pass_kernel(
         c = first + j
         _store_incoming(ST, c, j, chunk_slot_ptr, states_ptr, chunk_states_ptr, start_slot_ptr,
                         starts_ptr, heads, state_size, head_base, block, smask, HAS_STARTS,
-                        READ_SLOTS, OUT_EVERY)
+                        READ_SLOTS, OUT_EVERY, HALVES)
         # Token offsets inside the chunk in int32 off scalar int64 bases: int64 address
         # tensors kept across the loop would take the registers the products need.
         start = bos + j * CHUNK
@@ -258,22 +285,19 @@ def _ssd_output_kernel(
     chunk_slot_ptr,
     states_ptr,
     chunk_states_ptr,
-    scores_ptr,
     dt_out_ptr,
     y_ptr,
     heads,
     head_dim,
     d_state,
     heads_per_group,
-    groups,
     CHUNK: tl.constexpr,
     OUT_EVERY: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_D: tl.constexpr,
     READ_SLOTS: tl.constexpr,
-    SCORES: tl.constexpr,
-    STATE_FIRST: tl.constexpr,
+    HALVES: tl.constexpr,
     PRECISION: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT16: tl.constexpr,
@@ -305,81 +329,48 @@ def _ssd_output_kernel(
     # The discretised dt of the state pass; 0 past the sequence.
     d = tl.load(dt_out_ptr + start * heads + h + q * heads, mask=tm, other=0.0)
     cum = tl.cumsum(d * a_rate, 0)
-    # The incoming state: where the state pass put it (its slot, or the scratch).
+    # The incoming state: where the state pass put it (its slot, or the scratch), as the
+    # two 16-bit halves its product takes (HALVES) or in float32.
     block = p[None, :] * d_state + n[:, None]
     smask = nmask[:, None] & pmask[None, :]
-    if READ_SLOTS:
-        slot = tl.load(chunk_slot_ptr + c).to(tl.int64)
-        if slot >= 0:
-            ST = _load_state(states_ptr, slot, heads, state_size, head_base, block, smask)
-        else:
-            ST = _load_state(chunk_states_ptr, c, heads, state_size, head_base, block, smask)
-    else:
-        ST = _load_state(chunk_states_ptr, c, heads, state_size, head_base, block, smask)
     xv = _chunk_tile(x_ptr + start * x_tok_stride + h * x_head_stride, x_tok_stride, q, p, tm,
                      pmask)
-    cv = _chunk_tile(C_ptr + start * C_tok_stride + g * C_group_stride, C_tok_stride, q, n, tm,
-                     nmask)
-    if SCORES:
-        # The group's scores of this chunk, from the scores pass (its 16-bit inputs'
-        # exact products, the same values as computed here).
-        qq = CHUNK * OUT_EVERY
-        cb = tl.load(scores_ptr + (c * groups + g) * (qq * qq) + (q[:, None] * qq + q[None, :]))
+    if HALVES:
+        if READ_SLOTS:
+            slot = tl.load(chunk_slot_ptr + c).to(tl.int64)
+            if slot >= 0:
+                hi, lo = _halves(_load_state(states_ptr, slot, heads, state_size, head_base,
+                                             block, smask), xv)
+            else:
+                hi, lo = _load_halves(chunk_states_ptr, c, heads, state_size, head_base, block,
+                                      smask)
+        else:
+            hi, lo = _load_halves(chunk_states_ptr, c, heads, state_size, head_base, block,
+                                  smask)
     else:
-        bv = _chunk_tile(B_ptr + start * B_tok_stride + g * B_group_stride, B_tok_stride, q,
-                         n, tm, nmask)
-        cb = _chunk_scores(cv, bv, SPLIT, PRECISION, DOT16)
-    y = _chunk_outputs(cv, cb, xv, cum, d, ST, q, SPLIT, PRECISION, DOT16, STATE_FIRST)
-    if HAS_D:
-        y += tl.load(D_ptr + h).to(tl.float32) * xv.to(tl.float32)
-    tl.store(y_ptr + (start * heads + h) * head_dim + (q[:, None] * (heads * head_dim) + p[None, :]),
-             y, mask=tm[:, None] & pmask[None, :])
-
-
-@triton.jit
-def _ssd_chunk_scores_kernel(
-    B_ptr,
-    B_tok_stride,
-    B_group_stride,
-    C_ptr,
-    C_tok_stride,
-    C_group_stride,
-    cu_ptr,
-    first_chunk_ptr,
-    chunk_seq_ptr,
-    scores_ptr,
-    groups,
-    d_state,
-    CHUNK: tl.constexpr,
-    OUT_EVERY: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
-    SPLIT: tl.constexpr,
-    DOT16: tl.constexpr,
-):
-    # One program per (group, output chunk): the chunk's C B^T, which every head of the
-    # group needs, to its own row of the scores scratch [chunks, G, Q, Q] (0 past the
-    # row's end; the output pass stores none of those lines).
-    g = tl.program_id(0)
-    c = tl.program_id(1).to(tl.int64)
-    s = tl.load(chunk_seq_ptr + c)
-    bos = tl.load(cu_ptr + s).to(tl.int64)
-    eos = tl.load(cu_ptr + s + 1).to(tl.int64)
-    j = c - tl.load(first_chunk_ptr + s).to(tl.int64)
-    if j % OUT_EVERY != 0:
-        return
-    qq = CHUNK * OUT_EVERY
-    q = tl.arange(0, CHUNK * OUT_EVERY)
-    n = tl.arange(0, BLOCK_N)
-    nmask = n < d_state
-    start = bos + j * CHUNK
-    tm = q < eos - start
+        if READ_SLOTS:
+            slot = tl.load(chunk_slot_ptr + c).to(tl.int64)
+            if slot >= 0:
+                ST = _load_state(states_ptr, slot, heads, state_size, head_base, block, smask)
+            else:
+                ST = _load_state(chunk_states_ptr, c, heads, state_size, head_base, block,
+                                 smask)
+        else:
+            ST = _load_state(chunk_states_ptr, c, heads, state_size, head_base, block, smask)
     bv = _chunk_tile(B_ptr + start * B_tok_stride + g * B_group_stride, B_tok_stride, q, n, tm,
                      nmask)
     cv = _chunk_tile(C_ptr + start * C_tok_stride + g * C_group_stride, C_tok_stride, q, n, tm,
                      nmask)
-    cb = _chunk_scores(cv, bv, SPLIT, PRECISION, DOT16)
-    tl.store(scores_ptr + (c * groups + g) * (qq * qq) + (q[:, None] * qq + q[None, :]), cb)
+    y = _inner_outputs(cv, bv, xv, cum, d, q, SPLIT, PRECISION, DOT16)
+    # From the state before the chunk, decayed to token l.
+    if HALVES:
+        y += tl.exp(cum)[:, None] * _dot_halves(cv, hi, lo, DOT16)
+    else:
+        y += tl.exp(cum)[:, None] * _dot_split(cv, ST, SPLIT, PRECISION, DOT16)
+    if HAS_D:
+        y += tl.load(D_ptr + h).to(tl.float32) * xv.to(tl.float32)
+    tl.store(y_ptr + (start * heads + h) * head_dim + (q[:, None] * (heads * head_dim) + p[None, :]),
+             y, mask=tm[:, None] & pmask[None, :])
 
 
 def ssd_scan_two_pass(
@@ -409,12 +400,8 @@ def ssd_scan_two_pass(
     state_block_p: int | None = None,
     state_block_n: int | None = None,
     state_warps: int | None = None,
-    prefetch: bool = False,
-    scores: bool = False,
-    state_first: bool = False,
-    y_dtype: torch.dtype | None = None,
-    stages: int | None = None,
-    state_stages: int | None = None,
+    prefetch: bool = True,
+    halves: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The scan in two launches (module docstring); arguments and results as
     :func:`~hybridserve.kernels.ssd_chunked.ssd_scan_fused`, whose docstring has them.
@@ -426,28 +413,28 @@ def ssd_scan_two_pass(
     half the incoming states to store and read, a larger ``C B^T``); ``state_block_p`` x ``state_block_n`` (head_dim x
     state) / ``state_warps``: the state pass's.
 
-    Forms of the same arithmetic, to time against each other (the same values):
-    ``prefetch``: the state pass loads a chunk's operands one chunk ahead; ``scores``: a
-    third launch, before the output pass, computes each group's ``C B^T`` of every output
-    chunk once (a float32 scratch ``[chunks, G, Q, Q]``) for the group's heads to read,
-    instead of each (head, head_dim block) program computing it; ``state_first``: the
-    output pass computes the incoming state's part first. ``y_dtype``: the outputs'
-    dtype (float32 when None; a 16-bit one rounds them as the store casts).
-    ``stages`` / ``state_stages``: the passes' software-pipelining depth (Triton's
-    ``num_stages``; its default when None).
+    Two forms of the same arithmetic (the same values; their timings are in
+    docs/gpu.md): ``prefetch`` (the default), the state pass loads each chunk's operands
+    one chunk ahead, so their latency hides behind the previous chunk's product and
+    stores; ``halves`` (the default for 16-bit inputs, where the products take the
+    float32 state as two 16-bit halves), the scratch holds each state as those halves,
+    split once by the state pass, so the output pass loads its product's operands as they
+    are, with no float32 state block in its registers.
     """
     split, precision, y, dt_out = _prepare(
         x, dt, A, B, C, D, dt_bias, cu_seqlens, initial_states, chunk_slot, final_slot,
         states, unclamped, start_slot, starts, precision)
-    if y_dtype is not None:
-        y = torch.empty(y.shape, dtype=y_dtype, device=y.device)
     tokens, heads, head_dim = x.shape
     groups, d_state = B.shape[1], B.shape[2]
     seqs = cu_seqlens.shape[0] - 1
     if seqs == 0 or tokens == 0:
         return y, dt_out
+    halves = split if halves is None else halves
+    if halves and not split:
+        raise ValueError("halves needs the split products (x, B and C in one 16-bit dtype)")
     first_chunk, chunk_seq, chunk_states = _scratch(x, B, cu_seqlens, chunk_slot,
-                                                    cu_seqlens_cpu, first_chunk, out_chunk)
+                                                    cu_seqlens_cpu, first_chunk, out_chunk,
+                                                    halves)
     width = max(16, triton.next_power_of_2(head_dim))
     block_n = max(16, triton.next_power_of_2(d_state))
     # Defaults timed on the H200 (``prefill_kernels.json``, 8B layer: head_dim 64, state
@@ -477,26 +464,23 @@ def ssd_scan_two_pass(
         HAS_INIT=initial_states is not None, CLAMP=time_step_limit is not None,
         HAS_UNCLAMPED=unclamped is not None, HAS_STARTS=starts is not None,
         READ_SLOTS=_reads_slots(states), OUT_EVERY=out_chunk // CHUNK, num_warps=state_warps,
-        PREFETCH=prefetch, **_stages(state_stages), **products,
+        PREFETCH=prefetch, HALVES=halves, **products,
     )
     _output_pass(x, A, B, C, D, cu_seqlens, first_chunk, chunk_seq, chunk_slot, states,
                  chunk_states, dt_out, y, out_chunk, block_p, num_warps, products,
-                 scores=scores, state_first=state_first, stages=stages)
+                 halves=halves)
     return y, dt_out
 
 
-def _stages(stages: int | None) -> dict:
-    """A launch's ``num_stages`` keyword, or none (Triton's default)."""
-    return {} if stages is None else {"num_stages": stages}
-
-
-def _scratch(x, B, cu_seqlens, chunk_slot, cu_seqlens_cpu, first_chunk, out_chunk):
+def _scratch(x, B, cu_seqlens, chunk_slot, cu_seqlens_cpu, first_chunk, out_chunk,
+             halves=False):
     """What the passes of a chunked scan share, from host-known shapes (no host read when
     ``first_chunk`` is given): ``(first_chunk, chunk_seq, chunk_states)``, the first flat
     chunk of every row (computed from ``cu_seqlens_cpu`` or ``cu_seqlens`` when None), the
-    row of every flat chunk, and the uninitialised float32 scratch of chunk states
-    ``[chunks, H, P, N]`` (``chunks``: ``chunk_slot``'s length). Checks ``out_chunk`` and
-    the chunk count (at most 65,535: a grid axis)."""
+    row of every flat chunk, and the uninitialised scratch of chunk states: float32
+    ``[chunks, H, P, N]`` (``chunks``: ``chunk_slot``'s length), or with ``halves``
+    ``[2 chunks, H, P, N]`` in ``x``'s 16-bit dtype (:func:`_store_scratch`). Checks
+    ``out_chunk`` and the chunk count (at most 65,535: a grid axis)."""
     chunks = chunk_slot.shape[0]
     tokens, heads, head_dim = x.shape
     if out_chunk not in (CHUNK, 2 * CHUNK):
@@ -514,8 +498,12 @@ def _scratch(x, B, cu_seqlens, chunk_slot, cu_seqlens_cpu, first_chunk, out_chun
     chunk_seq = torch.searchsorted(
         first_chunk[1:], torch.arange(chunks, dtype=first_chunk.dtype, device=x.device),
         right=True)
-    chunk_states = torch.empty(chunks, heads, head_dim, B.shape[2], dtype=torch.float32,
-                               device=x.device)
+    if halves:
+        chunk_states = torch.empty(2 * chunks, heads, head_dim, B.shape[2], dtype=x.dtype,
+                                   device=x.device)
+    else:
+        chunk_states = torch.empty(chunks, heads, head_dim, B.shape[2], dtype=torch.float32,
+                                   device=x.device)
     return first_chunk, chunk_seq, chunk_states
 
 
@@ -536,12 +524,11 @@ def _products(split: bool, precision: str) -> dict:
 
 def _output_pass(x, A, B, C, D, cu_seqlens, first_chunk, chunk_seq, chunk_slot, states,
                  chunk_states, dt_out, y, out_chunk, block_p, num_warps, products, *,
-                 scores=False, state_first=False, stages=None):
+                 halves=False):
     """Launch the output pass (:func:`_ssd_output_kernel`) over every output chunk: it
-    writes ``y`` from the incoming states (their slots or ``chunk_states``) and
-    ``dt_out``. ``block_p`` / ``num_warps``: its tile and warps (None: 64 and 4);
-    ``scores``, ``state_first``, ``stages``: as :func:`ssd_scan_two_pass` has them (the
-    scores pass launched first when asked)."""
+    writes ``y`` from the incoming states (their slots or ``chunk_states``, a scratch of
+    halves with ``halves``) and ``dt_out``. ``block_p`` / ``num_warps``: its tile and
+    warps (None: 64 and 4)."""
     tokens, heads, head_dim = x.shape
     groups, d_state = B.shape[1], B.shape[2]
     chunks = chunk_slot.shape[0]
@@ -551,23 +538,13 @@ def _output_pass(x, A, B, C, D, cu_seqlens, first_chunk, chunk_seq, chunk_slot, 
     # registers, 40 bytes spilled (32 wide: 194 and none, but C B^T twice; 5.37 ms).
     block_p = max(16, min(block_p or 64, max(16, triton.next_power_of_2(head_dim))))
     block_n = max(16, triton.next_power_of_2(d_state))
-    every = out_chunk // CHUNK
-    cb = chunk_states  # a placeholder pointer where no scores pass runs
-    if scores:
-        q = out_chunk
-        cb = torch.empty(chunks, groups, q, q, dtype=torch.float32, device=x.device)
-        _ssd_chunk_scores_kernel[(groups, chunks)](
-            B, B.stride(0), B.stride(1), C, C.stride(0), C.stride(1),
-            cu_seqlens, first_chunk, chunk_seq, cb, groups, d_state,
-            CHUNK=CHUNK, OUT_EVERY=every, BLOCK_N=block_n, num_warps=4, **products,
-        )
     _ssd_output_kernel[(heads * triton.cdiv(head_dim, block_p), chunks)](
         x, x.stride(0), x.stride(1), A, D if D is not None else A,
         B, B.stride(0), B.stride(1), C, C.stride(0), C.stride(1),
-        cu_seqlens, first_chunk, chunk_seq, chunk_slot, states, chunk_states, cb, dt_out, y,
-        heads, head_dim, d_state, heads // groups, groups,
-        CHUNK=CHUNK, OUT_EVERY=every, BLOCK_P=block_p, BLOCK_N=block_n,
+        cu_seqlens, first_chunk, chunk_seq, chunk_slot, states, chunk_states, dt_out, y,
+        heads, head_dim, d_state, heads // groups,
+        CHUNK=CHUNK, OUT_EVERY=out_chunk // CHUNK, BLOCK_P=block_p, BLOCK_N=block_n,
         HAS_D=D is not None,
-        READ_SLOTS=_reads_slots(states), SCORES=scores, STATE_FIRST=state_first,
-        num_warps=num_warps or 4, **_stages(stages), **products,
+        READ_SLOTS=_reads_slots(states), HALVES=halves,
+        num_warps=num_warps or 4, **products,
     )

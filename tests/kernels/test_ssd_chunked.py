@@ -46,19 +46,16 @@ LIMIT = (0.05, 0.9)
 # pass over chunks of 128 tokens (the state passes still store every 64).
 SCANS = {"fused": (ssd_scan_fused, 1), "two_pass": (ssd_scan_two_pass, 2),
          "two_pass_128": (functools.partial(ssd_scan_two_pass, out_chunk=2 * CHUNK), 2),
-         # The same arithmetic in its other forms: operands one chunk ahead, the group's
-         # scores in a pass of their own, the state's part first (one more launch).
-         "two_pass_forms": (functools.partial(ssd_scan_two_pass, prefetch=True, scores=True,
-                                              state_first=True), 3),
-         "two_pass_forms_128": (functools.partial(ssd_scan_two_pass, prefetch=True,
-                                                  scores=True, state_first=True,
-                                                  out_chunk=2 * CHUNK), 3),
+         # The same arithmetic in its other form: operands loaded in their chunk, the
+         # scratch in float32 (the defaults: one chunk ahead, halves for 16-bit inputs).
+         "two_pass_plain": (functools.partial(ssd_scan_two_pass, prefetch=False,
+                                              halves=False), 2),
          "chunk_states": (ssd_scan_chunk_states, 3),
          "chunk_states_128": (functools.partial(ssd_scan_chunk_states, out_chunk=2 * CHUNK),
                               3)}
 # The scans with a scratch of chunk states read by the two-pass scan's output pass.
 SCRATCH_SCANS = {"two_pass": ssd_scan_two_pass, "chunk_states": ssd_scan_chunk_states,
-                 "two_pass_forms": SCANS["two_pass_forms"][0]}
+                 "two_pass_plain": SCANS["two_pass_plain"][0]}
 # The "_128" scans are their kernels on another tile: they run by default where the
 # output tile is what the test is about, ``slow`` where they repeat their path.
 slow = pytest.mark.slow
@@ -256,20 +253,24 @@ def test_kernel_casts_bf16_inputs_in_registers(name):
 
 
 @interpreted
-def test_two_pass_outputs_in_a_16_bit_dtype_are_the_float32_outputs_cast():
-    """``y_dtype``: the store casts the float32 outputs, nothing else changes."""
+@pytest.mark.parametrize("states_dtype", [torch.float32, torch.bfloat16])
+def test_two_pass_forms_give_the_same_bits(states_dtype):
+    """bf16 inputs: the default two-pass scan (operands one chunk ahead, the scratch as
+    16-bit halves; float32 pages read from their slots) computes what the plain form
+    does, bit for bit: the same products of the same halves."""
     g = torch.Generator().manual_seed(_seed())
-    case = ([70, 3], 4, 16, 2, 16, True, True, LIMIT, True, 16)
+    case = ([130, 3, 64], 4, 16, 2, 16, True, True, LIMIT, True, 16)
     args, kwargs, block_p, states, _, _, _ = _run_both(case, g, torch.bfloat16)
+    states = states.to(states_dtype)
     tiles = _tiles("two_pass", block_p)
-    y32, dt32 = ssd_scan_two_pass(*args, states, **kwargs, **tiles)
-    s32 = states.clone()
-    y16, dt16 = ssd_scan_two_pass(*args, states, **kwargs, **tiles, y_dtype=torch.bfloat16)
-    assert y16.dtype == torch.bfloat16
-    # Within one bf16 step of the float32 outputs (the interpreter's cast truncates, the
-    # GPU's rounds to nearest).
-    torch.testing.assert_close(y16.float(), y32, rtol=2.0**-7, atol=0.0)
-    assert torch.equal(dt16, dt32) and torch.equal(states.nan_to_num(7.0), s32.nan_to_num(7.0))
+    got = {}
+    for form in ({}, {"prefetch": False, "halves": False}, {"halves": False}):
+        out = states.clone()
+        y, dt_out = ssd_scan_two_pass(*args, out, **kwargs, **tiles, **form)
+        got[str(form)] = (y, dt_out, out.nan_to_num(7.0))
+    first, *rest = got.values()
+    for other in rest:
+        assert all(torch.equal(a, b) for a, b in zip(first, other))
 
 
 @interpreted
