@@ -131,18 +131,14 @@ FULL = dict(heads=128, head_dim=64, groups=8, d_state=128, conv_dim=10240, d_con
             # Its output pass over 128-token chunks: (output block_p, its warps).
             chunk_states_128_variants=((32, 8), (64, 8)),
             # The two-pass scan in its forms (its keywords; ``--forms`` times these
-            # alone): the default (operands one chunk ahead, the scratch as halves),
-            # the scratch in float32, both off (the form before), the output pass's
-            # tiles and chunks again with the halves' fewer registers, and state-pass
-            # tiles again with its operands loaded ahead.
+            # alone): the default (operands one chunk ahead, the scratch as halves,
+            # state tiles of 64 x 64 for many rows), the scratch in float32, both off,
+            # the previous state tile with and without halves, the new one at 8 warps.
             two_pass_forms=(
                 {}, {"halves": False}, {"prefetch": False, "halves": False},
-                {"num_warps": 8}, {"block_p": 32}, {"block_p": 32, "num_warps": 8},
-                {"out_chunk": 128, "block_p": 32, "num_warps": 8},
-                {"out_chunk": 128, "num_warps": 8},
-                {"state_block_p": 64, "state_block_n": 64},
-                {"state_block_p": 16, "state_block_n": 128},
-                {"state_block_p": 32, "state_block_n": 128, "state_warps": 8},
+                {"state_block_p": 32, "state_block_n": 64},
+                {"state_block_p": 32, "state_block_n": 64, "halves": False},
+                {"state_block_p": 64, "state_block_n": 64, "state_warps": 8},
             ),
             # One-launch scan: (block_p, warps, precision).
             ssd_variants=((64, 8, "split"), (32, 4, "split"), (64, 8, "tf32")),

@@ -270,6 +270,10 @@ class KernelPolicy:
       fla-core's scan (groups expanded to heads, float32 copies of the inputs: the
       comparison point). Otherwise rows go one by one (the oracle).
     - ``norms``: the RMS norms.
+    - ``activations``: the MLP layers' pointwise activation where a kernel fuses it
+      (``relu2``: one in-place pass, :mod:`hybridserve.kernels.activations`; the torch
+      twin takes two); ``"reference"`` (the default until an H200 has run its `gpu`
+      test), ``"auto"`` or ``"triton"``.
     - ``moe``: the routed experts of mixture-of-experts layers (grouped kernels or the
       per-expert loop).
     - ``gdn_rows``: Gated DeltaNet steps that are not uniform decode steps: ``"auto"``,
@@ -376,6 +380,7 @@ class KernelPolicy:
     max_short_tokens: int = 512
     packed_prefill: str = "auto"
     norms: str = "auto"
+    activations: str = "reference"
     moe: str = "auto"
     gdn_rows: str = "auto"
     gdn_chunk: int = 64
@@ -397,7 +402,8 @@ class KernelPolicy:
                 raise ValueError(
                     f"kernel_policy.{name}={getattr(self, name)!r}: choose from ('auto', 'on', 'off')"
                 )
-        for name in ("decode_attention", "prefill_attention", "norms", "moe", "sampler"):
+        for name in ("decode_attention", "prefill_attention", "norms", "activations", "moe",
+                     "sampler"):
             value = getattr(self, name)
             if value not in KERNEL_MODES:
                 raise ValueError(f"kernel_policy.{name}={value!r}: choose from {KERNEL_MODES}")

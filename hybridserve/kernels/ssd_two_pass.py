@@ -437,14 +437,15 @@ def ssd_scan_two_pass(
                                                     halves)
     width = max(16, triton.next_power_of_2(head_dim))
     block_n = max(16, triton.next_power_of_2(d_state))
-    # Defaults timed on the H200 (``prefill_kernels.json``, 8B layer: head_dim 64, state
-    # 128, bf16 inputs). The state pass walks its row's chunks in order, so its programs
-    # are heads x tiles x rows: with many rows, small tiles at 4 warps (32 x 64: 3.90 ms
-    # for 8 x 4,096 against 5.07 at 32 x 128 / 8 warps); with few rows, one tile of the
-    # whole state at 8 warps (64 x 128: 1.30 ms for 1 x 8,192 against 1.55 at 32 x 64;
-    # it spills 232 bytes a thread and still wins).
+    # Defaults timed on the H200 (``prefill_kernels.json``, ``prefill_ssd_forms.json``;
+    # 8B layer: head_dim 64, state 128, bf16 inputs). The state pass walks its row's
+    # chunks in order, so its programs are heads x tiles x rows: with many rows, tiles of
+    # 64 x 64 at 4 warps (with the operands loaded ahead: 1.57 ms a call for 8 x 4,096
+    # against 1.81 at 32 x 64, the previous default, and 2.6 at 16 x 128 and 32 x 128 / 8
+    # warps); with few rows, one tile of the whole state at 8 warps (64 x 128: 0.44 ms
+    # for 1 x 8,192 against 0.73 at 64 x 64).
     many_rows = seqs * heads >= STATE_PASS_MANY_PROGRAMS
-    state_block_p = max(16, min(state_block_p or (32 if many_rows else 64), width))
+    state_block_p = max(16, min(state_block_p or 64, width))
     state_block_n = max(16, min(state_block_n or (64 if many_rows else 128), block_n))
     state_warps = state_warps or (4 if many_rows else 8)
     unclamped, dt_min, dt_max = _dt_limits(unclamped, time_step_limit)

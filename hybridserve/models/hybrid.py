@@ -95,7 +95,7 @@ class DecoderLayer(nn.Module):
             self.add_module(names.mlp_mixer, MoEBlock(hidden, config.moe, policy))
         else:
             self._mixer = names.mlp_mixer
-            self.add_module(names.mlp_mixer, build_mlp(hidden, config.mlp))
+            self.add_module(names.mlp_mixer, build_mlp(hidden, config.mlp, policy.activations))
         self.has_mlp = config.layer_has_dense_mlp(index)
         self.has_moe = self.kind != MOE and index in config.moe_layers
         if self.has_moe and names.moe is None:
@@ -103,7 +103,7 @@ class DecoderLayer(nn.Module):
         if self.has_mlp or self.has_moe:
             self.add_module(names.post_norm, build_norm(config, hidden, policy))
         if self.has_mlp:
-            self.add_module(names.mlp, build_mlp(hidden, config.mlp))
+            self.add_module(names.mlp, build_mlp(hidden, config.mlp, policy.activations))
         if self.has_moe:
             self.add_module(names.moe, MoEBlock(hidden, config.moe, policy))
 
