@@ -272,8 +272,8 @@ class KernelPolicy:
     - ``norms``: the RMS norms.
     - ``activations``: the MLP layers' pointwise activation where a kernel fuses it
       (``relu2``: one in-place pass, :mod:`hybridserve.kernels.activations`; the torch
-      twin takes two); ``"reference"`` (the default until an H200 has run its `gpu`
-      test), ``"auto"`` or ``"triton"``.
+      twin takes two): ``"auto"`` (CUDA tensors; its `gpu` test gave the twin's bits on
+      the H200, ``gpu_tests_6d5fa44.txt``), ``"triton"`` or ``"reference"``.
     - ``moe``: the routed experts of mixture-of-experts layers (grouped kernels or the
       per-expert loop).
     - ``gdn_rows``: Gated DeltaNet steps that are not uniform decode steps: ``"auto"``,
@@ -380,7 +380,7 @@ class KernelPolicy:
     max_short_tokens: int = 512
     packed_prefill: str = "auto"
     norms: str = "auto"
-    activations: str = "reference"
+    activations: str = "auto"
     moe: str = "auto"
     gdn_rows: str = "auto"
     gdn_chunk: int = 64
