@@ -38,6 +38,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hybridserve.cache.host_tier import HostStatePool
@@ -59,6 +60,26 @@ from hybridserve.step import (
     Transfers,
     kv_slot,
 )
+
+# Rows of at least this many tokens build their positions and slots in numpy: below it a
+# decode or verify row's few tokens are faster as Python ints.
+_VECTOR_ROW = 64
+
+
+def _merge_long_rows(positions: list[int], slots: list[int],
+                     long_rows: list[tuple[int, np.ndarray, np.ndarray]]
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """The step's positions and slots in row order: the short rows' Python ints with each
+    long row's arrays inserted at its place (``at``: how many short-row tokens come
+    before it)."""
+    pos_parts, slot_parts, done = [], [], 0
+    for at, pos, slot in long_rows:
+        pos_parts += [np.asarray(positions[done:at], dtype=np.int64), pos]
+        slot_parts += [np.asarray(slots[done:at], dtype=np.int64), slot]
+        done = at
+    pos_parts.append(np.asarray(positions[done:], dtype=np.int64))
+    slot_parts.append(np.asarray(slots[done:], dtype=np.int64))
+    return np.concatenate(pos_parts), np.concatenate(slot_parts)
 
 
 @dataclass
@@ -161,6 +182,7 @@ class ModelRunner:
         query_start = [0]
         num_computed, context_lens, state_in = [], [], []
         out_row, out_off, out_page = [], [], []
+        long_rows: list[tuple[int, np.ndarray, np.ndarray]] = []  # (at, positions, slots)
         max_blocks = max((len(r.request.block_ids) for r in sched.rows), default=1)
         tables = torch.full((len(sched.rows), max(max_blocks, 1)), -1, dtype=torch.int32)
         for i, row in enumerate(sched.rows):
@@ -168,9 +190,17 @@ class ModelRunner:
             n, q = row.num_computed, row.num_tokens
             toks = req.all_token_ids[n : n + q - row.num_drafts] + req.draft_token_ids[: row.num_drafts]
             ids += toks
-            for pos in range(n, n + q):
-                positions.append(pos)
-                slots.append(kv_slot(req.block_ids, pos, bs))
+            if q >= _VECTOR_ROW:
+                # A prefill chunk: its positions and slots in numpy (kv_slot's arithmetic
+                # for every position at once), not a Python call per token.
+                pos = np.arange(n, n + q, dtype=np.int64)
+                long_rows.append((len(positions), pos,
+                                  np.asarray(req.block_ids, dtype=np.int64)[pos // bs] * bs
+                                  + pos % bs))
+            else:
+                for pos in range(n, n + q):
+                    positions.append(pos)
+                    slots.append(kv_slot(req.block_ids, pos, bs))
             query_start.append(query_start[-1] + q)
             num_computed.append(n)
             context_lens.append(n + q)
@@ -180,6 +210,8 @@ class ModelRunner:
                 out_row.append(i)
                 out_off.append(p - 1 - n)
                 out_page.append(page)
+        if long_rows:
+            positions, slots = _merge_long_rows(positions, slots, long_rows)
         # Ids, positions and slots travel in one transfer, the block table in another.
         input_ids, positions_d, slots_d = upload_lists(
             [ids, positions, slots], torch.long, self.device
