@@ -175,29 +175,45 @@ class StateCache:
         ckpt = Checkpoint(page, length, tuple(prefix_hashes), self.clock)
         self.checkpoints[key] = ckpt
         self._emit("checkpoint_admitted", key, ckpt)
-        for h in prefix_hashes:
-            self._dependents.setdefault(h, set()).add(key)
+        # A checkpoint of a long prompt depends on every one of its blocks (504 of them
+        # at 8k tokens): no setdefault, whose default set would be built for each one.
+        deps = self._dependents
+        for h in ckpt.prefix_hashes:
+            keys = deps.get(h)
+            if keys is None:
+                deps[h] = {key}
+            else:
+                keys.add(key)
         self.num_admitted += 1
         return True
 
     def _remove(self, key: int, kind: str = "checkpoint_dropped") -> None:
         ckpt = self.checkpoints.pop(key)
         self._emit(kind, key, ckpt)
+        dependents = self._dependents
         for h in ckpt.prefix_hashes:
-            deps = self._dependents.get(h)
+            deps = dependents.get(h)
             if deps is not None:
                 deps.discard(key)
                 if not deps:
-                    del self._dependents[h]
+                    del dependents[h]
         self.release([ckpt.page])
 
     def _evict_lru(self) -> None:
         # Candidates: checkpoints whose page nobody else holds (evicting them frees a
         # page); if there are none, any checkpoint.
-        keys = [k for k, c in self.checkpoints.items() if self.ref_count[c.page] == 1]
-        keys = keys or list(self.checkpoints)
-        key = eviction_victim(keys, [self.checkpoints[k].length for k in keys],
-                              self.eviction_policy, self.flops_saved, self.alpha)
+        ref = self.ref_count
+        if self.eviction_policy == "lru":
+            # eviction_victim's lru rule (the first candidate) without listing every
+            # candidate: an admission into a full index evicts on every admission.
+            key = next((k for k, c in self.checkpoints.items() if ref[c.page] == 1), None)
+            if key is None:
+                key = next(iter(self.checkpoints))
+        else:
+            keys = [k for k, c in self.checkpoints.items() if ref[c.page] == 1]
+            keys = keys or list(self.checkpoints)
+            key = eviction_victim(keys, [self.checkpoints[k].length for k in keys],
+                                  self.eviction_policy, self.flops_saved, self.alpha)
         if self.on_evict is not None:
             self.on_evict(key, self.checkpoints[key])
         self._remove(key, "checkpoint_evicted")
