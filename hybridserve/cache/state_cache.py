@@ -153,6 +153,19 @@ class StateCache:
             self._emit("checkpoint_used", key, ckpt)
         return ckpt
 
+    def touch(self, keys: Sequence[int]) -> None:
+        """:meth:`lookup` of each of ``keys`` (all in the index), in their order: a
+        prefix hit marks every checkpoint on its path (126 of them on an 8k-token
+        prompt's grid), in one pass."""
+        checkpoints, sink = self.checkpoints, self.event_sink
+        for key in keys:
+            checkpoints.move_to_end(key)
+            self.clock += 1
+            ckpt = checkpoints[key]
+            ckpt.last_used = self.clock
+            if sink is not None:
+                sink(CacheEvent("checkpoint_used", key, ckpt.length, ckpt.last_used, self.clock))
+
     def _emit(self, kind: str, key: int, ckpt: Checkpoint) -> None:
         if self.event_sink is not None:
             self.event_sink(CacheEvent(kind, key, ckpt.length, ckpt.last_used, self.clock))

@@ -208,17 +208,26 @@ class Scheduler:
         bs = self.block_size
         hit_blocks: list[int] = []
         best_len, best_page, host_key = 0, -1, None
+        # BlockPool.lookup and the indexes' has() inline: this runs once per block of
+        # the prompt (504 of them for an 8k-token prompt's cached prefix).
+        index, blocks = self.blocks.hash_to_block, self.blocks.blocks
+        device, host = self.states.checkpoints, self.host.checkpoints
+        path: list[int] = []  # the device checkpoints on the hit path, shallowest first
         for i, h in enumerate(hashes):
-            block_id = self.blocks.lookup(h, tokens[i * bs : (i + 1) * bs])
-            if block_id is None:
+            block_id = index.get(h)
+            if block_id is None or blocks[block_id].token_ids != tuple(tokens[i * bs : (i + 1) * bs]):
                 break
             hit_blocks.append(block_id)
-            if self.states.has(h):
+            if h in device:
                 best_len = (i + 1) * bs
-                best_page = (self.states.lookup(h) if touch else self.states.checkpoints[h]).page
+                path.append(h)
                 host_key = None
-            elif self.host.has(h):
+            elif h in host:
                 host_key = h
+        if path:
+            best_page = device[path[-1]].page
+            if touch:
+                self.states.touch(path)
         return best_len, hit_blocks[: best_len // bs], best_page, len(hit_blocks) * bs, host_key
 
     def predict_hit(self, req: Request) -> int:

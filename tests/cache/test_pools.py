@@ -169,6 +169,28 @@ def test_a_lookup_protects_its_checkpoint_from_the_next_eviction(policy):
     assert _evict_one(sc) == 3
 
 
+def test_touching_a_path_is_a_lookup_of_each_of_its_checkpoints_in_order():
+    """StateCache.touch (a prefix hit's walk): the LRU order, clock, last-used stamps and
+    events of one lookup per key, in the keys' order."""
+    caches, events = [], []
+    for _ in range(2):
+        sc = _cache_with([16, 32, 48, 64])
+        sink = []
+        sc.event_sink = sink.append
+        caches.append(sc)
+        events.append(sink)
+    for key in (3, 1, 4):
+        caches[0].lookup(key)
+    caches[1].touch([3, 1, 4])
+    a, b = caches
+    assert list(a.checkpoints) == list(b.checkpoints) == [2, 3, 1, 4]
+    assert a.clock == b.clock
+    assert [c.last_used for c in a.checkpoints.values()] == [
+        c.last_used for c in b.checkpoints.values()]
+    assert events[0] == events[1] and len(events[0]) == 3
+    assert _evict_one(a) == _evict_one(b) == 2
+
+
 def test_block_pool_integrity_rejects_writes_to_shared_or_indexed_blocks():
     pool = BlockPool(num_blocks=4, block_size=2)
     a, b = pool.allocate(2)
