@@ -36,6 +36,16 @@ def chain_hash(parent: int | None, token_ids: Sequence[int], extra_key: object =
     return hash(key if extra_key is None else (*key, extra_key))
 
 
+def extend_hashes(hashes: list[int], token_ids: Sequence[int], block_size: int, num_blocks: int) -> None:
+    """Append to ``hashes`` (the chained hashes of the first full blocks of ``token_ids``,
+    no extra key) those of the next ones, up to ``num_blocks`` in all: :func:`chain_hash`
+    of each, inline (an 8k-token prompt has 512 blocks to hash)."""
+    parent = hashes[-1] if hashes else -1
+    for start in range(len(hashes) * block_size, num_blocks * block_size, block_size):
+        parent = hash((parent, tuple(token_ids[start : start + block_size])))
+        hashes.append(parent)
+
+
 def block_hashes(
     token_ids: Sequence[int], block_size: int, extra_key: object = None, limit: int | None = None
 ) -> list[int]:

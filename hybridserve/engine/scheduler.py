@@ -45,7 +45,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from hybridserve.cache.block_pool import BlockPool, chain_hash
+from hybridserve.cache.block_pool import BlockPool, extend_hashes
 from hybridserve.cache.host_tier import HostCheckpointIndex
 from hybridserve.cache.state_cache import StateCache
 from hybridserve.config import CacheConfig, SchedulerConfig
@@ -677,12 +677,9 @@ class Scheduler:
 
     def _hashes(self, req: Request, num_blocks: int) -> list[int]:
         """The chained hashes of ``req``'s first ``num_blocks`` full blocks (cached)."""
-        bs = self.block_size
         hashes = req.block_hashes
-        tokens = req.all_token_ids
-        while len(hashes) < num_blocks:
-            i = len(hashes)
-            hashes.append(chain_hash(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs]))
+        if len(hashes) < num_blocks:
+            extend_hashes(hashes, req.all_token_ids, self.block_size, num_blocks)
         return hashes[:num_blocks]
 
     def _register_full_blocks(self, req: Request) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridserve.cache.block_pool import BlockPool, block_hashes
+from hybridserve.cache.block_pool import BlockPool, block_hashes, chain_hash, extend_hashes
 from hybridserve.cache.state_cache import StateCache
 
 
@@ -49,6 +49,23 @@ def test_chained_hash_depends_on_the_whole_prefix():
     assert a[1] != b[1]  # same second block, different parent
     assert block_hashes([1, 2, 3, 4], 2, extra_key="lora-1")[0] != a[0]
     assert block_hashes([1, 2, 3], 2) == a[:1]  # partial blocks are not hashed
+
+
+def test_extended_hashes_are_the_chained_hashes():
+    """extend_hashes (the scheduler's, inline) computes chain_hash's chain, from scratch
+    or from a prefix already hashed, and leaves a partial block unhashed."""
+    toks = list(range(100, 137))
+    chain, parent = [], None
+    for start in range(0, 36, 4):
+        parent = chain_hash(parent, toks[start : start + 4])
+        chain.append(parent)
+    assert chain == block_hashes(toks, 4)
+    whole: list[int] = []
+    extend_hashes(whole, toks, 4, 9)
+    assert whole == chain
+    part = chain[:3]
+    extend_hashes(part, toks, 4, 5)
+    assert part == chain[:5]
 
 
 def test_state_cache_checkpoint_lifecycle():
