@@ -179,26 +179,59 @@ class StateCache:
         The index takes its own reference on ``page``. Returns False (taking nothing)
         if that prefix already has a checkpoint or the budget is zero.
         """
-        if self.checkpoint_budget <= 0 or key in self.checkpoints:
-            return False
-        if len(self.checkpoints) >= self.checkpoint_budget:
-            self._evict_lru()
-        self.incref(page)
-        self.clock += 1
-        ckpt = Checkpoint(page, length, tuple(prefix_hashes), self.clock)
-        self.checkpoints[key] = ckpt
-        self._emit("checkpoint_admitted", key, ckpt)
-        # A checkpoint of a long prompt depends on every one of its blocks (504 of them
-        # at 8k tokens): no setdefault, whose default set would be built for each one.
+        return self.admit_all([(key, length, page, prefix_hashes)])[0]
+
+    def admit_all(self, entries: Sequence[tuple[int, int, int, Sequence[int]]]) -> list[bool]:
+        """:meth:`admit` of each ``(key, length, page, prefix_hashes)``, in order; their
+        results. A prefill row admits several checkpoints along one prompt (a grid
+        point, the prompt's end, its last block boundary): their prefixes, 500 blocks
+        each at 8k tokens, enter the dependency map in one pass."""
+        results, admitted = [], []
+        for key, length, page, prefix_hashes in entries:
+            if self.checkpoint_budget <= 0 or key in self.checkpoints:
+                results.append(False)
+                continue
+            if len(self.checkpoints) >= self.checkpoint_budget:
+                self._evict_lru()
+            self.incref(page)
+            self.clock += 1
+            ckpt = Checkpoint(page, length, tuple(prefix_hashes), self.clock)
+            self.checkpoints[key] = ckpt
+            self._emit("checkpoint_admitted", key, ckpt)
+            self.num_admitted += 1
+            results.append(True)
+            admitted.append((key, ckpt))
+        # The map is read only by removals: an admission of the batch evicted by a later
+        # one (its _remove found nothing of its own to drop) enters it not at all.
+        live = [(key, ckpt.prefix_hashes) for key, ckpt in admitted
+                if self.checkpoints.get(key) is ckpt]
+        if live:
+            self._add_dependents(live)
+        return results
+
+    def _add_dependents(self, live: list[tuple[int, tuple[int, ...]]]) -> None:
+        """Record each ``(key, prefix_hashes)`` under every hash of its prefix. Prefixes
+        along one path (each the start of the longest) are walked once: every hash
+        takes the keys whose prefix covers it, in one update (no setdefault either,
+        whose default set would be built for every hash)."""
+        live.sort(key=lambda kp: len(kp[1]), reverse=True)
+        longest = live[0][1]
+        if any(prefix != longest[: len(prefix)] for _, prefix in live[1:]):
+            for one in live:
+                self._add_dependents([one])
+            return
         deps = self._dependents
-        for h in ckpt.prefix_hashes:
-            keys = deps.get(h)
-            if keys is None:
-                deps[h] = {key}
-            else:
-                keys.add(key)
-        self.num_admitted += 1
-        return True
+        keys = [key for key, _ in live]
+        bounds = [len(prefix) for _, prefix in live] + [0]
+        # Hashes [bounds[j + 1], bounds[j]) are covered by the j + 1 longest prefixes.
+        for j in range(len(live) - 1, -1, -1):
+            cover = keys[: j + 1]
+            for h in longest[bounds[j + 1] : bounds[j]]:
+                held = deps.get(h)
+                if held is None:
+                    deps[h] = set(cover)
+                else:
+                    held.update(cover)
 
     def _remove(self, key: int, kind: str = "checkpoint_dropped") -> None:
         ckpt = self.checkpoints.pop(key)

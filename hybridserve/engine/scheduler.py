@@ -600,11 +600,14 @@ class Scheduler:
         req = row.request
         end = row.num_computed + row.num_tokens
         kept_boundary = -1
+        admits = []
         for p, page in sorted(row.state_outputs.items()):
             if self._checkpoint_worthy(req, p):
-                self._admit_checkpoint(req, p, page)
+                admits.append(self._checkpoint_entry(req, p, page))
             if self._keeps_boundary() and p % self.block_size == 0:
                 kept_boundary = p
+        # In order, in one call: their prefixes overlap (StateCache.admit_all).
+        self.states.admit_all([a for a in admits if a is not None])
         self._advance(req, end, row.state_outputs[end], row.state_outputs.get(kept_boundary, -1), kept_boundary)
         self.states.release(list(row.state_outputs.values()))
         row.settled = True
@@ -666,10 +669,17 @@ class Scheduler:
         self._register_full_blocks(req)
 
     def _admit_checkpoint(self, req: Request, p: int, page: int) -> None:
+        entry = self._checkpoint_entry(req, p, page)
+        if entry is not None:
+            self.states.admit(*entry)
+
+    def _checkpoint_entry(self, req: Request, p: int, page: int) -> tuple | None:
+        """The :meth:`StateCache.admit` arguments of ``req``'s checkpoint at ``p`` in
+        ``page``; None when there is none to admit."""
         if p > req.num_tokens:
-            return  # tokens of that prefix were dropped (a stop cut the accepted drafts)
+            return None  # tokens of that prefix were dropped (a stop cut the accepted drafts)
         hashes = self._hashes(req, p // self.block_size)
-        self.states.admit(hashes[-1], p, page, hashes)
+        return hashes[-1], p, page, hashes
 
     def _admit_boundary_checkpoint(self, req: Request) -> None:
         if req.boundary_page >= 0 and req.boundary_len <= req.num_computed_tokens:

@@ -208,6 +208,42 @@ def test_touching_a_path_is_a_lookup_of_each_of_its_checkpoints_in_order():
     assert _evict_one(a) == _evict_one(b) == 2
 
 
+@pytest.mark.parametrize("budget", [8, 3, 1])
+def test_admitting_a_batch_is_admitting_each_in_order(budget):
+    """StateCache.admit_all: the checkpoints, pages, clock, events and dependency map of
+    one admit() per entry, for prefixes along one path (a prefill row's), off it, a key
+    already held, and (small budgets) entries evicted by later ones of the batch."""
+    path = [11, 12, 13, 14, 15, 16]
+    batches = [
+        [(1, 32, None, path[:2])],
+        [(2, 64, None, path[:4]), (3, 96, None, path[:6]), (4, 80, None, path[:5])],
+        [(3, 96, None, path[:6]), (5, 48, None, [11, 12, 99]), (6, 16, None, [77])],
+    ]
+    caches = []
+    for batched in (False, True):
+        sc = StateCache(num_pages=16, checkpoint_budget=budget)
+        events, results = [], []
+        sc.event_sink = events.append
+        for batch in batches:
+            entries = [(k, n, sc.allocate(1)[0], hashes) for k, n, _, hashes in batch]
+            if batched:
+                results += sc.admit_all(entries)
+            else:
+                results += [sc.admit(*entry) for entry in entries]
+            sc.release([page for _, _, page, _ in entries])
+        caches.append((sc, events, results))
+    (a, ev_a, res_a), (b, ev_b, res_b) = caches
+    assert res_a == res_b and ev_a == ev_b
+    assert list(a.checkpoints.items()) == list(b.checkpoints.items())
+    assert a._dependents == b._dependents
+    assert a.ref_count == b.ref_count and a.free == b.free and a.clock == b.clock
+    assert (a.num_admitted, a.num_evicted) == (b.num_admitted, b.num_evicted)
+    b.check_integrity()
+    b.on_block_evicted(13)  # every checkpoint whose prefix has block 13 goes
+    assert all(13 not in c.prefix_hashes for c in b.checkpoints.values())
+    b.check_integrity()
+
+
 def test_block_pool_integrity_rejects_writes_to_shared_or_indexed_blocks():
     pool = BlockPool(num_blocks=4, block_size=2)
     a, b = pool.allocate(2)
