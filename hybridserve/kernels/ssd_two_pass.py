@@ -17,7 +17,9 @@ the state, and the output work is spread over every chunk:
    (x * exp(c_last - c_s) dt_s)^T B`` (``c`` the running sum of ``a = dt * A`` inside the
    chunk). The product does not depend on ``S``, so the chain between chunks is one
    scaled add. It discretises dt (writes ``dt_out``), stores the state *before* every
-   chunk to a float32 scratch ``[chunks, H, P, N]`` (what pass 2 reads), and the
+   chunk to a scratch of four-byte entries (what pass 2 reads: float32 ``[chunks, H,
+   P, N]``, or for 16-bit inputs the two 16-bit halves its product takes, ``[2 chunks,
+   H, P, N]``; :func:`_store_scratch`), and the
    requested chunk states, start states and final states to their slots, as the fused
    scan does. A chunk state that goes to a slot of float32 ``states`` (the state pages)
    skips the scratch: pass 2 reads it from its slot.

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from hybridserve.kernels import ssd_chunk_states
+from hybridserve.kernels import ssd_two_pass as ssd_two_pass_module
 from hybridserve.kernels.ssd import ssd_chunked_reference, ssd_recurrent_reference
 from hybridserve.kernels.ssd_chunk_states import (
     ssd_scan_chunk_states,
@@ -501,6 +502,45 @@ def test_ssd_prefill_stores_states_straight_into_pages(kernel):
     torch.testing.assert_close(cache[pages], want, rtol=0, atol=0)
     others = sorted(set(range(cache.shape[0])) - set(pages.tolist()))
     assert cache[others].isnan().all()
+
+
+@interpreted
+@pytest.mark.parametrize("every,halves", [(None, None), (CHUNK, False)])
+def test_ssd_prefill_takes_the_float32_scratch_where_most_chunk_states_go_to_pages(
+        every, halves, monkeypatch):
+    """bf16 inputs into float32 pages: a checkpoint on every chunk (a cold prompt's
+    grid) makes ``ssd_prefill`` ask the two-pass scan for its float32 scratch (the output
+    pass then reads those chunks' states from their pages), row ends alone leave it the
+    halves; the outputs are the same bits either way."""
+    g = torch.Generator().manual_seed(_seed())
+    lens = [200, 70]
+    qs = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    rows, offs = [], []
+    for r, n in enumerate(lens):
+        grid = list(range(every - 1, n - 1, every)) if every else []
+        rows += [r] * (len(grid) + 1)
+        offs += [*grid, n - 1]
+    x, dt, A, B, C, D, bias, init, unclamped = _step(g, lens, heads=4, head_dim=16, groups=2,
+                                                      d_state=16, dtype=torch.bfloat16)
+    A, D, bias, init = A.float(), D.float(), bias.float(), init.float()
+    segments = plan_segments(qs, rows, offs, chunk=CHUNK)
+    seen = []
+    real = ssd_two_pass_module.ssd_scan_two_pass
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("halves"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ssd_two_pass_module, "ssd_scan_two_pass", spy)
+    cache = torch.zeros(len(rows) + 2, *init.shape[1:])
+    pages = torch.arange(2, len(rows) + 2)
+    kw = dict(dt_bias=bias, time_step_limit=LIMIT, out_cache=cache, out_pages=pages)
+    y, _ = ssd_prefill(x, dt, A, B, C, D, init, segments, spy, **kw)
+    assert seen == [halves]
+    monkeypatch.setattr(ssd_two_pass_module, "ssd_scan_two_pass", real)
+    y_other, _ = ssd_prefill(x, dt, A, B, C, D, init, segments,
+                             functools.partial(real, halves=halves is False), **kw)
+    assert torch.equal(y, y_other)
 
 
 def test_ssd_prefill_fused_needs_the_raw_dt_and_the_chunk_plan():
