@@ -278,9 +278,6 @@ class _Static:
         # the twin whose copy it has not seen finish (``copied``).
         host = torch.zeros(2, max_batch, cols, dtype=torch.int64)
         self.staging = host.pin_memory() if pin else host
-        # Their numpy views, made once: every fill writes one (a tensor index and a
-        # conversion per step otherwise).
-        self._host_views = [twin.numpy() for twin in self.staging]
         self.turn = 0
         self.copied: list[torch.cuda.Event | None] = [None, None]
         # Per position, the sampler's parameter columns (sampler.PARAM_COLUMNS); a
@@ -311,7 +308,7 @@ class _Static:
     @property
     def host(self) -> np.ndarray:
         """The host twin the next fill writes (a numpy view)."""
-        return self._host_views[self.turn]
+        return self.staging[self.turn].numpy()
 
     @property
     def params_host(self) -> np.ndarray:
@@ -1165,7 +1162,8 @@ class DecodeGraphs:
         st.begin_fill()
         q, bs, h = shape.tokens, self.block_size, st.host
         tab, width = st.tables, shape.width
-        pad_slots = st.pad[2 * q : 3 * q]  # a padding row's: the scratch block's slots
+        scratch = self.scratch_block * bs
+        pad_slots = scratch + np.arange(q) % bs
         context = []
         for i, row in enumerate(sched.rows):
             req = row.request
