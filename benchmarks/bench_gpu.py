@@ -67,6 +67,7 @@ from hybridserve import LLM, SamplingParams  # noqa: E402
 from hybridserve.config import KernelPolicy, runs_triton  # noqa: E402
 from hybridserve.engine.engine_core import EngineCore, prefill_flops  # noqa: E402
 from hybridserve.kernels import (  # noqa: E402
+    activations,
     conv_varlen,
     gdn_decode,
     gdn_varlen,
@@ -1990,6 +1991,30 @@ def check_gated_rms_norm(shape, step, dtype, device, seed):
     }
 
 
+def check_relu_square(shape, step, dtype, device, seed):
+    """``relu_square_`` (relu2 in place) over an MLP activation of the step's rows against
+    its twin: the twin's bits by contract, every entry written."""
+    g, _ = _generators(seed, device)
+    rows, width = step["rows"], shape["intermediate_size"]
+    x = _randn(g, rows, width, device=device, dtype=dtype)
+    buf = torch.full_like(x, float("nan"))
+
+    def kern():
+        buf.copy_(x)
+        return activations.relu_square_(buf)
+
+    got = kern()
+    want = activations.relu_square_reference(x)
+    return {
+        "kernel": "relu_square_", "twin": "relu_square_reference",
+        "shapes": {"rows": rows, "width": width},
+        "outputs": {"out": _compared(got, want, 0.0, torch.square(torch.relu(x.double())),
+                                     _tol(dtype, 1e-7, torch.finfo(dtype).eps))},
+        "invariants": {"outputs_written": not bool(got.isnan().any())},
+        "kernel_s": kernel_time(kern, device),
+    }
+
+
 def check_state_postprocess(shape, step, dtype, device, seed):
     """``state_postprocess`` against its twin on a verify step (rows of 1 to ``verify_q``
     tokens over non-contiguous slots, about half of them crossing a grid point), into
@@ -2307,6 +2332,7 @@ KERNEL_CHECKS = [
     ("rms_norm", "norms", check_rms_norm, {}),
     ("add_rms_norm", "norms", check_add_rms_norm, {}),
     ("gated_rms_norm", "norms", check_gated_rms_norm, {}),
+    ("relu_square_", "activations", check_relu_square, {}),
     ("state_postprocess", "state_postprocess", check_state_postprocess, {}),
     ("state_copy", "state_postprocess", check_state_copy, {}),
     ("gdn_decode_update (decode)", "gdn_decode", check_gdn_decode, {"verify": False}),
