@@ -236,16 +236,18 @@ def test_kernel_independent_of_program_order(splits):
 
 
 @interpreted
-def test_tile_never_reads_keys_past_its_last_position():
+@pytest.mark.parametrize("splits", [1, 2, 5])
+def test_tile_never_reads_keys_past_its_last_position(splits):
     """A tile's result does not change when every key after its last query position is
-    replaced by NaN: the walk stops there (a long row's early tiles skip its later keys)."""
+    replaced by NaN: the walk stops there (a long row's early tiles skip its later keys),
+    and so do a split tile's splits (the later splits of an early tile walk nothing)."""
     g = torch.Generator().manual_seed(_seed())
-    prefix, q, bs = 10, 30, 4
+    prefix, q, bs, per_tile = 20, 40, 4, 16 // 2  # block_m lines over a group of 2
     queries, k_cache, v_cache, batch = _step(
         g, [(3, 5), (prefix, q), (0, 9)], 4, 2, 16, bs, torch.float32
     )
-    first = _kernel(queries, k_cache, v_cache, batch, 0.3, block_m=16, block_n=16)
-    per_tile = 16 // 2  # block_m lines over a group of 2
+    first = _kernel(queries, k_cache, v_cache, batch, 0.3, block_m=16, block_n=16,
+                    splits=splits)
     s = batch.query_start[1]
     table = batch.block_tables[1].tolist()
     for pos in range(prefix + per_tile, prefix + q):
@@ -254,11 +256,13 @@ def test_tile_never_reads_keys_past_its_last_position():
         v_cache.view(-1, 2, 16)[slot] = float("nan")
     out = torch.full_like(queries, float("nan"))
     again = paged_attention_prefill_triton(
-        queries, k_cache, v_cache, *_tile_args(batch), 0.3, block_m=16, block_n=16, out=out
+        queries, k_cache, v_cache, *_tile_args(batch), 0.3, block_m=16, block_n=16, out=out,
+        splits=splits,
     )
     assert torch.equal(again[s : s + per_tile], first[s : s + per_tile])
     assert again[s + per_tile : s + q].isnan().any()  # later tiles do see those keys
     assert torch.equal(again[:s], first[:s]) and torch.equal(again[s + q :], first[s + q :])
+
 
 
 @interpreted
@@ -337,33 +341,6 @@ def test_split_keys_match_twin_and_unsplit_race_free(
     assert len(rec.reports) == 2 and all(r.clean for r in rec.reports), str(rec.reports)
     torch.testing.assert_close(got.double(), want64, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(got, whole, rtol=2e-5, atol=2e-5)
-
-
-@interpreted
-@pytest.mark.parametrize("splits", [2, 5])
-def test_split_never_reads_keys_past_its_tile_last_position(splits):
-    """As test_tile_never_reads_keys_past_its_last_position, split: a tile's splits stop
-    at its last position too (the later splits of an early tile walk nothing there)."""
-    g = torch.Generator().manual_seed(_seed())
-    prefix, q, bs, per_tile = 20, 40, 4, 16 // 2
-    queries, k_cache, v_cache, batch = _step(g, [(3, 5), (prefix, q)], 4, 2, 16, bs,
-                                             torch.float32)
-    first = _kernel(queries, k_cache, v_cache, batch, 0.3, block_m=16, block_n=16,
-                    splits=splits)
-    s = batch.query_start[1]
-    table = batch.block_tables[1].tolist()
-    for pos in range(prefix + per_tile, prefix + q):
-        slot = table[pos // bs] * bs + pos % bs
-        k_cache.view(-1, 2, 16)[slot] = float("nan")
-        v_cache.view(-1, 2, 16)[slot] = float("nan")
-    out = torch.full_like(queries, float("nan"))
-    again = paged_attention_prefill_triton(
-        queries, k_cache, v_cache, *_tile_args(batch), 0.3, block_m=16, block_n=16, out=out,
-        splits=splits,
-    )
-    assert torch.equal(again[s : s + per_tile], first[s : s + per_tile])
-    assert again[s + per_tile : s + q].isnan().any()
-    assert torch.equal(again[:s], first[:s])
 
 
 def test_prefill_splits_rule(monkeypatch):
