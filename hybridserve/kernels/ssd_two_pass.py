@@ -312,7 +312,7 @@ def _ssd_state_pass_kernel(
         cum = tl.cumsum(a, 0)
         total = tl.sum(a, 0)
         decay, w = _step_weights(cum, total, d)
-        if PAIRS:
+        if PAIRS:  # noqa: SIM102 (a constexpr branch: compiled out without pairs)
             if pb == 0 and nb == 0 and j % 2 == 0:
                 _store_weights(weights_ptr, c, heads, h, q, decay, w, CHUNK)
         ST = _weighted_step(ST, bc, xc.to(tl.float32), decay, w, SPLIT, PRECISION, DOT16)
