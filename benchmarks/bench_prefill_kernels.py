@@ -132,13 +132,13 @@ FULL = dict(heads=128, head_dim=64, groups=8, d_state=128, conv_dim=10240, d_con
             chunk_states_128_variants=((32, 8), (64, 8)),
             # The two-pass scan in its forms (its keywords; ``--forms`` times these
             # alone): the default (operands one chunk ahead, the scratch as halves,
-            # state tiles of 64 x 64 for many rows), the scratch in float32, and the
-            # output programs over two chunks (``pairs``) at 4 and 8 warps and on
-            # 32-wide output tiles.
+            # state tiles of 64 x 64 for many rows), the scratch in float32, both off,
+            # the previous state tile with and without halves, the new one at 8 warps.
             two_pass_forms=(
-                {}, {"halves": False}, {"pairs": True}, {"pairs": True, "num_warps": 8},
-                {"pairs": True, "block_p": 32},
-                {"pairs": True, "state_block_n": 128, "state_warps": 8},
+                {}, {"halves": False}, {"prefetch": False, "halves": False},
+                {"state_block_p": 32, "state_block_n": 64},
+                {"state_block_p": 32, "state_block_n": 64, "halves": False},
+                {"state_block_p": 64, "state_block_n": 64, "state_warps": 8},
             ),
             # One-launch scan: (block_p, warps, precision).
             ssd_variants=((64, 8, "split"), (32, 4, "split"), (64, 8, "tf32")),
@@ -155,7 +155,7 @@ SMOKE = dict(heads=4, head_dim=16, groups=2, d_state=16, conv_dim=48, d_conv=4,
              two_pass_variants=((16, 4, 16, 16, 4, "ieee"),), two_pass_128_variants=((16, 4),),
              chunk_states_variants=((16, 4, 16, 16, 4, 64, 4, "ieee"),),
              chunk_states_128_variants=((16, 4),),
-             two_pass_forms=({}, {"prefetch": False, "halves": False}, {"pairs": True}),
+             two_pass_forms=({}, {"prefetch": False, "halves": False}),
              ssd_variants=((16, 4, "ieee"),),
              conv_tiles=((32, 64, None),), conv_token_walks=((16, 32, 4),))
 

@@ -339,36 +339,12 @@ def _chunk_outputs(cv, bv, xv, cum, d, ST, q, SPLIT: tl.constexpr, PRECISION: tl
 
 
 @triton.jit
-def _step_weights(cum, total, d):
-    """A chunk's state-step weights: ``(exp(total), exp(total - cum) dt)``, the decay of
-    the incoming state over the chunk and the weight of each token's input."""
-    return tl.exp(total), tl.exp(total - cum) * d
-
-
-@triton.jit
-def _weighted_local_state(bv, xf, w, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-                          DOT16: tl.constexpr):
-    """``B^T (x w)``, transposed (``xf`` the chunk's x in float32, ``w`` its tokens'
-    weights from :func:`_step_weights`)."""
-    return _dot_split(tl.trans(bv), xf * w[:, None], SPLIT, PRECISION, DOT16)
-
-
-@triton.jit
 def _local_state(bv, xf, cum, total, d, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
                  DOT16: tl.constexpr):
     """The transposed state a chunk leaves from a zero state: ``B^T (x exp(total - cum)
     dt)`` (``xf`` the chunk's x in float32)."""
-    _, w = _step_weights(cum, total, d)
-    return _weighted_local_state(bv, xf, w, SPLIT, PRECISION, DOT16)
-
-
-@triton.jit
-def _weighted_step(ST, bv, xf, decay, w, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-                   DOT16: tl.constexpr):
-    """The transposed state after a chunk from its weights (:func:`_step_weights`):
-    ``decay ST + B^T (x w)``. One expression wherever a state steps, so a state stepped
-    from stored weights has the bits of one stepped from the chunk's dt."""
-    return ST * decay + _weighted_local_state(bv, xf, w, SPLIT, PRECISION, DOT16)
+    w = tl.exp(total - cum) * d
+    return _dot_split(tl.trans(bv), xf * w[:, None], SPLIT, PRECISION, DOT16)
 
 
 @triton.jit
@@ -376,8 +352,7 @@ def _state_step(ST, bv, xf, cum, total, d, SPLIT: tl.constexpr, PRECISION: tl.co
                 DOT16: tl.constexpr):
     """The transposed state after a chunk: ``exp(total) ST + B^T (x exp(total - cum) dt)``
     (``xf`` the chunk's x in float32)."""
-    decay, w = _step_weights(cum, total, d)
-    return _weighted_step(ST, bv, xf, decay, w, SPLIT, PRECISION, DOT16)
+    return ST * tl.exp(total) + _local_state(bv, xf, cum, total, d, SPLIT, PRECISION, DOT16)
 
 
 @triton.jit

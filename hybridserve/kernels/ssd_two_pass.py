@@ -67,9 +67,8 @@ from hybridserve.kernels.ssd_chunked import (
     _inner_outputs,
     _load_state,
     _prepare,
-    _step_weights,
+    _state_step,
     _store_state,
-    _weighted_step,
     chunk_starts,
     ssd_scan_fused_reference,
 )
@@ -145,52 +144,6 @@ def _load_halves(ptr, c, heads, state_size, head_base, block, smask):
 
 
 @triton.jit
-def _store_weights(ptr, c, heads, h, q, decay, w, CHUNK: tl.constexpr):
-    """Chunk ``c``'s step weights (:func:`~hybridserve.kernels.ssd_chunked._step_weights`)
-    for head ``h``: row ``(c, h)`` of ``[chunks, heads, CHUNK + 1]`` float32, the tokens'
-    weights then the decay."""
-    row = ptr + (c * heads + h) * (CHUNK + 1)
-    tl.store(row + q, w)
-    tl.store(row + CHUNK, decay)
-
-
-@triton.jit
-def _load_weights(ptr, c, heads, h, q, CHUNK: tl.constexpr):
-    """``(decay, w)`` as :func:`_store_weights` stored them."""
-    row = ptr + (c * heads + h) * (CHUNK + 1)
-    return tl.load(row + CHUNK), tl.load(row + q)
-
-
-@triton.jit
-def _output_operands(x_ptr, x_tok_stride, x_head_stride, B_ptr, B_tok_stride, B_group_stride,
-                     C_ptr, C_tok_stride, C_group_stride, dt_out_ptr, start, eos, h, g, heads,
-                     a_rate, q, p, n, pmask, nmask):
-    """What the outputs of the chunk from token ``start`` take: ``(tm, d, cum, x, B, C)``,
-    its tokens inside the row, the state pass's discretised dt (0 past the row) and its
-    running sum times A, and the tiles in their dtypes."""
-    tm = q < eos - start
-    d = tl.load(dt_out_ptr + start * heads + h + q * heads, mask=tm, other=0.0)
-    cum = tl.cumsum(d * a_rate, 0)
-    xv = _chunk_tile(x_ptr + start * x_tok_stride + h * x_head_stride, x_tok_stride, q, p, tm,
-                     pmask)
-    bv = _chunk_tile(B_ptr + start * B_tok_stride + g * B_group_stride, B_tok_stride, q, n, tm,
-                     nmask)
-    cv = _chunk_tile(C_ptr + start * C_tok_stride + g * C_group_stride, C_tok_stride, q, n, tm,
-                     nmask)
-    return tm, d, cum, xv, bv, cv
-
-
-@triton.jit
-def _store_outputs(y_ptr, y, xv, D_ptr, start, heads, h, head_dim, q, p, tm, pmask,
-                   HAS_D: tl.constexpr):
-    """Add the D skip to a chunk's outputs ``y`` and store them from token ``start``."""
-    if HAS_D:
-        y += tl.load(D_ptr + h).to(tl.float32) * xv.to(tl.float32)
-    tl.store(y_ptr + (start * heads + h) * head_dim + (q[:, None] * (heads * head_dim) + p[None, :]),
-             y, mask=tm[:, None] & pmask[None, :])
-
-
-@triton.jit
 def _state_pass_operands(dt_ptr, dt_tok_stride, h, x_base, x_tok_stride, b_base, B_tok_stride,
                          start, q, tm, p, n, pmask, nmask):
     """The raw dt, x and B of the chunk from token ``start`` (``tm``: its tokens inside the
@@ -224,7 +177,6 @@ def _ssd_state_pass_kernel(
     starts_ptr,
     chunk_states_ptr,
     dt_out_ptr,
-    weights_ptr,
     heads,
     head_dim,
     d_state,
@@ -245,7 +197,6 @@ def _ssd_state_pass_kernel(
     DOT16: tl.constexpr,
     PREFETCH: tl.constexpr,
     HALVES: tl.constexpr,
-    PAIRS: tl.constexpr,
 ):
     # Axis 0: (head, state block: head_dim block x state block), so the programs that run
     # together read one group's B through L2; axis 1: the sequence. The update is
@@ -311,11 +262,7 @@ def _ssd_state_pass_kernel(
         a = d * a_rate
         cum = tl.cumsum(a, 0)
         total = tl.sum(a, 0)
-        decay, w = _step_weights(cum, total, d)
-        if PAIRS:  # noqa: SIM102 (a constexpr branch: compiled out without pairs)
-            if pb == 0 and nb == 0 and j % 2 == 0:
-                _store_weights(weights_ptr, c, heads, h, q, decay, w, CHUNK)
-        ST = _weighted_step(ST, bc, xc.to(tl.float32), decay, w, SPLIT, PRECISION, DOT16)
+        ST = _state_step(ST, bc, xc.to(tl.float32), cum, total, d, SPLIT, PRECISION, DOT16)
     fslot = tl.load(final_slot_ptr + s).to(tl.int64)
     if fslot >= 0:
         _store_state(states_ptr, fslot, heads, state_size, head_base, block, ST, smask)
@@ -341,7 +288,6 @@ def _ssd_output_kernel(
     states_ptr,
     chunk_states_ptr,
     dt_out_ptr,
-    weights_ptr,
     y_ptr,
     heads,
     head_dim,
@@ -354,7 +300,6 @@ def _ssd_output_kernel(
     HAS_D: tl.constexpr,
     READ_SLOTS: tl.constexpr,
     HALVES: tl.constexpr,
-    PAIRS: tl.constexpr,
     PRECISION: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT16: tl.constexpr,
@@ -373,12 +318,8 @@ def _ssd_output_kernel(
         return  # inside the output chunk of the program of chunk c - j % OUT_EVERY
     p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
     n = tl.arange(0, BLOCK_N)
-    # The output chunk: OUT_EVERY chunks from chunk c on (its row's tokens only), or with
-    # PAIRS its chunk, then the next.
-    if PAIRS:
-        q = tl.arange(0, CHUNK)
-    else:
-        q = tl.arange(0, CHUNK * OUT_EVERY)
+    # The output chunk: OUT_EVERY chunks from chunk c on (its row's tokens only).
+    q = tl.arange(0, CHUNK * OUT_EVERY)
     pmask = p < head_dim
     nmask = n < d_state
     state_size = head_dim * d_state
@@ -386,14 +327,16 @@ def _ssd_output_kernel(
     a_rate = tl.load(A_ptr + h).to(tl.float32)
     # In-chunk offsets in int32 off scalar int64 bases (registers, as in the state pass).
     start = bos + j * CHUNK
-    tm, d, cum, xv, bv, cv = _output_operands(
-        x_ptr, x_tok_stride, x_head_stride, B_ptr, B_tok_stride, B_group_stride, C_ptr,
-        C_tok_stride, C_group_stride, dt_out_ptr, start, eos, h, g, heads, a_rate, q, p, n,
-        pmask, nmask)
+    tm = q < eos - start
+    # The discretised dt of the state pass; 0 past the sequence.
+    d = tl.load(dt_out_ptr + start * heads + h + q * heads, mask=tm, other=0.0)
+    cum = tl.cumsum(d * a_rate, 0)
     # The incoming state: where the state pass put it (its slot, or the scratch), as the
     # two 16-bit halves its product takes (HALVES) or in float32.
     block = p[None, :] * d_state + n[:, None]
     smask = nmask[:, None] & pmask[None, :]
+    xv = _chunk_tile(x_ptr + start * x_tok_stride + h * x_head_stride, x_tok_stride, q, p, tm,
+                     pmask)
     if HALVES:
         if READ_SLOTS:
             slot = tl.load(chunk_slot_ptr + c).to(tl.int64)
@@ -416,29 +359,20 @@ def _ssd_output_kernel(
                                  smask)
         else:
             ST = _load_state(chunk_states_ptr, c, heads, state_size, head_base, block, smask)
+    bv = _chunk_tile(B_ptr + start * B_tok_stride + g * B_group_stride, B_tok_stride, q, n, tm,
+                     nmask)
+    cv = _chunk_tile(C_ptr + start * C_tok_stride + g * C_group_stride, C_tok_stride, q, n, tm,
+                     nmask)
     y = _inner_outputs(cv, bv, xv, cum, d, q, SPLIT, PRECISION, DOT16)
     # From the state before the chunk, decayed to token l.
     if HALVES:
         y += tl.exp(cum)[:, None] * _dot_halves(cv, hi, lo, DOT16)
     else:
         y += tl.exp(cum)[:, None] * _dot_split(cv, ST, SPLIT, PRECISION, DOT16)
-    _store_outputs(y_ptr, y, xv, D_ptr, start, heads, h, head_dim, q, p, tm, pmask, HAS_D)
-    if PAIRS:
-        # The next chunk's incoming state, stepped here from this one's with the state
-        # pass's weights in the state pass's expression: its bits, without its trip
-        # through the scratch.
-        nxt = start + CHUNK
-        if nxt < eos:
-            decay, w = _load_weights(weights_ptr, c, heads, h, q, CHUNK)
-            ST = _weighted_step(ST, bv, xv.to(tl.float32), decay, w, SPLIT, PRECISION, DOT16)
-            tm, d, cum, xv, bv, cv = _output_operands(
-                x_ptr, x_tok_stride, x_head_stride, B_ptr, B_tok_stride, B_group_stride, C_ptr,
-                C_tok_stride, C_group_stride, dt_out_ptr, nxt, eos, h, g, heads, a_rate, q, p,
-                n, pmask, nmask)
-            y = _inner_outputs(cv, bv, xv, cum, d, q, SPLIT, PRECISION, DOT16)
-            y += tl.exp(cum)[:, None] * _dot_split(cv, ST, SPLIT, PRECISION, DOT16)
-            _store_outputs(y_ptr, y, xv, D_ptr, nxt, heads, h, head_dim, q, p, tm, pmask,
-                           HAS_D)
+    if HAS_D:
+        y += tl.load(D_ptr + h).to(tl.float32) * xv.to(tl.float32)
+    tl.store(y_ptr + (start * heads + h) * head_dim + (q[:, None] * (heads * head_dim) + p[None, :]),
+             y, mask=tm[:, None] & pmask[None, :])
 
 
 def ssd_scan_two_pass(
@@ -470,7 +404,6 @@ def ssd_scan_two_pass(
     state_warps: int | None = None,
     prefetch: bool = True,
     halves: bool | None = None,
-    pairs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The scan in two launches (module docstring); arguments and results as
     :func:`~hybridserve.kernels.ssd_chunked.ssd_scan_fused`, whose docstring has them.
@@ -489,13 +422,6 @@ def ssd_scan_two_pass(
     float32 state as two 16-bit halves), the scratch holds each state as those halves,
     split once by the state pass, so the output pass loads its product's operands as they
     are, with no float32 state block in its registers.
-
-    ``pairs``: a third form of the same values. Each output program takes two chunks: it
-    writes the first's outputs, steps the state over that chunk itself (the state pass's
-    expression on the state pass's stored weights: the same bits), and writes the
-    second's. The state pass then stores every other incoming state only, so the scratch
-    moves half the bytes. It takes the float32 scratch (the step needs the state itself,
-    not its halves) and output chunks of :data:`CHUNK`.
     """
     split, precision, y, dt_out = _prepare(
         x, dt, A, B, C, D, dt_bias, cu_seqlens, initial_states, chunk_slot, final_slot,
@@ -505,18 +431,12 @@ def ssd_scan_two_pass(
     seqs = cu_seqlens.shape[0] - 1
     if seqs == 0 or tokens == 0:
         return y, dt_out
-    if pairs and (halves or out_chunk != CHUNK):
-        raise ValueError(f"pairs takes the float32 scratch and out_chunk {CHUNK}")
-    halves = split and not pairs if halves is None else halves
+    halves = split if halves is None else halves
     if halves and not split:
         raise ValueError("halves needs the split products (x, B and C in one 16-bit dtype)")
     first_chunk, chunk_seq, chunk_states = _scratch(x, B, cu_seqlens, chunk_slot,
                                                     cu_seqlens_cpu, first_chunk, out_chunk,
                                                     halves)
-    # The step weights of every chunk, of which the state pass writes those the output
-    # pass steps over (a row's even chunks): 65 floats a chunk and head.
-    weights = (torch.empty(chunk_slot.shape[0], heads, CHUNK + 1, dtype=torch.float32,
-                           device=x.device) if pairs else dt_out)
     width = max(16, triton.next_power_of_2(head_dim))
     block_n = max(16, triton.next_power_of_2(d_state))
     # Defaults timed on the H200 (``prefill_kernels.json``, ``prefill_ssd_forms.json``;
@@ -541,17 +461,17 @@ def ssd_scan_two_pass(
         initial_states if initial_states is not None else states,
         chunk_slot, final_slot, states,
         start_slot if start_slot is not None else chunk_slot,
-        starts if starts is not None else states, chunk_states, dt_out, weights,
+        starts if starts is not None else states, chunk_states, dt_out,
         heads, head_dim, d_state, heads // groups, dt_min, dt_max,
         CHUNK=CHUNK, BLOCK_P=state_block_p, BLOCK_N=state_block_n,
         HAS_INIT=initial_states is not None, CLAMP=time_step_limit is not None,
         HAS_UNCLAMPED=unclamped is not None, HAS_STARTS=starts is not None,
-        READ_SLOTS=_reads_slots(states), OUT_EVERY=2 if pairs else out_chunk // CHUNK,
-        num_warps=state_warps, PREFETCH=prefetch, HALVES=halves, PAIRS=pairs, **products,
+        READ_SLOTS=_reads_slots(states), OUT_EVERY=out_chunk // CHUNK, num_warps=state_warps,
+        PREFETCH=prefetch, HALVES=halves, **products,
     )
     _output_pass(x, A, B, C, D, cu_seqlens, first_chunk, chunk_seq, chunk_slot, states,
                  chunk_states, dt_out, y, out_chunk, block_p, num_warps, products,
-                 halves=halves, weights=weights if pairs else None)
+                 halves=halves)
     return y, dt_out
 
 
@@ -607,12 +527,11 @@ def _products(split: bool, precision: str) -> dict:
 
 def _output_pass(x, A, B, C, D, cu_seqlens, first_chunk, chunk_seq, chunk_slot, states,
                  chunk_states, dt_out, y, out_chunk, block_p, num_warps, products, *,
-                 halves=False, weights=None):
+                 halves=False):
     """Launch the output pass (:func:`_ssd_output_kernel`) over every output chunk: it
     writes ``y`` from the incoming states (their slots or ``chunk_states``, a scratch of
-    halves with ``halves``) and ``dt_out``; with ``weights`` (the state pass's step
-    weights) each program takes two chunks (``ssd_scan_two_pass``'s ``pairs``).
-    ``block_p`` / ``num_warps``: its tile and warps (None: 64 and 4)."""
+    halves with ``halves``) and ``dt_out``. ``block_p`` / ``num_warps``: its tile and
+    warps (None: 64 and 4)."""
     tokens, heads, head_dim = x.shape
     groups, d_state = B.shape[1], B.shape[2]
     chunks = chunk_slot.shape[0]
@@ -625,11 +544,10 @@ def _output_pass(x, A, B, C, D, cu_seqlens, first_chunk, chunk_seq, chunk_slot, 
     _ssd_output_kernel[(heads * triton.cdiv(head_dim, block_p), chunks)](
         x, x.stride(0), x.stride(1), A, D if D is not None else A,
         B, B.stride(0), B.stride(1), C, C.stride(0), C.stride(1),
-        cu_seqlens, first_chunk, chunk_seq, chunk_slot, states, chunk_states, dt_out,
-        weights if weights is not None else dt_out, y,
+        cu_seqlens, first_chunk, chunk_seq, chunk_slot, states, chunk_states, dt_out, y,
         heads, head_dim, d_state, heads // groups,
-        CHUNK=CHUNK, OUT_EVERY=2 if weights is not None else out_chunk // CHUNK,
-        BLOCK_P=block_p, BLOCK_N=block_n, HAS_D=D is not None,
-        READ_SLOTS=_reads_slots(states), HALVES=halves, PAIRS=weights is not None,
+        CHUNK=CHUNK, OUT_EVERY=out_chunk // CHUNK, BLOCK_P=block_p, BLOCK_N=block_n,
+        HAS_D=D is not None,
+        READ_SLOTS=_reads_slots(states), HALVES=halves,
         num_warps=num_warps or 4, **products,
     )

@@ -51,24 +51,15 @@ SCANS = {"fused": (ssd_scan_fused, 1), "two_pass": (ssd_scan_two_pass, 2),
          # scratch in float32 (the defaults: one chunk ahead, halves for 16-bit inputs).
          "two_pass_plain": (functools.partial(ssd_scan_two_pass, prefetch=False,
                                               halves=False), 2),
-         # Each output program over two chunks, stepping the state between them.
-         "two_pass_pairs": (functools.partial(ssd_scan_two_pass, pairs=True), 2),
          "chunk_states": (ssd_scan_chunk_states, 3),
          "chunk_states_128": (functools.partial(ssd_scan_chunk_states, out_chunk=2 * CHUNK),
                               3)}
 # The scans with a scratch of chunk states read by the two-pass scan's output pass.
 SCRATCH_SCANS = {"two_pass": ssd_scan_two_pass, "chunk_states": ssd_scan_chunk_states,
-                 "two_pass_plain": SCANS["two_pass_plain"][0],
-                 "two_pass_pairs": SCANS["two_pass_pairs"][0]}
+                 "two_pass_plain": SCANS["two_pass_plain"][0]}
 # The "_128" scans are their kernels on another tile: they run by default where the
 # output tile is what the test is about, ``slow`` where they repeat their path.
 slow = pytest.mark.slow
-
-
-def _skip_pairs_of_128(name: str, out_chunk: int) -> None:
-    """The pairs form takes output chunks of 64 tokens only (its own test of that below)."""
-    if name == "two_pass_pairs" and out_chunk != CHUNK:
-        pytest.skip("the pairs form takes 64-token output chunks")
 
 
 def _scans(default_128: bool = False) -> list:
@@ -274,7 +265,7 @@ def test_two_pass_forms_give_the_same_bits(states_dtype):
     states = states.to(states_dtype)
     tiles = _tiles("two_pass", block_p)
     got = {}
-    for form in ({}, {"prefetch": False, "halves": False}, {"halves": False}, {"pairs": True}):
+    for form in ({}, {"prefetch": False, "halves": False}, {"halves": False}):
         out = states.clone()
         y, dt_out = ssd_scan_two_pass(*args, out, **kwargs, **tiles, **form)
         got[str(form)] = (y, dt_out, out.nan_to_num(7.0))
@@ -317,7 +308,6 @@ def test_scratch_scan_states_of_any_dtype(states_dtype, out_chunk, name):
     """States that are not float32 (bf16 pages, say): the output pass cannot read the
     chunk states back from their slots, so every chunk's goes through the scratch; the
     outputs stay those of float32 and the states are the twin's, rounded to the dtype."""
-    _skip_pairs_of_128(name, out_chunk)
     g = torch.Generator().manual_seed(_seed())
     case = ([70, 1, 130], 4, 6, 2, 5, True, True, LIMIT, True, 16)
     args, kwargs, block_p, _, want, want_states, _ = _run_both(case, g, torch.bfloat16)
@@ -344,7 +334,6 @@ def test_scratch_scan_reads_chunk_states_from_their_slots_or_the_scratch(every, 
     """Every chunk state asked for (the output pass reads each from its slot) or none
     (each from the scratch): the same outputs as the twin either way, with output chunks
     of 64 or 128 tokens (rows of 5, 63, 64 and 129 tokens: odd chunk counts too)."""
-    _skip_pairs_of_128(name, out_chunk)
     g = torch.Generator().manual_seed(_seed())
     case = ([64, 5, 129, 63], 4, 8, 2, 40, True, True, LIMIT, False, 16)
     lens = case[0]
@@ -431,10 +420,6 @@ def test_rejects_bad_inputs():
             fn(x, dt, A, B, C, D, bias, cu, init, torch.tensor([0, 1, -1]), slots[1], states)
     with pytest.raises(ValueError, match="pass_block"):
         ssd_scan_chunk_states(x, dt, A, B, C, D, bias, cu, init, *slots, states, pass_block=24)
-    for bad in ({"halves": True}, {"out_chunk": 2 * CHUNK}):
-        with pytest.raises(ValueError, match="pairs takes"):
-            ssd_scan_two_pass(x, dt, A, B, C, D, bias, cu, init, *slots, states, pairs=True,
-                              **bad)
 
 
 # --------------------------------------------------------------------------------------
@@ -597,35 +582,6 @@ def test_gpu_kernel_matches_float64_twin(precision, name, record_property):
     record_property(f"ssd_{name}_{precision}_rel_err_state", rs)
     print(f"{name} scan ({precision}): relative error y {ry:.3e}, states {rs:.3e}")
     assert ry < 2e-3 and rs < 2e-3
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.skipif(INTERPRETED, reason="compiles the kernel: run with TRITON_INTERPRET=0")
-@pytest.mark.parametrize("states_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("state_tiles", [{}, {"state_block_n": 64, "state_warps": 4}],
-                         ids=["whole_state", "half_state"])
-def test_gpu_two_pass_forms_give_the_same_bits(state_tiles, states_dtype):
-    """Compiled, on the tensor cores: the default, plain and pairs forms give the same
-    bits, with the state pass on the tiles of few rows (the whole state) and of many
-    (half of it). The pairs form steps every other state in its output pass: a prompt
-    resumed from a cached state there must see the bits its cold run saw."""
-    g = torch.Generator().manual_seed(_seed())
-    case = ([4096, 1, 700, 64, 2000], 16, 64, 2, 128, True, True, LIMIT, True, None)
-    args, kwargs, _, states, _, _, _ = _run_both(case, g, torch.bfloat16)
-    args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
-    kwargs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-    states = states.cuda().to(states_dtype)
-    got = []
-    for form in ({}, {"prefetch": False, "halves": False}, {"pairs": True}):
-        out = states.clone()
-        starts = kwargs["starts"].clone()
-        y, dt_out = ssd_scan_two_pass(*args, out, **{**kwargs, "starts": starts},
-                                      **state_tiles, **form)
-        got.append((y, dt_out, out.nan_to_num(7.0), starts.nan_to_num(7.0)))
-    first, *rest = got
-    for other in rest:
-        assert all(torch.equal(a, b) for a, b in zip(first, other))
 
 
 @pytest.mark.gpu
