@@ -59,6 +59,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridserve.cache.dependents import PrefixDependents
 from hybridserve.cache.events import CacheEvent, EventSink
 from hybridserve.cache.state_cache import eviction_victim
 from hybridserve.step import Transfers
@@ -95,7 +96,7 @@ class HostCheckpointIndex:
         # Host pages whose restore is still queued: free once the queue is drained.
         self.quarantine: list[int] = []
         self.checkpoints: OrderedDict[int, HostCheckpoint] = OrderedDict()
-        self._dependents: dict[int, set[int]] = {}
+        self._dependents = PrefixDependents()
         self._pending = Transfers()
         # Publishes host_checkpoint_stored / _removed (hybridserve.cache.events); None: off.
         self.event_sink: EventSink | None = None
@@ -125,8 +126,7 @@ class HostCheckpointIndex:
         self.checkpoints[key] = HostCheckpoint(host_page, length, tuple(prefix_hashes))
         if self.event_sink is not None:
             self.event_sink(CacheEvent("host_checkpoint_stored", key, length))
-        for h in prefix_hashes:
-            self._dependents.setdefault(h, set()).add(key)
+        self._dependents.add(key, prefix_hashes)
         self._pending.offloads.append((device_page, host_page))
         self.num_offloaded += 1
         return True
@@ -161,12 +161,7 @@ class HostCheckpointIndex:
         ckpt = self.checkpoints.pop(key)
         if self.event_sink is not None:
             self.event_sink(CacheEvent("host_checkpoint_removed", key, ckpt.length))
-        for h in ckpt.prefix_hashes:
-            deps = self._dependents.get(h)
-            if deps is not None:
-                deps.discard(key)
-                if not deps:
-                    del self._dependents[h]
+        self._dependents.remove(key)
         # A page whose offload is still queued may be reused at once: a later offload
         # into it in the same batch runs after the first (both on one stream, in order).
         (self.quarantine if quarantine else self.free).append(ckpt.host_page)
@@ -181,7 +176,7 @@ class HostCheckpointIndex:
 
     def on_block_evicted(self, block_hash: int) -> None:
         """A KV block left the prefix index: drop every host checkpoint that needed it."""
-        for key in list(self._dependents.get(block_hash, ())):
+        for key in self._dependents.dependents(block_hash):
             self._remove(key)
             self.num_dropped += 1
 
@@ -204,14 +199,8 @@ class HostCheckpointIndex:
                 f"host checkpoint pages are lost or shared: free {sorted(self.free)}, "
                 f"quarantine {sorted(self.quarantine)}, held {sorted(used)}"
             )
-        for h, keys in self._dependents.items():
-            for key in keys:
-                if key not in self.checkpoints or h not in self.checkpoints[key].prefix_hashes:
-                    raise AssertionError("host checkpoint dependency map is stale")
-        for key, ckpt in self.checkpoints.items():
-            for h in ckpt.prefix_hashes:
-                if key not in self._dependents.get(h, ()):
-                    raise AssertionError(f"host checkpoint {key} is missing from the dependency map")
+        self._dependents.check({k: c.prefix_hashes for k, c in self.checkpoints.items()},
+                               what="host checkpoint")
 
 
 class HostStatePool:

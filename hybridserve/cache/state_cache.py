@@ -13,7 +13,8 @@ Ownership and invariants
 - A *checkpoint* is a page owned by the index under the chained block hash of the
   prefix it summarizes (the hash of the last full KV block of that prefix). It
   records the hashes of every block of its prefix: when any of those KV blocks is
-  evicted the checkpoint can never be hit again and is dropped.
+  evicted the checkpoint can never be hit again and is dropped (the dependency map,
+  :mod:`hybridserve.cache.dependents`, names them).
 - Checkpoints hold at most ``budget`` pages; beyond that, and whenever live requests
   need pages, a checkpoint is evicted (and handed to ``on_evict`` first, which the host
   tier uses to keep it: :mod:`hybridserve.cache.host_tier`; a checkpoint dropped because
@@ -36,6 +37,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from hybridserve.cache.dependents import PrefixDependents
 from hybridserve.cache.events import CacheEvent, EventSink
 
 
@@ -85,8 +87,8 @@ class StateCache:
         self.free: list[int] = list(range(num_pages - 1, -1, -1))
         # key (block hash at the checkpoint's length) -> Checkpoint, in LRU order.
         self.checkpoints: OrderedDict[int, Checkpoint] = OrderedDict()
-        # block hash -> checkpoint keys whose prefix contains that block.
-        self._dependents: dict[int, set[int]] = {}
+        # Which checkpoints each KV block's eviction invalidates.
+        self._dependents = PrefixDependents()
         # Called with (key, checkpoint) just before an eviction releases the page.
         self.on_evict: Callable[[int, Checkpoint], None] | None = None
         self.num_admitted = 0
@@ -183,10 +185,9 @@ class StateCache:
 
     def admit_all(self, entries: Sequence[tuple[int, int, int, Sequence[int]]]) -> list[bool]:
         """:meth:`admit` of each ``(key, length, page, prefix_hashes)``, in order; their
-        results. A prefill row admits several checkpoints along one prompt (a grid
-        point, the prompt's end, its last block boundary): their prefixes, 500 blocks
-        each at 8k tokens, enter the dependency map in one pass."""
-        results, admitted = [], []
+        results (a prefill row admits several checkpoints along one prompt: a grid
+        point, the prompt's end, its last block boundary)."""
+        results = []
         for key, length, page, prefix_hashes in entries:
             if self.checkpoint_budget <= 0 or key in self.checkpoints:
                 results.append(False)
@@ -197,52 +198,16 @@ class StateCache:
             self.clock += 1
             ckpt = Checkpoint(page, length, tuple(prefix_hashes), self.clock)
             self.checkpoints[key] = ckpt
+            self._dependents.add(key, ckpt.prefix_hashes)
             self._emit("checkpoint_admitted", key, ckpt)
             self.num_admitted += 1
             results.append(True)
-            admitted.append((key, ckpt))
-        # The map is read only by removals: an admission of the batch evicted by a later
-        # one (its _remove found nothing of its own to drop) enters it not at all.
-        live = [(key, ckpt.prefix_hashes) for key, ckpt in admitted
-                if self.checkpoints.get(key) is ckpt]
-        if live:
-            self._add_dependents(live)
         return results
-
-    def _add_dependents(self, live: list[tuple[int, tuple[int, ...]]]) -> None:
-        """Record each ``(key, prefix_hashes)`` under every hash of its prefix. Prefixes
-        along one path (each the start of the longest) are walked once: every hash
-        takes the keys whose prefix covers it, in one update (no setdefault either,
-        whose default set would be built for every hash)."""
-        live.sort(key=lambda kp: len(kp[1]), reverse=True)
-        longest = live[0][1]
-        if any(prefix != longest[: len(prefix)] for _, prefix in live[1:]):
-            for one in live:
-                self._add_dependents([one])
-            return
-        deps = self._dependents
-        keys = [key for key, _ in live]
-        bounds = [len(prefix) for _, prefix in live] + [0]
-        # Hashes [bounds[j + 1], bounds[j]) are covered by the j + 1 longest prefixes.
-        for j in range(len(live) - 1, -1, -1):
-            cover = keys[: j + 1]
-            for h in longest[bounds[j + 1] : bounds[j]]:
-                held = deps.get(h)
-                if held is None:
-                    deps[h] = set(cover)
-                else:
-                    held.update(cover)
 
     def _remove(self, key: int, kind: str = "checkpoint_dropped") -> None:
         ckpt = self.checkpoints.pop(key)
         self._emit(kind, key, ckpt)
-        dependents = self._dependents
-        for h in ckpt.prefix_hashes:
-            deps = dependents.get(h)
-            if deps is not None:
-                deps.discard(key)
-                if not deps:
-                    del dependents[h]
+        self._dependents.remove(key)
         self.release([ckpt.page])
 
     def _evict_lru(self) -> None:
@@ -267,7 +232,7 @@ class StateCache:
 
     def on_block_evicted(self, block_hash: int) -> None:
         """A KV block left the prefix index: drop every checkpoint that needed it."""
-        for key in list(self._dependents.get(block_hash, ())):
+        for key in self._dependents.dependents(block_hash):
             self._remove(key)
             self.num_dropped += 1
 
@@ -303,7 +268,4 @@ class StateCache:
                 )
             if (page in free) != (expected[page] == 0):
                 raise AssertionError(f"state page {page}: free-list membership disagrees with holders")
-        for h, keys in self._dependents.items():
-            for key in keys:
-                if key not in self.checkpoints or h not in self.checkpoints[key].prefix_hashes:
-                    raise AssertionError("checkpoint dependency map is stale")
+        self._dependents.check({k: c.prefix_hashes for k, c in self.checkpoints.items()})
