@@ -90,11 +90,16 @@ def test_arrival_compares_no_block_tokens(tiny_nemotron):
     compared = []
 
     class Counted(tuple):
-        """A cached block's token ids, recording every comparison with a prompt's."""
+        """A cached block's token ids, recording every comparison with a prompt's (one
+        block at a time, or read in a pass over the whole path)."""
 
         def __ne__(self, other):
             compared.append(self)
             return tuple.__ne__(self, other)
+
+        def __iter__(self):
+            compared.append(self)
+            return tuple.__iter__(self)
 
     for block in blocks.blocks:
         block.token_ids = Counted(block.token_ids)
