@@ -41,8 +41,10 @@ def extend_hashes(hashes: list[int], token_ids: Sequence[int], block_size: int, 
     no extra key) those of the next ones, up to ``num_blocks`` in all: :func:`chain_hash`
     of each, inline (an 8k-token prompt has 512 blocks to hash)."""
     parent = hashes[-1] if hashes else -1
-    for start in range(len(hashes) * block_size, num_blocks * block_size, block_size):
-        parent = hash((parent, tuple(token_ids[start : start + block_size])))
+    # One copy of the tokens to hash, as a tuple: its slices are the blocks' tuples.
+    tokens = tuple(token_ids[len(hashes) * block_size : num_blocks * block_size])
+    for start in range(0, (num_blocks - len(hashes)) * block_size, block_size):
+        parent = hash((parent, tokens[start : start + block_size]))
         hashes.append(parent)
 
 
@@ -129,12 +131,18 @@ class BlockPool:
     def is_cached(self, block_hash: int) -> bool:
         return block_hash in self.hash_to_block
 
+    def num_free_of(self, block_ids: Sequence[int]) -> int:
+        """How many of ``block_ids`` (distinct) sit on the free queue: the blocks that
+        :meth:`acquire` would take off it."""
+        return len(self.free.keys() & block_ids)
+
     def acquire(self, block_ids: Sequence[int]) -> None:
         """Add a reference to each of ``block_ids`` (cache hits); takes them off the free queue."""
+        blocks, free = self.blocks, self.free  # a prefix hit brings 500 blocks at 8k tokens
         for block_id in block_ids:
-            block = self.blocks[block_id]
+            block = blocks[block_id]
             if block.ref_count == 0:
-                del self.free[block_id]
+                del free[block_id]
             block.ref_count += 1
 
     def release(self, block_ids: Sequence[int]) -> None:
@@ -143,18 +151,19 @@ class BlockPool:
         Blocks are released in reverse so that a sequence's tail is reused before its
         head (heads are shared by more future prompts).
         """
+        blocks, free = self.blocks, self.free
         for block_id in reversed(block_ids):
-            block = self.blocks[block_id]
+            block = blocks[block_id]
             if block.ref_count <= 0:
                 raise AssertionError(f"KV block {block_id} released with ref_count {block.ref_count}")
             block.ref_count -= 1
             if block.ref_count == 0:
                 if block.block_hash is None or not self.enable_caching:
                     self._forget_hash(block)
-                    self.free[block_id] = None
-                    self.free.move_to_end(block_id, last=False)
+                    free[block_id] = None
+                    free.move_to_end(block_id, last=False)
                 else:
-                    self.free[block_id] = None
+                    free[block_id] = None
 
     def register(self, block_id: int, block_hash: int, token_ids: Sequence[int]) -> None:
         """Record that ``block_id`` now holds the full block ``token_ids`` under ``block_hash``."""

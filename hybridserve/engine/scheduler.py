@@ -412,7 +412,7 @@ class Scheduler:
         q = min(req.num_tokens - h, budget)
         new_blocks = self._blocks_needed(h + q) - len(hit_blocks)
         # Hit blocks on the free queue are taken off it by acquire(): count them as used.
-        hit_free = sum(1 for b in hit_blocks if self.blocks.blocks[b].ref_count == 0)
+        hit_free = self.blocks.num_free_of(hit_blocks)
         # Hold the hit checkpoint before counting reclaimable pages: it must not be one.
         if hit_page >= 0:
             self.states.incref(hit_page)

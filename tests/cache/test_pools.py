@@ -22,8 +22,10 @@ def test_block_pool_keeps_hashes_until_reuse_and_evicts_oldest_first():
     # Freed blocks stay hittable, with token confirmation.
     assert pool.lookup(hashes[0], [1, 2]) == blocks[0]
     assert pool.lookup(hashes[0], [9, 9]) is None
+    assert pool.num_free_of(blocks) == 2
     pool.acquire([blocks[0]])
     assert pool.num_free == 3
+    assert pool.num_free_of(blocks) == 1 and pool.num_free_of([]) == 0
     pool.release([blocks[0]])
     # Unhashed blocks are reused first; then hashed ones, oldest release first.
     fresh = pool.allocate(2)
