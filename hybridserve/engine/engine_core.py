@@ -25,6 +25,7 @@ import random
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hybridserve.cache.host_tier import HostStatePool, Transfers, host_pages_for
@@ -68,6 +69,22 @@ def prefill_flops(model: torch.nn.Module):
         return 2.0 * weights * length + 2.0 * attn_layers * width * length * length
 
     return flops
+
+
+def _valid_token_ids(token_ids: list[int], vocab_size: int) -> bool:
+    """Whether every one of ``token_ids`` is an ``int`` (a bool is one) in ``[0, vocab_size)``.
+
+    One pass per distinct type, then the range in one pass through numpy: a long
+    prompt's check costs no per-token Python (the same rule as checking every token's
+    type and range; ``min`` and ``max`` would take two passes, each slower).
+    """
+    if not all(issubclass(t, int) for t in set(map(type, token_ids))):
+        return False
+    try:
+        ids = np.fromiter(token_ids, np.int64, len(token_ids))
+    except OverflowError:  # beyond int64, so beyond any vocabulary
+        return False
+    return bool(ids.min() >= 0 and ids.max() < vocab_size)
 
 
 @dataclass
@@ -252,11 +269,7 @@ class EngineCore:
             raise TypeError("sampling params must be a SamplingParams")
         if not prompt_token_ids:
             raise ValueError("prompt is empty: give at least one token (or non-empty text)")
-        # One pass per distinct type, then the range: a long prompt's check costs no
-        # per-token Python (the same rule as checking every token's type and range).
-        if not all(issubclass(t, int) for t in set(map(type, prompt_token_ids))) or not (
-            min(prompt_token_ids) >= 0 and max(prompt_token_ids) < self.vocab_size
-        ):
+        if not _valid_token_ids(prompt_token_ids, self.vocab_size):
             raise ValueError(f"prompt_token_ids must be integers in [0, {self.vocab_size})")
         max_len = self.config.scheduler.max_model_len
         if len(prompt_token_ids) >= max_len:
