@@ -167,7 +167,7 @@ def main() -> None:
            or platform.machine(), "torch": torch.__version__,
            "cuda": torch.version.cuda, "python": platform.python_version(), "commit": git_commit()}
     result = {"benchmark": "graph_launch", "env": env,
-              "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+              "config": {k: v.name if isinstance(v, Path) else v for k, v in vars(args).items()},
               "kernels_per_graph_whole": args.layers * args.ops, "results": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

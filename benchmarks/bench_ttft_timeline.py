@@ -196,7 +196,11 @@ def _cprofile(fn, device: str, top: int = 40) -> dict:
     pr.disable()
     rows = []
     for (file, line, name), (_, calls, own, cum, _) in pstats.Stats(pr).stats.items():
-        where = file.split("site-packages/")[-1].split("hybridserve/", 1)[-1]
+        # Relative names only: a result names no machine's folders.
+        where = file.split("site-packages/")[-1]
+        where = where.split("hybridserve/", 1)[-1] if "hybridserve/" in where else where
+        where = str(Path(where).relative_to(ROOT)) if Path(where).is_absolute() and \
+            Path(where).is_relative_to(ROOT) else where
         rows.append({"fn": f"{where}:{line} {name}", "calls": calls, "own_s": own, "cum_s": cum})
     return {"by_own": sorted(rows, key=lambda r: -r["own_s"])[:top],
             "by_cum": sorted(rows, key=lambda r: -r["cum_s"])[:top]}
@@ -223,7 +227,7 @@ def main() -> None:
     env = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
            "torch": torch.__version__, "cuda": torch.version.cuda, "commit": git_commit()}
     result = {"benchmark": "ttft_timeline", "env": env,
-              "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+              "config": {k: v.name if isinstance(v, Path) else v for k, v in vars(args).items()},
               "results": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
